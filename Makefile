@@ -1,0 +1,29 @@
+# bunshin — developer entry points. Everything runs as root on Debian 12/13.
+#   make install   system packages, private CRIU >= 4.2, .venv, `bunshin` on PATH
+#   make test      the whole test suite (unit + integration, needs root and CRIU)
+#   make demo      the end-to-end demo
+#   make lint      ruff
+#   make bench     runtime micro-benchmarks
+# Every target first runs `install`, which takes seconds once everything is in place.
+# Extra pytest arguments: make test PYTEST_ARGS='-k fork -x'
+
+ROOT := $(patsubst %/,%,$(dir $(abspath $(lastword $(MAKEFILE_LIST)))))
+VENV := $(ROOT)/.venv
+PYTEST_ARGS ?=
+
+.PHONY: install test demo lint bench
+
+install:
+	@bash $(ROOT)/scripts/install.sh
+
+test: install
+	cd $(ROOT) && $(VENV)/bin/python -m pytest -q -rs $(PYTEST_ARGS)
+
+demo: install
+	cd $(ROOT) && $(VENV)/bin/bunshin demo
+
+lint: install
+	cd $(ROOT) && $(VENV)/bin/ruff check bunshin tests
+
+bench: install
+	cd $(ROOT) && $(VENV)/bin/bunshin bench runtime

@@ -1,0 +1,261 @@
+"""Starting children and reaping them: one reaper thread owns every ``wait``.
+
+The agent may be PID 1, so it must also reap orphans it never started. One
+thread waits for any child and hands each exit status to the ``Child`` that was
+registered under that pid; statuses of unknown pids (orphans) are dropped.
+
+Races avoided:
+- a child that exits before it is registered: ``start`` holds the registry lock
+  from the fork until the registration, and the reaper takes the same lock
+  before it reaps, so it always finds the child;
+- pid reuse: the reaper first *peeks* at a zombie (``WNOWAIT``), then reaps it
+  under the lock; while the zombie exists its pid cannot be handed out again.
+
+``subprocess.Popen`` is used for its fork/exec plumbing only. Its ``wait``/
+``poll`` are never called and its ``returncode`` is filled in at once, so that
+neither its finaliser nor ``subprocess._cleanup`` ever calls ``waitpid``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import termios
+import threading
+from collections.abc import Callable, Sequence
+from typing import IO, Any
+
+from .protocol import PATH_NOT_FOUND, AgentFailure, from_os_error, invalid
+
+BASE_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/root",
+    "LANG": "C.UTF-8",
+    "TERM": "xterm-256color",
+}
+
+# Dropped from the bounding set of every child before exec (CAP_SYS_PTRACE stays).
+DROPPED_CAPS = {
+    "CAP_DAC_READ_SEARCH": 2,
+    "CAP_SYS_MODULE": 16,
+    "CAP_SYS_RAWIO": 17,
+    "CAP_SYS_ADMIN": 21,
+    "CAP_SYS_BOOT": 22,
+    "CAP_SYS_TIME": 25,
+    "CAP_MKNOD": 27,
+    "CAP_AUDIT_CONTROL": 30,
+    "CAP_MAC_OVERRIDE": 32,
+    "CAP_MAC_ADMIN": 33,
+    "CAP_SYSLOG": 34,
+    "CAP_AUDIT_READ": 37,
+    "CAP_PERFMON": 38,
+    "CAP_BPF": 39,
+}
+_PR_CAPBSET_DROP = 24
+_OWNED_BY_REAPER = -(2**31)  # placeholder ``Popen.returncode``: the reaper owns the status
+
+
+def child_env(extra: dict[str, str]) -> dict[str, str]:
+    """The environment of a child: a clean base plus what the request gives."""
+    return {**BASE_ENV, **extra}
+
+
+def default_cwd(env: dict[str, str]) -> str:
+    home = env.get("HOME", "/")
+    return home if os.path.isdir(home) else "/"
+
+
+def check_cwd(cwd: str) -> None:
+    try:
+        is_dir = os.path.isdir(cwd)
+        exists = is_dir or os.path.lexists(cwd)
+    except OSError as exc:
+        raise from_os_error(exc, f"cwd {cwd}") from None
+    if not exists:
+        raise AgentFailure(PATH_NOT_FOUND, f"cwd {cwd}: no such directory")
+    if not is_dir:
+        raise invalid(f"cwd {cwd}: not a directory")
+
+
+def _start_error(exc: OSError, program: str, cwd: str, env: dict[str, str]) -> AgentFailure:
+    if exc.filename == cwd and program != cwd:
+        return from_os_error(exc, f"cwd {cwd}")
+    if isinstance(exc, FileNotFoundError):
+        where = "" if "/" in program else f" in PATH={env.get('PATH', '')}"
+        return AgentFailure(PATH_NOT_FOUND, f"executable not found: {program}{where}")
+    reason = "permission denied" if isinstance(exc, PermissionError) else exc.strerror or str(exc)
+    return invalid(f"cannot execute {program}: {reason}")
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        print("bunshin-agent: prctl unavailable, capabilities not dropped", file=sys.stderr)
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+_PRCTL = _load_prctl()
+_CAPS = tuple(DROPPED_CAPS.values())
+
+
+def _child_setup(controlling_tty: bool) -> Callable[[], None]:
+    """The code run in the child between fork and exec (after ``setsid``).
+
+    It must not raise, take locks or import: errors (EINVAL for caps the kernel
+    lacks, EPERM without CAP_SETPCAP) are ignored.
+    """
+    prctl = _PRCTL
+
+    def setup() -> None:
+        if prctl is not None:
+            for cap in _CAPS:
+                prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0)
+        if controlling_tty:
+            try:
+                fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+            except OSError:
+                pass
+
+    return setup
+
+
+class Child:
+    """A process started by the agent. Its status arrives from the reaper."""
+
+    def __init__(self, pid: int, proc: subprocess.Popen[bytes]) -> None:
+        self.pid = pid
+        self.stdin: IO[bytes] | None = proc.stdin
+        self.stdout: IO[bytes] | None = proc.stdout
+        self.stderr: IO[bytes] | None = proc.stderr
+        self.status: int | None = None  # raw wait status
+        self._done = threading.Event()
+        self._callbacks: list[Callable[[Child], None]] = []
+        self._lock = threading.Lock()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the reaper has seen this child exit; False on timeout."""
+        return self._done.wait(timeout)
+
+    @property
+    def exit_code(self) -> int | None:
+        """Exit status, or minus the signal number (like ``Popen.returncode``)."""
+        return None if self.status is None else os.waitstatus_to_exitcode(self.status)
+
+    @property
+    def signal(self) -> int | None:
+        if self.status is None or not os.WIFSIGNALED(self.status):
+            return None
+        return os.WTERMSIG(self.status)
+
+    def on_exit(self, callback: Callable[[Child], None]) -> None:
+        """Call ``callback(child)`` once the child has exited (now if it has)."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    def _finish(self, status: int) -> None:
+        with self._lock:
+            self.status = status
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            try:
+                callback(self)
+            except Exception as exc:  # a callback must not kill the reaper
+                print(f"bunshin-agent: exit callback failed: {exc!r}", file=sys.stderr)
+
+
+class Reaper:
+    """Registry of children plus the one thread that waits for them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._children: dict[int, Child] = {}
+        self._spawned = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="reaper", daemon=True)
+
+    def start_thread(self) -> None:
+        self._thread.start()
+
+    def live(self) -> list[Child]:
+        with self._lock:
+            return list(self._children.values())
+
+    def start(
+        self,
+        argv: Sequence[str],
+        *,
+        env: dict[str, str],
+        cwd: str,
+        stdin: Any = subprocess.DEVNULL,
+        stdout: Any = subprocess.DEVNULL,
+        stderr: Any = subprocess.DEVNULL,
+        controlling_tty: bool = False,
+    ) -> Child:
+        """Start ``argv`` in a new session, capabilities dropped; register it.
+
+        Raises ``AgentFailure`` (path_not_found / invalid_argument) when the
+        program or the directory cannot be used.
+        """
+        check_cwd(cwd)
+        with self._lock:
+            try:
+                proc = subprocess.Popen(
+                    argv,
+                    env=env,
+                    cwd=cwd,
+                    stdin=stdin,
+                    stdout=stdout,
+                    stderr=stderr,
+                    start_new_session=True,
+                    preexec_fn=_child_setup(controlling_tty),
+                )
+            except OSError as exc:
+                raise _start_error(exc, argv[0], cwd, env) from None
+            proc.returncode = _OWNED_BY_REAPER  # see the module docstring
+            child = Child(proc.pid, proc)
+            self._children[child.pid] = child
+        self._spawned.set()
+        return child
+
+    def _run(self) -> None:
+        while True:
+            self._spawned.clear()
+            try:
+                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
+            except ChildProcessError:
+                self._spawned.wait(1.0)
+                continue
+            if info is None:
+                continue
+            with self._lock:
+                try:
+                    pid, status = os.waitpid(info.si_pid, os.WNOHANG)
+                except ChildProcessError:
+                    continue  # reaped elsewhere (Popen after a failed exec)
+                child = self._children.pop(pid, None) if pid else None
+            if child is not None:
+                child._finish(status)
+
+    def kill_all(self) -> None:
+        """SIGKILL every live child's process group (agent shutdown)."""
+        for child in self.live():
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except OSError:
+                pass

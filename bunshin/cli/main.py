@@ -1,0 +1,59 @@
+"""The ``bunshin`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from ..errors import BunshinError, InvalidArgument
+from .. import console as output
+from .workspace_cmds import register as register_workspace
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bunshin",
+        description="Isolated, live-forkable workspaces for RL of tool-using agents.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    register_workspace(sub)
+    from .system_cmds import register as register_system
+
+    register_system(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        output.err.print("interrupted")
+        return 130
+    except BunshinError as e:
+        output.print_error(e)
+        return 1
+    except OSError as e:  # a foreign error that escaped translation: still no traceback
+        output.print_error(BunshinError(f"{e}", hint="run `bunshin doctor` to check the host"))
+        return 1
+
+
+def parse_env(pairs: list[str] | None) -> dict[str, str]:
+    env = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise InvalidArgument(f"malformed -e {pair!r}", hint="use -e KEY=VALUE")
+        env[key] = value
+    return env
+
+
+def now_ms(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1000, 2)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""CLI commands on workspaces: create, exec, sh, ls, stats, rm."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import select
+import sys
+import termios
+import time
+import tty
+from datetime import datetime
+
+from ..errors import InvalidArgument
+from ..workspace import Workspace
+from .. import console as output
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("create", help="create a workspace and print its id")
+    p.add_argument("--image", default="host", help="'host' (default) or a root filesystem folder")
+    p.add_argument("--name", help="a name to refer to it by")
+    p.add_argument("--memory", default="2G", help="memory limit, e.g. 512M, 2G (default 2G)")
+    p.add_argument("--pids", type=int, default=512, help="process limit (default 512)")
+    p.add_argument("--json", action="store_true", help="print a JSON object")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD...: a long-lived command to run inside")
+    p.set_defaults(func=cmd_create)
+
+    p = sub.add_parser("exec", help="run a command in a workspace")
+    p.add_argument("workspace")
+    p.add_argument("--timeout", type=float, help="kill the command (its whole process group) after S seconds")
+    p.add_argument("--cwd", help="working directory inside the workspace")
+    p.add_argument("-e", "--env", action="append", metavar="K=V", help="set an environment variable")
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of streaming it")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD...")
+    p.set_defaults(func=cmd_exec)
+
+    p = sub.add_parser("sh", help="an interactive shell inside a workspace")
+    p.add_argument("workspace")
+    p.set_defaults(func=cmd_sh)
+
+    p = sub.add_parser("ls", help="list workspaces")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("stats", help="memory and processes of a workspace")
+    p.add_argument("workspace")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_stats)
+
+    p = sub.add_parser("rm", help="remove workspaces")
+    p.add_argument("workspaces", nargs="+")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_rm)
+
+
+def _strip_dashes(cmd: list[str]) -> list[str]:
+    return cmd[1:] if cmd and cmd[0] == "--" else cmd
+
+
+def cmd_create(args: argparse.Namespace) -> int:
+    command = _strip_dashes(args.cmd) or None
+    t0 = time.perf_counter()
+    ws = Workspace.create(args.image, name=args.name, memory=args.memory, pids=args.pids, command=command)
+    if args.json:
+        output.print_json({"id": ws.id, "name": ws.name, "image": args.image, "pid": ws.record.pid,
+                           "create_ms": round((time.perf_counter() - t0) * 1000, 1)})
+    else:
+        print(ws.id)
+    return 0
+
+
+def cmd_exec(args: argparse.Namespace) -> int:
+    from .main import parse_env
+
+    argv = _strip_dashes(args.cmd)
+    if not argv:
+        raise InvalidArgument("no command given", hint="bunshin exec WS -- CMD [ARGS...]")
+    ws = Workspace.get(args.workspace)
+    res = ws.exec(argv, timeout=args.timeout, cwd=args.cwd, env=parse_env(args.env))
+    if args.json:
+        output.print_json(res)
+        return 0
+    sys.stdout.write(res.stdout)
+    sys.stdout.flush()
+    sys.stderr.write(res.stderr)
+    if res.timed_out:
+        sys.stderr.write(f"bunshin: command timed out after {args.timeout} s and was killed\n")
+        return 124
+    return res.exit_code if res.exit_code >= 0 else 128 + (res.signal or 9)
+
+
+def cmd_sh(args: argparse.Namespace) -> int:
+    ws = Workspace.get(args.workspace)
+    sock = ws.agent().attach()
+    stdin = sys.stdin.fileno()
+    is_tty = os.isatty(stdin)
+    saved = termios.tcgetattr(stdin) if is_tty else None
+    try:
+        if is_tty:
+            tty.setraw(stdin)
+        stdin_open = True
+        while True:
+            fds = [sock] + ([stdin] if stdin_open else [])
+            ready, _, _ = select.select(fds, [], [])
+            if sock in ready:
+                data = sock.recv(65536)
+                if not data:
+                    break
+                os.write(sys.stdout.fileno(), data)
+            if stdin_open and stdin in ready:
+                data = os.read(stdin, 65536)
+                if data:
+                    sock.sendall(data)
+                else:
+                    stdin_open = False
+                    sock.sendall(b"exit\n")
+    finally:
+        if saved is not None:
+            termios.tcsetattr(stdin, termios.TCSADRAIN, saved)
+        sock.close()
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    infos = Workspace.list()
+    if args.json:
+        output.print_json(infos)
+        return 0
+    rows = [
+        (i.id, i.name, i.image, i.state, i.pid, i.parent,
+         datetime.fromtimestamp(i.created_at).strftime("%H:%M:%S"), output.human_bytes(i.memory_limit), i.pids_limit)
+        for i in infos
+    ]
+    output.print_table(None, ["ID", "NAME", "IMAGE", "STATE", "PID", "PARENT", "CREATED", "MEMORY", "PIDS"], rows)
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    ws = Workspace.get(args.workspace)
+    st = ws.stats()
+    if args.json:
+        output.print_json(st)
+        return 0
+    m = st.memory
+    output.print_table(
+        f"workspace {st.id}",
+        ["PROCESSES", "CGROUP", "PSS", "USS", "ANON"],
+        [(st.processes, output.human_bytes(m.cgroup_bytes), output.human_bytes(m.pss_bytes),
+          output.human_bytes(m.uss_bytes), output.human_bytes(m.anon_bytes))],
+    )
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    removed, failed = [], []
+    for ref in args.workspaces:
+        try:
+            Workspace.get(ref).remove()
+            removed.append(ref)
+        except Exception as e:  # keep going: remove what can be removed, report the rest
+            failed.append(ref)
+            output.print_error(e)
+    if args.json:
+        output.print_json({"removed": removed, "failed": failed})
+    elif removed:
+        print("\n".join(removed))
+    return 1 if failed else 0

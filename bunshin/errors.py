@@ -1,0 +1,136 @@
+"""The bunshin error tree.
+
+Every error bunshin raises is a ``BunshinError``. Each carries a stable ``code``
+(survives the wire), an HTTP status, and a ``hint`` saying what to do. Where a
+built-in exception fits, the error inherits it too, so ``except TimeoutError``
+and ``except FileNotFoundError`` work as expected::
+
+    BunshinError
+    ├── InvalidArgument (ValueError)            400 bad input: size, count, name, spec
+    ├── NotFound (LookupError)                  404
+    │   ├── WorkspaceNotFound
+    │   ├── SnapshotNotFound
+    │   ├── ImageNotFound
+    │   └── PathNotFound (FileNotFoundError)    a path inside a workspace
+    ├── StateConflict                           409 e.g. exec into a stopped workspace
+    ├── ToolTimeout (TimeoutError)              504 a command ran past its timeout
+    ├── ResourceExhausted                       507 tmpfs full, limits hit
+    ├── AgentError                              502 the in-workspace agent failed or vanished
+    ├── HostUnsupported                         500 the machine cannot run workspaces (see doctor)
+    └── RuntimeFailure                          500 a kernel/CRIU/cgroup step failed
+        └── CriuError                           carries CRIU's log tail
+
+Foreign errors (OSError from mount/cgroup files, CRIU exit codes) are translated
+into these at the runtime boundary; nothing else escapes the public API.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class BunshinError(Exception):
+    """Base of every bunshin error."""
+
+    code: ClassVar[str] = "bunshin_error"
+    http_status: ClassVar[int] = 500
+
+    def __init__(self, message: str, *, hint: str | None = None, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+        self.details = details
+
+    def __str__(self) -> str:
+        return f"{self.message} ({self.hint})" if self.hint else self.message
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire form: enough to rebuild the same error on the other side."""
+        return {"code": self.code, "message": self.message, "hint": self.hint, "details": self.details}
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> BunshinError:
+        cls = _BY_CODE.get(data.get("code", ""), BunshinError)
+        return cls(data.get("message", ""), hint=data.get("hint"), **(data.get("details") or {}))
+
+
+class InvalidArgument(BunshinError, ValueError):
+    code = "invalid_argument"
+    http_status = 400
+
+
+class NotFound(BunshinError, LookupError):
+    code = "not_found"
+    http_status = 404
+
+
+class WorkspaceNotFound(NotFound):
+    code = "workspace_not_found"
+
+
+class SnapshotNotFound(NotFound):
+    code = "snapshot_not_found"
+
+
+class ImageNotFound(NotFound):
+    code = "image_not_found"
+
+
+class PathNotFound(NotFound, FileNotFoundError):
+    code = "path_not_found"
+
+
+class StateConflict(BunshinError):
+    code = "state_conflict"
+    http_status = 409
+
+
+class ToolTimeout(BunshinError, TimeoutError):
+    code = "timeout"
+    http_status = 504
+
+
+class ResourceExhausted(BunshinError):
+    code = "resource_exhausted"
+    http_status = 507
+
+
+class AgentError(BunshinError):
+    code = "agent_error"
+    http_status = 502
+
+
+class HostUnsupported(BunshinError):
+    code = "host_unsupported"
+    http_status = 500
+
+
+class RuntimeFailure(BunshinError):
+    code = "runtime_failure"
+    http_status = 500
+
+
+class CriuError(RuntimeFailure):
+    """CRIU failed; ``log_tail`` holds the last lines of its log."""
+
+    code = "criu_error"
+
+    def __init__(self, message: str, *, hint: str | None = None, log_tail: str = "", **details: Any) -> None:
+        super().__init__(message, hint=hint, log_tail=log_tail, **details)
+        self.log_tail = log_tail
+
+    def __str__(self) -> str:
+        base = super().__str__()
+        return f"{base}\n--- criu log tail ---\n{self.log_tail}" if self.log_tail else base
+
+
+def _all_subclasses(cls: type) -> list[type]:
+    out = []
+    for sub in cls.__subclasses__():
+        out.append(sub)
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+_BY_CODE: dict[str, type[BunshinError]] = {c.code: c for c in _all_subclasses(BunshinError)}
+_BY_CODE[BunshinError.code] = BunshinError

@@ -1,0 +1,202 @@
+"""Workspace containers on the host: create, inspect, destroy.
+
+A container is an overlay root (image layers + the agent layer + a private upper on
+tmpfs), a cgroup with memory and pids limits, and pid/mount/uts/ipc/net namespaces
+whose pid 1 is the in-workspace agent. Everything created is recorded in the store
+*before* it is created, so a crash at any point leaves something ``gc`` can find.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from ..config import Config
+from ..errors import BunshinError, InvalidArgument, RuntimeFailure
+from . import syscalls as sc
+from .agent_bundle import AgentBundle
+from .agent_client import AgentClient
+from .cgroups import Layout, WorkspaceCgroup, parse_size
+from .images import lower_layers
+from .records import WorkspaceRecord, WorkspaceState
+from .store import Store
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+READY_TIMEOUT_S = 20.0
+
+
+def new_id() -> str:
+    return "ws-" + secrets.token_hex(6)
+
+
+def workspace_dir(cfg: Config, ws_id: str) -> Path:
+    return cfg.tmpfs / "workspaces" / ws_id
+
+
+def socket_path(rec: WorkspaceRecord) -> Path:
+    return Path(rec.root) / AgentBundle.SOCKET.lstrip("/")
+
+
+def agent(rec: WorkspaceRecord) -> AgentClient:
+    return AgentClient(socket_path(rec))
+
+
+def validate_name(name: str | None) -> None:
+    if name is not None and not _NAME.match(name):
+        raise InvalidArgument(
+            f"invalid workspace name {name!r}",
+            hint="use 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit",
+        )
+
+
+def create(
+    cfg: Config,
+    store: Store,
+    *,
+    image: str = "host",
+    name: str | None = None,
+    memory: str | int | None = "2G",
+    pids: int | None = 512,
+    command: list[str] | None = None,
+) -> WorkspaceRecord:
+    """Create and start a workspace; returns its record in state RUNNING."""
+    validate_name(name)
+    mem_bytes = parse_size(memory)
+    if pids is not None and pids < 8:
+        raise InvalidArgument(f"pids limit {pids} is too small", hint="give at least 8 (the agent needs a few)")
+    lowers = lower_layers(cfg, image)
+    bundle = AgentBundle.ensure(cfg.tmpfs / "layers")
+    layout = Layout.discover()
+    ws_id = new_id()
+    wdir = workspace_dir(cfg, ws_id)
+    rec = WorkspaceRecord(
+        id=ws_id,
+        name=name,
+        image=image,
+        state=WorkspaceState.CREATING,
+        created_at=time.time(),
+        root=str(wdir / "root"),
+        upper=str(wdir / "upper"),
+        work=str(wdir / "work"),
+        lowers=tuple(str(p) for p in [bundle.layer, *lowers]),
+        cgroup_version=layout.version,
+        cgroups=WorkspaceCgroup.of(layout, cfg.cgroup_prefix + ws_id).dirs_as_str(),
+        memory_limit=mem_bytes,
+        pids_limit=pids,
+        hostname=name or ws_id,
+        owner_pid=os.getpid(),
+        command=tuple(command) if command else None,
+    )
+    store.add_workspace(rec)
+    try:
+        for d in (rec.upper, rec.work, rec.root):
+            os.makedirs(d)
+        mount_overlay(rec)
+        cg = WorkspaceCgroup.create(layout, cfg.cgroup_prefix + ws_id, memory=mem_bytes, pids=pids)
+        pid = _launch(rec, cg, bundle)
+        rec = rec.replace(state=WorkspaceState.RUNNING, pid=pid, pid_start=psutil.Process(pid).create_time(), owner_pid=None)
+        store.save_workspace(rec)
+        client = agent(rec)
+        try:
+            client.wait_ready(READY_TIMEOUT_S)
+        except BunshinError as e:
+            raise RuntimeFailure(f"the workspace agent did not start: {e}\n{agent_log_tail(rec)}") from e
+        if command:
+            client.spawn(argv=list(command))
+        return rec
+    except BaseException:
+        destroy(cfg, store, rec)
+        raise
+
+
+def mount_overlay(rec: WorkspaceRecord) -> None:
+    opts = f"lowerdir={':'.join(rec.lowers)},upperdir={rec.upper},workdir={rec.work}"
+    if len(opts) > 4000:
+        raise InvalidArgument(f"layer stack of {len(rec.lowers)} layers is too long for one overlay mount")
+    try:
+        sc.mount("overlay", rec.root, "overlay", 0, opts)
+    except OSError as e:
+        raise RuntimeFailure(f"cannot mount the overlay root of {rec.id}: {e}") from e
+
+
+def _launch(rec: WorkspaceRecord, cg: WorkspaceCgroup, bundle: AgentBundle) -> int:
+    spec = {
+        "root": rec.root,
+        "hostname": rec.hostname,
+        "cgroup_procs": [str(p / "cgroup.procs") for p in cg.paths],
+        "argv": bundle.argv,
+        "env": bundle.env,
+        "log": AgentBundle.LOG,
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bunshin.runtime.init"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        close_fds=True,
+        start_new_session=True,
+        env={"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    try:
+        out, err = proc.communicate(json.dumps(spec).encode(), timeout=READY_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise RuntimeFailure(f"the workspace launcher of {rec.id} hung") from None
+    text = err.decode(errors="replace").strip()
+    if proc.returncode != 0 or text or not out.strip():
+        raise RuntimeFailure(f"cannot start workspace {rec.id}: {text or 'launcher exited ' + str(proc.returncode)}")
+    return int(out.split()[0])
+
+
+def agent_log_tail(rec: WorkspaceRecord, lines: int = 20) -> str:
+    log = Path(rec.upper) / AgentBundle.LOG.lstrip("/")
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no agent log)"
+
+
+def is_alive(rec: WorkspaceRecord) -> bool:
+    """Is the workspace's pid 1 still the process we started?"""
+    if rec.pid is None:
+        return False
+    try:
+        proc = psutil.Process(rec.pid)
+        return abs(proc.create_time() - (rec.pid_start or 0)) < 0.05 and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def is_mounted(path: str) -> bool:
+    target = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == target for line in f)
+
+
+def destroy(cfg: Config, store: Store, rec: WorkspaceRecord) -> None:
+    """Kill every process, unmount, remove cgroups, files and the record. Idempotent."""
+    if rec.state != WorkspaceState.REMOVING:
+        rec = rec.replace(state=WorkspaceState.REMOVING)
+        store.save_workspace(rec)
+    cg = WorkspaceCgroup(rec.cgroup_version, tuple((c, Path(p)) for c, p in rec.cgroups))
+    if is_alive(rec) and rec.pid is not None:
+        try:
+            os.kill(rec.pid, 9)
+        except ProcessLookupError:
+            pass
+    cg.kill_all()
+    while is_mounted(rec.root):
+        sc.umount(rec.root, sc.MNT_DETACH)
+    shutil.rmtree(workspace_dir(cfg, rec.id), ignore_errors=True)
+    cg.destroy()
+    store.delete_workspace(rec.id)

@@ -1,0 +1,130 @@
+"""Host checks: can this machine run bunshin workspaces, and what to do if not."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import Config
+from .cgroups import Layout
+
+MIN_CRIU = (4, 2)
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str | None = None
+    required: bool = True  # a failed required check means workspaces cannot work
+
+
+def _check(name: str, fn, *, required: bool = True) -> Check:
+    try:
+        ok, detail, fix = fn()
+    except Exception as e:  # a check must never crash doctor
+        ok, detail, fix = False, f"{type(e).__name__}: {e}", None
+    return Check(name, ok, detail, fix, required)
+
+
+def _root():
+    ok = os.geteuid() == 0
+    return ok, f"euid {os.geteuid()}", None if ok else "run bunshin as root (sudo)"
+
+
+def _kernel():
+    rel = platform.release()
+    major, minor = (int(x) for x in rel.split(".")[:2])
+    ok = (major, minor) >= (5, 10)
+    return ok, rel, None if ok else "use a Linux kernel >= 5.10"
+
+
+def _overlay():
+    ok = "overlay" in Path("/proc/filesystems").read_text()
+    return ok, "overlay in /proc/filesystems" if ok else "overlayfs missing", None if ok else "modprobe overlay"
+
+
+def _namespaces():
+    kinds = ["pid", "mnt", "uts", "ipc", "net"]
+    missing = [k for k in kinds if not Path(f"/proc/self/ns/{k}").exists()]
+    return not missing, "pid, mnt, uts, ipc, net" if not missing else f"missing: {missing}", (
+        "use a kernel built with namespaces" if missing else None
+    )
+
+
+def _cgroups():
+    layout = Layout.discover()
+    ctrls = sorted({c for h in layout.hierarchies for c in h.controllers})
+    need = {"memory", "pids"}
+    ok = need <= set(ctrls)
+    base = ", ".join(f"{c}:{h.base}" for h in layout.hierarchies for c in h.controllers)
+    return ok, f"v{layout.version}: {base}", None if ok else "enable the memory and pids controllers"
+
+
+def _tmpfs(cfg: Config):
+    cfg.tmpfs.mkdir(parents=True, exist_ok=True)
+    fstype = _fstype(cfg.tmpfs)
+    st = os.statvfs(cfg.tmpfs)
+    free = st.f_bavail * st.f_frsize
+    ok = fstype == "tmpfs"
+    return ok, f"{cfg.tmpfs} on {fstype}, {free / 2**30:.1f} GiB free", (
+        None if ok else "set BUNSHIN_TMPFS to a folder on a tmpfs (e.g. /dev/shm/bunshin)"
+    )
+
+
+def _fstype(path: Path) -> str:
+    best, fstype = "", "?"
+    real = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, right = line.split(" - ", 1)
+            mp = left.split()[4]
+            if (real == mp or real.startswith(mp.rstrip("/") + "/")) and len(mp) >= len(best):
+                best, fstype = mp, right.split()[0]
+    return fstype
+
+
+def criu_version(criu: Path) -> tuple[int, ...] | None:
+    proc = subprocess.run([str(criu), "--version"], capture_output=True, text=True, timeout=30)
+    for line in proc.stdout.splitlines():
+        if line.startswith("Version:"):
+            return tuple(int(x) for x in line.split()[1].split(".") if x.isdigit())
+    return None
+
+
+def _criu(cfg: Config):
+    fix = "run `make install` (installs CRIU >= 4.2 into /opt/bunshin/criu) or set BUNSHIN_CRIU"
+    if not cfg.criu.exists() and not shutil.which(str(cfg.criu)):
+        return False, f"{cfg.criu} not found", fix
+    ver = criu_version(cfg.criu)
+    if ver is None or ver < MIN_CRIU:
+        return False, f"{cfg.criu}: version {ver} < 4.2", fix
+    proc = subprocess.run([str(cfg.criu), "check"], capture_output=True, text=True, timeout=60)
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "RLIMIT_NOFILE" not in ln]
+    ok = proc.returncode == 0
+    tail = lines[-1] if lines else ""
+    return ok, f"{cfg.criu} {'.'.join(map(str, ver))}; criu check: {tail}", None if ok else fix
+
+
+def _pycriu():
+    import pycriu  # noqa: F401
+
+    return True, f"pycriu from {Path(pycriu.__file__).parent}", None
+
+
+def run_checks(cfg: Config) -> list[Check]:
+    return [
+        _check("root", _root),
+        _check("kernel", _kernel),
+        _check("overlayfs", _overlay),
+        _check("namespaces", _namespaces),
+        _check("cgroups", _cgroups),
+        _check("tmpfs", lambda: _tmpfs(cfg)),
+        _check("criu", lambda: _criu(cfg), required=False),
+        _check("pycriu", _pycriu, required=False),
+    ]

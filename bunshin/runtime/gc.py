@@ -1,0 +1,107 @@
+"""Garbage collection: remove whatever no live recorded workspace owns.
+
+After a crash or a ``kill -9`` of any bunshin process this restores a clean
+machine: stale records (creator or workspace dead), orphaned overlay mounts,
+cgroups and their processes, workspace folders on tmpfs and stray layers.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from ..config import Config
+from . import container
+from . import syscalls as sc
+from .cgroups import Layout, WorkspaceCgroup
+from .records import WorkspaceState
+from .store import Store
+
+
+@dataclass
+class GcReport:
+    workspaces: list[str] = field(default_factory=list)
+    mounts: list[str] = field(default_factory=list)
+    cgroups: list[str] = field(default_factory=list)
+    processes: list[int] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return len(self.workspaces) + len(self.mounts) + len(self.cgroups) + len(self.processes) + len(self.files)
+
+
+def _owner_alive(pid: int | None) -> bool:
+    return pid is not None and psutil.pid_exists(pid)
+
+
+def collect(cfg: Config, store: Store, *, extra_owned: set[str] | None = None) -> GcReport:
+    """Remove stale records and everything not owned by a live record."""
+    report = GcReport()
+    for rec in store.list_workspaces():
+        stale = (
+            (rec.state == WorkspaceState.CREATING and not _owner_alive(rec.owner_pid))
+            or (rec.state == WorkspaceState.RUNNING and not container.is_alive(rec))
+            or rec.state in (WorkspaceState.DEAD, WorkspaceState.REMOVING)
+        )
+        if stale:
+            container.destroy(cfg, store, rec)
+            report.workspaces.append(rec.id)
+    live = {r.id for r in store.list_workspaces()} | (extra_owned or set())
+    ws_root = cfg.tmpfs / "workspaces"
+
+    # Mounts beneath our tmpfs folder (deepest first) that belong to no live workspace.
+    for target in sorted(_mounts_under(cfg.tmpfs), key=len, reverse=True):
+        rel = Path(target).relative_to(ws_root) if Path(target).is_relative_to(ws_root) else None
+        if rel is None or rel.parts[0] not in live:
+            sc.umount(target, sc.MNT_DETACH)
+            report.mounts.append(target)
+
+    # Cgroups named after workspaces nothing records (their processes die with them).
+    layout = Layout.discover()
+    for path in layout.find(cfg.cgroup_prefix):
+        ws_id = path.name.removeprefix(cfg.cgroup_prefix)
+        if ws_id not in live:
+            cg = WorkspaceCgroup(layout.version, (("any", path),))
+            report.processes.extend(cg.pids())
+            cg.destroy()
+            report.cgroups.append(str(path))
+
+    # Workspace folders on tmpfs.
+    if ws_root.is_dir():
+        for d in ws_root.iterdir():
+            if d.name not in live:
+                shutil.rmtree(d, ignore_errors=True)
+                report.files.append(str(d))
+    # Half-built layers from an interrupted build.
+    layers = cfg.tmpfs / "layers"
+    if layers.is_dir():
+        for d in layers.iterdir():
+            if d.name.startswith(".") and not _recent(d):
+                shutil.rmtree(d, ignore_errors=True)
+                report.files.append(str(d))
+    return report
+
+
+def _recent(path: Path, seconds: float = 60.0) -> bool:
+    import time
+
+    try:
+        return time.time() - path.stat().st_mtime < seconds
+    except OSError:
+        return False
+
+
+def _mounts_under(base: Path) -> list[str]:
+    prefix = os.path.realpath(base) + "/"
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            target = line.split()[4]
+            if target.startswith(prefix):
+                out.append(target)
+    return out

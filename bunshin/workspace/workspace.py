@@ -1,0 +1,230 @@
+"""The Workspace object: one isolated, stateful container an agent's tools run in.
+
+Features hang off sub-objects: ``ws.commands`` (one-shot commands), ``ws.files``,
+``ws.shell()`` (a persistent bash on a pty). Creation is a classmethod: constructing
+a ``Workspace`` object does no I/O; ``Workspace.create`` starts a container.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..config import Config
+from ..errors import StateConflict
+from ..runtime import container
+from ..runtime import stats as rstats
+from ..runtime.agent_client import AgentClient
+from ..runtime.agent_types import ExecResult, FileEntry, ProcessInfo, SessionResult
+from ..runtime.records import WorkspaceRecord, WorkspaceState
+from ..runtime.stats import WorkspaceStats
+from ..runtime.store import Store
+
+
+@dataclass(frozen=True)
+class WorkspaceInfo:
+    """What ``bunshin ls`` shows of a workspace."""
+
+    id: str
+    name: str | None
+    image: str
+    state: str
+    pid: int | None
+    created_at: float
+    parent: str | None
+    memory_limit: int | None
+    pids_limit: int | None
+
+    @classmethod
+    def of(cls, rec: WorkspaceRecord) -> WorkspaceInfo:
+        state = rec.state
+        if state == WorkspaceState.RUNNING and not container.is_alive(rec):
+            state = WorkspaceState.DEAD
+        return cls(rec.id, rec.name, rec.image, state.value, rec.pid, rec.created_at, rec.parent,
+                   rec.memory_limit, rec.pids_limit)
+
+
+class Workspace:
+    """A live workspace. Get one with :meth:`create` or :meth:`get`."""
+
+    def __init__(self, config: Config, record: WorkspaceRecord) -> None:
+        self._config = config
+        self._record = record
+        self.commands = Commands(self)
+        self.files = Files(self)
+
+    # lifecycle -------------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        image: str = "host",
+        *,
+        name: str | None = None,
+        memory: str | int | None = "2G",
+        pids: int | None = 512,
+        command: Sequence[str] | None = None,
+        config: Config | None = None,
+    ) -> Workspace:
+        """Start a new workspace from ``image`` ('host' or a root filesystem folder)."""
+        cfg = config or Config.from_env()
+        with Store.open(cfg.db_path) as store:
+            rec = container.create(cfg, store, image=image, name=name, memory=memory, pids=pids,
+                                   command=list(command) if command else None)
+        return cls(cfg, rec)
+
+    @classmethod
+    def get(cls, ref: str, *, config: Config | None = None) -> Workspace:
+        """An existing workspace by id, id prefix or name."""
+        cfg = config or Config.from_env()
+        with Store.open(cfg.db_path) as store:
+            return cls(cfg, store.get_workspace(ref))
+
+    @classmethod
+    def list(cls, *, config: Config | None = None) -> list[WorkspaceInfo]:
+        cfg = config or Config.from_env()
+        with Store.open(cfg.db_path) as store:
+            return [WorkspaceInfo.of(r) for r in store.list_workspaces()]
+
+    def remove(self) -> None:
+        """Kill every process, free every mount, cgroup and file of this workspace."""
+        with Store.open(self._config.db_path) as store:
+            container.destroy(self._config, store, self._record)
+
+    def __enter__(self) -> Workspace:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"Workspace(id={self.id!r}, image={self._record.image!r})"
+
+    # identity --------------------------------------------------------------------
+
+    @property
+    def id(self) -> str:
+        return self._record.id
+
+    @property
+    def name(self) -> str | None:
+        return self._record.name
+
+    @property
+    def record(self) -> WorkspaceRecord:
+        return self._record
+
+    @property
+    def config(self) -> Config:
+        return self._config
+
+    def info(self) -> WorkspaceInfo:
+        return WorkspaceInfo.of(self._record)
+
+    def is_alive(self) -> bool:
+        return container.is_alive(self._record)
+
+    # using it --------------------------------------------------------------------
+
+    def agent(self) -> AgentClient:
+        """The client of the in-workspace agent; raises if the workspace is gone."""
+        if not container.is_alive(self._record):
+            raise StateConflict(
+                f"workspace {self.id} is not running",
+                hint="it was removed or its processes died; `bunshin rm` it and create a new one",
+            )
+        return container.agent(self._record)
+
+    def exec(
+        self,
+        command: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: str | None = None,
+    ) -> ExecResult:
+        """Run one command (a shell string or an argv list) and wait for it."""
+        return self.commands.run(command, timeout=timeout, cwd=cwd, env=env, stdin=stdin)
+
+    def shell(self, *, cwd: str | None = None, env: dict[str, str] | None = None) -> Session:
+        """A new persistent bash session (on a pty) inside the workspace."""
+        sid = self.agent().session_open(kind="bash", cwd=cwd, env=env)
+        return Session(self, sid)
+
+    def processes(self) -> list[ProcessInfo]:
+        return self.agent().processes()
+
+    def stats(self) -> WorkspaceStats:
+        return rstats.collect(self._record)
+
+
+class Commands:
+    """One-shot commands: ``ws.commands.run("make test", timeout=60)``."""
+
+    def __init__(self, ws: Workspace) -> None:
+        self._ws = ws
+
+    def run(
+        self,
+        command: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: str | None = None,
+        max_output: int | None = None,
+    ) -> ExecResult:
+        argv, cmd = (None, command) if isinstance(command, str) else (list(command), None)
+        return self._ws.agent().exec(argv=argv, cmd=cmd, cwd=cwd, env=env, timeout=timeout,
+                                     stdin=stdin, max_output=max_output)
+
+    def spawn(self, command: str | Sequence[str], *, cwd: str | None = None,
+              env: dict[str, str] | None = None) -> int:
+        """Start a long-lived background process; returns its pid inside the workspace."""
+        argv, cmd = (None, command) if isinstance(command, str) else (list(command), None)
+        return self._ws.agent().spawn(argv=argv, cmd=cmd, cwd=cwd, env=env)
+
+
+class Files:
+    """Files inside the workspace: ``ws.files.write("/x", b"...")``."""
+
+    def __init__(self, ws: Workspace) -> None:
+        self._ws = ws
+
+    def read(self, path: str) -> bytes:
+        return self._ws.agent().read_file(path)
+
+    def read_text(self, path: str) -> str:
+        return self.read(path).decode()
+
+    def write(self, path: str, data: bytes | str, *, mode: int | None = None) -> int:
+        raw = data.encode() if isinstance(data, str) else data
+        return self._ws.agent().write_file(path, raw, mode=mode, mkdirs=True)
+
+    def list(self, path: str = "/") -> list[FileEntry]:
+        return self._ws.agent().list_dir(path)
+
+    def remove(self, path: str, *, recursive: bool = False) -> None:
+        self._ws.agent().remove(path, recursive=recursive)
+
+
+class Session:
+    """A persistent shell: state (cwd, variables, functions, history) carries across runs."""
+
+    def __init__(self, ws: Workspace, session_id: str) -> None:
+        self._ws = ws
+        self.id = session_id
+
+    def run(self, command: str, *, timeout: float | None = None) -> SessionResult:
+        """Run ``command`` in the session; a timeout interrupts the command, not the session."""
+        return self._ws.agent().session_run(self.id, command, timeout=timeout)
+
+    def close(self) -> None:
+        self._ws.agent().session_close(self.id)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
