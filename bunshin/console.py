@@ -15,7 +15,7 @@ from rich.table import Table
 
 from .errors import BunshinError
 
-out = Console(highlight=False)
+out = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
 err = Console(stderr=True, highlight=False)
 
 

@@ -13,6 +13,7 @@ and ``except FileNotFoundError`` work as expected::
     │   ├── ImageNotFound
     │   └── PathNotFound (FileNotFoundError)    a path inside a workspace
     ├── StateConflict                           409 e.g. exec into a stopped workspace
+    │   └── NotForkable                         the workspace holds something that cannot be forked safely
     ├── ToolTimeout (TimeoutError)              504 a command ran past its timeout
     ├── ResourceExhausted                       507 tmpfs full, limits hit
     ├── AgentError                              502 the in-workspace agent failed or vanished
@@ -83,6 +84,12 @@ class PathNotFound(NotFound, FileNotFoundError):
 class StateConflict(BunshinError):
     code = "state_conflict"
     http_status = 409
+
+
+class NotForkable(StateConflict):
+    """A copy-on-write fork would change the program's semantics (e.g. an allocator relying on zero-fill)."""
+
+    code = "not_forkable"
 
 
 class ToolTimeout(BunshinError, TimeoutError):

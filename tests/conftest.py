@@ -44,7 +44,8 @@ def leftovers(config: Config) -> dict[str, list]:
     out["cgroups"] = [str(p) for p in Layout.discover().find(config.cgroup_prefix)]
     ws_dir = config.tmpfs / "workspaces"
     out["folders"] = sorted(p.name for p in ws_dir.iterdir()) if ws_dir.is_dir() else []
-    out["criu"] = subprocess.run(["pgrep", "-f", "criu (dump|restore)"], capture_output=True, text=True).stdout.split()
+    criu = subprocess.run(["pgrep", "-af", "criu"], capture_output=True, text=True).stdout.splitlines()
+    out["criu"] = [ln for ln in criu if str(config.tmpfs) in ln or str(config.home) in ln]
     return {k: v for k, v in out.items() if v}
 
 

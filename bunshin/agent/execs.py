@@ -28,7 +28,7 @@ from .protocol import (
 DEFAULT_MAX_OUTPUT = 1024 * 1024
 #: After the child exits, how long to keep reading pipes that its background
 #: descendants may hold open.
-EXIT_DRAIN_S = 0.2
+EXIT_DRAIN_S = 0.1
 #: After a timeout kill, how long to wait for the pipes and the exit status.
 KILL_GRACE_S = 2.0
 _TICK_S = 0.05
@@ -193,7 +193,9 @@ def kill_op(req: dict[str, Any]) -> dict[str, Any]:
         else:
             os.kill(pid, sig)
     except ProcessLookupError:
-        raise AgentFailure(NOT_FOUND, f"no such process{' group' if group else ''}: {pid}") from None
+        raise AgentFailure(
+            NOT_FOUND, f"no such process{' group' if group else ''}: {pid}"
+        ) from None
     except OSError as exc:
         raise from_os_error(exc, f"kill {pid}") from None
     return {}

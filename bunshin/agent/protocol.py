@@ -29,10 +29,23 @@ STATE_CONFLICT = "state_conflict"
 AGENT_ERROR = "agent_error"
 
 OPS = (
-    "ping", "identify", "exec", "spawn", "kill", "read_file", "write_file", "list_dir",
-    "stat", "remove", "session_open", "session_run", "session_close", "session_list",
-    "attach", "processes",
-)  # fmt: skip
+    "ping",
+    "identify",
+    "exec",
+    "spawn",
+    "kill",
+    "read_file",
+    "write_file",
+    "list_dir",
+    "stat",
+    "remove",
+    "session_open",
+    "session_run",
+    "session_close",
+    "session_list",
+    "attach",
+    "processes",
+)
 
 
 class AgentFailure(Exception):

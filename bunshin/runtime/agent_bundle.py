@@ -24,7 +24,7 @@ from pathlib import Path
 from ..errors import RuntimeFailure
 
 AGENT_SRC = Path(__file__).resolve().parent.parent / "agent"
-BUNDLE_FORMAT = "1"
+BUNDLE_FORMAT = "2"
 # Modules the agent may import lazily; imported up-front while computing the closure.
 EXTRA_MODULES = (
     "pty", "tty", "termios", "select", "selectors", "subprocess", "ctypes", "json", "base64",
@@ -156,6 +156,9 @@ def _build(out: Path) -> None:
         if so.resolve().is_relative_to(stdlib):
             continue  # extension modules were copied with the stdlib
         _copy(so, lib / so.name, strip=True)
+        for alias in _aliases(so):  # sonames are symlinks next to the real file
+            if not (lib / alias).exists():
+                (lib / alias).symlink_to(so.name)
     ld = lib / "ld-linux-x86-64.so.2"
     if not ld.exists():
         raise RuntimeFailure("the dynamic loader ld-linux-x86-64.so.2 was not found in the closure")
@@ -169,6 +172,14 @@ def _build(out: Path) -> None:
     for p in [out, *out.rglob("*")]:
         if not p.is_symlink():
             p.chmod(p.stat().st_mode & ~0o222)
+
+
+def _aliases(so: Path) -> list[str]:
+    real = so.resolve()
+    try:
+        return [p.name for p in so.parent.iterdir() if p.is_symlink() and p.resolve() == real and p.name != so.name]
+    except OSError:
+        return []
 
 
 def _copy(src: Path, dst: Path, *, strip: bool = False) -> None:

@@ -1,0 +1,47 @@
+"""``python -m bunshin_agent --socket PATH [--run-dir DIR]``: run the agent."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from types import FrameType
+
+from .server import Agent, AgentServer
+
+
+def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bunshin_agent", description=__doc__)
+    parser.add_argument("--socket", required=True, help="unix socket to listen on")
+    parser.add_argument(
+        "--run-dir",
+        default="/run/bunshin",
+        help="where identity.json, fork-id and session scripts go (default: /run/bunshin)",
+    )
+    args = parser.parse_args(argv)
+    # As PID 1 a signal without a handler is ignored: exit cleanly on these.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _exit_on_signal)
+    agent = Agent(os.path.abspath(args.run_dir))
+    server = AgentServer(agent, os.path.abspath(args.socket))
+    agent.start()
+    try:
+        server.bind()
+        print(f"bunshin-agent: pid {os.getpid()} listening on {args.socket}", file=sys.stderr)
+        server.serve_forever()
+    except OSError as exc:
+        print(f"bunshin-agent: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        server.close()
+        agent.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""The agent's state, its op table, and the unix socket server (a thread per connection)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from . import execs, files, procfs
+from .children import Reaper
+from .protocol import (
+    AGENT_ERROR,
+    VERSION,
+    AgentFailure,
+    LineReader,
+    failure,
+    invalid,
+    ok,
+    parse_request,
+    unix_address,
+)
+from .sessions import Attachment, Sessions
+
+Handler = Callable[[dict[str, Any]], "dict[str, Any] | Attachment"]
+
+
+class Agent:
+    """Everything the agent holds: children, sessions, identity. No sockets here."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+        self.started = time.monotonic()
+        self.identity: dict[str, Any] = {}
+        self.reaper = Reaper()
+        self.sessions = Sessions(self.reaper, os.path.join(run_dir, "sessions"))
+        reaper = self.reaper
+        self.handlers: dict[str, Handler] = {
+            "ping": self.ping,
+            "identify": self.identify,
+            "exec": lambda req: execs.exec_op(reaper, req),
+            "spawn": lambda req: execs.spawn_op(reaper, req),
+            "kill": execs.kill_op,
+            "read_file": files.read_file,
+            "write_file": files.write_file,
+            "list_dir": files.list_dir,
+            "stat": files.stat_op,
+            "remove": files.remove,
+            "session_open": self.sessions.open,
+            "session_run": self.sessions.run,
+            "session_close": self.sessions.close,
+            "session_list": self.sessions.list,
+            "attach": lambda req: Attachment(reaper, req),
+            "processes": lambda req: {"processes": procfs.list_processes()},
+        }
+
+    def start(self) -> None:
+        self.reaper.start_thread()
+
+    def stop(self) -> None:
+        """Close sessions and kill every child (the agent is going away)."""
+        self.sessions.close_all()
+        self.reaper.kill_all()
+
+    def handle(self, request: dict[str, Any]) -> dict[str, Any] | Attachment:
+        return self.handlers[request["op"]](request)
+
+    def ping(self, req: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(),
+            "version": VERSION,
+            "uptime_s": time.monotonic() - self.started,
+            "identity": self.identity,
+        }
+
+    def identify(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Store the identity (after a fork: which clone this is) and publish it in files."""
+        identity = req.get("identity")
+        if not isinstance(identity, dict):
+            raise invalid('argument "identity" must be an object')
+        os.makedirs(self.run_dir, exist_ok=True)
+        _write_atomic(os.path.join(self.run_dir, "identity.json"), json.dumps(identity) + "\n")
+        fork_id_path = os.path.join(self.run_dir, "fork-id")
+        if identity.get("fork_id") is not None:
+            _write_atomic(fork_id_path, f"{identity['fork_id']}\n")
+        elif os.path.lexists(fork_id_path):
+            os.unlink(fork_id_path)
+        self.identity = identity
+        return {}
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}.{threading.get_ident()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+class AgentServer:
+    """Accepts connections on a unix socket; each carries sequential requests."""
+
+    def __init__(self, agent: Agent, socket_path: str) -> None:
+        self.agent = agent
+        self.socket_path = socket_path
+        self._sock: socket.socket | None = None
+
+    def bind(self) -> None:
+        """Create the listening socket (replacing a stale one), mode 0600."""
+        os.makedirs(os.path.dirname(self.socket_path) or ".", exist_ok=True)
+        if os.path.lexists(self.socket_path):
+            os.unlink(self.socket_path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        address, dir_fd = unix_address(self.socket_path)
+        old_umask = os.umask(0o177)
+        try:
+            sock.bind(address)
+        finally:
+            os.umask(old_umask)
+            if dir_fd is not None:
+                os.close(dir_fd)
+        sock.listen(128)
+        self._sock = sock
+
+    def serve_forever(self) -> None:
+        assert self._sock is not None, "bind() first"
+        while True:
+            conn, _ = self._sock.accept()
+            threading.Thread(target=self._serve, args=(conn,), name="conn", daemon=True).start()
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+            try:
+                os.unlink(self.socket_path)
+            except OSError:
+                pass
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            reader = LineReader(conn)
+            while True:
+                try:
+                    line = reader.readline()
+                except AgentFailure as exc:  # cannot find the next request: give up
+                    _send(conn, failure(exc))
+                    return
+                except OSError:
+                    return
+                if line is None:
+                    return
+                if not line.strip():
+                    continue
+                reply = self._answer(line)
+                if isinstance(reply, Attachment):
+                    if _send(conn, ok()):
+                        reply.bridge(conn, bytes(reader.buffer))
+                    else:
+                        reply.close()
+                    return
+                if not _send(conn, reply):
+                    return
+
+    def _answer(self, line: bytes) -> bytes | Attachment:
+        op = "?"
+        try:
+            request = parse_request(line)
+            op = request["op"]
+            result = self.agent.handle(request)
+        except AgentFailure as exc:
+            return failure(exc)
+        except Exception as exc:  # never die on a request
+            traceback.print_exc(file=sys.stderr)
+            return failure(AgentFailure(AGENT_ERROR, f"internal error in {op}: {exc!r}"))
+        if isinstance(result, Attachment):
+            return result
+        try:
+            return ok(result)
+        except (TypeError, ValueError) as exc:
+            return failure(AgentFailure(AGENT_ERROR, f"cannot encode the answer to {op}: {exc}"))
+
+
+def _send(conn: socket.socket, data: bytes) -> bool:
+    try:
+        conn.sendall(data)
+        return True
+    except OSError:
+        return False

@@ -1,0 +1,523 @@
+"""Persistent shell sessions on ptys owned by the agent, and ``attach``.
+
+A session is ``bash -i`` (or ``sh -i`` when the image has no bash) on a pty,
+session leader with the pty as controlling terminal, prompts empty, echo off.
+A run writes the command to a script file and types one line into the shell::
+
+    printf START; history -s "$(< script)"; source script; printf END$?
+
+so the state (cwd, variables, functions, history) lives on in the shell, a
+multi-line command works, and a command that reads stdin cannot swallow the
+marker line. Markers hold a fresh random token and are produced by ``printf``
+octal escapes, so the typed line (even if echoed) never contains them.
+
+On timeout: ^C to the pty (SIGINT to the foreground job), then SIGKILL of the
+foreground process group if it is still there after ~1 s; the shell survives
+and is re-synchronised with a fresh marker before the next run.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import secrets
+import selectors
+import shlex
+import signal
+import socket
+import struct
+import termios
+import threading
+import time
+from typing import Any
+
+from . import procfs
+from .children import Child, Reaper, child_env, default_cwd
+from .execs import DEFAULT_MAX_OUTPUT, Capture
+from .protocol import (
+    AGENT_ERROR,
+    NOT_FOUND,
+    STATE_CONFLICT,
+    AgentFailure,
+    arg_env,
+    arg_int,
+    arg_path,
+    arg_str,
+    arg_timeout,
+    invalid,
+)
+
+ROWS, COLS = 40, 160
+#: Extra environment of tool sessions: nothing may wait for a human at a pager.
+SESSION_ENV = {"PAGER": "cat", "GIT_PAGER": "cat"}
+START_TIMEOUT_S = 10.0
+INTERRUPT_GRACE_S = 1.0
+_TAG = b"\x1eBS"
+_MAX_MARKER = 64
+
+
+def _pick_shell(kind: str | None, interactive_rc: bool) -> tuple[str, list[str]]:
+    if kind not in (None, "bash", "sh"):
+        raise invalid(f"unknown session kind {kind!r} (expected 'bash' or 'sh')")
+    if kind != "sh" and os.access("/bin/bash", os.X_OK):
+        flags = [] if interactive_rc else ["--noediting", "--norc", "--noprofile"]
+        return "bash", ["/bin/bash", *flags, "-i"]
+    return "sh", ["/bin/sh", "-i"]
+
+
+def open_pty(*, echo: bool, rows: int = ROWS, cols: int = COLS) -> tuple[int, int]:
+    master, slave = os.openpty()
+    os.set_inheritable(master, False)
+    attrs = termios.tcgetattr(slave)
+    if not echo:
+        attrs[1] &= ~termios.ONLCR
+        attrs[3] &= ~(termios.ECHO | termios.ECHONL)
+    termios.tcsetattr(slave, termios.TCSANOW, attrs)
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+    return master, slave
+
+
+def _start_shell(
+    reaper: Reaper,
+    argv: list[str],
+    req: dict[str, Any],
+    *,
+    echo: bool,
+    rows: int = ROWS,
+    cols: int = COLS,
+    extra_env: dict[str, str] | None = None,
+) -> tuple[Child, int]:
+    env = child_env({**(extra_env or {}), **arg_env(req)})
+    cwd = arg_path(req, "cwd", None) or default_cwd(env)
+    master, slave = open_pty(echo=echo, rows=rows, cols=cols)
+    try:
+        child = reaper.start(
+            argv, env=env, cwd=cwd, stdin=slave, stdout=slave, stderr=slave, controlling_tty=True
+        )
+    except BaseException:
+        os.close(master)
+        raise
+    finally:
+        os.close(slave)
+    return child, master
+
+
+class _Sink:
+    """Finds one run's markers in the pty stream; keeps the output between them.
+
+    With ``output`` false it only waits for a sync marker.
+    """
+
+    def __init__(self, token: str, limit: int, *, output: bool) -> None:
+        tag = _TAG + token.encode()
+        self._start: bytes | None = tag + b"S\x1e" if output else None
+        self._end = re.compile(re.escape(tag) + rb"(?:E(\d+)|Y)\x1e")
+        self._started = self._start is None
+        self._window = bytearray()
+        self.output = Capture(limit)
+        self.matched = False
+        self.exit_code: int | None = None
+        self.done = threading.Event()  # set on the end marker or at the pty's end
+
+    def feed(self, data: bytes) -> None:
+        if self.done.is_set():
+            return
+        self._window += data
+        if not self._started:
+            assert self._start is not None
+            at = self._window.find(self._start)
+            if at < 0:
+                del self._window[: max(0, len(self._window) - len(self._start))]
+                return
+            del self._window[: at + len(self._start)]
+            self._started = True
+        match = self._end.search(self._window)
+        if match:
+            self._keep(self._window[: match.start()])
+            self.exit_code = int(match.group(1)) if match.group(1) else None
+            self.matched = True
+            self._window.clear()
+            self.done.set()
+        elif len(self._window) > _MAX_MARKER:
+            cut = len(self._window) - _MAX_MARKER
+            self._keep(self._window[:cut])
+            del self._window[:cut]
+
+    def flush(self) -> None:
+        """Keep what is left of the window (the run ended without its end marker)."""
+        if self._started:
+            self._keep(self._window)
+        self._window.clear()
+
+    def _keep(self, data: bytes | bytearray) -> None:
+        if self._start is not None:
+            self.output.feed(bytes(data))
+
+
+class Session:
+    """One shell on one pty. ``run`` is serialised; a busy session says so."""
+
+    def __init__(self, session_id: str, kind: str, child: Child, master: int, script: str) -> None:
+        self.session_id = session_id
+        self.kind = kind
+        self.child = child
+        self.master = master
+        self.script = script
+        self._run_lock = threading.Lock()
+        self._sink_lock = threading.Lock()
+        self._sink: _Sink | None = None
+        self._eof = threading.Event()
+        self._closed = False  # fds released; guarded by _fd_lock
+        self._fd_lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)
+        self._reader = threading.Thread(
+            target=self._read_loop, name=f"pty-{session_id}", daemon=True
+        )
+        self._reader.start()
+        child.on_exit(lambda _child: self._wake())
+
+    @classmethod
+    def open(
+        cls, reaper: Reaper, session_id: str, req: dict[str, Any], scripts_dir: str
+    ) -> Session:
+        kind, argv = _pick_shell(arg_str(req, "kind", None), interactive_rc=False)
+        child, master = _start_shell(reaper, argv, req, echo=False, extra_env=SESSION_ENV)
+        script = os.path.join(scripts_dir, f"{session_id}.sh")
+        session = cls(session_id, kind, child, master, script)
+        init = "PS1=; PS2=; "
+        if kind == "bash":
+            init += "PS0=; PROMPT_COMMAND=; unset MAILCHECK HISTFILE; HISTCONTROL=ignorespace; history -c; "
+        if not session._sync(init, START_TIMEOUT_S):
+            session.close()
+            raise AgentFailure(
+                AGENT_ERROR, f"shell {argv[0]} did not start within {START_TIMEOUT_S:.0f} s"
+            )
+        return session
+
+    # --- state --------------------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        return not self.child.done and not self._eof.is_set()
+
+    @property
+    def busy(self) -> bool:
+        return self._run_lock.locked()
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "session_id": self.session_id,
+            "kind": self.kind,
+            "pid": self.child.pid,
+            "busy": self.busy,
+            "alive": self.alive,
+        }
+
+    def _dead_error(self) -> AgentFailure:
+        self.child.wait(1.0)
+        return AgentFailure(
+            STATE_CONFLICT,
+            f"session {self.session_id}: shell exited (status {self.child.exit_code}); "
+            "close it and open a new one",
+        )
+
+    # --- running ------------------------------------------------------------------
+
+    def run(self, command: str, timeout: float | None, limit: int) -> dict[str, Any]:
+        if not self._run_lock.acquire(blocking=False):
+            raise AgentFailure(STATE_CONFLICT, f"session {self.session_id} is busy")
+        try:
+            if not self.alive:
+                raise self._dead_error()
+            self._reset_tty()
+            with open(self.script, "w", encoding="utf-8", errors="surrogateescape") as f:
+                f.write(command if command.endswith("\n") else command + "\n")
+            token = secrets.token_hex(8)
+            sink = _Sink(token, limit, output=True)
+            start = time.monotonic()
+            self._install(sink)
+            self._type(self._run_line(token))
+            finished = self._wait(sink, timeout)
+            timed_out = not finished and self.alive
+            if timed_out:
+                self._recover()
+            sink.flush()
+            exit_code = sink.exit_code if finished else None
+            if not self.alive:
+                self.child.wait(1.0)
+                exit_code = self.child.exit_code if exit_code is None else exit_code
+            return {
+                "output": sink.output.text(),
+                "exit_code": exit_code,
+                "timed_out": timed_out,
+                "truncated": sink.output.truncated,
+                "duration_s": time.monotonic() - start,
+                "alive": self.alive,
+            }
+        finally:
+            self._install(None)
+            self._run_lock.release()
+
+    def _run_line(self, token: str) -> str:
+        script = shlex.quote(self.script)
+        start = f"'\\036BS{token}S\\036'"
+        end = f"'\\036BS{token}E%d\\036' \"$?\""
+        if self.kind == "bash":
+            return (
+                f'builtin printf {start}; builtin history -s -- "$(< {script})"; '
+                f"builtin source {script}; builtin printf {end}"
+            )
+        # ``command .``: a syntax error in the script must not abort the line.
+        return f"command printf {start}; command . {script}; command printf {end}"
+
+    def _sync(self, prefix: str, timeout: float) -> bool:
+        """Type ``prefix`` and a sync marker; True once the shell printed the marker."""
+        token = secrets.token_hex(8)
+        sink = _Sink(token, 0, output=False)
+        self._install(sink)
+        try:
+            self._type(f"{prefix}command printf '\\036BS{token}Y\\036'")
+            return self._wait(sink, timeout)
+        except AgentFailure:
+            return False
+        finally:
+            self._install(None)
+
+    def _wait(self, sink: _Sink, timeout: float | None) -> bool:
+        """True once ``sink`` saw its end marker; False on timeout or if the shell is gone."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return sink.matched
+            if sink.done.wait(0.5 if remaining is None else min(remaining, 0.5)):
+                return sink.matched
+            if not self.alive:
+                sink.done.wait(0.1)  # the reader drains what the shell left
+                return sink.matched
+
+    def _recover(self) -> None:
+        """Interrupt the running command and bring the shell back to reading lines."""
+        for _ in range(3):
+            if not self.alive:
+                return
+            self._install(None)  # what the interrupt prints is not the command's output
+            try:
+                os.write(self.master, b"\x03")
+            except OSError:
+                return
+            fg = self._foreground_job(INTERRUPT_GRACE_S)
+            if fg is not None:
+                try:
+                    os.killpg(fg, signal.SIGKILL)
+                except OSError:
+                    pass
+                self._foreground_job(INTERRUPT_GRACE_S)
+            self._reset_tty()
+            if self._sync("", INTERRUPT_GRACE_S):
+                return
+
+    def _foreground_job(self, within: float) -> int | None:
+        """The foreground process group if it is not the shell's after ``within`` s."""
+        deadline = time.monotonic() + within
+        while True:
+            try:
+                fg = os.tcgetpgrp(self.master)
+            except OSError:
+                return None
+            if fg in (self.child.pid, 0) or not self.alive:
+                return None
+            if time.monotonic() >= deadline:
+                return fg
+            time.sleep(0.01)
+
+    def _reset_tty(self) -> None:
+        """Undo what a killed full-screen program may have left: canonical, no echo."""
+        try:
+            attrs = termios.tcgetattr(self.master)
+            want = (attrs[3] | termios.ICANON | termios.ISIG) & ~termios.ECHO
+            if want != attrs[3]:
+                attrs[3] = want
+                termios.tcsetattr(self.master, termios.TCSANOW, attrs)
+        except termios.error:
+            pass
+
+    def _type(self, line: str) -> None:
+        data = (" " + line + "\n").encode()
+        try:
+            while data:
+                data = data[os.write(self.master, data) :]
+        except OSError:
+            raise self._dead_error() from None
+
+    def _install(self, sink: _Sink | None) -> None:
+        with self._sink_lock:
+            self._sink = sink
+
+    # --- pty reader ---------------------------------------------------------------
+
+    def _wake(self) -> None:
+        with self._fd_lock:
+            if not self._closed:
+                try:
+                    os.write(self._wake_w, b"x")
+                except OSError:
+                    pass
+
+    def _read_loop(self) -> None:
+        """Drain the pty all the time (a background job must never block on it)."""
+        sel = selectors.DefaultSelector()
+        sel.register(self.master, selectors.EVENT_READ)
+        sel.register(self._wake_r, selectors.EVENT_READ)
+        try:
+            while True:
+                events = sel.select()
+                if any(key.fd == self._wake_r for key, _ in events):
+                    # The shell exited or close() was called: drain what is left.
+                    os.set_blocking(self.master, False)
+                try:
+                    data = os.read(self.master, 1 << 16)
+                except BlockingIOError:
+                    break
+                except OSError:  # EIO: every slave end is closed
+                    break
+                if not data:
+                    break
+                with self._sink_lock:
+                    sink = self._sink
+                if sink is not None:
+                    sink.feed(data)
+        finally:
+            sel.close()
+            self._eof.set()
+            with self._sink_lock:
+                if self._sink is not None:
+                    self._sink.done.set()
+
+    def close(self) -> None:
+        """Kill the shell and everything in its session; release the pty.
+
+        The descriptors are closed only here, once the reader has stopped and no
+        run is writing, so a stale descriptor number is never written to.
+        """
+        if not self.child.done:
+            procfs.kill_session(self.child.pid, signal.SIGKILL)
+        self._wake()
+        self._reader.join(5.0)
+        got_run_lock = self._run_lock.acquire(timeout=5.0)
+        try:
+            with self._fd_lock:
+                if got_run_lock and not self._closed and not self._reader.is_alive():
+                    self._closed = True
+                    for fd in (self.master, self._wake_r, self._wake_w):
+                        os.close(fd)
+        finally:
+            if got_run_lock:
+                self._run_lock.release()
+        try:
+            os.unlink(self.script)
+        except OSError:
+            pass
+
+
+class Sessions:
+    """The agent's sessions by id."""
+
+    def __init__(self, reaper: Reaper, scripts_dir: str) -> None:
+        self._reaper = reaper
+        self._scripts_dir = scripts_dir
+        self._lock = threading.Lock()
+        self._sessions: dict[str, Session] = {}
+        self._counter = 0
+
+    def _get(self, req: dict[str, Any]) -> Session:
+        session_id = arg_str(req, "session_id")
+        with self._lock:
+            session = self._sessions.get(session_id)
+        if session is None:
+            raise AgentFailure(NOT_FOUND, f"no session {session_id!r}")
+        return session
+
+    def open(self, req: dict[str, Any]) -> dict[str, Any]:
+        os.makedirs(self._scripts_dir, mode=0o700, exist_ok=True)
+        with self._lock:
+            self._counter += 1
+            session_id = f"s{self._counter}-{secrets.token_hex(3)}"
+        session = Session.open(self._reaper, session_id, req, self._scripts_dir)
+        with self._lock:
+            self._sessions[session_id] = session
+        return {"session_id": session_id, "kind": session.kind, "pid": session.child.pid}
+
+    def run(self, req: dict[str, Any]) -> dict[str, Any]:
+        session = self._get(req)
+        command = arg_str(req, "command")
+        limit = arg_int(req, "max_output", DEFAULT_MAX_OUTPUT)
+        return session.run(command, arg_timeout(req), limit)
+
+    def close(self, req: dict[str, Any]) -> dict[str, Any]:
+        session = self._get(req)
+        with self._lock:
+            self._sessions.pop(session.session_id, None)
+        session.close()
+        return {}
+
+    def list(self, req: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            sessions = list(self._sessions.values())
+        return {"sessions": [s.info() for s in sessions]}
+
+    def close_all(self) -> None:
+        with self._lock:
+            sessions, self._sessions = list(self._sessions.values()), {}
+        for session in sessions:
+            session.close()
+
+
+class Attachment:
+    """A human's shell on a fresh pty, bridged byte for byte to a connection."""
+
+    def __init__(self, reaper: Reaper, req: dict[str, Any]) -> None:
+        rows = arg_int(req, "rows", 24, minimum=1)
+        cols = arg_int(req, "cols", 80, minimum=1)
+        _, argv = _pick_shell(arg_str(req, "kind", None), interactive_rc=True)
+        self.child, self.master = _start_shell(reaper, argv, req, echo=True, rows=rows, cols=cols)
+
+    def bridge(self, conn: socket.socket, pending: bytes) -> None:
+        """Copy both ways until either side closes; then end the shell's session."""
+        sel = selectors.DefaultSelector()
+        try:
+            if pending:
+                self._to_pty(pending)
+            sel.register(conn, selectors.EVENT_READ)
+            sel.register(self.master, selectors.EVENT_READ)
+            while True:
+                for key, _ in sel.select():
+                    if key.fd == self.master:
+                        try:
+                            data = os.read(self.master, 1 << 16)
+                        except OSError:
+                            data = b""
+                        if not data:
+                            return
+                        conn.sendall(data)
+                    else:
+                        data = conn.recv(1 << 16)
+                        if not data:
+                            return
+                        self._to_pty(data)
+        except OSError:
+            return
+        finally:
+            sel.close()
+            self.close()
+
+    def close(self) -> None:
+        """Hang up the pty; kill what is left of the shell's session."""
+        os.close(self.master)
+        if not self.child.wait(1.0):
+            procfs.kill_session(self.child.pid, signal.SIGKILL)
+
+    def _to_pty(self, data: bytes) -> None:
+        while data:
+            data = data[os.write(self.master, data) :]

@@ -1,0 +1,435 @@
+"""Host-side client of the in-workspace agent (``bunshin/agent``).
+
+One short-lived unix-socket connection per call, so nothing outside the
+workspace holds a connection across a CRIU dump. Answers become the frozen
+dataclasses of ``agent_types``; wire errors become the ``bunshin.errors`` class
+with the same code (``PathNotFound``, ``InvalidArgument``, ``NotFound``,
+``StateConflict``...); an unreachable agent or a broken answer is an
+``AgentError``. Timeouts of ``exec`` and ``session_run`` are reported in the
+result (``timed_out=True``), not raised.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal as signals
+import socket
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+from ..errors import AgentError, BunshinError, InvalidArgument
+from .agent_types import (
+    AgentInfo,
+    ExecResult,
+    FileEntry,
+    FileType,
+    ProcessInfo,
+    SessionInfo,
+    SessionResult,
+)
+
+PathLike = str | os.PathLike[str]
+
+#: Bytes per ``read_file``/``write_file`` request (the agent caps reads at this).
+CHUNK = 16 * 1024 * 1024
+#: How much longer than a command's own timeout to wait for the agent's answer
+#: (the agent kills, drains and, for sessions, re-synchronises the shell).
+ANSWER_GRACE_S = 30.0
+_UNIX_PATH_MAX = 108
+
+
+class AgentClient:
+    """Talks to one agent through its socket. Construction does no I/O."""
+
+    def __init__(
+        self, socket_path: Path, *, connect_timeout: float = 5.0, call_timeout: float = 60.0
+    ) -> None:
+        self.socket_path = Path(socket_path)
+        self.connect_timeout = connect_timeout
+        self.call_timeout = call_timeout
+
+    def __repr__(self) -> str:
+        return f"AgentClient({str(self.socket_path)!r})"
+
+    # --- transport ----------------------------------------------------------------
+
+    def call(
+        self, op: str, *, answer_timeout: float | None | Literal["default"] = "default", **args: Any
+    ) -> dict[str, Any]:
+        """Send one request; return the answer's fields (without ``ok``).
+
+        ``answer_timeout``: seconds to wait for the answer (``None``: forever;
+        default: ``call_timeout``). Arguments that are ``None`` are left out.
+        """
+        line = _encode({"op": op, **args})
+        with self._translate(op), self._connect() as sock:
+            sock.settimeout(self.call_timeout if answer_timeout == "default" else answer_timeout)
+            sock.sendall(line)
+            raw = _read_line(sock)
+        return self._decode(op, raw)
+
+    def _connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.settimeout(self.connect_timeout)
+            path = os.fspath(self.socket_path)
+            if len(os.fsencode(path)) < _UNIX_PATH_MAX:
+                sock.connect(path)
+            else:  # too long for sockaddr_un: go through an O_PATH fd of the directory
+                dir_fd = os.open(self.socket_path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    sock.connect(f"/proc/self/fd/{dir_fd}/{self.socket_path.name}")
+                finally:
+                    os.close(dir_fd)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    @contextmanager
+    def _translate(self, op: str) -> Iterator[None]:
+        """The one place where socket and JSON errors become ``AgentError``."""
+        where = f"agent at {self.socket_path}"
+        try:
+            yield
+        except BunshinError:
+            raise
+        except TimeoutError:
+            raise AgentError(f"{where} did not answer {op!r} in time") from None
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            raise AgentError(
+                f"{where} is not reachable ({exc.strerror or exc})",
+                hint="is the workspace running?",
+            ) from None
+        except OSError as exc:
+            raise AgentError(f"{where}: {op!r} failed: {exc.strerror or exc}") from None
+
+    def _decode(self, op: str, raw: bytes) -> dict[str, Any]:
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            raise AgentError(
+                f"agent at {self.socket_path} sent a malformed answer to {op!r}"
+            ) from None
+        if not isinstance(answer, dict) or not isinstance(answer.get("ok"), bool):
+            raise AgentError(f"agent at {self.socket_path} sent an unexpected answer to {op!r}")
+        if not answer.pop("ok"):
+            error = answer.get("error")
+            if not isinstance(error, dict):
+                raise AgentError(f"agent at {self.socket_path} failed {op!r} without saying why")
+            raise BunshinError.from_dict(error)
+        return _Answer(op, answer)
+
+    # --- liveness and identity -------------------------------------------------------
+
+    def ping(self) -> AgentInfo:
+        a = self.call("ping")
+        return AgentInfo(
+            pid=a["pid"],
+            version=a["version"],
+            uptime_s=a["uptime_s"],
+            identity=a.get("identity") or {},
+        )
+
+    def wait_ready(self, timeout: float = 10.0) -> AgentInfo:
+        """Poll ``ping`` until the agent answers; ``AgentError`` after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        delay = 0.005
+        while True:
+            try:
+                return self.ping()
+            except AgentError as exc:
+                if time.monotonic() + delay > deadline:
+                    raise AgentError(
+                        f"agent at {self.socket_path} not ready after {timeout:g} s: {exc.message}",
+                        hint="see the workspace's agent log",
+                    ) from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+    def identify(self, identity: Mapping[str, Any]) -> None:
+        """Tell the agent who it is (e.g. after a fork: ``{"fork_id": ...}``)."""
+        self.call("identify", identity=dict(identity))
+
+    # --- processes --------------------------------------------------------------------
+
+    def exec(
+        self,
+        argv: Sequence[str] | None = None,
+        *,
+        cmd: str | None = None,
+        cwd: PathLike | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        max_output: int | None = None,
+        stdin: str | None = None,
+    ) -> ExecResult:
+        """Run ``argv`` (or ``cmd`` via ``/bin/sh -c``) to completion and capture its output."""
+        a = self.call(
+            "exec",
+            answer_timeout=None if timeout is None else timeout + ANSWER_GRACE_S,
+            **_command(argv, cmd),
+            cwd=_path(cwd),
+            env=dict(env) if env is not None else None,
+            timeout=timeout,
+            max_output=max_output,
+            stdin=stdin,
+        )
+        return ExecResult(
+            exit_code=a["exit_code"],
+            signal=a["signal"],
+            stdout=a["stdout"],
+            stderr=a["stderr"],
+            stdout_truncated=a["stdout_truncated"],
+            stderr_truncated=a["stderr_truncated"],
+            timed_out=a["timed_out"],
+            duration_s=a["duration_s"],
+        )
+
+    def spawn(
+        self,
+        argv: Sequence[str] | None = None,
+        *,
+        cmd: str | None = None,
+        cwd: PathLike | None = None,
+        env: Mapping[str, str] | None = None,
+        log_path: PathLike | None = None,
+    ) -> int:
+        """Start a background process in its own session; returns its pid."""
+        a = self.call(
+            "spawn",
+            **_command(argv, cmd),
+            cwd=_path(cwd),
+            env=dict(env) if env is not None else None,
+            log_path=_path(log_path),
+        )
+        return int(a["pid"])
+
+    def kill(self, pid: int, signal: int = signals.SIGTERM, *, group: bool = False) -> None:
+        """Send ``signal`` to a process (or its process group); ``NotFound`` if gone."""
+        self.call("kill", pid=pid, signal=int(signal), group=group)
+
+    def processes(self) -> list[ProcessInfo]:
+        return [
+            ProcessInfo(
+                pid=p["pid"],
+                ppid=p["ppid"],
+                pgid=p["pgid"],
+                sid=p["sid"],
+                state=p["state"],
+                name=p["name"],
+                cmdline=tuple(p["cmdline"]),
+            )
+            for p in self.call("processes")["processes"]
+        ]
+
+    # --- files ------------------------------------------------------------------------
+
+    def read_file(self, path: PathLike, *, offset: int = 0, length: int | None = None) -> bytes:
+        """Bytes of a regular file from ``offset``: ``length`` of them, or up to the end."""
+        chunks: list[bytes] = []
+        got = 0
+        while length is None or got < length:
+            want = CHUNK if length is None else min(CHUNK, length - got)
+            a = self.call("read_file", path=_path(path), offset=offset + got, length=want)
+            data = base64.b64decode(a["data_b64"])
+            chunks.append(data)
+            got += len(data)
+            if a.get("eof") or len(data) < want:
+                break
+        return b"".join(chunks)
+
+    def write_file(
+        self,
+        path: PathLike,
+        data: bytes | str,
+        *,
+        mode: int | None = None,
+        append: bool = False,
+        mkdirs: bool = False,
+    ) -> int:
+        """Write (or append) ``data``; returns the file's size afterwards."""
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+        size = 0
+        for start in range(0, max(len(raw), 1), CHUNK):
+            chunk = raw[start : start + CHUNK]
+            a = self.call(
+                "write_file",
+                path=_path(path),
+                data_b64=base64.b64encode(chunk).decode(),
+                mode=mode,
+                append=append or start > 0,
+                mkdirs=mkdirs,
+            )
+            size = int(a["size"])
+        return size
+
+    def list_dir(self, path: PathLike) -> list[FileEntry]:
+        return [_entry(e) for e in self.call("list_dir", path=_path(path))["entries"]]
+
+    def stat(self, path: PathLike) -> FileEntry:
+        return _entry(self.call("stat", path=_path(path)))
+
+    def remove(self, path: PathLike, *, recursive: bool = False) -> None:
+        self.call("remove", path=_path(path), recursive=recursive)
+
+    # --- sessions ---------------------------------------------------------------------
+
+    def session_open(
+        self,
+        kind: str = "bash",
+        *,
+        cwd: PathLike | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> str:
+        """Open a persistent shell (bash, or sh if the image has none); returns its id."""
+        a = self.call(
+            "session_open", kind=kind, cwd=_path(cwd), env=dict(env) if env is not None else None
+        )
+        return str(a["session_id"])
+
+    def session_run(
+        self,
+        session_id: str,
+        command: str,
+        *,
+        timeout: float | None = None,
+        max_output: int | None = None,
+    ) -> SessionResult:
+        """Run ``command`` in the session's shell; state carries over between runs."""
+        a = self.call(
+            "session_run",
+            answer_timeout=None if timeout is None else timeout + ANSWER_GRACE_S,
+            session_id=session_id,
+            command=command,
+            timeout=timeout,
+            max_output=max_output,
+        )
+        return SessionResult(
+            output=a["output"],
+            exit_code=a["exit_code"],
+            timed_out=a["timed_out"],
+            truncated=a["truncated"],
+            duration_s=a["duration_s"],
+            alive=a.get("alive", True),
+        )
+
+    def session_close(self, session_id: str) -> None:
+        self.call("session_close", session_id=session_id)
+
+    def session_list(self) -> list[SessionInfo]:
+        return [
+            SessionInfo(
+                session_id=s["session_id"],
+                kind=s["kind"],
+                pid=s["pid"],
+                busy=s["busy"],
+                alive=s.get("alive", True),
+            )
+            for s in self.call("session_list")["sessions"]
+        ]
+
+    def attach(
+        self,
+        kind: str = "bash",
+        *,
+        rows: int | None = None,
+        cols: int | None = None,
+        cwd: PathLike | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> socket.socket:
+        """A new interactive shell on a new pty; returns the connected socket.
+
+        After the agent's ``ok`` the socket is a raw byte pipe to the pty, both
+        ways, until either side closes it. The caller owns (and closes) it.
+        """
+        line = _encode(
+            {
+                "op": "attach",
+                "kind": kind,
+                "rows": rows,
+                "cols": cols,
+                "cwd": _path(cwd),
+                "env": dict(env) if env is not None else None,
+            }
+        )
+        with self._translate("attach"):
+            sock = self._connect()
+            try:
+                sock.settimeout(self.call_timeout)
+                sock.sendall(line)
+                raw = bytearray()
+                while not raw.endswith(b"\n"):  # byte by byte: what follows is the pty's
+                    byte = sock.recv(1)
+                    if not byte:
+                        raise AgentError(
+                            f"agent at {self.socket_path} closed the attach connection"
+                        )
+                    raw += byte
+                self._decode("attach", bytes(raw))
+                sock.settimeout(None)
+                return sock
+            except BaseException:
+                sock.close()
+                raise
+
+
+class _Answer(dict[str, Any]):
+    """An answer's fields; a missing one means the agent speaks another protocol."""
+
+    def __init__(self, op: str, fields: dict[str, Any]) -> None:
+        super().__init__(fields)
+        self.op = op
+
+    def __missing__(self, key: str) -> Any:
+        raise AgentError(f"the agent's answer to {self.op!r} lacks {key!r}")
+
+
+def _encode(request: dict[str, Any]) -> bytes:
+    request = {k: v for k, v in request.items() if v is not None}
+    try:
+        return json.dumps(request, separators=(",", ":")).encode() + b"\n"
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"cannot send {request.get('op')!r}: {exc}") from None
+
+
+def _read_line(sock: socket.socket) -> bytes:
+    buf = bytearray()
+    start = 0
+    while True:
+        chunk = sock.recv(1 << 20)
+        if not chunk:
+            raise ConnectionResetError("the agent closed the connection without answering")
+        buf += chunk
+        end = buf.find(b"\n", start)
+        if end >= 0:
+            return bytes(buf[:end])
+        start = len(buf)
+
+
+def _command(argv: Sequence[str] | None, cmd: str | None) -> dict[str, Any]:
+    if (argv is None) == (cmd is None):
+        raise InvalidArgument("give exactly one of argv (a list) or cmd (a shell string)")
+    if isinstance(argv, str):
+        raise InvalidArgument("argv must be a list of strings; pass a shell string as cmd=")
+    return {"argv": list(argv)} if argv is not None else {"cmd": cmd}
+
+
+def _path(path: PathLike | None) -> str | None:
+    return None if path is None else os.fspath(path)
+
+
+def _entry(e: dict[str, Any]) -> FileEntry:
+    return FileEntry(
+        name=e["name"],
+        type=FileType(e["type"]),
+        size=e["size"],
+        mode=e["mode"],
+        mtime=e["mtime"],
+        link_target=e.get("link_target"),
+    )

@@ -1,0 +1,170 @@
+"""A small, stateless wrapper around the ``criu`` binary.
+
+Every call takes the binary's path, runs it with ``-v4`` and a log file in the
+images directory, and returns a ``CriuRun`` (wall time, log path, and for a
+restore the restored root task's host pid). A failure raises ``CriuError``
+carrying the last lines of CRIU's log. Callers add their own options (cgroups,
+``--root``, network lock, ``--external``, action scripts ...) through ``extra``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from bunshin.errors import CriuError, HostUnsupported
+
+LOG_TAIL_LINES = 30
+
+
+@dataclass(frozen=True)
+class CriuRun:
+    """One finished CRIU run."""
+
+    duration_ms: float
+    log: Path
+    pid: int | None = None  # restore: the restored root task's pid on the host
+
+
+def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _run(criu: Path, args: Sequence[str], *, action: str, log: Path | None, timeout: float | None) -> float:
+    """Run criu; return the wall time in ms or raise CriuError."""
+    with tempfile.TemporaryFile() as out:
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.run(
+                [str(criu), *args],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                close_fds=True,
+                timeout=timeout,
+                check=False,
+            )
+        except FileNotFoundError as exc:
+            raise HostUnsupported(f"criu not found at {criu}", hint="install CRIU >= 4.2 (see DESIGN.md)") from exc
+        except subprocess.TimeoutExpired as exc:
+            raise CriuError(
+                f"criu {action} timed out after {timeout} s",
+                log_tail=_tail(log) if log else "",
+                action=action,
+            ) from exc
+        duration_ms = (time.monotonic() - t0) * 1000
+        if proc.returncode != 0:
+            out.seek(0)
+            output = out.read().decode(errors="replace").strip()
+            tail = (_tail(log) if log else "") or "\n".join(output.splitlines()[-LOG_TAIL_LINES:])
+            raise CriuError(
+                f"criu {action} failed with exit code {proc.returncode}",
+                log_tail=tail,
+                action=action,
+                returncode=proc.returncode,
+                log=str(log) if log else None,
+            )
+    return duration_ms
+
+
+def dump(
+    criu: Path,
+    pid: int,
+    images_dir: Path,
+    *,
+    leave_running: bool = True,
+    extra: Sequence[str] = (),
+    log_name: str = "dump.log",
+    timeout: float | None = None,
+) -> CriuRun:
+    """Dump the process tree rooted at ``pid`` into ``images_dir`` (created if missing)."""
+    images_dir = Path(images_dir).absolute()
+    images_dir.mkdir(parents=True, exist_ok=True)
+    log = images_dir / log_name
+    args = ["dump", "-t", str(pid), "-D", str(images_dir), "-v4", "--log-file", str(log)]
+    if leave_running:
+        args.append("--leave-running")
+    ms = _run(criu, [*args, *extra], action="dump", log=log, timeout=timeout)
+    return CriuRun(duration_ms=ms, log=log)
+
+
+def restore(
+    criu: Path,
+    images_dir: Path,
+    *,
+    pidfile: Path,
+    extra: Sequence[str] = (),
+    root: Path | None = None,
+    log_name: str | None = None,
+    timeout: float | None = None,
+) -> CriuRun:
+    """Restore ``images_dir`` detached; return the restored root task's host pid.
+
+    Several restores of one images directory may run at once: each needs its
+    own ``pidfile`` and log (the default log name is unique).
+    """
+    images_dir = Path(images_dir).absolute()
+    pidfile = Path(pidfile).absolute()
+    log = images_dir / (log_name or f"restore-{uuid.uuid4().hex[:12]}.log")
+    pidfile.unlink(missing_ok=True)
+    args = ["restore", "-D", str(images_dir), "-v4", "--log-file", str(log), "--restore-detached", "--pidfile", str(pidfile)]
+    if root is not None:
+        args += ["--root", str(root)]
+    ms = _run(criu, [*args, *extra], action="restore", log=log, timeout=timeout)
+    try:
+        pid = int(pidfile.read_text().strip())
+    except (OSError, ValueError) as exc:
+        raise CriuError("criu restore succeeded but wrote no readable pidfile", log_tail=_tail(log), action="restore") from exc
+    return CriuRun(duration_ms=ms, log=log, pid=pid)
+
+
+def check(criu: Path, *, extra: Sequence[str] = (), timeout: float | None = 60) -> tuple[bool, str]:
+    """``criu check``: (whether it passed, its output)."""
+    try:
+        proc = subprocess.run(
+            [str(criu), "check", *extra],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            close_fds=True,
+            timeout=timeout,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, str(exc)
+    return proc.returncode == 0, (proc.stdout + proc.stderr).strip()
+
+
+def version(criu: Path, *, timeout: float | None = 30) -> str:
+    """The CRIU version, e.g. ``"4.2.1"``."""
+    try:
+        proc = subprocess.run(
+            [str(criu), "--version"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            close_fds=True,
+            timeout=timeout,
+            check=False,
+        )
+    except FileNotFoundError as exc:
+        raise HostUnsupported(f"criu not found at {criu}", hint="install CRIU >= 4.2 (see DESIGN.md)") from exc
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise CriuError(f"criu --version failed: {exc}", action="version") from exc
+    for line in proc.stdout.splitlines():
+        if line.strip().lower().startswith("version:"):
+            return line.split(":", 1)[1].strip()
+    raise CriuError("criu --version printed no version", log_tail=(proc.stdout + proc.stderr)[-2000:], action="version")
