@@ -19,6 +19,7 @@ neither its finaliser nor ``subprocess._cleanup`` ever calls ``waitpid``.
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import os
 import signal
@@ -29,7 +30,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
-from .protocol import PATH_NOT_FOUND, AgentFailure, from_os_error, invalid
+from .protocol import PATH_NOT_FOUND, RESOURCE_EXHAUSTED, AgentFailure, from_os_error, invalid
 
 BASE_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -82,6 +83,8 @@ def check_cwd(cwd: str) -> None:
 
 
 def _start_error(exc: OSError, program: str, cwd: str, env: dict[str, str]) -> AgentFailure:
+    if exc.errno in (errno.EAGAIN, errno.ENOMEM) and exc.filename is None:
+        return AgentFailure(RESOURCE_EXHAUSTED, f"cannot start {program}: {exc.strerror}")
     if exc.filename == cwd and program != cwd:
         return from_os_error(exc, f"cwd {cwd}")
     if isinstance(exc, FileNotFoundError):

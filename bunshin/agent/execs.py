@@ -147,7 +147,11 @@ def exec_op(reaper: Reaper, req: dict[str, Any]) -> dict[str, Any]:
         stderr=subprocess.PIPE,
     )
     out, err = Capture(limit), Capture(limit)
-    timed_out = _pump(child, stdin_data, out, err, timeout)
+    try:
+        timed_out = _pump(child, stdin_data, out, err, timeout)
+    except BaseException:
+        _kill_group(child.pid)
+        raise
     exit_code = child.exit_code
     return {
         "exit_code": -signal.SIGKILL if exit_code is None else exit_code,

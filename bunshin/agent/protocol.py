@@ -26,6 +26,7 @@ INVALID_ARGUMENT = "invalid_argument"
 NOT_FOUND = "not_found"
 PATH_NOT_FOUND = "path_not_found"
 STATE_CONFLICT = "state_conflict"
+RESOURCE_EXHAUSTED = "resource_exhausted"
 AGENT_ERROR = "agent_error"
 
 OPS = (

@@ -16,6 +16,7 @@ from . import execs, files, procfs
 from .children import Reaper
 from .protocol import (
     AGENT_ERROR,
+    RESOURCE_EXHAUSTED,
     VERSION,
     AgentFailure,
     LineReader,
@@ -25,7 +26,8 @@ from .protocol import (
     parse_request,
     unix_address,
 )
-from .sessions import Attachment, Sessions
+from .sessions import Sessions
+from .terminals import Attachment
 
 Handler = Callable[[dict[str, Any]], "dict[str, Any] | Attachment"]
 
@@ -127,10 +129,21 @@ class AgentServer:
         self._sock = sock
 
     def serve_forever(self) -> None:
-        assert self._sock is not None, "bind() first"
-        while True:
-            conn, _ = self._sock.accept()
-            threading.Thread(target=self._serve, args=(conn,), name="conn", daemon=True).start()
+        """Accept until ``close``; a failing accept or thread start never ends the agent."""
+        while self._sock is not None:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError as exc:  # e.g. EMFILE: wait for descriptors to be freed
+                if self._sock is None:
+                    return
+                print(f"bunshin-agent: accept failed: {exc}", file=sys.stderr)
+                time.sleep(0.05)
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(conn,), name="conn", daemon=True).start()
+            except RuntimeError as exc:  # no thread left (pids limit): refuse this one
+                _send(conn, failure(AgentFailure(RESOURCE_EXHAUSTED, f"agent: {exc}")))
+                conn.close()
 
     def close(self) -> None:
         if self._sock is not None:

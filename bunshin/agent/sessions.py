@@ -1,4 +1,4 @@
-"""Persistent shell sessions on ptys owned by the agent, and ``attach``.
+"""Persistent shell sessions on ptys owned by the agent.
 
 A session is ``bash -i`` (or ``sh -i`` when the image has no bash) on a pty,
 session leader with the pty as controlling terminal, prompts empty, echo off.
@@ -18,89 +18,37 @@ and is re-synchronised with a fresh marker before the next run.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import secrets
 import selectors
 import shlex
 import signal
-import socket
-import struct
 import termios
 import threading
 import time
 from typing import Any
 
 from . import procfs
-from .children import Child, Reaper, child_env, default_cwd
+from .children import Child, Reaper
 from .execs import DEFAULT_MAX_OUTPUT, Capture
 from .protocol import (
     AGENT_ERROR,
     NOT_FOUND,
     STATE_CONFLICT,
     AgentFailure,
-    arg_env,
     arg_int,
-    arg_path,
     arg_str,
     arg_timeout,
-    invalid,
 )
+from .terminals import pick_shell, start_shell
 
-ROWS, COLS = 40, 160
 #: Extra environment of tool sessions: nothing may wait for a human at a pager.
 SESSION_ENV = {"PAGER": "cat", "GIT_PAGER": "cat"}
 START_TIMEOUT_S = 10.0
 INTERRUPT_GRACE_S = 1.0
 _TAG = b"\x1eBS"
 _MAX_MARKER = 64
-
-
-def _pick_shell(kind: str | None, interactive_rc: bool) -> tuple[str, list[str]]:
-    if kind not in (None, "bash", "sh"):
-        raise invalid(f"unknown session kind {kind!r} (expected 'bash' or 'sh')")
-    if kind != "sh" and os.access("/bin/bash", os.X_OK):
-        flags = [] if interactive_rc else ["--noediting", "--norc", "--noprofile"]
-        return "bash", ["/bin/bash", *flags, "-i"]
-    return "sh", ["/bin/sh", "-i"]
-
-
-def open_pty(*, echo: bool, rows: int = ROWS, cols: int = COLS) -> tuple[int, int]:
-    master, slave = os.openpty()
-    os.set_inheritable(master, False)
-    attrs = termios.tcgetattr(slave)
-    if not echo:
-        attrs[1] &= ~termios.ONLCR
-        attrs[3] &= ~(termios.ECHO | termios.ECHONL)
-    termios.tcsetattr(slave, termios.TCSANOW, attrs)
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
-    return master, slave
-
-
-def _start_shell(
-    reaper: Reaper,
-    argv: list[str],
-    req: dict[str, Any],
-    *,
-    echo: bool,
-    rows: int = ROWS,
-    cols: int = COLS,
-    extra_env: dict[str, str] | None = None,
-) -> tuple[Child, int]:
-    env = child_env({**(extra_env or {}), **arg_env(req)})
-    cwd = arg_path(req, "cwd", None) or default_cwd(env)
-    master, slave = open_pty(echo=echo, rows=rows, cols=cols)
-    try:
-        child = reaper.start(
-            argv, env=env, cwd=cwd, stdin=slave, stdout=slave, stderr=slave, controlling_tty=True
-        )
-    except BaseException:
-        os.close(master)
-        raise
-    finally:
-        os.close(slave)
-    return child, master
 
 
 class _Sink:
@@ -181,10 +129,15 @@ class Session:
     def open(
         cls, reaper: Reaper, session_id: str, req: dict[str, Any], scripts_dir: str
     ) -> Session:
-        kind, argv = _pick_shell(arg_str(req, "kind", None), interactive_rc=False)
-        child, master = _start_shell(reaper, argv, req, echo=False, extra_env=SESSION_ENV)
+        kind, argv = pick_shell(arg_str(req, "kind", None), interactive_rc=False)
+        child, master = start_shell(reaper, argv, req, echo=False, extra_env=SESSION_ENV)
         script = os.path.join(scripts_dir, f"{session_id}.sh")
-        session = cls(session_id, kind, child, master, script)
+        try:
+            session = cls(session_id, kind, child, master, script)
+        except BaseException:
+            procfs.kill_session(child.pid)
+            os.close(master)
+            raise
         init = "PS1=; PS2=; "
         if kind == "bash":
             init += "PS0=; PROMPT_COMMAND=; unset MAILCHECK HISTFILE; HISTCONTROL=ignorespace; history -c; "
@@ -231,6 +184,7 @@ class Session:
             if not self.alive:
                 raise self._dead_error()
             self._reset_tty()
+            os.makedirs(os.path.dirname(self.script), mode=0o700, exist_ok=True)
             with open(self.script, "w", encoding="utf-8", errors="surrogateescape") as f:
                 f.write(command if command.endswith("\n") else command + "\n")
             token = secrets.token_hex(8)
@@ -472,52 +426,3 @@ class Sessions:
             sessions, self._sessions = list(self._sessions.values()), {}
         for session in sessions:
             session.close()
-
-
-class Attachment:
-    """A human's shell on a fresh pty, bridged byte for byte to a connection."""
-
-    def __init__(self, reaper: Reaper, req: dict[str, Any]) -> None:
-        rows = arg_int(req, "rows", 24, minimum=1)
-        cols = arg_int(req, "cols", 80, minimum=1)
-        _, argv = _pick_shell(arg_str(req, "kind", None), interactive_rc=True)
-        self.child, self.master = _start_shell(reaper, argv, req, echo=True, rows=rows, cols=cols)
-
-    def bridge(self, conn: socket.socket, pending: bytes) -> None:
-        """Copy both ways until either side closes; then end the shell's session."""
-        sel = selectors.DefaultSelector()
-        try:
-            if pending:
-                self._to_pty(pending)
-            sel.register(conn, selectors.EVENT_READ)
-            sel.register(self.master, selectors.EVENT_READ)
-            while True:
-                for key, _ in sel.select():
-                    if key.fd == self.master:
-                        try:
-                            data = os.read(self.master, 1 << 16)
-                        except OSError:
-                            data = b""
-                        if not data:
-                            return
-                        conn.sendall(data)
-                    else:
-                        data = conn.recv(1 << 16)
-                        if not data:
-                            return
-                        self._to_pty(data)
-        except OSError:
-            return
-        finally:
-            sel.close()
-            self.close()
-
-    def close(self) -> None:
-        """Hang up the pty; kill what is left of the shell's session."""
-        os.close(self.master)
-        if not self.child.wait(1.0):
-            procfs.kill_session(self.child.pid, signal.SIGKILL)
-
-    def _to_pty(self, data: bytes) -> None:
-        while data:
-            data = data[os.write(self.master, data) :]

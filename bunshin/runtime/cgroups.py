@@ -70,12 +70,19 @@ class Layout:
         return [h.base / name for h in self.hierarchies]
 
     def find(self, prefix: str) -> list[Path]:
-        """Every workspace cgroup folder (named ``prefix*``) beneath our own cgroups."""
-        out = []
+        """Every workspace cgroup folder (named ``prefix*``) anywhere in our hierarchies.
+
+        The whole tree is searched, not only beneath our own cgroup: the caller's own
+        cgroup may differ between invocations (as the memory cgroup does here).
+        """
+        out: list[Path] = []
         for h in self.hierarchies:
-            if h.base.is_dir():
-                out.extend(p for p in h.base.iterdir() if p.is_dir() and p.name.startswith(prefix))
-        return sorted(out)
+            for dirpath, dirnames, _ in os.walk(h.mountpoint):
+                for d in list(dirnames):
+                    if d.startswith(prefix):
+                        out.append(Path(dirpath) / d)
+                        dirnames.remove(d)
+        return sorted(set(out))
 
 
 def _cgroup_mounts() -> dict[tuple[str, frozenset[str]], Path]:

@@ -402,6 +402,7 @@ def _plan(
     rebase_ratio: float | None,
     memfile_dir: Path,
     view: str,
+    split_chunks: bool,
 ) -> _Proc | None:
     mm_path = images_dir / f"mm-{pid}.img"
     pm_path = images_dir / f"pagemap-{pid}.img"
@@ -418,14 +419,7 @@ def _plan(
         [_Kind.KEEP] * len(vmas),
         _split(entries, vmas),
     )
-    stored: dict[int, int] = {}  # vma -> bytes stored in the image
-    missing: set[int] = set()  # vmas with pages not stored here (parent images, lazy)
-    for p in proc.pieces:
-        if p.vma is not None:
-            if p.src is None:
-                missing.add(p.vma)
-            else:
-                stored[p.vma] = stored.get(p.vma, 0) + p.end - p.start
+    stored, missing = _stored_bytes(proc.pieces)
     for i, v in enumerate(vmas):
         status = _num(v["status"])
         if status & VMA_FILE_PRIVATE and not _num(v["flags"]) & MAP_ANONYMOUS:
@@ -437,9 +431,82 @@ def _plan(
                     proc.base_paths[_num(v["shmid"])] = host
         elif i in stored and i not in missing and _convertible(v, convert_heap):
             proc.kinds[i] = _Kind.CONVERT
+    if split_chunks and _split_mmapped_chunks(proc):
+        stored, missing = _stored_bytes(proc.pieces)
     if rebase_ratio is not None:
         _choose_rebase(proc, stored, missing, rebase_ratio)
     return proc
+
+
+def _stored_bytes(pieces: list[_Piece]) -> tuple[dict[int, int], set[int]]:
+    """Per VMA: bytes stored in the pages image; VMAs with pages stored elsewhere."""
+    stored: dict[int, int] = {}
+    missing: set[int] = set()
+    for p in pieces:
+        if p.vma is not None:
+            if p.src is None:
+                missing.add(p.vma)
+            else:
+                stored[p.vma] = stored.get(p.vma, 0) + p.end - p.start
+    return stored, missing
+
+
+def _split_mmapped_chunks(proc: _Proc) -> bool:
+    """Split areas to convert at glibc mmapped-chunk boundaries; True if any was split.
+
+    The kernel merges adjacent anonymous mmaps into one area. If such an area
+    were one file slot, ``realloc`` growing one chunk by ``mremap`` would read
+    the next chunk's bytes where anonymous memory reads zeros. With each chunk in
+    its own slot, growth reads the slot's hole. A wrong guess only costs a split.
+    """
+    starts = [p.start for p in proc.pieces]
+    fd = os.open(proc.pages_path, os.O_RDONLY | os.O_CLOEXEC)
+
+    def header(addr: int) -> tuple[int, int] | None:
+        i = bisect.bisect_right(starts, addr) - 1
+        if i < 0 or proc.pieces[i].src is None or addr + 16 > proc.pieces[i].end:
+            return None
+        raw = os.pread(fd, 16, proc.pieces[i].src + addr - proc.pieces[i].start)  # type: ignore[operator]
+        return struct.unpack("<QQ", raw) if len(raw) == 16 else None
+
+    new_vmas: list[dict[str, Any]] = []
+    new_kinds: list[_Kind] = []
+    try:
+        for v, kind in zip(proc.vmas, proc.kinds, strict=True):
+            start, end = _num(v["start"]), _num(v["end"])
+            ranges = _glibc_chunks(header, start, end) if kind is _Kind.CONVERT else [(start, end)]
+            for a, b in ranges:
+                new_vmas.append({**v, "start": a, "end": b})
+                new_kinds.append(kind)
+    finally:
+        os.close(fd)
+    if len(new_vmas) == len(proc.vmas):
+        return False
+    entries = proc.pm_img["entries"][1:]
+    proc.mm_img["entries"][0]["vmas"] = new_vmas
+    proc.kinds = new_kinds
+    proc.pieces = _split(entries, new_vmas)
+    return True
+
+
+def _glibc_chunks(header: Any, start: int, end: int) -> list[tuple[int, int]]:
+    """[start, end) cut into glibc mmapped chunks (prev_size 0, size with IS_MMAPPED), then the rest."""
+    out, pos = [], start
+    while pos < end:
+        hdr = header(pos)
+        if hdr is None:
+            break
+        prev_size, size = hdr
+        total = size & ~0x7
+        if prev_size or not size & 0x2 or size & 0x4 or total == 0 or total % PAGE or pos + total > end:
+            break
+        out.append((pos, pos + total))
+        pos += total
+    if len(out) <= 1 and pos >= end:
+        return [(start, end)]
+    if pos < end:
+        out.append((pos, end))
+    return out
 
 
 def _choose_rebase(proc: _Proc, stored: dict[int, int], missing: set[int], ratio: float) -> None:
@@ -502,9 +569,7 @@ def _execute(
             v = proc.vmas[i]
             offsets[i] = slots.place(_num(v["start"]), _num(v["end"]) - _num(v["start"]))
     if not new_file:
-        for i, kind in enumerate(proc.kinds):
-            if kind is _Kind.SHARED:
-                stats["shared"] += 1
+        stats["shared"] = proc.kinds.count(_Kind.SHARED)
         for p in proc.pieces:
             if p.src is not None:
                 stats["kept"] += p.end - p.start
@@ -626,6 +691,7 @@ def rewrite_images(
     memfile_view: str | None = None,
     root: Path = Path("/"),
     tag: str | None = None,
+    split_chunks: bool = True,
 ) -> RewriteResult:
     """Move the dump's private anonymous memory into memory files (see the module doc).
 
@@ -634,8 +700,9 @@ def rewrite_images(
     ``rebase_ratio``: rebase a process's areas of one memory file when their delta
     reaches this fraction of the data they map from it (None: never). ``root``:
     where the tasks' file names resolve, to look for risky allocators. ``tag``:
-    prefix of the new files' names (default: random). On failure the images are
-    left unchanged and no new file is left behind.
+    prefix of the new files' names (default: random). ``split_chunks``: give each
+    glibc mmapped chunk its own slot (see ``_split_mmapped_chunks``). On failure
+    the images are left unchanged and no new file is left behind.
     """
     t0 = time.monotonic()
     images_dir, memfile_dir = Path(images_dir), Path(memfile_dir)
@@ -667,7 +734,7 @@ def rewrite_images(
         for pid in _pids(images_dir):
             proc = _plan(
                 images_dir, pid, files, convert_heap=convert_heap, rebase_ratio=rebase_ratio,
-                memfile_dir=memfile_dir, view=view,
+                memfile_dir=memfile_dir, view=view, split_chunks=split_chunks,
             )
             if proc is None:
                 continue

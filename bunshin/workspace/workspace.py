@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from ..config import Config
 from ..errors import StateConflict
 from ..runtime import container
+from ..runtime import snapshot as rsnap
 from ..runtime import stats as rstats
 from ..runtime.agent_client import AgentClient
 from ..runtime.agent_types import ExecResult, FileEntry, ProcessInfo, SessionResult
@@ -52,6 +53,7 @@ class Workspace:
         self._record = record
         self.commands = Commands(self)
         self.files = Files(self)
+        self.last_fork: rsnap.SnapshotRecord | None = None
 
     # lifecycle -------------------------------------------------------------------
 
@@ -90,6 +92,33 @@ class Workspace:
         """Kill every process, free every mount, cgroup and file of this workspace."""
         with Store.open(self._config.db_path) as store:
             container.destroy(self._config, store, self._record)
+            rsnap.sweep(self._config, store)
+
+    # fork ------------------------------------------------------------------------
+
+    def snapshot(self, *, mode: str = "cow") -> Snapshot:
+        """Capture this running workspace (it keeps running); kept until ``remove()``d."""
+        with Store.open(self._config.db_path) as store:
+            return Snapshot(self._config, rsnap.take(self._config, store, self._record, keep=True, mode=mode))
+
+    def fork(self, n: int = 1, *, mode: str = "cow") -> list[Workspace]:
+        """``n`` live clones that continue from this instant; all of them or none.
+
+        ``mode="cow"`` shares memory and files copy-on-write; ``"copy"`` is a plain
+        CRIU restore with private pages (for comparison).
+        """
+        if n <= 0:
+            from ..errors import InvalidArgument
+
+            raise InvalidArgument(f"cannot fork {n} clones", hint="give n >= 1")
+        with Store.open(self._config.db_path) as store:
+            snap = rsnap.take(self._config, store, self._record, keep=False, mode=mode)
+            self.last_fork = snap
+            try:
+                recs = rsnap.restore(self._config, store, snap, n)
+            finally:
+                rsnap.sweep(self._config, store)
+        return [Workspace(self._config, r) for r in recs]
 
     def __enter__(self) -> Workspace:
         return self
@@ -157,6 +186,40 @@ class Workspace:
 
     def stats(self) -> WorkspaceStats:
         return rstats.collect(self._record)
+
+
+class Snapshot:
+    """A captured workspace state; restore it any number of times."""
+
+    def __init__(self, config: Config, record: rsnap.SnapshotRecord) -> None:
+        self._config = config
+        self._record = record
+
+    @property
+    def id(self) -> str:
+        return self._record.id
+
+    @property
+    def record(self) -> rsnap.SnapshotRecord:
+        return self._record
+
+    @classmethod
+    def get(cls, ref: str, *, config: Config | None = None) -> Snapshot:
+        cfg = config or Config.from_env()
+        with Store.open(cfg.db_path) as store:
+            return cls(cfg, rsnap.get(store, ref))
+
+    def restore(self, n: int = 1) -> list[Workspace]:
+        with Store.open(self._config.db_path) as store:
+            recs = rsnap.restore(self._config, store, self._record, n)
+        return [Workspace(self._config, r) for r in recs]
+
+    def remove(self) -> None:
+        with Store.open(self._config.db_path) as store:
+            rsnap.remove(self._config, store, self._record)
+
+    def __repr__(self) -> str:
+        return f"Snapshot(id={self.id!r}, source={self._record.source!r})"
 
 
 class Commands:

@@ -27,6 +27,13 @@ class RunningAgent:
     socket: Path
     run_dir: Path
     log: Path
+    prefixed: bool = False
+
+    @property
+    def agent_pid(self) -> int:
+        """Host pid of the agent itself (below the launcher when one is used)."""
+        children = psutil.Process(self.proc.pid).children()
+        return children[0].pid if self.prefixed and children else self.proc.pid
 
     def descendants(self) -> list[psutil.Process]:
         try:
@@ -38,7 +45,7 @@ class RunningAgent:
         """SIGTERM the agent; it must exit and take every child with it."""
         left = self.descendants()
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            os.kill(self.agent_pid, signal.SIGTERM)
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
@@ -61,7 +68,7 @@ def start_agent(socket_path: Path, run_dir: Path, *prefix: str) -> RunningAgent:
             cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
         )  # fmt: skip
     client = AgentClient(socket_path)
-    agent = RunningAgent(proc, client, socket_path, run_dir, log)
+    agent = RunningAgent(proc, client, socket_path, run_dir, log, prefixed=bool(prefix))
     try:
         client.wait_ready(15)
     except BaseException:

@@ -725,8 +725,8 @@ def test_attach_is_a_raw_pipe_to_a_shell(client: AgentClient) -> None:
 
 def test_attach_client_hangup_ends_the_shell(client: AgentClient, tmp_path: Path) -> None:
     with client.attach() as sock:
-        sock.sendall(f"echo $$ > {tmp_path}/pid; echo written\n".encode())
-        _read_until(sock, b"written\r\n")
+        sock.sendall(f"echo $$ > {tmp_path}/pid; echo written-$((6*7))\n".encode())
+        _read_until(sock, b"written-42")  # not the echo of the typed line
         shell = int((tmp_path / "pid").read_text())
     wait_until(lambda: not os.path.exists(f"/proc/{shell}"), what="the attached shell to end")
 

@@ -12,6 +12,9 @@
  * sends SIGUSR1; the answer appears in CTL_DIR/<hostpid>.out (written to a
  * temporary name, then renamed). <hostpid> is what readlink("/proc/self")
  * says: the host's /proc, so it stays right in every clone.
+ *
+ * Built with -DJEMALLOC_MARK it carries jemalloc's message prefix, as a binary
+ * with jemalloc linked in statically does.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -54,6 +57,11 @@ static int nthreads;
 static struct worker workers[MAXT];
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+
+#ifdef JEMALLOC_MARK
+/* what a statically linked jemalloc leaves in a binary */
+const char *volatile jemalloc_marker = "<jemalloc>: (test marker)";
+#endif
 
 static void on_usr1(int sig) { (void)sig; pending = 1; }
 
@@ -205,7 +213,7 @@ static void handle(const char *cmd, char *out, size_t outlen) {
         grow = g;  /* the checksum covers the first grow_len bytes only */
     } else if (!strncmp(cmd, "dontneed", 8)) {
         /* the documented difference: MADV_DONTNEED on a converted area */
-        uint8_t *page = big + 4096;
+        uint8_t *page = (uint8_t *)(((uintptr_t)big + 2 * 4096) & ~(uintptr_t)4095);
         uint64_t keep[512];
         memcpy(keep, page, 4096);
         page[0] ^= 0xFF;

@@ -1,0 +1,362 @@
+"""Snapshots of running workspaces, and restores from them: the live fork.
+
+A snapshot is one ``criu dump --leave-running`` of a workspace plus a frozen copy of
+its upper layer taken while its tasks are frozen (the ``post-dump`` action). In
+``cow`` mode the dump is then rewritten (``memfile``) so that private anonymous
+memory becomes private mappings of memory files on tmpfs: every restore maps the
+same pages copy-on-write. The memory files are hard-linked into the snapshot's
+layer under ``/.bunshin/mem``, which is how restored tasks (and forks of them)
+see them, and nothing else does.
+
+A restore builds a new workspace: an overlay of ``[snapshot layer, *source lowers]``
+with a fresh upper, fresh cgroups with the source's limits, and ``criu restore``
+into them with new namespaces. A batch of restores returns every workspace or
+rolls back all of them.
+
+Lifetime: a snapshot taken by ``fork`` lives while any workspace stacks on its
+layer; one taken explicitly (``keep``) lives until removed. ``sweep`` frees
+whatever nothing holds: image folders, layers and memory files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import secrets
+import shutil
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from ..config import Config
+from ..errors import BunshinError, InvalidArgument, ResourceExhausted, SnapshotNotFound, StateConflict
+from . import container, criu, memfile
+from .cgroups import Layout, WorkspaceCgroup
+from .records import WorkspaceRecord, WorkspaceState
+from .store import Store
+
+KIND = "snapshot"
+MEM_VIEW = "/.bunshin/mem"
+MODES = ("cow", "copy")
+RESTORE_CONCURRENCY = 2
+_COMMON = ["--network-lock", "nftables", "--file-locks", "--tcp-established", "--link-remap"]
+_TS = re.compile(r"^\((\d+\.\d+)\)")
+
+
+@dataclass(frozen=True)
+class SnapshotRecord:
+    """A dumped workspace: images, frozen layer, memory files."""
+
+    id: str
+    source: str
+    image: str
+    mode: str
+    keep: bool
+    created_at: float
+    images: str
+    layer: str
+    lowers: tuple[str, ...]  # below ``layer``, top first
+    memfiles: tuple[str, ...]  # host paths of the memory files this snapshot wrote
+    memory_limit: int | None
+    pids_limit: int | None
+    hostname: str
+    depth: int  # 1 for a snapshot of a fresh workspace, +1 per generation
+    dump_ms: float
+    pause_ms: float
+    rewrite_ms: float
+    memfile_bytes: int
+    image_bytes: int
+    layer_bytes: int
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> SnapshotRecord:
+        d = json.loads(text)
+        d["lowers"], d["memfiles"] = tuple(d["lowers"]), tuple(d["memfiles"])
+        return cls(**d)
+
+
+def get(store: Store, snap_id: str) -> SnapshotRecord:
+    data = store.get_object(KIND, snap_id)
+    if data is None:
+        matches = [d for i, d in store.list_objects(KIND) if i.startswith(snap_id)]
+        if len(matches) != 1:
+            raise SnapshotNotFound(f"no snapshot {snap_id!r}", hint="`bunshin tree` lists snapshots")
+        data = matches[0]
+    return SnapshotRecord.from_json(data)
+
+
+def list_all(store: Store) -> list[SnapshotRecord]:
+    return [SnapshotRecord.from_json(d) for _, d in store.list_objects(KIND)]
+
+
+def mem_dir(cfg: Config) -> Path:
+    return cfg.tmpfs / "mem"
+
+
+# ------------------------------------------------------------------------- take
+
+
+def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool, mode: str = "cow") -> SnapshotRecord:
+    """Dump a running workspace (it keeps running) into a new snapshot."""
+    if mode not in MODES:
+        raise InvalidArgument(f"unknown fork mode {mode!r}", hint=f"use one of {', '.join(MODES)}")
+    if rec.state != WorkspaceState.RUNNING or not container.is_alive(rec):
+        raise StateConflict(f"workspace {rec.id} is not running", hint="only a running workspace can be forked")
+    snap_id = "snap-" + secrets.token_hex(6)
+    sdir = cfg.tmpfs / "snapshots" / snap_id
+    images, layer = sdir / "images", cfg.tmpfs / "layers" / snap_id
+    parent = _source_snapshot(store, rec)
+    snap = SnapshotRecord(
+        id=snap_id, source=rec.id, image=rec.image, mode=mode, keep=keep, created_at=time.time(),
+        images=str(images), layer=str(layer), lowers=rec.lowers, memfiles=(),
+        memory_limit=rec.memory_limit, pids_limit=rec.pids_limit, hostname=rec.hostname,
+        depth=(parent.depth + 1) if parent else 1, dump_ms=0, pause_ms=0, rewrite_ms=0,
+        memfile_bytes=0, image_bytes=0, layer_bytes=0,
+    )
+    store.put_object(KIND, snap_id, snap.to_json())  # recorded first: a crash leaves it to gc
+    try:
+        images.mkdir(parents=True)
+        script = sdir / "freeze-upper.sh"
+        script.write_text(
+            "#!/bin/sh\n"
+            '[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0\n'
+            f'exec cp -a --sparse=always "{rec.upper}" "{layer}"\n'
+        )
+        script.chmod(0o755)
+        _check_space(cfg, rec)
+        freezer = dict(rec.cgroups).get("freezer")
+        extra = [*_COMMON, "--manage-cgroups", "--action-script", str(script)]
+        if freezer:
+            extra += ["--freeze-cgroup", freezer]
+        run = criu.dump(cfg.criu, rec.pid or 0, images, leave_running=True, extra=extra)
+        if not layer.is_dir():
+            raise BunshinError(f"the upper layer of {rec.id} was not frozen", hint="see the dump log")
+        rewrite_ms, files, mem_bytes = 0.0, (), 0
+        if mode == "cow":
+            result = memfile.rewrite_images(
+                images, mem_dir(cfg), memfile_view=MEM_VIEW, root=Path(rec.root), tag=snap_id
+            )
+            files = tuple(str(f.path) for f in result.files)
+            _link_memfiles(files, layer / MEM_VIEW.lstrip("/"))
+            rewrite_ms, mem_bytes = result.duration_ms, result.data_bytes
+        snap = dataclasses.replace(
+            snap, memfiles=files, dump_ms=run.duration_ms, pause_ms=_pause_ms(run.log) or run.duration_ms,
+            rewrite_ms=rewrite_ms, memfile_bytes=mem_bytes, image_bytes=_du(images), layer_bytes=_du(layer),
+        )
+        store.put_object(KIND, snap_id, snap.to_json())
+        return snap
+    except BaseException:
+        _delete(cfg, store, snap)
+        raise
+
+
+def _source_snapshot(store: Store, rec: WorkspaceRecord) -> SnapshotRecord | None:
+    if rec.snapshot is None:
+        return None
+    try:
+        return get(store, rec.snapshot)
+    except SnapshotNotFound:
+        return None
+
+
+def _check_space(cfg: Config, rec: WorkspaceRecord) -> None:
+    """Refuse early when tmpfs cannot hold the workspace's memory and upper once more."""
+    st = os.statvfs(cfg.tmpfs)
+    free = st.f_bavail * st.f_frsize
+    need = _du(Path(rec.upper))
+    for pid in _tree(rec.pid):
+        with contextlib.suppress(psutil.Error):
+            need += psutil.Process(pid).memory_full_info().uss
+    if need > free:
+        raise ResourceExhausted(
+            f"tmpfs {cfg.tmpfs} has {free >> 20} MiB free, the snapshot of {rec.id} needs about {need >> 20} MiB",
+            hint="remove snapshots or workspaces, or point BUNSHIN_TMPFS at a larger tmpfs",
+        )
+
+
+def _tree(pid: int | None) -> list[int]:
+    if pid is None:
+        return []
+    try:
+        p = psutil.Process(pid)
+        return [pid, *(c.pid for c in p.children(recursive=True))]
+    except psutil.Error:
+        return []
+
+
+def _link_memfiles(files: Sequence[str], into: Path) -> None:
+    into.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        _with_mutable(Path(f), lambda p: os.link(p, into / p.name))
+
+
+def _with_mutable(path: Path, action) -> None:
+    """Run ``action(path)`` with the file's immutable flag lifted (hard links need it)."""
+    import fcntl
+    import struct
+
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        buf = bytearray(struct.pack("i", 0))
+        flags = None
+        with contextlib.suppress(OSError):
+            fcntl.ioctl(fd, 0x80086601, buf)
+            flags = struct.unpack("i", buf)[0]
+            if flags & 0x10:
+                fcntl.ioctl(fd, 0x40086602, bytearray(struct.pack("i", flags & ~0x10)))
+        try:
+            action(path)
+        finally:
+            if flags is not None and flags & 0x10:
+                fcntl.ioctl(fd, 0x40086602, bytearray(struct.pack("i", flags)))
+    finally:
+        os.close(fd)
+
+
+def _pause_ms(log: Path) -> float | None:
+    """Freeze-to-thaw time of the dumped tasks, from CRIU's timestamped log."""
+    start = end = None
+    try:
+        for line in log.read_text(errors="replace").splitlines():
+            m = _TS.match(line)
+            if not m:
+                continue
+            t = float(m.group(1))
+            low = line.lower()
+            if start is None and ("freezing" in low or "freeze" in low):
+                start = t
+            if "unfreez" in low or "unlock network" in low:
+                end = t
+    except OSError:
+        return None
+    return round((end - start) * 1000, 2) if start is not None and end is not None else None
+
+
+def _du(path: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
+    return total
+
+
+# ---------------------------------------------------------------------- restore
+
+
+def restore(cfg: Config, store: Store, snap: SnapshotRecord, n: int) -> list[WorkspaceRecord]:
+    """``n`` new running workspaces from ``snap``; all of them or none."""
+    if n <= 0:
+        raise InvalidArgument(f"cannot restore {n} workspaces", hint="give n >= 1")
+    layout = Layout.discover()
+    done: list[WorkspaceRecord] = []
+    try:
+        with ThreadPoolExecutor(max_workers=min(n, RESTORE_CONCURRENCY)) as pool:
+            futures = [pool.submit(_restore_one, cfg, store, snap, layout) for _ in range(n)]
+            errors = []
+            for fut in futures:
+                try:
+                    done.append(fut.result())
+                except BaseException as e:  # collect: every clone is either returned or rolled back
+                    errors.append(e)
+            if errors:
+                raise errors[0]
+        return done
+    except BaseException:
+        for rec in done:
+            container.destroy(cfg, store, store.get_workspace(rec.id))
+        raise
+
+
+def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout) -> WorkspaceRecord:
+    ws_id = container.new_id()
+    wdir = container.workspace_dir(cfg, ws_id)
+    cg = WorkspaceCgroup.of(layout, cfg.cgroup_prefix + ws_id)
+    rec = WorkspaceRecord(
+        id=ws_id, name=None, image=snap.image, state=WorkspaceState.CREATING, created_at=time.time(),
+        root=str(wdir / "root"), upper=str(wdir / "upper"), work=str(wdir / "work"),
+        lowers=(snap.layer, *snap.lowers), cgroup_version=layout.version, cgroups=cg.dirs_as_str(),
+        memory_limit=snap.memory_limit, pids_limit=snap.pids_limit, hostname=snap.hostname,
+        owner_pid=os.getpid(), parent=snap.source, snapshot=snap.id,
+    )
+    store.add_workspace(rec)
+    try:
+        for d in (rec.upper, rec.work, rec.root):
+            os.makedirs(d)
+        container.mount_overlay(rec)
+        WorkspaceCgroup.create(layout, cfg.cgroup_prefix + ws_id, memory=snap.memory_limit, pids=snap.pids_limit)
+        roots = []
+        for c, p in cg.dirs:
+            h = next(h for h in layout.hierarchies if c in h.controllers or layout.version == 2)
+            roots += ["--cgroup-root", f"{c}:/{p.relative_to(h.mountpoint)}" if layout.version == 1
+                      else f"/{p.relative_to(h.mountpoint)}"]
+        run = criu.restore(
+            cfg.criu, Path(snap.images), pidfile=wdir / "pid", root=Path(rec.root),
+            extra=[*_COMMON, "--manage-cgroups=soft", *roots],
+        )
+        assert run.pid is not None
+        rec = rec.replace(state=WorkspaceState.RUNNING, pid=run.pid, owner_pid=None,
+                          pid_start=psutil.Process(run.pid).create_time(),
+                          extra={"restore_ms": round(run.duration_ms, 2)})
+        store.save_workspace(rec)
+        container.agent(rec).identify({"workspace_id": ws_id, "fork_id": ws_id, "parent": snap.source,
+                                       "snapshot": snap.id, "depth": snap.depth})
+        return rec
+    except BaseException:
+        container.destroy(cfg, store, store.get_workspace(ws_id))
+        raise
+
+
+# ----------------------------------------------------------------- lifetime
+
+
+def remove(cfg: Config, store: Store, snap: SnapshotRecord) -> None:
+    """Drop an explicit snapshot; its files go once no workspace stacks on it."""
+    snap = dataclasses.replace(snap, keep=False)
+    store.put_object(KIND, snap.id, snap.to_json())
+    sweep(cfg, store)
+
+
+def held_layers(store: Store) -> set[str]:
+    """Layers some live workspace or kept snapshot stacks on."""
+    held: set[str] = set()
+    for rec in store.list_workspaces():
+        held.update(rec.lowers)
+    for s in list_all(store):
+        if s.keep:
+            held.update((s.layer, *s.lowers))
+    return held
+
+
+def sweep(cfg: Config, store: Store) -> list[str]:
+    """Delete every snapshot nothing holds; returns their ids."""
+    held = held_layers(store)
+    freed = []
+    for s in list_all(store):
+        if not s.keep and s.layer not in held:
+            _delete(cfg, store, s)
+            freed.append(s.id)
+    return freed
+
+
+def _delete(cfg: Config, store: Store, snap: SnapshotRecord) -> None:
+    for f in snap.memfiles:
+        memfile.remove_memfile(Path(f))
+    layer_mem = Path(snap.layer) / MEM_VIEW.lstrip("/")
+    if layer_mem.is_dir():
+        for f in layer_mem.iterdir():
+            memfile.remove_memfile(f)
+    shutil.rmtree(snap.layer, ignore_errors=True)
+    shutil.rmtree(Path(snap.images).parent, ignore_errors=True)
+    store.delete_object(KIND, snap.id)
+

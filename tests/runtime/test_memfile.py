@@ -1,0 +1,508 @@
+"""Copy-on-write forks: the image rewrite, checked on real dumps and restores.
+
+The workload is tests/runtime/progs/memprog.c (compiled here with gcc), run
+alone in its own pid namespace; every restore gets a fresh pid namespace, so
+clones run side by side. Unit tests of the page-map arithmetic need no CRIU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bunshin.errors import NotForkable
+from bunshin.runtime import criu, memfile
+from bunshin.runtime.memfile import PAGE, ZeroFillPolicy
+
+PROGS = Path(__file__).parent / "progs"
+MIB = 1 << 20
+_PROBE = Path("/opt/bunshin/criu-probe")
+_INSTALLED = Path("/opt/bunshin/criu/bin/criu")
+CRIU = Path(os.environ.get("BUNSHIN_CRIU") or (_INSTALLED if _INSTALLED.exists() else _PROBE))
+JEMALLOC = Path("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
+PR_SET_CHILD_SUBREAPER = 36
+
+
+# ------------------------------------------------------------------ harness
+
+
+def _prctl(option: int, value: int) -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+
+
+def _reap_all() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _kill(pid: int) -> None:
+    """SIGKILL a process and wait until it is gone (reaping it if it is ours)."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    try:
+        os.waitpid(pid, 0)
+        return
+    except ChildProcessError:
+        pass
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.01)
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(x) for x in (task / "children").read_text().split()]
+    return out
+
+
+def _smaps(pid: int, key: str) -> int:
+    """A /proc/PID/smaps_rollup field, in bytes."""
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _system_used() -> int:
+    """Memory in use system-wide, tmpfs included (bytes)."""
+    info = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        name, value = line.split(":", 1)
+        info[name] = int(value.split()[0]) * 1024
+    return info["MemTotal"] - info["MemAvailable"]
+
+
+def _digest(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.glob("*.img"))}
+
+
+class Lab:
+    """Runs memprog in pid namespaces, dumps, rewrites, restores; cleans up everything."""
+
+    def __init__(self, criu_bin: Path, memprog: Path, workdir: Path) -> None:
+        self.criu = criu_bin
+        self.memprog = memprog
+        self.workdir = workdir
+        self.ctl = workdir / "ctl"
+        self.ctl.mkdir()
+        self.mem = Path("/dev/shm") / f"bunshin-test-{uuid.uuid4().hex[:8]}"
+        self.mem.mkdir()
+        self.pids: list[int] = []
+        self.popens: list[subprocess.Popen[bytes]] = []
+        self.images: list[Path] = []
+        self.restore_ms: list[float] = []
+
+    def spawn(self, mib: int, threads: int = 2, children: int = 0, *, env: dict[str, str] | None = None,
+              prog: Path | None = None) -> int:
+        p = subprocess.Popen(
+            ["unshare", "--pid", "--fork", str(prog or self.memprog), str(self.ctl), str(mib), str(threads), str(children)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True, close_fds=True, env=env,
+        )
+        self.popens.append(p)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            kids = _children(p.pid) if p.poll() is None else []
+            if kids:
+                pid = kids[0]
+                if pid not in self.pids:
+                    self.pids.append(pid)
+                procs = [pid, *_children(pid)]
+                if len(procs) == children + 1 and all((self.ctl / f"{q}.ready").exists() for q in procs):
+                    return pid
+            elif p.poll() is not None:
+                raise RuntimeError(f"memprog exited with {p.returncode}")
+            time.sleep(0.01)
+        raise TimeoutError("memprog did not get ready")
+
+    def cmd(self, pid: int, text: str, timeout: float = 120) -> dict[str, str]:
+        out = self.ctl / f"{pid}.out"
+        out.unlink(missing_ok=True)
+        tmp = self.ctl / f"{pid}.cmd.tmp"
+        tmp.write_text(text)
+        tmp.rename(self.ctl / f"{pid}.cmd")
+        os.kill(pid, signal.SIGUSR1)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if out.exists():
+                return dict(kv.split("=", 1) for kv in out.read_text().split() if "=" in kv) or {"ok": "1"}
+            time.sleep(0.002)
+        raise TimeoutError(f"{pid} did not answer {text!r}")
+
+    def dump(self, pid: int) -> Path:
+        images = self.workdir / f"img{len(self.images)}"
+        self.images.append(images)
+        criu.dump(self.criu, pid, images)
+        return images
+
+    def restore(self, images: Path) -> int:
+        run = criu.restore(self.criu, images, pidfile=self.workdir / f"clone{len(self.pids)}.pid")
+        assert run.pid is not None
+        self.pids.append(run.pid)
+        self.restore_ms.append(run.duration_ms)
+        return run.pid
+
+    def close(self) -> None:
+        for pid in reversed(self.pids):
+            _kill(pid)
+        for p in self.popens:
+            p.kill()
+            p.wait()
+        _reap_all()
+        memfile.remove_memfiles(self.mem)
+        shutil.rmtree(self.mem, ignore_errors=True)
+        for images in self.images:
+            shutil.rmtree(images, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def criu_bin() -> Path:
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    if not CRIU.exists():
+        pytest.skip(f"no CRIU at {CRIU}")
+    ok, out = criu.check(CRIU)
+    if not ok:
+        pytest.skip(f"criu check failed: {out[-300:]}")
+    return CRIU
+
+
+def _build(tmp: Path, name: str, *flags: str) -> Path:
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("needs gcc")
+    out = tmp / name
+    subprocess.run([gcc, "-O2", "-pthread", *flags, "-o", str(out), str(PROGS / "memprog.c")], check=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def memprog(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _build(tmp_path_factory.mktemp("memprog"), "memprog")
+
+
+@pytest.fixture(scope="module")
+def reaper() -> Iterator[None]:
+    """Make this process the subreaper of restored clones, so they can be reaped."""
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    yield None
+    _prctl(PR_SET_CHILD_SUBREAPER, 0)
+    _reap_all()
+
+
+@pytest.fixture
+def lab(criu_bin: Path, memprog: Path, reaper: None, tmp_path: Path) -> Iterator[Lab]:
+    lab = Lab(criu_bin, memprog, tmp_path)
+    yield lab
+    lab.close()
+
+
+def _sums(lab: Lab, pid: int) -> dict[str, str]:
+    return lab.cmd(pid, "sum")
+
+
+# ------------------------------------------------------- unit: no CRIU needed
+
+
+def test_split_cuts_page_map_entries_at_vma_boundaries() -> None:
+    vmas = [{"start": 0x10000, "end": 0x13000}, {"start": 0x13000, "end": 0x20000}, {"start": 0x30000, "end": 0x31000}]
+    entries = [
+        {"vaddr": 0x11000, "nr_pages": 4, "flags": 6},  # crosses the first boundary
+        {"vaddr": 0x1F000, "nr_pages": 1, "flags": 1},  # in a parent image: no data here
+        {"vaddr": 0x30000, "nr_pages": 1, "flags": 4},
+    ]
+    pieces = memfile._split(entries, vmas)
+    assert [(p.start, p.end, p.src, p.vma) for p in pieces] == [
+        (0x11000, 0x13000, 0, 0),
+        (0x13000, 0x15000, 2 * PAGE, 1),
+        (0x1F000, 0x20000, None, 1),
+        (0x30000, 0x31000, 4 * PAGE, 2),
+    ]
+
+
+def test_glibc_chunks_split_merged_mmaps() -> None:
+    headers = {0x100000: (0, 0x3000 | 2), 0x103000: (0, 0x5000 | 2)}
+    assert memfile._glibc_chunks(headers.get, 0x100000, 0x108000) == [(0x100000, 0x103000), (0x103000, 0x108000)]
+    # an area that is not a run of mmapped chunks stays whole, a partial run keeps its rest
+    assert memfile._glibc_chunks({}.get, 0x100000, 0x108000) == [(0x100000, 0x108000)]
+    assert memfile._glibc_chunks({0x100000: (0, 0x2000 | 2)}.get, 0x100000, 0x108000) == [
+        (0x100000, 0x102000),
+        (0x102000, 0x108000),
+    ]
+    # non-main-arena or unaligned sizes are not mmapped chunks
+    assert memfile._glibc_chunks({0x100000: (0, 0x2000 | 2 | 4)}.get, 0x100000, 0x108000) == [(0x100000, 0x108000)]
+
+
+def test_num_reads_pycriu_renderings() -> None:
+    assert memfile._num(0x22) == 0x22
+    assert memfile._num("0x41") == 0x41
+    assert memfile._num("MAP_PRIVATE | MAP_ANON") == 0x22
+    assert memfile._num("VMA_AREA_REGULAR | VMA_FILE_PRIVATE") == 0x41
+
+
+def test_slots_leave_growth_room_and_keep_huge_page_alignment() -> None:
+    slots = memfile._Slots(growth_room=1 << 30)
+    a = slots.place(0x7F0000201000, 0x5000)
+    b = slots.place(0x7F0000400000, 0x1000)
+    assert a % (2 << 20) == 0x1000 and b % (2 << 20) == 0
+    assert b >= a + 0x5000 + (1 << 30)
+
+
+# ----------------------------------------------------------- real forks
+
+
+@pytest.mark.criu
+def test_clones_share_memory_copy_on_write(lab: Lab) -> None:
+    heap = 256
+    parent = lab.spawn(heap, threads=2)
+    want = _sums(lab, parent)
+
+    plain = lab.dump(parent)
+    t0 = time.monotonic()
+    copy = lab.restore(plain)
+    plain_ms = (time.monotonic() - t0) * 1000
+    assert _sums(lab, copy) == want
+    plain_anon = _smaps(copy, "Anonymous")
+    _kill(copy)
+
+    images = lab.dump(parent)
+    res = memfile.rewrite_images(images, lab.mem)
+    assert res.vmas_converted > 0 and res.bytes_moved >= heap * MIB and not res.left_anonymous
+    assert res.image_bytes < 8 * MIB  # what stays in the image: [heap], stacks, libc data ...
+    (mf,) = res.files
+    st = mf.path.stat()
+    assert stat.S_IMODE(st.st_mode) == 0o444 and st.st_size == mf.size and mf.data_bytes >= heap * MIB
+    with pytest.raises(PermissionError):  # immutable, even for root
+        open(mf.path, "r+b").close()
+
+    before = _system_used()
+    clones, times = [], []
+    for _ in range(4):
+        t0 = time.monotonic()
+        clones.append(lab.restore(images))
+        times.append((time.monotonic() - t0) * 1000)
+    for c in clones:
+        assert _sums(lab, c) == want
+    added = _system_used() - before
+    anon = [_smaps(c, "Anonymous") for c in clones]
+    print(f"\n256 MiB heap: plain restore {plain_ms:.0f} ms, {plain_anon / MIB:.0f} MiB private; "
+          f"rewritten restore {min(times):.0f}-{max(times):.0f} ms, private {[round(a / MIB, 1) for a in anon]} MiB, "
+          f"4 clones +{added / MIB:.0f} MiB system-wide; rewrite {res.duration_ms:.0f} ms")
+    assert plain_anon > heap * MIB
+    assert max(anon) < 16 * MIB
+    assert added < 2 * heap * MIB  # a plain restore of 4 clones adds over 4 * heap
+
+    # maps show the memory file where the heap block was anonymous (a documented difference)
+    assert str(mf.path) in Path(f"/proc/{clones[0]}/maps").read_text()
+
+    # writes stay private to the writer
+    lab.cmd(clones[0], "write 0 8 7")
+    assert _sums(lab, clones[0])["big"] != want["big"]
+    for pid in (parent, *clones[1:]):
+        assert _sums(lab, pid) == want
+    assert 8 * MIB <= _smaps(clones[0], "Anonymous") < 8 * MIB + 16 * MIB
+
+
+@pytest.mark.criu
+def test_fresh_memory_reads_zero_in_clones(lab: Lab) -> None:
+    """glibc thread arenas shrink (MADV_DONTNEED) and regrow; calloc, mmap, mremap growth."""
+    parent = lab.spawn(32, threads=4)
+    want = _sums(lab, parent)
+    images = lab.dump(parent)
+    memfile.rewrite_images(images, lab.mem)
+    clones = [lab.restore(images) for _ in range(2)]
+    for c in clones:
+        for _ in range(3):
+            arena = lab.cmd(c, "arena")
+            assert arena["stale"] == "0"  # calloc after the trim: zeros
+            assert int(arena["trimmed"]) > 0  # the trim did bring back dump-time bytes
+        assert lab.cmd(c, "zero") == {"bad": "0"}
+        grown = lab.cmd(c, "mremap 64")
+        assert grown["intact"] == "1" and grown["tail_nonzero"] == "0"
+        grown = lab.cmd(c, "mremap 300")  # moved again, past the first growth
+        assert grown["intact"] == "1" and grown["tail_nonzero"] == "0"
+        assert _sums(lab, c)["threads"] == want["threads"]
+    # the parent is unaffected
+    assert _sums(lab, parent) == want
+
+
+@pytest.mark.criu
+def test_madv_dontneed_brings_back_dump_bytes(lab: Lab) -> None:
+    """The semantic difference that the zero-fill policy exists for."""
+    parent = lab.spawn(8, threads=0)
+    plain = lab.dump(parent)
+    images = lab.dump(parent)
+    memfile.rewrite_images(images, lab.mem)
+    assert lab.cmd(lab.restore(plain), "dontneed") == {"nonzero": "0", "dump_bytes": "0"}
+    assert lab.cmd(lab.restore(images), "dontneed")["dump_bytes"] == "1"
+
+
+@pytest.mark.criu
+@pytest.mark.skipif(not JEMALLOC.exists(), reason="needs libjemalloc2")
+def test_jemalloc_process_is_left_anonymous(lab: Lab) -> None:
+    env = dict(os.environ, LD_PRELOAD=str(JEMALLOC), MALLOC_CONF="dirty_decay_ms:0,muzzy_decay_ms:0")
+    parent = lab.spawn(8, threads=2, env=env)
+    images = [lab.dump(parent) for _ in range(2)]
+
+    with pytest.raises(NotForkable):
+        memfile.rewrite_images(images[0], lab.mem, zero_fill=ZeroFillPolicy.REFUSE)
+
+    res = memfile.rewrite_images(images[0], lab.mem)  # default: COPY
+    assert res.vmas_converted == 0 and [u.pid for u in res.left_anonymous] == [1]
+    assert "libjemalloc" in res.left_anonymous[0].reason
+    clone = lab.restore(images[0])
+    for _ in range(2):
+        assert lab.cmd(clone, "arena")["stale"] == "0"
+
+    # why: converted anyway, jemalloc's calloc hands out purged memory as zeroed
+    res = memfile.rewrite_images(images[1], lab.mem, zero_fill=ZeroFillPolicy.CONVERT)
+    assert res.vmas_converted > 0
+    assert int(lab.cmd(lab.restore(images[1]), "arena")["stale"]) > 0
+
+
+@pytest.mark.criu
+def test_zero_fill_detection(lab: Lab, tmp_path: Path) -> None:
+    # a statically linked jemalloc, seen in the executable's bytes
+    static = _build(tmp_path, "memprog-static-jemalloc", "-DJEMALLOC_MARK")
+    images = lab.dump(lab.spawn(1, threads=0, prog=static))
+    (reason,) = memfile.zero_fill_risks(images).values()
+    assert "contains jemalloc" in reason
+
+    # a library named like mimalloc
+    lib = tmp_path / "libmimalloc.so.2"
+    (tmp_path / "empty.c").write_text("int bunshin_test_symbol;\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(lib), str(tmp_path / "empty.c")], check=True)
+    images = lab.dump(lab.spawn(1, threads=0, env=dict(os.environ, LD_PRELOAD=str(lib))))
+    (reason,) = memfile.zero_fill_risks(images).values()
+    assert "libmimalloc" in reason
+
+    # plain glibc: nothing to report
+    assert memfile.zero_fill_risks(lab.dump(lab.spawn(1, threads=1))) == {}
+
+
+@pytest.mark.criu
+def test_process_tree(lab: Lab) -> None:
+    parent = lab.spawn(16, threads=1, children=2)
+    procs = [parent, *_children(parent)]
+    want = {i: _sums(lab, p) for i, p in enumerate(procs)}
+    images = lab.dump(parent)
+    res = memfile.rewrite_images(images, lab.mem)
+    assert len(res.files) == 3
+    for _ in range(2):
+        clone = lab.restore(images)
+        kids = _children(clone)
+        assert len(kids) == 2
+        assert _sums(lab, clone) == want[0]
+        assert sorted(_sums(lab, k)["big"] for k in kids) == sorted(want[i]["big"] for i in (1, 2))
+        assert all(_smaps(p, "Anonymous") < 8 * MIB for p in (clone, *kids))
+
+
+@pytest.mark.criu
+def test_convert_heap_option(lab: Lab) -> None:
+    parent = lab.spawn(4, threads=0)
+    want = _sums(lab, parent)
+    images = lab.dump(parent)
+    res = memfile.rewrite_images(images, lab.mem, convert_heap=True)
+    clone = lab.restore(images)
+    maps = Path(f"/proc/{clone}/maps").read_text()
+    assert "[heap]" not in maps and str(res.files[0].path) in maps
+    assert _sums(lab, clone) == want
+    assert lab.cmd(clone, "zero") == {"bad": "0"}
+
+
+@pytest.mark.criu
+def test_failed_rewrite_leaves_images_unchanged(lab: Lab) -> None:
+    images = lab.dump(lab.spawn(4, threads=0))
+    before = _digest(images)
+    (lab.mem / f"taken-1{memfile.SUFFIX}").write_bytes(b"")
+    with pytest.raises(FileExistsError):
+        memfile.rewrite_images(images, lab.mem, tag="taken")
+    assert _digest(images) == before
+    assert [p.name for p in lab.mem.iterdir()] == [f"taken-1{memfile.SUFFIX}"]
+    assert not list(images.glob("*.rewrite"))
+
+
+@pytest.mark.criu
+def test_forks_of_forks(lab: Lab) -> None:
+    """A chain of 9 generations: each clone writes a little, is dumped (a delta) and restored.
+
+    With ``rebase_ratio=0.04`` (about 3 MiB of the ~70 MiB the process maps from
+    its file) every third delta is folded into a fresh file.
+    """
+    depth = 9
+    pid = lab.spawn(64, threads=1)
+    want = _sums(lab, pid)
+    deltas, shared, rebased = [], [], []
+    for gen in range(depth):
+        images = lab.dump(pid)
+        res = memfile.rewrite_images(images, lab.mem, rebase_ratio=0.04)
+        deltas.append(res.delta_bytes)
+        shared.append(res.vmas_shared + res.vmas_rebased)
+        rebased.append(res.vmas_rebased > 0)
+        child = lab.restore(images)
+        assert _sums(lab, child) == want, f"generation {gen + 1}"
+        assert _smaps(child, "Anonymous") < 16 * MIB
+        lab.cmd(child, f"write {gen % 60} 1 {gen + 1}")  # 1 MiB of new writes per generation
+        lab.cmd(child, "touch 3000 64")  # and 64 scattered pages
+        want = _sums(lab, child)
+        _kill(pid)
+        pid = child
+    print(f"\ndelta left in the image per generation (MiB): {[round(d / MIB, 2) for d in deltas]}, rebased: {rebased}")
+    assert deltas[0] == 0 and shared[0] == 0 and not rebased[0]
+    assert all(s > 0 for s in shared[1:])
+    assert any(rebased) and not all(rebased[1:])
+    # a delta holds the writes since the last rebase (1 MiB + 64 pages per generation)
+    assert all(d == 0 if r else MIB <= d < 4 * MIB for d, r in zip(deltas[1:], rebased[1:], strict=True))
+
+    # an explicit rebase folds the delta into a fresh file
+    images = lab.dump(pid)
+    res = memfile.rebase(images, lab.mem)
+    assert res.vmas_rebased > 0 and res.delta_bytes == 0
+    clone = lab.restore(images)
+    assert _sums(lab, clone) == want
+    assert _smaps(clone, "Anonymous") < 8 * MIB
+
+
+@pytest.mark.criu
+def test_delta_is_restored_over_the_shared_file(lab: Lab) -> None:
+    """Without rebase, a grandchild gets the clone's writes on top of the shared file."""
+    parent = lab.spawn(32, threads=0)
+    images = lab.dump(parent)
+    memfile.rewrite_images(images, lab.mem)
+    clone = lab.restore(images)
+    lab.cmd(clone, "write 4 2 9")
+    want = _sums(lab, clone)
+    images2 = lab.dump(clone)
+    res = memfile.rewrite_images(images2, lab.mem, rebase_ratio=None)
+    assert not res.files and res.vmas_shared > 0
+    assert 2 * MIB <= res.delta_bytes < 3 * MIB
+    for _ in range(2):
+        grandchild = lab.restore(images2)
+        assert _sums(lab, grandchild) == want
+        assert 2 * MIB <= _smaps(grandchild, "Anonymous") < 10 * MIB
+    assert memfile.referenced_memfiles(images2) == memfile.referenced_memfiles(images)
