@@ -269,8 +269,11 @@ class Session:
                     pass
                 self._foreground_job(INTERRUPT_GRACE_S)
             self._reset_tty()
-            if self._sync("", INTERRUPT_GRACE_S):
-                return
+            # A builtin such as ``read`` may finish by swallowing the first sync
+            # line: type more, waiting a little longer each time.
+            for wait in (0.05, 0.1, 0.2, 0.4, 0.8):
+                if self._sync("", wait):
+                    return
 
     def _foreground_job(self, within: float) -> int | None:
         """The foreground process group if it is not the shell's after ``within`` s."""

@@ -27,7 +27,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    tail: list[str] = []
+    if "--" in argv:  # everything after the first `--` is the command to run, verbatim
+        i = argv.index("--")
+        argv, tail = argv[:i], argv[i + 1 :]
     args = parser.parse_args(argv)
+    if hasattr(args, "cmd"):
+        args.cmd = list(args.cmd or []) + tail
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

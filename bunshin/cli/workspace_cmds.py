@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--memory", default="2G", help="memory limit, e.g. 512M, 2G (default 2G)")
     p.add_argument("--pids", type=int, default=512, help="process limit (default 512)")
     p.add_argument("--json", action="store_true", help="print a JSON object")
-    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD...: a long-lived command to run inside")
+    p.add_argument("cmd", nargs="*", help="-- CMD...: a long-lived command to run inside")
     p.set_defaults(func=cmd_create)
 
     p = sub.add_parser("exec", help="run a command in a workspace")
@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cwd", help="working directory inside the workspace")
     p.add_argument("-e", "--env", action="append", metavar="K=V", help="set an environment variable")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of streaming it")
-    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD...")
+    p.add_argument("cmd", nargs="*", help="-- CMD...")
     p.set_defaults(func=cmd_exec)
 
     p = sub.add_parser("sh", help="an interactive shell inside a workspace")
@@ -54,12 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_rm)
 
 
-def _strip_dashes(cmd: list[str]) -> list[str]:
-    return cmd[1:] if cmd and cmd[0] == "--" else cmd
-
-
 def cmd_create(args: argparse.Namespace) -> int:
-    command = _strip_dashes(args.cmd) or None
+    command = args.cmd or None
     t0 = time.perf_counter()
     ws = Workspace.create(args.image, name=args.name, memory=args.memory, pids=args.pids, command=command)
     if args.json:
@@ -73,7 +69,7 @@ def cmd_create(args: argparse.Namespace) -> int:
 def cmd_exec(args: argparse.Namespace) -> int:
     from .main import parse_env
 
-    argv = _strip_dashes(args.cmd)
+    argv = args.cmd
     if not argv:
         raise InvalidArgument("no command given", hint="bunshin exec WS -- CMD [ARGS...]")
     ws = Workspace.get(args.workspace)

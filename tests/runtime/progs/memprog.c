@@ -52,7 +52,7 @@ static const char *ctl_dir;
 static volatile sig_atomic_t pending;
 static int is_root_proc = 1;
 static uint8_t *big, *grow, *brk_chunks[NBRK];
-static size_t big_len, grow_len;
+static size_t big_len, grow_len, grow_cur;
 static int nthreads;
 static struct worker workers[MAXT];
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -200,17 +200,18 @@ static void handle(const char *cmd, char *out, size_t outlen) {
         snprintf(out, outlen, "stale=%ld trimmed=%ld", stale, trimmed);
     } else if (!strncmp(cmd, "zero", 4)) {
         snprintf(out, outlen, "bad=%ld", zero_checks());
-    } else if (sscanf(cmd, "mremap %lu", &a) == 1) {
+    } else if (sscanf(cmd, "mremap %lu", &a) == 1 && a * MIB > grow_cur) {
         /* glibc grows an mmapped chunk with mremap (in place or moved) */
         size_t new_len = a * MIB;
         uint64_t before = hash(0xcbf29ce484222325ULL, grow, grow_len);
         uint8_t *g = realloc(grow, new_len);
         uint64_t after = hash(0xcbf29ce484222325ULL, g, grow_len);
-        long tail = count_nonzero(g + grow_len, new_len - grow_len);
-        memset(g + grow_len, 0x3C, new_len - grow_len);
+        long tail = count_nonzero(g + grow_cur, new_len - grow_cur);
+        memset(g + grow_cur, 0x3C, new_len - grow_cur);
         snprintf(out, outlen, "intact=%d tail_nonzero=%ld moved=%d",
                  before == after, tail, g != grow);
         grow = g;  /* the checksum covers the first grow_len bytes only */
+        grow_cur = new_len;
     } else if (!strncmp(cmd, "dontneed", 8)) {
         /* the documented difference: MADV_DONTNEED on a converted area */
         uint8_t *page = (uint8_t *)(((uintptr_t)big + 2 * 4096) & ~(uintptr_t)4095);
@@ -294,7 +295,7 @@ int main(int argc, char **argv) {
 
     big = malloc(big_len);
     fill_pattern(big, big_len, 0x1234567);
-    grow_len = 8 * MIB;
+    grow_len = grow_cur = 8 * MIB;
     grow = malloc(grow_len);
     fill_pattern(grow, grow_len, 0x7654321);
     for (int i = 0; i < NBRK; i++) {

@@ -1,0 +1,128 @@
+"""Integration: the `bunshin` command line, across separate invocations, errors and gc."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def bunshin(cfg, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "BUNSHIN_HOME": str(cfg.home), "BUNSHIN_CRIU": str(cfg.criu)}
+    proc = subprocess.run([sys.executable, "-m", "bunshin.cli.main", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"bunshin {args} exited {proc.returncode}: {proc.stderr}")
+    return proc
+
+
+def test_lifecycle_across_invocations(no_leaks):
+    cfg = no_leaks
+    ws = json.loads(bunshin(cfg, "create", "--name", "cli-a", "--memory", "256M", "--json").stdout)
+    try:
+        assert ws["id"].startswith("ws-")
+        r = bunshin(cfg, "exec", "cli-a", "--", "sh", "-c", "echo out; echo err >&2; exit 7", check=False)
+        assert (r.returncode, r.stdout, r.stderr) == (7, "out\n", "err\n")
+        r = bunshin(cfg, "exec", ws["id"], "--cwd", "/tmp", "-e", "A=b", "--", "sh", "-c", "echo $A $PWD")
+        assert r.stdout == "b /tmp\n"
+        r = bunshin(cfg, "exec", "cli-a", "--timeout", "0.5", "--", "sleep", "30", check=False)
+        assert r.returncode == 124 and "timed out" in r.stderr
+        listed = json.loads(bunshin(cfg, "ls", "--json").stdout)
+        assert [w["id"] for w in listed] == [ws["id"]] and listed[0]["state"] == "running"
+        st = json.loads(bunshin(cfg, "stats", "cli-a", "--json").stdout)
+        assert st["memory"]["cgroup_bytes"] > 0 and st["memory"]["pss_bytes"] > 0
+        assert st["memory"]["uss_bytes"] > 0 and st["processes"] >= 1
+        assert "cli-a" in bunshin(cfg, "ls").stdout
+    finally:
+        bunshin(cfg, "rm", ws["id"])
+    assert json.loads(bunshin(cfg, "ls", "--json").stdout) == []
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("create", "--image", "/no/such/root"), "unknown image"),
+        (("create", "--memory", "two gigs"), "malformed size"),
+        (("exec", "ws-missing", "--", "true"), "no workspace"),
+        (("stats", "nope"), "no workspace"),
+        (("exec", "x", "-e", "NOEQUALS", "--", "true"), "no workspace"),
+    ],
+)
+def test_errors_are_clear_without_traceback(no_leaks, args, message):
+    r = bunshin(no_leaks, *args, check=False)
+    assert r.returncode == 1
+    assert message in r.stderr and "Traceback" not in r.stderr
+    assert "hint:" in r.stderr or "error:" in r.stderr
+
+
+def test_exec_into_removed_workspace(no_leaks):
+    ws_id = bunshin(no_leaks, "create").stdout.strip()
+    bunshin(no_leaks, "rm", ws_id)
+    r = bunshin(no_leaks, "exec", ws_id, "--", "true", check=False)
+    assert r.returncode == 1 and "no workspace" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_gc_after_creator_killed_mid_create(no_leaks):
+    """A `kill -9` of the creating process between mount/cgroup and start: gc cleans it all."""
+    script = textwrap.dedent(
+        f"""
+        import os, signal
+        from pathlib import Path
+        from bunshin.config import Config
+        from bunshin.runtime import container
+        def die(*a, **k):
+            os.kill(os.getpid(), signal.SIGKILL)
+        container._launch = die
+        from bunshin.workspace import Workspace
+        Workspace.create("host", config=Config.for_home(Path({str(no_leaks.home)!r}), criu=Path({str(no_leaks.criu)!r})))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    from tests.conftest import leftovers
+
+    left = leftovers(no_leaks)
+    assert left.get("records") and left.get("mounts") and left.get("cgroups"), left
+    report = json.loads(bunshin(no_leaks, "gc", "--json").stdout)
+    assert report["workspaces"] == left["records"]
+    assert leftovers(no_leaks) == {}
+
+
+def test_gc_after_workspace_init_killed(no_leaks):
+    ws_id = bunshin(no_leaks, "create").stdout.strip()
+    listed = json.loads(bunshin(no_leaks, "ls", "--json").stdout)
+    os.kill(listed[0]["pid"], signal.SIGKILL)
+    time.sleep(0.2)
+    assert json.loads(bunshin(no_leaks, "ls", "--json").stdout)[0]["state"] == "dead"
+    r = bunshin(no_leaks, "exec", ws_id, "--", "true", check=False)
+    assert r.returncode == 1 and "not running" in r.stderr
+    report = json.loads(bunshin(no_leaks, "gc", "--json").stdout)
+    assert report["workspaces"] == [ws_id]
+    from tests.conftest import leftovers
+
+    assert leftovers(no_leaks) == {}
+
+
+def test_doctor(no_leaks):
+    r = bunshin(no_leaks, "doctor", "--json")
+    data = json.loads(r.stdout)
+    assert data["ok"] is True
+    names = {c["name"]: c for c in data["checks"]}
+    assert {"root", "kernel", "overlayfs", "namespaces", "cgroups", "tmpfs", "criu", "pycriu"} <= names.keys()
+    assert names["criu"]["ok"], names["criu"]
+
+
+def test_doctor_reports_missing_criu(no_leaks):
+    env_cfg = type(no_leaks)(home=no_leaks.home, tmpfs=no_leaks.tmpfs, criu=no_leaks.home / "no-criu",
+                             cgroup_prefix=no_leaks.cgroup_prefix)
+    r = bunshin(env_cfg, "doctor", "--json")
+    criu = next(c for c in json.loads(r.stdout)["checks"] if c["name"] == "criu")
+    assert criu["ok"] is False and "make install" in criu["fix"]
