@@ -38,8 +38,11 @@ Semantic differences from anonymous memory, and how they are handled:
   is not detected.
 - ``[heap]`` stays anonymous unless ``convert_heap``: converting it loses the
   label and mixes brk shrink/regrow with a file mapping.
-- Stacks (``MAP_GROWSDOWN``), ``MAP_DROPPABLE`` areas, areas with
-  ``MADV_WIPEONFORK``, vdso/vvar/vsyscall, shared and SysV memory stay as they are.
+- Only plain private anonymous areas are converted (flags within
+  MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE, no CRIU status bit but regular and
+  anon-private, no ``MADV_WIPEONFORK``): stacks (``MAP_GROWSDOWN``),
+  ``MAP_DROPPABLE``, hugetlb, vdso/vvar/vsyscall, shared and SysV memory stay
+  as they are.
 - ``/proc/PID/maps`` shows the memory file's name for converted areas.
 """
 
@@ -70,9 +73,9 @@ SUFFIX = ".bunshin-mem"
 DEFAULT_GROWTH_ROOM = 1 << 40
 
 # mmap flags, CRIU VMA status bits, page-map entry flags (criu/include/image.h)
-MAP_SHARED, MAP_PRIVATE, MAP_DROPPABLE, MAP_ANONYMOUS, MAP_GROWSDOWN = 0x01, 0x02, 0x08, 0x20, 0x100
-VMA_AREA_REGULAR, VMA_AREA_HEAP, VMA_FILE_PRIVATE, VMA_ANON_PRIVATE = 0x1, 0x20, 0x40, 0x200
-_VMA_SPECIAL = 0x2 | 0x4 | 0x8 | 0x80 | 0x100 | 0x400 | 0x800 | 0x1000 | 0x2000 | 0x4000 | 0x8000 | (1 << 17) | (1 << 31)
+MAP_PRIVATE, MAP_ANONYMOUS, MAP_NORESERVE = 0x02, 0x20, 0x4000
+_CONVERTIBLE_FLAGS = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE
+VMA_AREA_REGULAR, VMA_AREA_HEAP, VMA_FILE_PRIVATE, VMA_FILE_SHARED, VMA_ANON_PRIVATE = 0x1, 0x20, 0x40, 0x80, 0x200
 PE_PARENT, PE_LAZY, PE_PRESENT = 0x1, 0x2, 0x4
 MADV_WIPEONFORK = 18
 
@@ -198,7 +201,7 @@ def _mapped_names(mm: dict[str, Any], files: dict[int, dict[str, Any]], *, exec_
     """Names of the files a process maps (its executable included)."""
     ids = {_num(mm.get("exe_file_id", 0))}
     for v in mm.get("vmas", []):
-        if _num(v["status"]) & (VMA_FILE_PRIVATE | 0x80) and (not exec_only or _num(v["prot"]) & PROT_EXEC):
+        if _num(v["status"]) & (VMA_FILE_PRIVATE | VMA_FILE_SHARED) and (not exec_only or _num(v["prot"]) & PROT_EXEC):
             ids.add(_num(v["shmid"]))
     return {files[i]["reg"]["name"] for i in ids if i in files and "reg" in files[i]}
 
@@ -353,12 +356,12 @@ class _Proc:
 
 
 def _convertible(vma: dict[str, Any], convert_heap: bool) -> bool:
+    """A plain private anonymous area (whitelists: anything unusual stays as it is)."""
     flags, status = _num(vma["flags"]), _num(vma["status"])
-    if flags & (MAP_SHARED | MAP_GROWSDOWN | MAP_DROPPABLE) or not flags & MAP_ANONYMOUS:
+    if flags & ~_CONVERTIBLE_FLAGS or not flags & MAP_ANONYMOUS or not flags & MAP_PRIVATE:
         return False
-    if not status & VMA_ANON_PRIVATE or status & _VMA_SPECIAL:
-        return False
-    if status & VMA_AREA_HEAP and not convert_heap:
+    allowed = VMA_AREA_REGULAR | VMA_ANON_PRIVATE | (VMA_AREA_HEAP if convert_heap else 0)
+    if status & ~allowed or not status & VMA_ANON_PRIVATE:
         return False
     return not _num(vma.get("madv", 0)) & (1 << MADV_WIPEONFORK)
 

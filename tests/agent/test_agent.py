@@ -35,7 +35,6 @@ if TYPE_CHECKING:
 LEAK_MARKER = "BUNSHIN_TEST_AGENT_ONLY"  # set in the agent's environment by conftest
 
 
-
 def wait_until(predicate, timeout: float = 5.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -209,7 +208,9 @@ def _fake_agent(path: Path, answer: bytes | None) -> threading.Thread:
         (b'{"ok": tr', "closed the connection"),
     ],
 )
-def test_broken_agent_answers_are_agent_errors(tmp_path: Path, answer: bytes | None, match: str) -> None:
+def test_broken_agent_answers_are_agent_errors(
+    tmp_path: Path, answer: bytes | None, match: str
+) -> None:
     thread = _fake_agent(tmp_path / "fake.sock", answer)
     with pytest.raises(AgentError, match=match):
         AgentClient(tmp_path / "fake.sock").ping()
@@ -255,7 +256,13 @@ def test_long_socket_path(tmp_path: Path, agent_factory: AgentFactory) -> None:
 
 def test_exec_output_and_status(client: AgentClient, tmp_path: Path) -> None:
     r = client.exec(cmd="echo out; echo err >&2; exit 3")
-    assert (r.stdout, r.stderr, r.exit_code, r.signal, r.timed_out) == ("out\n", "err\n", 3, None, False)
+    assert (r.stdout, r.stderr, r.exit_code, r.signal, r.timed_out) == (
+        "out\n",
+        "err\n",
+        3,
+        None,
+        False,
+    )
     assert not r.ok and r.duration_s > 0
     r = client.exec(["printf", "%s|", "a b", "c"], cwd=tmp_path)
     assert r.stdout == "a b|c|" and r.ok
@@ -399,7 +406,9 @@ def test_spawn_runs_in_background_and_is_reaped(agent: RunningAgent, tmp_path: P
 
 def test_kill_process_group(client: AgentClient, tmp_path: Path) -> None:
     pid = client.spawn(cmd=f"sleep 30 & echo $! > {tmp_path}/child; sleep 30")
-    wait_until(lambda: (tmp_path / "child").exists() and (tmp_path / "child").read_text().strip() != "")
+    wait_until(
+        lambda: (tmp_path / "child").exists() and (tmp_path / "child").read_text().strip() != ""
+    )
     child = int((tmp_path / "child").read_text())
     client.kill(pid, 9, group=True)
     wait_until(lambda: not pid_alive(child) and not pid_alive(pid), what="the group to die")
@@ -439,9 +448,10 @@ def test_large_file_goes_in_chunks(client: AgentClient, tmp_path: Path) -> None:
     assert client.write_file(tmp_path / "big", data) == len(data)
     assert (tmp_path / "big").read_bytes() == data
     assert client.read_file(tmp_path / "big") == data
-    assert client.read_file(tmp_path / "big", offset=17 * 1024 * 1024, length=10) == data[
-        17 * 1024 * 1024 : 17 * 1024 * 1024 + 10
-    ]
+    assert (
+        client.read_file(tmp_path / "big", offset=17 * 1024 * 1024, length=10)
+        == data[17 * 1024 * 1024 : 17 * 1024 * 1024 + 10]
+    )
 
 
 def test_proc_files_are_readable(client: AgentClient) -> None:
@@ -547,7 +557,9 @@ def test_session_exit_status_and_markers(client: AgentClient, session: str) -> N
 
 
 def test_session_multiline_heredoc_and_long_command(client: AgentClient, session: str) -> None:
-    command = "V=3\nif [ $V -gt 2 ]; then\n  cat <<EOF\nbig $V\nEOF\nfi\nfor i in 1 2; do echo i$i; done"
+    command = (
+        "V=3\nif [ $V -gt 2 ]; then\n  cat <<EOF\nbig $V\nEOF\nfi\nfor i in 1 2; do echo i$i; done"
+    )
     assert client.session_run(session, command).output == "big 3\ni1\ni2\n"
     long = "echo " + "x" * 20_000
     assert client.session_run(session, long).output == "x" * 20_000 + "\n"
@@ -757,3 +769,36 @@ def test_agent_as_pid1_reaps_orphans(tmp_path: Path, agent_factory: AgentFactory
     assert [p for p in procs if p.state == "Z"] == []
     assert {p.pid for p in procs} == {1}
     assert running.client.exec(["true"]).exit_code == 0
+
+
+# --- units ------------------------------------------------------------------------------
+
+
+def test_session_markers_split_across_reads() -> None:
+    from bunshin.agent.sessions import _Sink
+
+    stream = (
+        b"junk\x1eBSabcS\x1enot-done \x1eBSzzzE1\x1e" + b"x" * 100 + b"\x1eBSabcE42\x1etrailing"
+    )
+    sink = _Sink("abc", 1000, output=True)
+    for i in range(len(stream)):
+        sink.feed(stream[i : i + 1])
+    assert sink.matched and sink.exit_code == 42
+    assert sink.output.text() == "not-done \x1eBSzzzE1\x1e" + "x" * 100
+    small = _Sink("abc", 5, output=True)
+    small.feed(stream)
+    assert small.output.text() == "not-d\n[bunshin: output truncated, 113 bytes dropped]"
+    sync = _Sink("abc", 0, output=False)
+    sync.feed(b"noise \x1eBSabcE0\x1e \x1eBSab")
+    assert not sync.matched
+    sync.feed(b"cY\x1e")
+    assert sync.matched and sync.exit_code is None
+
+
+def test_client_public_api() -> None:
+    public = {name for name in vars(AgentClient) if not name.startswith("_")}
+    assert public == {
+        "call", "ping", "wait_ready", "identify", "exec", "spawn", "kill", "processes",
+        "read_file", "write_file", "list_dir", "stat", "remove", "session_open",
+        "session_run", "session_close", "session_list", "attach",
+    }  # fmt: skip
