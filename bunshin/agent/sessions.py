@@ -60,7 +60,7 @@ class _Sink:
     def __init__(self, token: str, limit: int, *, output: bool) -> None:
         tag = _TAG + token.encode()
         self._start: bytes | None = tag + b"S\x1e" if output else None
-        self._end = re.compile(re.escape(tag) + rb"(?:E(\d+)|Y)\x1e")
+        self._end = re.compile(re.escape(tag) + (rb"E(\d+)\x1e" if output else rb"Y()\x1e"))
         self._started = self._start is None
         self._window = bytearray()
         self.output = Capture(limit)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from .. import console as output
 from ..config import Config
 from ..workspace import Workspace
-from .. import console as output
 
 
 def run(cfg: Config, *, as_json: bool = False) -> int:

@@ -12,9 +12,9 @@ from typing import Any
 
 from rich.progress import Progress
 
+from .. import console as output
 from ..config import Config
 from ..workspace import Workspace
-from .. import console as output
 from .stats import summary, system_used_bytes
 
 EXECS_PER_WORKSPACE = 10

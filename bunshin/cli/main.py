@@ -6,8 +6,8 @@ import argparse
 import sys
 import time
 
-from ..errors import BunshinError, InvalidArgument
 from .. import console as output
+from ..errors import BunshinError, InvalidArgument
 from .workspace_cmds import register as register_workspace
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from .. import console as output
 from ..config import Config
 from ..runtime import doctor, gc
 from ..runtime.store import Store
-from .. import console as output
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -11,9 +11,9 @@ import time
 import tty
 from datetime import datetime
 
+from .. import console as output
 from ..errors import InvalidArgument
 from ..workspace import Workspace
-from .. import console as output
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -141,8 +141,14 @@ class AgentClient:
         deadline = time.monotonic() + timeout
         delay = 0.005
         while True:
+            left = max(deadline - time.monotonic(), 0.05)
+            probe = AgentClient(
+                self.socket_path,
+                connect_timeout=min(self.connect_timeout, left),
+                call_timeout=min(self.call_timeout, left),
+            )
             try:
-                return self.ping()
+                return probe.ping()
             except AgentError as exc:
                 if time.monotonic() + delay > deadline:
                     raise AgentError(

@@ -8,10 +8,15 @@ copy in the page cache, and a write copies a single page into the writer.
 
 Layout: every converted area gets its own slot in the file, followed by
 ``growth_room`` bytes of hole, so ``mremap`` growth (in place or moved) reads
-zeros, as it would in anonymous memory, never a neighbour's bytes. Slots keep
-the area's address modulo 2 MiB, so a tmpfs mounted with ``huge=`` can use huge
-pages. A memory file never changes once written (mode 0444 and, where the
-filesystem allows, the immutable flag): CRIU checks only its size.
+zeros, as it would in anonymous memory, never a neighbour's bytes. The kernel
+merges adjacent anonymous mmaps into one area, so areas are first cut at glibc
+mmapped-chunk boundaries (``realloc`` grows such a chunk with ``mremap``). Slots
+keep the area's address modulo 2 MiB, so a tmpfs mounted with ``huge=`` can use
+huge pages. A memory file never changes once written (mode 0444 and, where the
+filesystem allows, the immutable flag): CRIU checks only its size. It must
+outlive every dump and clone that maps it (``referenced_memfiles``); delete it
+with ``remove_memfile``. Its pages are charged to the memory cgroup of whoever
+wrote or first faulted them, not to the clones.
 
 Forks of forks: a clone's memory is already file-backed, so CRIU dumps only the
 pages the clone wrote (a *delta*, kept in the image and restored privately into
@@ -36,6 +41,9 @@ Semantic differences from anonymous memory, and how they are handled:
   ``NotForkable``, ``CONVERT`` converts it anyway. Code that purges memory
   with ``MADV_DONTNEED`` itself and expects zeros (some JIT or wasm runtimes)
   is not detected.
+- ``MADV_FREE`` fails with EINVAL on a converted area (callers fall back).
+- A clone's first touch of a hole (memory never written before the dump,
+  growth room) allocates a zero page in the shared file, once for all clones.
 - ``[heap]`` stays anonymous unless ``convert_heap``: converting it loses the
   label and mixes brk shrink/regrow with a file mapping.
 - Only plain private anonymous areas are converted (flags within
@@ -248,7 +256,7 @@ def _files_by_id(entries: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 
 
 def _copy(src: int, src_off: int, dst: int, dst_off: int, n: int) -> None:
-    """Copy n bytes between file offsets (copy_file_range, else pread/pwrite)."""
+    """Copy n bytes between file offsets: copy_file_range, else sendfile (across filesystems)."""
     try:
         while n > 0:
             done = os.copy_file_range(src, dst, n, src_off, dst_off)
@@ -259,12 +267,12 @@ def _copy(src: int, src_off: int, dst: int, dst_off: int, n: int) -> None:
     except OSError as exc:
         if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EIO):
             raise
+    os.lseek(dst, dst_off, os.SEEK_SET)
     while n > 0:
-        buf = os.pread(src, min(n, 8 << 20), src_off)
-        if not buf:
+        done = os.sendfile(dst, src, src_off, n)
+        if done <= 0:
             raise RuntimeFailure("unexpected end of file while copying pages")
-        os.pwrite(dst, buf, dst_off)
-        src_off, dst_off, n = src_off + len(buf), dst_off + len(buf), n - len(buf)
+        src_off, n = src_off + done, n - done
 
 
 def _data_extents(fd: int, start: int, end: int) -> Iterator[tuple[int, int]]:

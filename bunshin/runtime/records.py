@@ -11,7 +11,7 @@ from typing import Any
 from ..errors import StateConflict
 
 
-class WorkspaceState(str, enum.Enum):
+class WorkspaceState(enum.StrEnum):
     CREATING = "creating"
     RUNNING = "running"
     DEAD = "dead"  # its processes are gone (killed, crashed, host rebooted)

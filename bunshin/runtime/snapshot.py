@@ -36,7 +36,13 @@ from pathlib import Path
 import psutil
 
 from ..config import Config
-from ..errors import BunshinError, InvalidArgument, ResourceExhausted, SnapshotNotFound, StateConflict
+from ..errors import (
+    BunshinError,
+    InvalidArgument,
+    ResourceExhausted,
+    SnapshotNotFound,
+    StateConflict,
+)
 from . import container, criu, memfile
 from .cgroups import Layout, WorkspaceCgroup
 from .records import WorkspaceRecord, WorkspaceState

@@ -225,6 +225,10 @@ def test_silent_agent_times_out(tmp_path: Path) -> None:
         client = AgentClient(tmp_path / "silent.sock", call_timeout=0.2)
         with pytest.raises(AgentError, match="in time"):
             client.ping()
+        started = time.monotonic()
+        with pytest.raises(AgentError, match="not ready"):
+            AgentClient(tmp_path / "silent.sock").wait_ready(0.3)  # not one 60 s call
+        assert time.monotonic() - started < 2
     finally:
         server.close()
 

@@ -126,3 +126,39 @@ def test_doctor_reports_missing_criu(no_leaks):
     r = bunshin(env_cfg, "doctor", "--json")
     criu = next(c for c in json.loads(r.stdout)["checks"] if c["name"] == "criu")
     assert criu["ok"] is False and "make install" in criu["fix"]
+
+
+def test_interactive_sh_on_a_terminal(no_leaks):
+    """`bunshin sh` driven through a real pty, as a person at a terminal would."""
+    import pty
+    import select
+
+    ws_id = bunshin(no_leaks, "create").stdout.strip()
+    try:
+        env = {**os.environ, "BUNSHIN_HOME": str(no_leaks.home), "TERM": "xterm"}
+        pid, fd = pty.fork()
+        if pid == 0:
+            os.execve(sys.executable, [sys.executable, "-m", "bunshin.cli.main", "sh", ws_id], env)
+        seen = b""
+
+        def read_until(needle: bytes, timeout: float = 20) -> None:
+            nonlocal seen
+            deadline = time.monotonic() + timeout
+            while needle not in seen and time.monotonic() < deadline:
+                r, _, _ = select.select([fd], [], [], 0.2)
+                if r:
+                    try:
+                        seen += os.read(fd, 4096)
+                    except OSError:
+                        break
+            assert needle in seen, seen[-500:]
+
+        read_until(b"# ")  # the shell's prompt: a person types after seeing it
+        os.write(fd, b"cd /tmp; echo marker-$((40+2)) $(pwd)\r")
+        read_until(b"marker-42 /tmp")
+        os.write(fd, b"exit\r")
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+        os.close(fd)
+    finally:
+        bunshin(no_leaks, "rm", ws_id)

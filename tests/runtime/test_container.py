@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from bunshin.errors import ImageNotFound, InvalidArgument, PathNotFound, StateConflict, WorkspaceNotFound
+from bunshin.errors import (
+    ImageNotFound,
+    InvalidArgument,
+    PathNotFound,
+    StateConflict,
+    WorkspaceNotFound,
+)
 from bunshin.workspace import Workspace
 
 pytestmark = pytest.mark.integration

@@ -8,6 +8,9 @@
  * chunks in each of THREADS thread arenas, all filled with patterns. CHILDREN
  * forked copies run the same command loop (without worker threads).
  *
+ * Commands: sum, write OFF_MIB LEN_MIB BYTE, touch FIRST_PAGE N, alloc MIB,
+ * arena, zero, mremap NEW_MIB, dontneed, exit (see handle()).
+ *
  * Protocol: the host writes one command line to CTL_DIR/<hostpid>.cmd and
  * sends SIGUSR1; the answer appears in CTL_DIR/<hostpid>.out (written to a
  * temporary name, then renamed). <hostpid> is what readlink("/proc/self")
@@ -53,6 +56,10 @@ static volatile sig_atomic_t pending;
 static int is_root_proc = 1;
 static uint8_t *big, *grow, *brk_chunks[NBRK];
 static size_t big_len, grow_len, grow_cur;
+#define MAXEXTRA 64
+static uint8_t *extra[MAXEXTRA];  /* blocks allocated by "alloc", kept */
+static size_t extra_len[MAXEXTRA];
+static int nextra;
 static int nthreads;
 static struct worker workers[MAXT];
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -178,9 +185,20 @@ static void handle(const char *cmd, char *out, size_t outlen) {
         for (int i = 0; i < NBRK; i++)
             hh = hash(hh, brk_chunks[i], BRK_CHUNK);
         hh = hash(hh, grow, grow_len);
-        snprintf(out, outlen, "big=%016llx heap=%016llx threads=%016llx",
+        uint64_t he = 0xcbf29ce484222325ULL;
+        for (int i = 0; i < nextra; i++)
+            he = hash(he, extra[i], extra_len[i]);
+        snprintf(out, outlen, "big=%016llx heap=%016llx threads=%016llx extra=%016llx",
                  (unsigned long long)hb, (unsigned long long)hh,
-                 (unsigned long long)(is_root_proc ? threads_hash() : 0));
+                 (unsigned long long)(is_root_proc ? threads_hash() : 0),
+                 (unsigned long long)he);
+    } else if (sscanf(cmd, "alloc %lu", &a) == 1 && nextra < MAXEXTRA) {
+        /* new anonymous memory that stays: a fresh mmapped chunk */
+        extra_len[nextra] = a * MIB;
+        extra[nextra] = malloc(a * MIB);
+        fill_pattern(extra[nextra], a * MIB, 4242 + nextra);
+        nextra++;
+        snprintf(out, outlen, "ok");
     } else if (sscanf(cmd, "write %lu %lu %lu", &a, &b, &c) == 3) {
         memset(big + a * MIB, (int)c, b * MIB);
         snprintf(out, outlen, "ok");

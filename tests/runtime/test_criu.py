@@ -1,0 +1,201 @@
+"""The CRIU wrapper against the real binary: version, check, dump, detached restores, errors."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bunshin.errors import CriuError, HostUnsupported
+from bunshin.runtime import criu
+
+_PROBE = Path("/opt/bunshin/criu-probe")
+_INSTALLED = Path("/opt/bunshin/criu/bin/criu")
+CRIU = Path(os.environ.get("BUNSHIN_CRIU") or (_INSTALLED if _INSTALLED.exists() else _PROBE))
+PR_SET_CHILD_SUBREAPER = 36
+
+# A counter that reports its value into OUT/<host pid> on SIGUSR1.
+COUNTER = r"""
+import os, signal, sys, time
+os.setsid()
+out, n = sys.argv[1], 0
+def report(*_):
+    me = os.readlink("/proc/self")
+    with open(f"{out}/{me}.tmp", "w") as f:
+        f.write(str(n))
+    os.replace(f"{out}/{me}.tmp", f"{out}/{me}")
+signal.signal(signal.SIGUSR1, report)
+while True:
+    n += 1
+    time.sleep(0.005)
+"""
+
+
+def _prctl(option: int, value: int) -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            if "State:\tZ" in Path(f"/proc/{pid}/status").read_text():
+                break
+            time.sleep(0.01)
+
+
+class Counters:
+    """Counter processes in their own pid namespaces; everything is killed on close."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.out = workdir / "out"
+        self.out.mkdir()
+        self.pids: list[int] = []
+        self.popens: list[subprocess.Popen[bytes]] = []
+
+    def spawn(self) -> int:
+        p = subprocess.Popen(
+            ["unshare", "--pid", "--fork", sys.executable, "-c", COUNTER, str(self.out)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True, close_fds=True,
+        )
+        self.popens.append(p)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            kids = Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()
+            if kids:
+                pid = int(kids[0])
+                self.pids.append(pid)
+                self.value(pid)  # wait until it answers
+                return pid
+            time.sleep(0.01)
+        raise TimeoutError("counter did not start")
+
+    def value(self, pid: int, timeout: float = 30) -> int:
+        path = self.out / str(pid)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            path.unlink(missing_ok=True)
+            os.kill(pid, signal.SIGUSR1)
+            for _ in range(100):
+                if path.exists():
+                    return int(path.read_text())
+                time.sleep(0.005)
+        raise TimeoutError(f"{pid} does not report")
+
+    def close(self) -> None:
+        for pid in reversed(self.pids):
+            _kill(pid)
+        for p in self.popens:
+            p.kill()
+            p.wait()
+
+
+@pytest.fixture(scope="module")
+def criu_bin() -> Iterator[Path]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    if not CRIU.exists():
+        pytest.skip(f"no CRIU at {CRIU}")
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)  # restored tasks become our children: reap them
+    yield CRIU
+    _prctl(PR_SET_CHILD_SUBREAPER, 0)
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Iterator[Path]:
+    """tmp_path, removed afterwards (images are large)."""
+    yield tmp_path
+    shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@pytest.fixture
+def counters(criu_bin: Path, workdir: Path) -> Iterator[Counters]:
+    c = Counters(workdir)
+    yield c
+    c.close()
+
+
+def test_missing_binary_is_host_unsupported(tmp_path: Path) -> None:
+    with pytest.raises(HostUnsupported):
+        criu.version(tmp_path / "no-criu")
+    with pytest.raises(HostUnsupported):
+        criu.dump(tmp_path / "no-criu", 1, tmp_path / "img")
+    ok, output = criu.check(tmp_path / "no-criu")
+    assert not ok and output
+
+
+@pytest.mark.criu
+def test_version_and_check(criu_bin: Path) -> None:
+    version = criu.version(criu_bin)
+    assert re.fullmatch(r"\d+\.\d+(\.\d+)?.*", version)
+    assert tuple(int(x) for x in version.split(".")[:2]) >= (4, 2)
+    ok, output = criu.check(criu_bin)
+    assert ok, output
+
+
+@pytest.mark.criu
+def test_dump_and_restore_side_by_side(counters: Counters, criu_bin: Path, workdir: Path) -> None:
+    pid = counters.spawn()
+    images = workdir / "img"
+    run = criu.dump(criu_bin, pid, images)
+    at_dump = counters.value(pid)
+    assert run.duration_ms > 0 and run.log == images / "dump.log" and run.log.exists()
+    assert (images / "pstree.img").exists()
+
+    clones = []
+    for i in range(2):
+        r = criu.restore(criu_bin, images, pidfile=workdir / f"clone{i}.pid")
+        assert r.pid is not None and r.log.exists() and r.log.parent == images
+        counters.pids.append(r.pid)
+        clones.append(r.pid)
+    assert len({pid, *clones}) == 3
+    for c in clones:
+        # each clone is the init of its own new pid namespace and continues counting
+        nspid = [line for line in Path(f"/proc/{c}/status").read_text().splitlines() if line.startswith("NSpid:")][0]
+        assert nspid.split()[1:] == [str(c), "1"]
+        first = counters.value(c)
+        assert 0 < first <= at_dump + 10_000
+        assert counters.value(c) > first
+    assert counters.value(pid) >= at_dump  # the parent kept running
+
+
+@pytest.mark.criu
+def test_extra_arguments_reach_criu(counters: Counters, criu_bin: Path, workdir: Path) -> None:
+    pid = counters.spawn()
+    with pytest.raises(CriuError) as info:
+        criu.dump(criu_bin, pid, workdir / "img", extra=["--no-such-option"])
+    assert "no-such-option" in info.value.log_tail or "unrecognized" in info.value.log_tail
+    assert counters.value(pid) > 0  # a failed dump leaves the task running
+
+
+@pytest.mark.criu
+def test_failures_carry_the_log_tail(criu_bin: Path, workdir: Path) -> None:
+    with pytest.raises(CriuError) as info:
+        criu.dump(criu_bin, 2**22 + 12345, workdir / "dump")
+    err = info.value
+    assert err.code == "criu_error" and err.details["action"] == "dump"
+    assert "Error" in err.log_tail and len(err.log_tail.splitlines()) <= criu.LOG_TAIL_LINES
+    assert "criu log tail" in str(err)
+
+    empty = workdir / "empty"
+    empty.mkdir()
+    with pytest.raises(CriuError) as info:
+        criu.restore(criu_bin, empty, pidfile=workdir / "x.pid", log_name="restore.log")
+    assert info.value.log_tail and info.value.details["action"] == "restore"
+    assert (empty / "restore.log").exists()
