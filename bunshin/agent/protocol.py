@@ -46,6 +46,8 @@ OPS = (
     "session_list",
     "attach",
     "processes",
+    "job_start",
+    "job_wait",
 )
 
 

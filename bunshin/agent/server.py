@@ -14,6 +14,7 @@ from typing import Any
 
 from . import execs, files, procfs
 from .children import Reaper
+from .jobs import Jobs
 from .protocol import (
     AGENT_ERROR,
     RESOURCE_EXHAUSTED,
@@ -110,6 +111,7 @@ class AgentServer:
         self.agent = agent
         self.socket_path = socket_path
         self._sock: socket.socket | None = None
+        self.jobs = Jobs(lambda req: self._reply(json.dumps(req).encode()))
 
     def bind(self) -> None:
         """Create the listening socket (replacing a stale one), mode 0600."""
@@ -179,11 +181,22 @@ class AgentServer:
                 if not _send(conn, reply):
                     return
 
+    def _reply(self, line: bytes) -> bytes:
+        reply = self._answer(line)
+        if isinstance(reply, Attachment):  # not reachable: attach is not resumable
+            reply.close()
+            return failure(AgentFailure(AGENT_ERROR, "attach cannot run as a job"))
+        return reply
+
     def _answer(self, line: bytes) -> bytes | Attachment:
         op = "?"
         try:
             request = parse_request(line)
             op = request["op"]
+            if op == "job_start":
+                return self.jobs.start(request)
+            if op == "job_wait":
+                return self.jobs.wait(request)
             result = self.agent.handle(request)
         except AgentFailure as exc:
             return failure(exc)

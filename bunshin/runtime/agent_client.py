@@ -12,6 +12,7 @@ result (``timed_out=True``), not raised.
 from __future__ import annotations
 
 import base64
+import fcntl
 import json
 import os
 import signal as signals
@@ -22,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
-from ..errors import AgentError, BunshinError, InvalidArgument
+from ..errors import AgentError, BunshinError, InvalidArgument, ResourceExhausted
 from .agent_types import (
     AgentInfo,
     ExecResult,
@@ -41,17 +42,71 @@ CHUNK = 16 * 1024 * 1024
 #: (the agent kills, drains and, for sessions, re-synchronises the shell).
 ANSWER_GRACE_S = 30.0
 _UNIX_PATH_MAX = 108
+#: Ops run as resumable agent jobs, and how long one poll of their answer may hold a connection.
+RESUMABLE_OPS = ("exec", "session_run")
+POLL_S = 0.25
+
+
+@contextmanager
+def call_guard(lock_dir: Path | None) -> Iterator[None]:
+    """Shared side of the workspace's call lock: waits while a fork holds it (see ``quiesced``)."""
+    if lock_dir is None:
+        yield
+        return
+    try:
+        gate = os.open(lock_dir / "gate.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except FileNotFoundError:  # the workspace is gone; the connect will say so
+        yield
+        return
+    try:
+        calls = os.open(lock_dir / "calls.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        os.close(gate)
+        raise
+    try:
+        fcntl.flock(gate, fcntl.LOCK_SH)  # a fork holds the gate exclusively: new calls wait here
+        fcntl.flock(calls, fcntl.LOCK_SH)
+        fcntl.flock(gate, fcntl.LOCK_UN)
+        yield
+    finally:
+        os.close(calls)
+        os.close(gate)
+
+
+@contextmanager
+def quiesced(lock_dir: Path) -> Iterator[None]:
+    """Exclusive side: no host connection into the workspace is open inside this block.
+
+    Closes the gate to new calls, then waits for in-flight calls (at most one poll
+    window of a resumable call, or one short call) to finish.
+    """
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    gate = os.open(lock_dir / "gate.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    calls = os.open(lock_dir / "calls.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(calls, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(calls)
+        os.close(gate)
 
 
 class AgentClient:
     """Talks to one agent through its socket. Construction does no I/O."""
 
     def __init__(
-        self, socket_path: Path, *, connect_timeout: float = 5.0, call_timeout: float = 60.0
+        self,
+        socket_path: Path,
+        *,
+        connect_timeout: float = 5.0,
+        call_timeout: float = 60.0,
+        lock_dir: Path | None = None,
     ) -> None:
         self.socket_path = Path(socket_path)
         self.connect_timeout = connect_timeout
         self.call_timeout = call_timeout
+        self.lock_dir = Path(lock_dir) if lock_dir is not None else None
 
     def __repr__(self) -> str:
         return f"AgentClient({str(self.socket_path)!r})"
@@ -66,12 +121,43 @@ class AgentClient:
         ``answer_timeout``: seconds to wait for the answer (``None``: forever;
         default: ``call_timeout``). Arguments that are ``None`` are left out.
         """
-        line = _encode({"op": op, **args})
-        with self._translate(op), self._connect() as sock:
+        if op in RESUMABLE_OPS:
+            return self._call_resumable(op, None if answer_timeout == "default" else answer_timeout, args)
+        return self._decode(op, self._roundtrip(op, _encode({"op": op, **args}), answer_timeout))
+
+    def _roundtrip(self, op: str, line: bytes, answer_timeout: float | None | Literal["default"]) -> bytes:
+        """One connection, one request, one answer line, under the workspace's call lock."""
+        with self._translate(op), call_guard(self.lock_dir), self._connect() as sock:
             sock.settimeout(self.call_timeout if answer_timeout == "default" else answer_timeout)
             sock.sendall(line)
-            raw = _read_line(sock)
-        return self._decode(op, raw)
+            return _read_line(sock)
+
+    def _call_resumable(self, op: str, answer_timeout: float | None, args: dict[str, Any]) -> dict[str, Any]:
+        """Start ``op`` as an agent job and long-poll its answer, one short connection per poll.
+
+        No connection stays open between polls, so the workspace can be forked while
+        the command runs (the clone finishes the job on its own).
+        """
+        inner = {k: v for k, v in {"op": op, **args}.items() if v is not None}
+        started = self._decode("job_start", self._roundtrip(op, _encode({"op": "job_start", "request": inner}), "default"))
+        job_id = started["job_id"]
+        deadline = None if answer_timeout is None else time.monotonic() + answer_timeout
+        while True:
+            wait = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
+            try:
+                answer = self._decode(op, self._roundtrip(op, _encode({"op": "job_wait", "job_id": job_id, "wait": wait}),
+                                                          wait + self.call_timeout))
+            except ResourceExhausted:
+                # The workspace is at its pids limit (threads count too): the agent cannot
+                # take a new connection now. The job itself runs on; ask again shortly.
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.1)
+                continue
+            if not answer.get("running"):
+                return answer
+            if deadline is not None and time.monotonic() >= deadline:
+                raise AgentError(f"agent at {self.socket_path} did not answer {op!r} in time")
 
     def _connect(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)

@@ -47,7 +47,8 @@ def socket_path(rec: WorkspaceRecord) -> Path:
 
 
 def agent(rec: WorkspaceRecord) -> AgentClient:
-    return AgentClient(socket_path(rec))
+    """A client of the workspace's agent, sharing the workspace's call lock (see ``quiesced``)."""
+    return AgentClient(socket_path(rec), lock_dir=Path(rec.root).parent)
 
 
 def validate_name(name: str | None) -> None:

@@ -14,8 +14,11 @@ into them with new namespaces. A batch of restores returns every workspace or
 rolls back all of them.
 
 Lifetime: a snapshot taken by ``fork`` lives while any workspace stacks on its
-layer; one taken explicitly (``keep``) lives until removed. ``sweep`` frees
-whatever nothing holds: image folders, layers and memory files.
+layer; one taken explicitly (``keep``) lives until removed. While a process is
+still taking, forking or loading one (``owner_pid``), nothing frees it. ``sweep``
+frees whatever nothing holds: records, image folders, layers and memory files,
+also those no record names any more (a crash, or the ancestors of a loaded
+snapshot).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from ..errors import (
     StateConflict,
 )
 from . import container, criu, memfile
+from .agent_client import quiesced
 from .cgroups import Layout, WorkspaceCgroup
 from .records import WorkspaceRecord, WorkspaceState
 from .store import Store
@@ -80,6 +84,7 @@ class SnapshotRecord:
     memfile_bytes: int
     image_bytes: int
     layer_bytes: int
+    owner_pid: int | None = None  # the process taking, forking or loading it; sweep leaves it alone
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -127,7 +132,7 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool, mode: s
         images=str(images), layer=str(layer), lowers=rec.lowers, memfiles=(),
         memory_limit=rec.memory_limit, pids_limit=rec.pids_limit, hostname=rec.hostname,
         depth=(parent.depth + 1) if parent else 1, dump_ms=0, pause_ms=0, rewrite_ms=0,
-        memfile_bytes=0, image_bytes=0, layer_bytes=0,
+        memfile_bytes=0, image_bytes=0, layer_bytes=0, owner_pid=os.getpid(),
     )
     store.put_object(KIND, snap_id, snap.to_json())  # recorded first: a crash leaves it to gc
     try:
@@ -140,14 +145,14 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool, mode: s
         )
         script.chmod(0o755)
         _check_space(cfg, rec)
-        freezer = dict(rec.cgroups).get("freezer")
+        # Tasks are frozen with ptrace, not the v1 freezer cgroup: CRIU polls the
+        # freezer every 100 ms, which adds ~100 ms to every parent pause.
         extra = [*_COMMON, "--manage-cgroups", "--action-script", str(script)]
-        if freezer:
-            extra += ["--freeze-cgroup", freezer]
-        run = criu.dump(cfg.criu, rec.pid or 0, images, leave_running=True, extra=extra)
+        with quiesced(Path(rec.root).parent):  # no host call may hold a connection into it
+            run = criu.dump(cfg.criu, rec.pid or 0, images, leave_running=True, extra=extra)
         if not layer.is_dir():
             raise BunshinError(f"the upper layer of {rec.id} was not frozen", hint="see the dump log")
-        rewrite_ms, files, mem_bytes = 0.0, (), 0
+        rewrite_ms, files, mem_bytes, layer_bytes = 0.0, (), 0, _du(layer)
         if mode == "cow":
             result = memfile.rewrite_images(
                 images, mem_dir(cfg), memfile_view=MEM_VIEW, root=Path(rec.root), tag=snap_id
@@ -157,7 +162,8 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool, mode: s
             rewrite_ms, mem_bytes = result.duration_ms, result.data_bytes
         snap = dataclasses.replace(
             snap, memfiles=files, dump_ms=run.duration_ms, pause_ms=_pause_ms(run.log) or run.duration_ms,
-            rewrite_ms=rewrite_ms, memfile_bytes=mem_bytes, image_bytes=_du(images), layer_bytes=_du(layer),
+            rewrite_ms=rewrite_ms, memfile_bytes=mem_bytes, image_bytes=_du(images), layer_bytes=layer_bytes,
+            owner_pid=None if keep else snap.owner_pid,  # a fork's snapshot stays owned until `release`
         )
         store.put_object(KIND, snap_id, snap.to_json())
         return snap
@@ -326,43 +332,123 @@ def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout
 # ----------------------------------------------------------------- lifetime
 
 
+def fork(cfg: Config, store: Store, rec: WorkspaceRecord, n: int, *, mode: str = "cow"
+         ) -> tuple[SnapshotRecord, list[WorkspaceRecord]]:
+    """One dump of ``rec`` and ``n`` restores from it; all clones or none.
+
+    The snapshot lives on while the clones stack on it and is freed with the last.
+    """
+    if n <= 0:
+        raise InvalidArgument(f"cannot fork {n} clones", hint="give n >= 1")
+    snap = take(cfg, store, rec, keep=False, mode=mode)
+    try:
+        return snap, restore(cfg, store, snap, n)
+    finally:
+        release(store, snap)
+        sweep(cfg, store)
+
+
+def release(store: Store, snap: SnapshotRecord) -> SnapshotRecord:
+    """Clear the snapshot's owner: from now on ``sweep`` may free it when nothing holds it."""
+    data = store.get_object(KIND, snap.id)
+    if data is None:
+        return snap
+    snap = dataclasses.replace(SnapshotRecord.from_json(data), owner_pid=None)
+    store.put_object(KIND, snap.id, snap.to_json())
+    return snap
+
+
 def remove(cfg: Config, store: Store, snap: SnapshotRecord) -> None:
     """Drop an explicit snapshot; its files go once no workspace stacks on it."""
-    snap = dataclasses.replace(snap, keep=False)
+    data = store.get_object(KIND, snap.id)
+    if data is None:
+        raise SnapshotNotFound(f"no snapshot {snap.id!r}", hint="`bunshin tree` lists snapshots")
+    snap = dataclasses.replace(SnapshotRecord.from_json(data), keep=False)
     store.put_object(KIND, snap.id, snap.to_json())
     sweep(cfg, store)
 
 
+def _owner_alive(snap: SnapshotRecord) -> bool:
+    return snap.owner_pid is not None and psutil.pid_exists(snap.owner_pid)
+
+
+def _retained(snap: SnapshotRecord) -> bool:
+    """Kept explicitly (and complete), or still being made by a live process."""
+    return _owner_alive(snap) or (snap.keep and snap.owner_pid is None)
+
+
 def held_layers(store: Store) -> set[str]:
-    """Layers some live workspace or kept snapshot stacks on."""
+    """Layers some workspace or retained snapshot stacks on."""
     held: set[str] = set()
     for rec in store.list_workspaces():
         held.update(rec.lowers)
     for s in list_all(store):
-        if s.keep:
+        if _retained(s):
             held.update((s.layer, *s.lowers))
     return held
 
 
 def sweep(cfg: Config, store: Store) -> list[str]:
-    """Delete every snapshot nothing holds; returns their ids."""
+    """Delete every snapshot nothing holds, then files no record names; returns what went.
+
+    A snapshot whose maker died half-way (``owner_pid`` dead) goes too, unless
+    workspaces already stack on it.
+    """
     held = held_layers(store)
     freed = []
     for s in list_all(store):
-        if not s.keep and s.layer not in held:
+        if not _retained(s) and s.layer not in held:
             _delete(cfg, store, s)
             freed.append(s.id)
+    return freed + _sweep_orphans(cfg, store)
+
+
+def _sweep_orphans(cfg: Config, store: Store) -> list[str]:
+    """Remove snapshot layers, image folders and memory files that no record names.
+
+    Records are always written before the files they name, so anything unnamed is
+    left over (from a crash, or the ancestor layers of a removed loaded snapshot).
+    """
+    snaps = list_all(store)
+    named = {Path(p).name for p in held_layers(store)}
+    named.update(Path(p).name for s in snaps for p in (s.layer, *s.lowers))
+    ids = {s.id for s in snaps}
+    freed: list[str] = []
+    layers = cfg.tmpfs / "layers"
+    for d in sorted(layers.glob("snap-*")) if layers.is_dir() else []:
+        if d.name not in named:
+            remove_layer(d)
+            freed.append(str(d))
+    sdir = cfg.tmpfs / "snapshots"
+    for d in sorted(sdir.iterdir()) if sdir.is_dir() else []:
+        if d.name not in ids:
+            shutil.rmtree(d, ignore_errors=True)
+            freed.append(str(d))
+    tags = ids | named | ({d.name for d in layers.iterdir()} if layers.is_dir() else set())
+    mdir = mem_dir(cfg)
+    for f in sorted(mdir.glob(f"*{memfile.SUFFIX}")) if mdir.is_dir() else []:
+        if memfile_tag(f.name) not in tags:
+            memfile.remove_memfile(f)
+            freed.append(str(f))
     return freed
+
+
+def memfile_tag(name: str) -> str:
+    """The snapshot id a memory file was written for (``<snap id>-<pid>.bunshin-mem``)."""
+    return name.removesuffix(memfile.SUFFIX).rsplit("-", 1)[0]
+
+
+def remove_layer(layer: Path) -> None:
+    layer_mem = layer / MEM_VIEW.lstrip("/")
+    if layer_mem.is_dir():
+        for f in layer_mem.iterdir():
+            memfile.remove_memfile(f)
+    shutil.rmtree(layer, ignore_errors=True)
 
 
 def _delete(cfg: Config, store: Store, snap: SnapshotRecord) -> None:
     for f in snap.memfiles:
         memfile.remove_memfile(Path(f))
-    layer_mem = Path(snap.layer) / MEM_VIEW.lstrip("/")
-    if layer_mem.is_dir():
-        for f in layer_mem.iterdir():
-            memfile.remove_memfile(f)
-    shutil.rmtree(snap.layer, ignore_errors=True)
+    remove_layer(Path(snap.layer))
     shutil.rmtree(Path(snap.images).parent, ignore_errors=True)
     store.delete_object(KIND, snap.id)
-

@@ -1,0 +1,79 @@
+"""Resumable calls: long ops run as jobs the host polls with short connections.
+
+A host that holds a connection open into a workspace cannot let it be checkpointed
+(CRIU refuses a unix socket whose peer is outside). So a long ``exec`` or
+``session_run`` is started as a job (``job_start``) and its answer fetched by
+``job_wait`` long-polls of at most a few seconds each. Between two polls no
+connection is open, a fork can happen, and the job (its thread, its child, its
+session) is forked with the agent: each clone finishes it and keeps its own answer.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .protocol import NOT_FOUND, AgentFailure, arg_str, invalid, ok
+
+RESUMABLE_OPS = ("exec", "session_run")
+MAX_WAIT_S = 5.0
+KEEP_FINISHED_S = 600.0  # answers nobody fetched are dropped after this
+
+
+class _Job:
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.answer = b""
+        self.finished_at = 0.0
+
+
+class Jobs:
+    """Runs requests in threads; ``answer(line)`` is the server's request->reply function."""
+
+    def __init__(self, answer: Callable[[dict[str, Any]], bytes]) -> None:
+        self._answer = answer
+        self._jobs: dict[str, _Job] = {}
+        self._lock = threading.Lock()
+
+    def start(self, req: dict[str, Any]) -> bytes:
+        inner = req.get("request")
+        if not isinstance(inner, dict) or inner.get("op") not in RESUMABLE_OPS:
+            raise invalid(f'"request" must be an object whose op is one of {", ".join(RESUMABLE_OPS)}')
+        job_id = secrets.token_hex(8)
+        job = _Job()
+        with self._lock:
+            self._forget_old()
+            self._jobs[job_id] = job
+        threading.Thread(target=self._run, args=(job, inner), name=f"job-{job_id}", daemon=True).start()
+        return ok({"job_id": job_id})
+
+    def _run(self, job: _Job, inner: dict[str, Any]) -> None:
+        try:
+            job.answer = self._answer(inner)
+        finally:
+            job.finished_at = time.monotonic()
+            job.done.set()
+
+    def wait(self, req: dict[str, Any]) -> bytes:
+        job_id = arg_str(req, "job_id")
+        wait = req.get("wait", 1.0)
+        if not isinstance(wait, int | float) or wait < 0:
+            raise invalid('argument "wait" must be a non-negative number')
+        with self._lock:
+            job = self._jobs.get(job_id)
+        if job is None:
+            raise AgentFailure(NOT_FOUND, f"no job {job_id!r} (finished and fetched, or never started)")
+        if not job.done.wait(min(float(wait), MAX_WAIT_S)):
+            return ok({"running": True})
+        with self._lock:
+            self._jobs.pop(job_id, None)
+        return job.answer
+
+    def _forget_old(self) -> None:
+        now = time.monotonic()
+        for job_id, job in list(self._jobs.items()):
+            if job.done.is_set() and now - job.finished_at > KEEP_FINISHED_S:
+                del self._jobs[job_id]
