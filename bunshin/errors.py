@@ -17,9 +17,11 @@ and ``except FileNotFoundError`` work as expected::
     ├── ToolTimeout (TimeoutError)              504 a command ran past its timeout
     ├── ResourceExhausted                       507 tmpfs full, limits hit
     ├── AgentError                              502 the in-workspace agent failed or vanished
+    ├── PolicyError                             502 a policy (model endpoint, trace) failed
     ├── HostUnsupported                         500 the machine cannot run workspaces (see doctor)
     └── RuntimeFailure                          500 a kernel/CRIU/cgroup step failed
-        └── CriuError                           carries CRIU's log tail
+        ├── CriuError                           carries CRIU's log tail
+        └── SetupFailed                         a task's setup command failed
 
 Foreign errors (OSError from mount/cgroup files, CRIU exit codes) are translated
 into these at the runtime boundary; nothing else escapes the public API.
@@ -107,6 +109,13 @@ class AgentError(BunshinError):
     http_status = 502
 
 
+class PolicyError(BunshinError):
+    """The policy could not decide a turn: the model endpoint failed, a trace ran out."""
+
+    code = "policy_error"
+    http_status = 502
+
+
 class HostUnsupported(BunshinError):
     code = "host_unsupported"
     http_status = 500
@@ -129,6 +138,12 @@ class CriuError(RuntimeFailure):
     def __str__(self) -> str:
         base = super().__str__()
         return f"{base}\n--- criu log tail ---\n{self.log_tail}" if self.log_tail else base
+
+
+class SetupFailed(RuntimeFailure):
+    """A task's setup command exited non-zero or timed out."""
+
+    code = "setup_failed"
 
 
 def _all_subclasses(cls: type) -> list[type]:

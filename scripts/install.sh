@@ -54,6 +54,7 @@ WANT=(
     nftables
     util-linux
     busybox-static
+    libjemalloc2
     procps
 )
 # The python needs a working venv module (Debian's python3 splits it out).

@@ -43,7 +43,9 @@ def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _run(criu: Path, args: Sequence[str], *, action: str, log: Path | None, timeout: float | None) -> float:
+def _run(
+    criu: Path, args: Sequence[str], *, action: str, log: Path | None, timeout: float | None
+) -> float:
     """Run criu; return the wall time in ms or raise CriuError."""
     with tempfile.TemporaryFile() as out:
         t0 = time.monotonic()
@@ -58,7 +60,9 @@ def _run(criu: Path, args: Sequence[str], *, action: str, log: Path | None, time
                 check=False,
             )
         except FileNotFoundError as exc:
-            raise HostUnsupported(f"criu not found at {criu}", hint="install CRIU >= 4.2 (see DESIGN.md)") from exc
+            raise HostUnsupported(
+                f"criu not found at {criu}", hint="install CRIU >= 4.2 (see DESIGN.md)"
+            ) from exc
         except subprocess.TimeoutExpired as exc:
             raise CriuError(
                 f"criu {action} timed out after {timeout} s",
@@ -120,14 +124,28 @@ def restore(
     pidfile = Path(pidfile).absolute()
     log = images_dir / (log_name or f"restore-{uuid.uuid4().hex[:12]}.log")
     pidfile.unlink(missing_ok=True)
-    args = ["restore", "-D", str(images_dir), "-v4", "--log-file", str(log), "--restore-detached", "--pidfile", str(pidfile)]
+    args = [
+        "restore",
+        "-D",
+        str(images_dir),
+        "-v4",
+        "--log-file",
+        str(log),
+        "--restore-detached",
+        "--pidfile",
+        str(pidfile),
+    ]
     if root is not None:
         args += ["--root", str(root)]
     ms = _run(criu, [*args, *extra], action="restore", log=log, timeout=timeout)
     try:
         pid = int(pidfile.read_text().strip())
     except (OSError, ValueError) as exc:
-        raise CriuError("criu restore succeeded but wrote no readable pidfile", log_tail=_tail(log), action="restore") from exc
+        raise CriuError(
+            "criu restore succeeded but wrote no readable pidfile",
+            log_tail=_tail(log),
+            action="restore",
+        ) from exc
     return CriuRun(duration_ms=ms, log=log, pid=pid)
 
 
@@ -161,10 +179,16 @@ def version(criu: Path, *, timeout: float | None = 30) -> str:
             check=False,
         )
     except FileNotFoundError as exc:
-        raise HostUnsupported(f"criu not found at {criu}", hint="install CRIU >= 4.2 (see DESIGN.md)") from exc
+        raise HostUnsupported(
+            f"criu not found at {criu}", hint="install CRIU >= 4.2 (see DESIGN.md)"
+        ) from exc
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise CriuError(f"criu --version failed: {exc}", action="version") from exc
     for line in proc.stdout.splitlines():
         if line.strip().lower().startswith("version:"):
             return line.split(":", 1)[1].strip()
-    raise CriuError("criu --version printed no version", log_tail=(proc.stdout + proc.stderr)[-2000:], action="version")
+    raise CriuError(
+        "criu --version printed no version",
+        log_tail=(proc.stdout + proc.stderr)[-2000:],
+        action="version",
+    )

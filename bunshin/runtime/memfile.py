@@ -83,7 +83,13 @@ DEFAULT_GROWTH_ROOM = 1 << 40
 # mmap flags, CRIU VMA status bits, page-map entry flags (criu/include/image.h)
 MAP_PRIVATE, MAP_ANONYMOUS, MAP_NORESERVE = 0x02, 0x20, 0x4000
 _CONVERTIBLE_FLAGS = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE
-VMA_AREA_REGULAR, VMA_AREA_HEAP, VMA_FILE_PRIVATE, VMA_FILE_SHARED, VMA_ANON_PRIVATE = 0x1, 0x20, 0x40, 0x80, 0x200
+VMA_AREA_REGULAR, VMA_AREA_HEAP, VMA_FILE_PRIVATE, VMA_FILE_SHARED, VMA_ANON_PRIVATE = (
+    0x1,
+    0x20,
+    0x40,
+    0x80,
+    0x200,
+)
 PE_PARENT, PE_LAZY, PE_PRESENT = 0x1, 0x2, 0x4
 MADV_WIPEONFORK = 18
 
@@ -146,7 +152,9 @@ def _pycriu_images() -> Any:
     try:
         import pycriu.images as images  # type: ignore[import-not-found]
     except ImportError as exc:  # pragma: no cover - depends on the host
-        raise HostUnsupported("pycriu is not importable", hint="install python3-pycriu with protobuf<6") from exc
+        raise HostUnsupported(
+            "pycriu is not importable", hint="install python3-pycriu with protobuf<6"
+        ) from exc
     return images
 
 
@@ -169,7 +177,11 @@ def _num(value: Any) -> int:
     names: dict[str, int] = {}
     for table in pb2dict.flags_maps.values():
         names.update(dict(table))
-    return sum(names[p] if p in names else int(p, 0) for p in (s.strip() for s in str(value).split("|")) if p)
+    return sum(
+        names[p] if p in names else int(p, 0)
+        for p in (s.strip() for s in str(value).split("|"))
+        if p
+    )
 
 
 def _pages_present(entry: dict[str, Any]) -> tuple[int, bool]:
@@ -186,11 +198,15 @@ def _pids(images_dir: Path) -> list[int]:
 
 def referenced_memfiles(images_dir: Path) -> set[str]:
     """Names of the memory files a dump maps (as the restored tasks see them)."""
-    return {e["reg"]["name"] for e in _load(images_dir / "files.img")["entries"] if _is_memfile_entry(e)}
+    return {
+        e["reg"]["name"] for e in _load(images_dir / "files.img")["entries"] if _is_memfile_entry(e)
+    }
 
 
 def _is_memfile_entry(entry: dict[str, Any]) -> bool:
-    return entry.get("type") in ("REG", 1) and str(entry.get("reg", {}).get("name", "")).endswith(SUFFIX)
+    return entry.get("type") in ("REG", 1) and str(entry.get("reg", {}).get("name", "")).endswith(
+        SUFFIX
+    )
 
 
 # ------------------------------------------------------------ zero-fill risk
@@ -199,22 +215,31 @@ def _is_memfile_entry(entry: dict[str, Any]) -> bool:
 @functools.lru_cache(maxsize=4096)
 def _file_contains(path: str, needle: bytes, _key: tuple[int, int, int, int]) -> bool:
     try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ) as m:
+        with (
+            open(path, "rb") as f,
+            mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ) as m,
+        ):
             return m.find(needle) >= 0
     except (OSError, ValueError):
         return False
 
 
-def _mapped_names(mm: dict[str, Any], files: dict[int, dict[str, Any]], *, exec_only: bool = False) -> set[str]:
+def _mapped_names(
+    mm: dict[str, Any], files: dict[int, dict[str, Any]], *, exec_only: bool = False
+) -> set[str]:
     """Names of the files a process maps (its executable included)."""
     ids = {_num(mm.get("exe_file_id", 0))}
     for v in mm.get("vmas", []):
-        if _num(v["status"]) & (VMA_FILE_PRIVATE | VMA_FILE_SHARED) and (not exec_only or _num(v["prot"]) & PROT_EXEC):
+        if _num(v["status"]) & (VMA_FILE_PRIVATE | VMA_FILE_SHARED) and (
+            not exec_only or _num(v["prot"]) & PROT_EXEC
+        ):
             ids.add(_num(v["shmid"]))
     return {files[i]["reg"]["name"] for i in ids if i in files and "reg" in files[i]}
 
 
-def _zero_fill_reason(mm: dict[str, Any], files: dict[int, dict[str, Any]], root: Path) -> str | None:
+def _zero_fill_reason(
+    mm: dict[str, Any], files: dict[int, dict[str, Any]], root: Path
+) -> str | None:
     for name in sorted(_mapped_names(mm, files)):
         if _RISKY_LIBS.search(name):
             return f"maps {name} (its allocator expects MADV_DONTNEED to zero memory)"
@@ -227,7 +252,9 @@ def _zero_fill_reason(mm: dict[str, Any], files: dict[int, dict[str, Any]], root
         # code files only: never read a (huge, sparse) memory file
         if name.endswith(SUFFIX) or not path.is_file() or st.st_size > _SCAN_LIMIT:
             continue
-        if _file_contains(str(path), _JEMALLOC_MARK, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)):
+        if _file_contains(
+            str(path), _JEMALLOC_MARK, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        ):
             return f"{name} contains jemalloc (it expects MADV_DONTNEED to zero memory)"
     return None
 
@@ -312,7 +339,9 @@ def remove_memfile(path: Path) -> None:
                 fcntl.ioctl(fd, _FS_IOC_GETFLAGS, buf)
                 flags = struct.unpack("i", buf)[0]
                 if flags & _FS_IMMUTABLE_FL:
-                    fcntl.ioctl(fd, _FS_IOC_SETFLAGS, bytearray(struct.pack("i", flags & ~_FS_IMMUTABLE_FL)))
+                    fcntl.ioctl(
+                        fd, _FS_IOC_SETFLAGS, bytearray(struct.pack("i", flags & ~_FS_IMMUTABLE_FL))
+                    )
         finally:
             os.close(fd)
         path.unlink()
@@ -356,7 +385,9 @@ class _Proc:
     pages_path: Path
     kinds: list[_Kind]
     pieces: list[_Piece]
-    base_paths: dict[int, Path] = field(default_factory=dict)  # shmid -> host path of its memory file
+    base_paths: dict[int, Path] = field(
+        default_factory=dict
+    )  # shmid -> host path of its memory file
 
     @property
     def vmas(self) -> list[dict[str, Any]]:
@@ -389,7 +420,9 @@ def _split(entries: list[dict[str, Any]], vmas: list[dict[str, Any]]) -> list[_P
             else:
                 nxt = starts[i + 1] if i + 1 < len(starts) else end
                 cut, idx = min(end, nxt), None
-            pieces.append(_Piece(pos, cut, base_src + pos - base_pos if present else None, entry, idx))
+            pieces.append(
+                _Piece(pos, cut, base_src + pos - base_pos if present else None, entry, idx)
+            )
             pos = cut
         if present:
             src += n * PAGE
@@ -414,7 +447,9 @@ def _plan(
     memfile_dir: Path,
     view: str,
     split_chunks: bool,
+    convert: bool,
 ) -> _Proc | None:
+    """Classify one process's areas; None if it has no memory of its own."""
     mm_path = images_dir / f"mm-{pid}.img"
     pm_path = images_dir / f"pagemap-{pid}.img"
     if not mm_path.exists() or not pm_path.exists():
@@ -440,11 +475,11 @@ def _plan(
                 proc.kinds[i] = _Kind.SHARED
                 if host is not None:
                     proc.base_paths[_num(v["shmid"])] = host
-        elif i in stored and i not in missing and _convertible(v, convert_heap):
+        elif convert and i in stored and i not in missing and _convertible(v, convert_heap):
             proc.kinds[i] = _Kind.CONVERT
-    if split_chunks and _split_mmapped_chunks(proc):
+    if convert and split_chunks and _split_mmapped_chunks(proc):
         stored, missing = _stored_bytes(proc.pieces)
-    if rebase_ratio is not None:
+    if convert and rebase_ratio is not None:
         _choose_rebase(proc, stored, missing, rebase_ratio)
     return proc
 
@@ -509,7 +544,14 @@ def _glibc_chunks(header: Any, start: int, end: int) -> list[tuple[int, int]]:
             break
         prev_size, size = hdr
         total = size & ~0x7
-        if prev_size or not size & 0x2 or size & 0x4 or total == 0 or total % PAGE or pos + total > end:
+        if (
+            prev_size
+            or not size & 0x2
+            or size & 0x4
+            or total == 0
+            or total % PAGE
+            or pos + total > end
+        ):
             break
         out.append((pos, pos + total))
         pos += total
@@ -540,7 +582,9 @@ def _choose_rebase(proc: _Proc, stored: dict[int, int], missing: set[int], ratio
             for i in idxs:
                 v = proc.vmas[i]
                 off = _num(v["pgoff"])
-                base += sum(n for _, n in _data_extents(fd, off, off + _num(v["end"]) - _num(v["start"])))
+                base += sum(
+                    n for _, n in _data_extents(fd, off, off + _num(v["end"]) - _num(v["start"]))
+                )
         finally:
             os.close(fd)
         if delta >= ratio * base:
@@ -563,7 +607,6 @@ class _Slots:
 
 def _execute(
     proc: _Proc,
-    images_dir: Path,
     memfile_path: Path,
     view_name: str,
     file_id: int,
@@ -603,7 +646,9 @@ def _execute(
                 base_fd = os.open(proc.base_paths[_num(v["shmid"])], os.O_RDONLY | os.O_CLOEXEC)
                 try:
                     pgoff = _num(v["pgoff"])
-                    for off, n in _data_extents(base_fd, pgoff, pgoff + _num(v["end"]) - _num(v["start"])):
+                    for off, n in _data_extents(
+                        base_fd, pgoff, pgoff + _num(v["end"]) - _num(v["start"])
+                    ):
                         _copy(base_fd, off, mem_fd, offsets[i] + off - pgoff, n)
                 finally:
                     os.close(base_fd)
@@ -744,19 +789,31 @@ def rewrite_images(
     try:
         for pid in _pids(images_dir):
             proc = _plan(
-                images_dir, pid, files, convert_heap=convert_heap, rebase_ratio=rebase_ratio,
-                memfile_dir=memfile_dir, view=view, split_chunks=split_chunks,
+                images_dir,
+                pid,
+                files,
+                convert_heap=convert_heap,
+                rebase_ratio=rebase_ratio,
+                memfile_dir=memfile_dir,
+                view=view,
+                split_chunks=split_chunks,
+                convert=pid not in risks,
             )
             if proc is None:
                 continue
-            if pid in risks:
-                proc.kinds = [_Kind.SHARED if k is _Kind.SHARED else _Kind.KEEP for k in proc.kinds]
             name = f"{tag}-{pid}{SUFFIX}"
-            exe = files.get(_num(proc.mm_img["entries"][0].get("exe_file_id", 0)), {}).get("reg", {})
+            exe = files.get(_num(proc.mm_img["entries"][0].get("exe_file_id", 0)), {}).get(
+                "reg", {}
+            )
             mnt_id = _num(exe["mnt_id"]) if "mnt_id" in exe else None
             memfile, entry, stats = _execute(
-                proc, images_dir, memfile_dir / name, f"{view.rstrip('/')}/{name}", next_id, mnt_id,
-                growth_room, created,
+                proc,
+                memfile_dir / name,
+                f"{view.rstrip('/')}/{name}",
+                next_id,
+                mnt_id,
+                growth_room,
+                created,
             )
             for k, v in stats.items():
                 totals[k] += v
@@ -765,12 +822,17 @@ def rewrite_images(
             memfiles.append(memfile)
             files_img["entries"].append(entry)
             next_id += 1
-            for img, path in ((proc.mm_img, images_dir / f"mm-{pid}.img"), (proc.pm_img, images_dir / f"pagemap-{pid}.img")):
+            for img, path in (
+                (proc.mm_img, images_dir / f"mm-{pid}.img"),
+                (proc.pm_img, images_dir / f"pagemap-{pid}.img"),
+            ):
                 tmp = path.with_name(path.name + ".rewrite")
                 created.append(tmp)
                 _dump(img, tmp)
                 renames.append((tmp, path))
-            renames.append((proc.pages_path.with_name(proc.pages_path.name + ".rewrite"), proc.pages_path))
+            renames.append(
+                (proc.pages_path.with_name(proc.pages_path.name + ".rewrite"), proc.pages_path)
+            )
         if memfiles:
             tmp = images_dir / "files.img.rewrite"
             created.append(tmp)

@@ -45,18 +45,24 @@ def _prctl(option: int, value: int) -> None:
 
 
 def _kill(pid: int) -> None:
+    """SIGKILL a process and wait until it is gone (reaping it if it is ours)."""
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         return
     try:
         os.waitpid(pid, 0)
+        return
     except ChildProcessError:
-        deadline = time.monotonic() + 10
-        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        pass
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
             if "State:\tZ" in Path(f"/proc/{pid}/status").read_text():
-                break
-            time.sleep(0.01)
+                return
+        except OSError:
+            return
+        time.sleep(0.01)
 
 
 class Counters:
@@ -71,12 +77,17 @@ class Counters:
     def spawn(self) -> int:
         p = subprocess.Popen(
             ["unshare", "--pid", "--fork", sys.executable, "-c", COUNTER, str(self.out)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True, close_fds=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            close_fds=True,
         )
         self.popens.append(p)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
+            if p.poll() is not None:
+                raise RuntimeError(f"unshare exited with {p.returncode}")
             kids = Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()
             if kids:
                 pid = int(kids[0])
@@ -97,6 +108,14 @@ class Counters:
                     return int(path.read_text())
                 time.sleep(0.005)
         raise TimeoutError(f"{pid} does not report")
+
+    def wait_above(self, pid: int, value: int, timeout: float = 10) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.value(pid) > value:
+                return True
+            time.sleep(0.02)
+        return False
 
     def close(self) -> None:
         for pid in reversed(self.pids):
@@ -167,11 +186,15 @@ def test_dump_and_restore_side_by_side(counters: Counters, criu_bin: Path, workd
     assert len({pid, *clones}) == 3
     for c in clones:
         # each clone is the init of its own new pid namespace and continues counting
-        nspid = [line for line in Path(f"/proc/{c}/status").read_text().splitlines() if line.startswith("NSpid:")][0]
+        nspid = [
+            line
+            for line in Path(f"/proc/{c}/status").read_text().splitlines()
+            if line.startswith("NSpid:")
+        ][0]
         assert nspid.split()[1:] == [str(c), "1"]
         first = counters.value(c)
         assert 0 < first <= at_dump + 10_000
-        assert counters.value(c) > first
+        assert counters.wait_above(c, first)
     assert counters.value(pid) >= at_dump  # the parent kept running
 
 

@@ -14,6 +14,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -98,7 +99,9 @@ def _system_used() -> int:
 
 
 def _digest(directory: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.glob("*.img"))}
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.glob("*.img"))
+    }
 
 
 class Lab:
@@ -117,28 +120,52 @@ class Lab:
         self.images: list[Path] = []
         self.restore_ms: list[float] = []
 
-    def spawn(self, mib: int, threads: int = 2, children: int = 0, *, env: dict[str, str] | None = None,
-              prog: Path | None = None) -> int:
+    def spawn(
+        self,
+        mib: int,
+        threads: int = 2,
+        children: int = 0,
+        *,
+        env: dict[str, str] | None = None,
+        prog: Path | None = None,
+    ) -> int:
+        """Start memprog; wait until it and its children are ready."""
+        args = [str(mib), str(threads), str(children)]
+        return self.start([str(prog or self.memprog), str(self.ctl), *args], children, env=env)
+
+    def start(
+        self, argv: list[str], children: int = 0, *, env: dict[str, str] | None = None
+    ) -> int:
+        """Start a program alone in a new pid namespace; it writes CTL/<hostpid>.ready."""
         p = subprocess.Popen(
-            ["unshare", "--pid", "--fork", str(prog or self.memprog), str(self.ctl), str(mib), str(threads), str(children)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True, close_fds=True, env=env,
+            ["unshare", "--pid", "--fork", *argv],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            close_fds=True,
+            env=env,
         )
         self.popens.append(p)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            kids = _children(p.pid) if p.poll() is None else []
+            try:
+                kids = _children(p.pid) if p.poll() is None else []
+            except OSError:
+                kids = []
             if kids:
                 pid = kids[0]
                 if pid not in self.pids:
                     self.pids.append(pid)
                 procs = [pid, *_children(pid)]
-                if len(procs) == children + 1 and all((self.ctl / f"{q}.ready").exists() for q in procs):
+                if len(procs) == children + 1 and all(
+                    (self.ctl / f"{q}.ready").exists() for q in procs
+                ):
                     return pid
             elif p.poll() is not None:
-                raise RuntimeError(f"memprog exited with {p.returncode}")
+                raise RuntimeError(f"{argv[0]} exited with {p.returncode}")
             time.sleep(0.01)
-        raise TimeoutError("memprog did not get ready")
+        raise TimeoutError(f"{argv[0]} did not get ready")
 
     def cmd(self, pid: int, text: str, timeout: float = 120) -> dict[str, str]:
         out = self.ctl / f"{pid}.out"
@@ -150,7 +177,9 @@ class Lab:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if out.exists():
-                return dict(kv.split("=", 1) for kv in out.read_text().split() if "=" in kv) or {"ok": "1"}
+                return dict(kv.split("=", 1) for kv in out.read_text().split() if "=" in kv) or {
+                    "ok": "1"
+                }
             time.sleep(0.002)
         raise TimeoutError(f"{pid} did not answer {text!r}")
 
@@ -196,7 +225,9 @@ def _build(tmp: Path, name: str, *flags: str) -> Path:
     if gcc is None:
         pytest.skip("needs gcc")
     out = tmp / name
-    subprocess.run([gcc, "-O2", "-pthread", *flags, "-o", str(out), str(PROGS / "memprog.c")], check=True)
+    subprocess.run(
+        [gcc, "-O2", "-pthread", *flags, "-o", str(out), str(PROGS / "memprog.c")], check=True
+    )
     return out
 
 
@@ -229,7 +260,11 @@ def _sums(lab: Lab, pid: int) -> dict[str, str]:
 
 
 def test_split_cuts_page_map_entries_at_vma_boundaries() -> None:
-    vmas = [{"start": 0x10000, "end": 0x13000}, {"start": 0x13000, "end": 0x20000}, {"start": 0x30000, "end": 0x31000}]
+    vmas = [
+        {"start": 0x10000, "end": 0x13000},
+        {"start": 0x13000, "end": 0x20000},
+        {"start": 0x30000, "end": 0x31000},
+    ]
     entries = [
         {"vaddr": 0x11000, "nr_pages": 4, "flags": 6},  # crosses the first boundary
         {"vaddr": 0x1F000, "nr_pages": 1, "flags": 1},  # in a parent image: no data here
@@ -246,7 +281,10 @@ def test_split_cuts_page_map_entries_at_vma_boundaries() -> None:
 
 def test_glibc_chunks_split_merged_mmaps() -> None:
     headers = {0x100000: (0, 0x3000 | 2), 0x103000: (0, 0x5000 | 2)}
-    assert memfile._glibc_chunks(headers.get, 0x100000, 0x108000) == [(0x100000, 0x103000), (0x103000, 0x108000)]
+    assert memfile._glibc_chunks(headers.get, 0x100000, 0x108000) == [
+        (0x100000, 0x103000),
+        (0x103000, 0x108000),
+    ]
     # an area that is not a run of mmapped chunks stays whole, a partial run keeps its rest
     assert memfile._glibc_chunks({}.get, 0x100000, 0x108000) == [(0x100000, 0x108000)]
     assert memfile._glibc_chunks({0x100000: (0, 0x2000 | 2)}.get, 0x100000, 0x108000) == [
@@ -254,7 +292,9 @@ def test_glibc_chunks_split_merged_mmaps() -> None:
         (0x102000, 0x108000),
     ]
     # non-main-arena or unaligned sizes are not mmapped chunks
-    assert memfile._glibc_chunks({0x100000: (0, 0x2000 | 2 | 4)}.get, 0x100000, 0x108000) == [(0x100000, 0x108000)]
+    assert memfile._glibc_chunks({0x100000: (0, 0x2000 | 2 | 4)}.get, 0x100000, 0x108000) == [
+        (0x100000, 0x108000)
+    ]
 
 
 def test_num_reads_pycriu_renderings() -> None:
@@ -295,7 +335,9 @@ def test_clones_share_memory_copy_on_write(lab: Lab) -> None:
     assert res.image_bytes < 8 * MIB  # what stays in the image: [heap], stacks, libc data ...
     (mf,) = res.files
     st = mf.path.stat()
-    assert stat.S_IMODE(st.st_mode) == 0o444 and st.st_size == mf.size and mf.data_bytes >= heap * MIB
+    assert (
+        stat.S_IMODE(st.st_mode) == 0o444 and st.st_size == mf.size and mf.data_bytes >= heap * MIB
+    )
     with pytest.raises(PermissionError):  # immutable, even for root
         open(mf.path, "r+b").close()
 
@@ -309,9 +351,11 @@ def test_clones_share_memory_copy_on_write(lab: Lab) -> None:
         assert _sums(lab, c) == want
     added = _system_used() - before
     anon = [_smaps(c, "Anonymous") for c in clones]
-    print(f"\n256 MiB heap: plain restore {plain_ms:.0f} ms, {plain_anon / MIB:.0f} MiB private; "
-          f"rewritten restore {min(times):.0f}-{max(times):.0f} ms, private {[round(a / MIB, 1) for a in anon]} MiB, "
-          f"4 clones +{added / MIB:.0f} MiB system-wide; rewrite {res.duration_ms:.0f} ms")
+    print(
+        f"\n256 MiB heap: plain restore {plain_ms:.0f} ms, {plain_anon / MIB:.0f} MiB private; "
+        f"rewritten restore {min(times):.0f}-{max(times):.0f} ms, private {[round(a / MIB, 1) for a in anon]} MiB, "
+        f"4 clones +{added / MIB:.0f} MiB system-wide; rewrite {res.duration_ms:.0f} ms"
+    )
     assert plain_anon > heap * MIB
     assert max(anon) < 16 * MIB
     assert added < 2 * heap * MIB  # a plain restore of 4 clones adds over 4 * heap
@@ -364,7 +408,9 @@ def test_madv_dontneed_brings_back_dump_bytes(lab: Lab) -> None:
 @pytest.mark.criu
 @pytest.mark.skipif(not JEMALLOC.exists(), reason="needs libjemalloc2")
 def test_jemalloc_process_is_left_anonymous(lab: Lab) -> None:
-    env = dict(os.environ, LD_PRELOAD=str(JEMALLOC), MALLOC_CONF="dirty_decay_ms:0,muzzy_decay_ms:0")
+    env = dict(
+        os.environ, LD_PRELOAD=str(JEMALLOC), MALLOC_CONF="dirty_decay_ms:0,muzzy_decay_ms:0"
+    )
     parent = lab.spawn(8, threads=2, env=env)
     images = [lab.dump(parent) for _ in range(2)]
 
@@ -395,7 +441,9 @@ def test_zero_fill_detection(lab: Lab, tmp_path: Path) -> None:
     # a library named like mimalloc
     lib = tmp_path / "libmimalloc.so.2"
     (tmp_path / "empty.c").write_text("int bunshin_test_symbol;\n")
-    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(lib), str(tmp_path / "empty.c")], check=True)
+    subprocess.run(
+        ["gcc", "-shared", "-fPIC", "-o", str(lib), str(tmp_path / "empty.c")], check=True
+    )
     images = lab.dump(lab.spawn(1, threads=0, env=dict(os.environ, LD_PRELOAD=str(lib))))
     (reason,) = memfile.zero_fill_risks(images).values()
     assert "libmimalloc" in reason
@@ -419,6 +467,60 @@ def test_process_tree(lab: Lab) -> None:
         assert _sums(lab, clone) == want[0]
         assert sorted(_sums(lab, k)["big"] for k in kids) == sorted(want[i]["big"] for i in (1, 2))
         assert all(_smaps(p, "Anonymous") < 8 * MIB for p in (clone, *kids))
+
+
+# A Python interpreter holding data of every origin: large bytes in glibc's main
+# arena ([heap]), small objects in pymalloc arenas, a big bytearray (mmap), and
+# blocks a finished thread left in its arena. "sum" hashes all of it.
+PYTHON_PROG = r"""
+import hashlib, os, random, signal, sys, threading
+os.setsid()
+ctl = sys.argv[1]
+rnd = random.Random(7)
+blobs = [rnd.randbytes(60_000) for _ in range(600)]
+table = {i: f"value-{i}" * 3 for i in range(200_000)}
+big = bytearray(rnd.randbytes(24 << 20))
+side = []
+t = threading.Thread(target=lambda: side.extend(random.Random(8).randbytes(100_000) for _ in range(80)))
+t.start(); t.join()
+
+def answer(*_):
+    me = os.readlink("/proc/self")
+    h = hashlib.sha256()
+    for b in blobs + side:
+        h.update(b)
+    h.update(repr(sorted(table.items())[::97]).encode())
+    h.update(big)
+    with open(f"{ctl}/{me}.out.tmp", "w") as f:
+        f.write(f"sum={h.hexdigest()[:16]} n={len(table)}")
+    os.replace(f"{ctl}/{me}.out.tmp", f"{ctl}/{me}.out")
+
+signal.signal(signal.SIGUSR1, answer)
+open(f"{ctl}/{os.readlink('/proc/self')}.ready", "w").close()
+while True:
+    signal.pause()
+"""
+
+
+@pytest.mark.criu
+def test_python_interpreter(lab: Lab) -> None:
+    parent = lab.start([sys.executable, "-c", PYTHON_PROG, str(lab.ctl)])
+    want = lab.cmd(parent, "sum")
+    anon: dict[bool, int] = {}
+    for convert_heap in (False, True):
+        images = lab.dump(parent)
+        res = memfile.rewrite_images(images, lab.mem, convert_heap=convert_heap)
+        assert res.vmas_converted > 0
+        clones = [lab.restore(images) for _ in range(2)]
+        # measured before "sum": Python's refcounting writes to every object it touches
+        anon[convert_heap] = max(_smaps(c, "Anonymous") for c in clones)
+        for c in clones:
+            assert lab.cmd(c, "sum") == want
+    print(
+        f"\nPython clone private memory: [heap] anonymous {anon[False] / MIB:.1f} MiB, converted {anon[True] / MIB:.1f} MiB"
+    )
+    assert anon[True] < 8 * MIB
+    assert anon[False] > 32 * MIB  # the 600 60 kB blobs live in [heap]
 
 
 @pytest.mark.criu
@@ -471,12 +573,16 @@ def test_forks_of_forks(lab: Lab) -> None:
         want = _sums(lab, child)
         _kill(pid)
         pid = child
-    print(f"\ndelta left in the image per generation (MiB): {[round(d / MIB, 2) for d in deltas]}, rebased: {rebased}")
+    print(
+        f"\ndelta left in the image per generation (MiB): {[round(d / MIB, 2) for d in deltas]}, rebased: {rebased}"
+    )
     assert deltas[0] == 0 and shared[0] == 0 and not rebased[0]
     assert all(s > 0 for s in shared[1:])
     assert any(rebased) and not all(rebased[1:])
     # a delta holds the writes since the last rebase (1 MiB + 64 pages per generation)
-    assert all(d == 0 if r else MIB <= d < 4 * MIB for d, r in zip(deltas[1:], rebased[1:], strict=True))
+    assert all(
+        d == 0 if r else MIB <= d < 4 * MIB for d, r in zip(deltas[1:], rebased[1:], strict=True)
+    )
 
     # an explicit rebase folds the delta into a fresh file
     images = lab.dump(pid)
@@ -508,4 +614,6 @@ def test_delta_is_restored_over_the_shared_file(lab: Lab) -> None:
         assert 2 * MIB <= _smaps(grandchild, "Anonymous") < 10 * MIB
     first = memfile.referenced_memfiles(images)
     assert first < memfile.referenced_memfiles(images2)
-    assert {Path(n).name for n in first} == {p.name for p in lab.mem.glob(f"*{memfile.SUFFIX}")} - {res.files[0].path.name}
+    assert {Path(n).name for n in first} == {p.name for p in lab.mem.glob(f"*{memfile.SUFFIX}")} - {
+        res.files[0].path.name
+    }
