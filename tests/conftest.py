@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,17 @@ def leftovers(config: Config) -> dict[str, list]:
     out["cgroups"] = [str(p) for p in Layout.discover().find(config.cgroup_prefix)]
     ws_dir = config.tmpfs / "workspaces"
     out["folders"] = sorted(p.name for p in ws_dir.iterdir()) if ws_dir.is_dir() else []
+    with Store.open(config.db_path) as store:
+        out["snapshot_records"] = [i for i, _ in store.list_objects("snapshot")]
+    for sub in ("snapshots", "mem"):
+        d = config.tmpfs / sub
+        out[sub] = sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+    layers = config.tmpfs / "layers"
+    # the agent and mask layers are shared, built once per session; anything else is a leak
+    out["layers"] = sorted(
+        p.name for p in (layers.iterdir() if layers.is_dir() else [])
+        if not p.name.startswith(("agent-", "mask-"))
+    )
     criu = subprocess.run(["pgrep", "-af", "criu"], capture_output=True, text=True).stdout.splitlines()
     out["criu"] = [ln for ln in criu if str(config.tmpfs) in ln or str(config.home) in ln]
     return {k: v for k, v in out.items() if v}
@@ -51,15 +63,48 @@ def leftovers(config: Config) -> dict[str, list]:
 
 @pytest.fixture
 def no_leaks(cfg: Config):
-    """Fails the test if it leaves a mount, cgroup, process, folder or record behind."""
+    """Fails the test if it leaves a mount, cgroup, process, folder, record, snapshot or layer behind."""
     before_netns = _netns()
     yield cfg
     left = leftovers(cfg)
     if _netns() != before_netns:
         left["netns"] = _netns()
     if left:
-        from bunshin.runtime import gc
+        from bunshin.runtime import container, gc
+        from bunshin.runtime import snapshot as rsnap
 
         with Store.open(cfg.db_path) as store:
+            for rec in store.list_workspaces():  # live leftovers too: gc only takes stale ones
+                container.destroy(cfg, store, rec)
+            for snap in rsnap.list_all(store):  # kept snapshots too: the next test starts clean
+                rsnap.remove(cfg, store, snap)
             gc.collect(cfg, store)
         pytest.fail(f"test leaked: {left}")
+
+
+def _machine_state() -> set[str]:
+    """Every mount, cgroup folder and criu process on the machine that names bunshin."""
+    found = set()
+    with open("/proc/self/mountinfo") as f:
+        found.update(f"mount {ln.split()[4]}" for ln in f if "bunshin" in ln.lower())
+    for root in Path("/sys/fs/cgroup").iterdir():
+        for dirpath, dirnames, _ in os.walk(root):
+            for d in list(dirnames):
+                if "bunshin" in d.lower():
+                    found.add(f"cgroup {dirpath}/{d}")
+                    dirnames.remove(d)
+    ps = subprocess.run(["pgrep", "-af", "criu (dump|restore|pre-dump)"], capture_output=True, text=True).stdout
+    found.update(f"criu {ln}" for ln in ps.splitlines() if "bunshin" in ln)
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _machine_left_clean():
+    """Every test, whatever config it used, must leave no new bunshin mount, cgroup or criu process."""
+    before = _machine_state()
+    yield
+    left = _machine_state() - before
+    if left:
+        time.sleep(0.5)  # an exiting process may still be releasing its cgroup
+        left = _machine_state() - before
+    assert not left, f"test left behind: {sorted(left)}"
