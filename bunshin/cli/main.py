@@ -19,9 +19,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     register_workspace(sub)
+    from .fork_cmds import register as register_fork
+
+    register_fork(sub)
     from .system_cmds import register as register_system
 
     register_system(sub)
+    from .rollout_cmds import register as register_rollout
+
+    register_rollout(sub)
     return parser
 
 

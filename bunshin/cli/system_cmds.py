@@ -6,6 +6,7 @@ import argparse
 
 from .. import console as output
 from ..config import Config
+from ..errors import InvalidArgument
 from ..runtime import doctor, gc
 from ..runtime.store import Store
 
@@ -26,9 +27,34 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("-n", type=int, default=20, help="workspaces (default 20)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_runtime)
+    b = bsub.add_parser("cache", help="tool prefix cache and speculation on a real coding task")
+    b.add_argument("--quick", action="store_true", help="2 iterations, shorter think times (a few minutes)")
+    b.add_argument("--group", type=int, default=8, help="trajectories per group (default 8)")
+    b.add_argument("--iterations", type=int, default=None, help="training iterations (default 3, quick 2)")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_cache)
+    b = bsub.add_parser("fork", help="live fork vs plain CRIU restore vs cold start: latency and memory")
+    b.add_argument("--sizes", default=None, help="clone counts, comma-separated (default 1,8,32,64)")
+    b.add_argument("--heap-mib", type=int, default=None, help="heap of the forked process (default 256)")
+    b.add_argument("--depth", type=int, default=8, help="forks of forks down to this depth (default 8)")
+    b.add_argument("--quick", action="store_true", help="CI-sized: sizes 1,8, heap 64 MiB, 2 cold starts")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_fork)
 
-    p = sub.add_parser("demo", help="the main job: create a workspace, use it, show its stats, remove it")
+    b = bsub.add_parser("rollout", help="rollouts in every mode side by side: memory, latency, rewards")
+    b.add_argument("--quick", action="store_true", help="groups of 8 only, 2 tasks per workload, shorter think times")
+    b.add_argument("--json", action="store_true")
+    b.add_argument("--report", metavar="DIR", help="write a markdown report and PNG plots here")
+    b.add_argument("--modes", help="comma-separated: baseline,copy,bunshin[,bunshin:no-spec,bunshin:no-cache,bunshin:no-fork]")
+    b.add_argument("--workloads", help="comma-separated: data-analysis,coding")
+    b.add_argument("--think-scale", type=float, help="multiply recorded think times (default 1, quick 0.5)")
+    b.add_argument("--groups", help="comma-separated group sizes (default 8,32; quick 8)")
+    b.add_argument("--tasks", type=int, help="tasks per workload (default 3; quick 2)")
+    b.set_defaults(func=cmd_bench_rollout)
+
+    p = sub.add_parser("demo", help="the main job: rollouts in baseline, copy and bunshin mode, side by side")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--report", metavar="DIR", help="also write a markdown report and PNG plots here")
     p.set_defaults(func=cmd_demo)
 
 
@@ -50,7 +76,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if args.json:
         output.print_json(report)
     else:
-        for kind in ("workspaces", "mounts", "cgroups", "processes", "files"):
+        for kind in ("workspaces", "snapshots", "mounts", "cgroups", "processes", "files"):
             for item in getattr(report, kind):
                 print(f"removed {kind[:-1]} {item}")
         print(f"gc: {report.total} removed")
@@ -68,7 +94,61 @@ def cmd_bench_runtime(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_fork(args: argparse.Namespace) -> int:
+    from ..bench import fork as bench_fork
+    from ..errors import InvalidArgument
+
+    default_sizes, heap, cold = ("1,8", 64, 2) if args.quick else ("1,8,32,64", 256, 3)
+    try:
+        sizes = tuple(int(s) for s in (args.sizes or default_sizes).split(","))
+    except ValueError:
+        raise InvalidArgument(f"malformed --sizes {args.sizes!r}", hint="e.g. --sizes 1,8,32") from None
+    result = bench_fork.run(Config.from_env(), sizes=sizes, heap_mib=args.heap_mib or heap, cold=cold,
+                            depth=args.depth)
+    if args.json:
+        output.print_json(result)
+    else:
+        bench_fork.print_report(result)
+    return 0
+
+
+def cmd_bench_rollout(args: argparse.Namespace) -> int:
+    from ..bench import rollout as bench_rollout
+
+    def split(v: str | None) -> tuple[str, ...] | None:
+        return tuple(x.strip() for x in v.split(",") if x.strip()) if v else None
+
+    try:
+        plan = bench_rollout.Plan.make(quick=args.quick, modes=split(args.modes), workloads=split(args.workloads),
+                                       think_scale=args.think_scale, tasks=args.tasks,
+                                       group_sizes=tuple(int(g) for g in split(args.groups) or ()) or None)
+    except ValueError as e:
+        raise InvalidArgument(str(e)) from None
+    result = bench_rollout.run(Config.from_env(), plan)
+    if args.report:
+        from ..bench import rollout_report
+
+        rollout_report.write(result, args.report)
+        output.err.print(f"report written to {args.report}/report.md")
+    if args.json:
+        output.print_json(result)
+    else:
+        bench_rollout.print_report(result)
+    return 0
+
+
+def cmd_bench_cache(args: argparse.Namespace) -> int:
+    from ..bench import cache as bench_cache
+
+    result = bench_cache.run(Config.from_env(), quick=args.quick, group=args.group, iterations=args.iterations)
+    if args.json:
+        output.print_json(result)
+    else:
+        bench_cache.print_report(result)
+    return 0 if result["correct"] else 1
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from ..bench import demo
 
-    return demo.run(Config.from_env(), as_json=args.json)
+    return demo.run(Config.from_env(), as_json=args.json, report=args.report)

@@ -1,4 +1,4 @@
-"""CLI commands on workspaces: create, exec, sh, ls, stats, rm."""
+"""CLI commands on workspaces: create, exec, sh, ls, stats, rm (also of snapshots)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from datetime import datetime
 
 from .. import console as output
 from ..errors import InvalidArgument
-from ..workspace import Workspace
+from ..workspace import Snapshot, Workspace
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -48,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_stats)
 
-    p = sub.add_parser("rm", help="remove workspaces")
+    p = sub.add_parser("rm", help="remove workspaces (and snapshots: ids starting with snap-)")
     p.add_argument("workspaces", nargs="+")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_rm)
@@ -152,7 +152,10 @@ def cmd_rm(args: argparse.Namespace) -> int:
     removed, failed = [], []
     for ref in args.workspaces:
         try:
-            Workspace.get(ref).remove()
+            if ref.startswith("snap-"):
+                Snapshot.get(ref).remove()
+            else:
+                Workspace.get(ref).remove()
             removed.append(ref)
         except Exception as e:  # keep going: remove what can be removed, report the rest
             failed.append(ref)

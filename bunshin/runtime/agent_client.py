@@ -127,10 +127,22 @@ class AgentClient:
 
     def _roundtrip(self, op: str, line: bytes, answer_timeout: float | None | Literal["default"]) -> bytes:
         """One connection, one request, one answer line, under the workspace's call lock."""
-        with self._translate(op), call_guard(self.lock_dir), self._connect() as sock:
-            sock.settimeout(self.call_timeout if answer_timeout == "default" else answer_timeout)
-            sock.sendall(line)
-            return _read_line(sock)
+        deadline = time.monotonic() + self.connect_timeout
+        with self._translate(op), call_guard(self.lock_dir):
+            while True:
+                with self._connect() as sock:
+                    sock.settimeout(self.call_timeout if answer_timeout == "default" else answer_timeout)
+                    try:
+                        sock.sendall(line)
+                    except BrokenPipeError:
+                        # The agent dropped the connection before reading the request (it could
+                        # not start a thread: the workspace is at its pids limit). The request
+                        # never arrived, so sending it again is safe.
+                        if time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.05)
+                        continue
+                    return _read_line(sock)
 
     def _call_resumable(self, op: str, answer_timeout: float | None, args: dict[str, Any]) -> dict[str, Any]:
         """Start ``op`` as an agent job and long-poll its answer, one short connection per poll.

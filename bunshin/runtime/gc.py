@@ -2,7 +2,8 @@
 
 After a crash or a ``kill -9`` of any bunshin process this restores a clean
 machine: stale records (creator or workspace dead), orphaned overlay mounts,
-cgroups and their processes, workspace folders on tmpfs and stray layers.
+cgroups and their processes, workspace folders on tmpfs and stray layers,
+snapshots nothing holds and snapshot files no record names.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import psutil
 
 from ..config import Config
-from . import container
+from . import container, snapshot
 from . import syscalls as sc
 from .cgroups import Layout, WorkspaceCgroup
 from .records import WorkspaceState
@@ -29,10 +30,12 @@ class GcReport:
     cgroups: list[str] = field(default_factory=list)
     processes: list[int] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
+    snapshots: list[str] = field(default_factory=list)
 
     @property
     def total(self) -> int:
-        return len(self.workspaces) + len(self.mounts) + len(self.cgroups) + len(self.processes) + len(self.files)
+        return (len(self.workspaces) + len(self.mounts) + len(self.cgroups) + len(self.processes)
+                + len(self.files) + len(self.snapshots))
 
 
 def _owner_alive(pid: int | None) -> bool:
@@ -84,6 +87,9 @@ def collect(cfg: Config, store: Store, *, extra_owned: set[str] | None = None) -
             if d.name.startswith(".") and not _recent(d):
                 shutil.rmtree(d, ignore_errors=True)
                 report.files.append(str(d))
+    # Snapshots nothing holds (their forker died) and snapshot files no record names.
+    for item in snapshot.sweep(cfg, store):
+        (report.files if "/" in item else report.snapshots).append(item)
     return report
 
 

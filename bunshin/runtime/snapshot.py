@@ -118,7 +118,11 @@ def mem_dir(cfg: Config) -> Path:
 
 
 def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool, mode: str = "cow") -> SnapshotRecord:
-    """Dump a running workspace (it keeps running) into a new snapshot."""
+    """Dump a running workspace (it keeps running) into a new snapshot.
+
+    A ``keep=False`` snapshot stays owned by this process (``sweep`` leaves it
+    alone) until ``release``: restore from it first (``fork`` does both).
+    """
     if mode not in MODES:
         raise InvalidArgument(f"unknown fork mode {mode!r}", hint=f"use one of {', '.join(MODES)}")
     if rec.state != WorkspaceState.RUNNING or not container.is_alive(rec):
@@ -345,10 +349,11 @@ def fork(cfg: Config, store: Store, rec: WorkspaceRecord, n: int, *, mode: str =
         raise InvalidArgument(f"cannot fork {n} clones", hint="give n >= 1")
     snap = take(cfg, store, rec, keep=False, mode=mode)
     try:
-        return snap, restore(cfg, store, snap, n)
+        clones = restore(cfg, store, snap, n)
     finally:
-        release(store, snap)
+        snap = release(store, snap)
         sweep(cfg, store)
+    return snap, clones
 
 
 def release(store: Store, snap: SnapshotRecord) -> SnapshotRecord:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..config import Config
 from ..errors import StateConflict
-from ..runtime import container
+from ..runtime import container, snapshot_io
 from ..runtime import snapshot as rsnap
 from ..runtime import stats as rstats
 from ..runtime.agent_client import AgentClient
@@ -105,19 +106,12 @@ class Workspace:
         """``n`` live clones that continue from this instant; all of them or none.
 
         ``mode="cow"`` shares memory and files copy-on-write; ``"copy"`` is a plain
-        CRIU restore with private pages (for comparison).
+        CRIU restore with private pages (for comparison). The fork's snapshot
+        (``last_fork``: pause and dump times) is freed with the last clone.
         """
-        if n <= 0:
-            from ..errors import InvalidArgument
-
-            raise InvalidArgument(f"cannot fork {n} clones", hint="give n >= 1")
         with Store.open(self._config.db_path) as store:
-            snap = rsnap.take(self._config, store, self._record, keep=False, mode=mode)
-            self.last_fork = snap
-            try:
-                recs = rsnap.restore(self._config, store, snap, n)
-            finally:
-                rsnap.sweep(self._config, store)
+            snap, recs = rsnap.fork(self._config, store, self._record, n, mode=mode)
+        self.last_fork = snap
         return [Workspace(self._config, r) for r in recs]
 
     def __enter__(self) -> Workspace:
@@ -189,7 +183,10 @@ class Workspace:
 
 
 class Snapshot:
-    """A captured workspace state; restore it any number of times."""
+    """A captured workspace state; restore it any number of times.
+
+    Get one with ``Workspace.snapshot()``, :meth:`get` or :meth:`load`.
+    """
 
     def __init__(self, config: Config, record: rsnap.SnapshotRecord) -> None:
         self._config = config
@@ -205,16 +202,36 @@ class Snapshot:
 
     @classmethod
     def get(cls, ref: str, *, config: Config | None = None) -> Snapshot:
+        """A snapshot by id or unique id prefix."""
         cfg = config or Config.from_env()
         with Store.open(cfg.db_path) as store:
             return cls(cfg, rsnap.get(store, ref))
 
+    @classmethod
+    def list(cls, *, config: Config | None = None) -> list[Snapshot]:
+        cfg = config or Config.from_env()
+        with Store.open(cfg.db_path) as store:
+            return [cls(cfg, r) for r in rsnap.list_all(store)]
+
+    @classmethod
+    def load(cls, folder: str | Path, *, config: Config | None = None) -> Snapshot:
+        """Bring back a snapshot written by :meth:`save` (kept until ``remove()``d)."""
+        cfg = config or Config.from_env()
+        with Store.open(cfg.db_path) as store:
+            return cls(cfg, snapshot_io.load(cfg, store, Path(folder)))
+
+    def save(self, folder: str | Path) -> Path:
+        """Write images, memory files and layers into ``folder`` (new or empty)."""
+        return snapshot_io.save(self._config, self._record, Path(folder))
+
     def restore(self, n: int = 1) -> list[Workspace]:
+        """``n`` new running workspaces in this state; all of them or none."""
         with Store.open(self._config.db_path) as store:
             recs = rsnap.restore(self._config, store, self._record, n)
         return [Workspace(self._config, r) for r in recs]
 
     def remove(self) -> None:
+        """Drop it; its files go once no restored workspace stacks on them."""
         with Store.open(self._config.db_path) as store:
             rsnap.remove(self._config, store, self._record)
 

@@ -729,7 +729,7 @@ def _read_until(sock: socket.socket, needle: bytes, timeout: float = 10) -> byte
 
 
 def test_attach_is_a_raw_pipe_to_a_shell(client: AgentClient) -> None:
-    with client.attach(rows=30, cols=100) as sock:
+    with client.attach(rows=30, cols=100, env={"HISTFILE": "/dev/null"}) as sock:
         sock.sendall(b"echo hi-$((40+2)); stty size\n")
         out = _read_until(sock, b"30 100")
         assert b"hi-42" in out
@@ -740,7 +740,7 @@ def test_attach_is_a_raw_pipe_to_a_shell(client: AgentClient) -> None:
 
 
 def test_attach_client_hangup_ends_the_shell(client: AgentClient, tmp_path: Path) -> None:
-    with client.attach() as sock:
+    with client.attach(env={"HISTFILE": "/dev/null"}) as sock:
         sock.sendall(f"echo $$ > {tmp_path}/pid; echo written-$((6*7))\n".encode())
         _read_until(sock, b"written-42")  # not the echo of the typed line
         shell = int((tmp_path / "pid").read_text())

@@ -2,7 +2,9 @@
 
 The workload is tests/runtime/progs/memprog.c (compiled here with gcc), run
 alone in its own pid namespace; every restore gets a fresh pid namespace, so
-clones run side by side. Unit tests of the page-map arithmetic need no CRIU.
+clones run side by side. For written private file mappings it loads
+tests/runtime/progs/libblob.c, a library whose .data is a blob of known bytes.
+Unit tests of the page-map arithmetic and file plumbing need no CRIU.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import random
 import shutil
 import signal
 import stat
@@ -24,7 +27,8 @@ import pytest
 
 from bunshin.errors import NotForkable
 from bunshin.runtime import criu, memfile
-from bunshin.runtime.memfile import PAGE, ZeroFillPolicy
+from bunshin.runtime.memfile import PAGE, ZeroFillPolicy, fileio, filemaps, plan, rewrite
+from bunshin.runtime.memfile import images as image_io
 
 PROGS = Path(__file__).parent / "progs"
 MIB = 1 << 20
@@ -87,6 +91,25 @@ def _smaps(pid: int, key: str) -> int:
         if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
     raise KeyError(key)
+
+
+def _read_mem(pid: int, addr: int, n: int) -> bytes:
+    """What process ``pid`` reads at ``addr`` (OSError where it would fault)."""
+    fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
+    try:
+        return os.pread(fd, n, addr)
+    finally:
+        os.close(fd)
+
+
+def _mapping(pid: int, addr: int) -> tuple[int, int, str]:
+    """(start, file offset, path) of the area of process ``pid`` holding ``addr``."""
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        if start <= addr < end:
+            return start, int(fields[2], 16), fields[5] if len(fields) > 5 else ""
+    raise KeyError(hex(addr))
 
 
 def _system_used() -> int:
@@ -226,7 +249,8 @@ def _build(tmp: Path, name: str, *flags: str) -> Path:
         pytest.skip("needs gcc")
     out = tmp / name
     subprocess.run(
-        [gcc, "-O2", "-pthread", *flags, "-o", str(out), str(PROGS / "memprog.c")], check=True
+        [gcc, "-O2", "-pthread", *flags, "-o", str(out), str(PROGS / "memprog.c"), "-ldl"],
+        check=True,
     )
     return out
 
@@ -270,7 +294,7 @@ def test_split_cuts_page_map_entries_at_vma_boundaries() -> None:
         {"vaddr": 0x1F000, "nr_pages": 1, "flags": 1},  # in a parent image: no data here
         {"vaddr": 0x30000, "nr_pages": 1, "flags": 4},
     ]
-    pieces = memfile._split(entries, vmas)
+    pieces = image_io.split(entries, vmas)
     assert [(p.start, p.end, p.src, p.vma) for p in pieces] == [
         (0x11000, 0x13000, 0, 0),
         (0x13000, 0x15000, 2 * PAGE, 1),
@@ -281,35 +305,174 @@ def test_split_cuts_page_map_entries_at_vma_boundaries() -> None:
 
 def test_glibc_chunks_split_merged_mmaps() -> None:
     headers = {0x100000: (0, 0x3000 | 2), 0x103000: (0, 0x5000 | 2)}
-    assert memfile._glibc_chunks(headers.get, 0x100000, 0x108000) == [
+    assert plan.glibc_chunks(headers.get, 0x100000, 0x108000) == [
         (0x100000, 0x103000),
         (0x103000, 0x108000),
     ]
     # an area that is not a run of mmapped chunks stays whole, a partial run keeps its rest
-    assert memfile._glibc_chunks({}.get, 0x100000, 0x108000) == [(0x100000, 0x108000)]
-    assert memfile._glibc_chunks({0x100000: (0, 0x2000 | 2)}.get, 0x100000, 0x108000) == [
+    assert plan.glibc_chunks({}.get, 0x100000, 0x108000) == [(0x100000, 0x108000)]
+    assert plan.glibc_chunks({0x100000: (0, 0x2000 | 2)}.get, 0x100000, 0x108000) == [
         (0x100000, 0x102000),
         (0x102000, 0x108000),
     ]
     # non-main-arena or unaligned sizes are not mmapped chunks
-    assert memfile._glibc_chunks({0x100000: (0, 0x2000 | 2 | 4)}.get, 0x100000, 0x108000) == [
+    assert plan.glibc_chunks({0x100000: (0, 0x2000 | 2 | 4)}.get, 0x100000, 0x108000) == [
         (0x100000, 0x108000)
     ]
 
 
 def test_num_reads_pycriu_renderings() -> None:
-    assert memfile._num(0x22) == 0x22
-    assert memfile._num("0x41") == 0x41
-    assert memfile._num("MAP_PRIVATE | MAP_ANON") == 0x22
-    assert memfile._num("VMA_AREA_REGULAR | VMA_FILE_PRIVATE") == 0x41
+    assert image_io.num(0x22) == 0x22
+    assert image_io.num("0x41") == 0x41
+    assert image_io.num("MAP_PRIVATE | MAP_ANON") == 0x22
+    assert image_io.num("VMA_AREA_REGULAR | VMA_FILE_PRIVATE") == 0x41
 
 
 def test_slots_leave_growth_room_and_keep_huge_page_alignment() -> None:
-    slots = memfile._Slots(growth_room=1 << 30)
+    slots = rewrite.Slots(growth_room=1 << 30)
     a = slots.place(0x7F0000201000, 0x5000)
     b = slots.place(0x7F0000400000, 0x1000)
     assert a % (2 << 20) == 0x1000 and b % (2 << 20) == 0
     assert b >= a + 0x5000 + (1 << 30)
+
+
+def test_file_ranges_convert_written_runs_inside_the_file() -> None:
+    k = 1024
+    gap = filemaps.CLEAN_GAP
+    # a small area with a few written pages: all of it (clean runs are short)
+    assert filemaps.file_ranges(0, 64 * k, 64 * k, [(8 * k, 12 * k)]) == [(0, 64 * k, True)]
+    # past the file's end: only the part inside the file
+    assert filemaps.file_ranges(0, 64 * k, 16 * k, [(0, 4 * k)]) == [
+        (0, 16 * k, True),
+        (16 * k, 64 * k, False),
+    ]
+    # long clean runs stay mapped to the file
+    far = 4 * gap
+    assert filemaps.file_ranges(0, 3 * far, 3 * far, [(far, far + 4 * k)]) == [
+        (0, far, False),
+        (far, far + 4 * k, True),
+        (far + 4 * k, 3 * far, False),
+    ]
+    # runs closer than the gap are joined, and reach a near end
+    assert filemaps.file_ranges(
+        0, far, far, [(far - gap, far - gap + 4 * k), (far - 8 * k, far)]
+    ) == [
+        (0, far - gap, False),
+        (far - gap, far, True),
+    ]
+    # nothing written inside the file: nothing to convert
+    assert filemaps.file_ranges(0, 64 * k, 0, [(0, 4 * k)]) == [(0, 64 * k, False)]
+
+
+def test_gaps_are_the_uncovered_ranges() -> None:
+    assert rewrite._gaps(0, 100, [(10, 20), (20, 30), (50, 100)]) == [(0, 10), (30, 50)]
+    assert rewrite._gaps(0, 100, []) == [(0, 100)]
+
+
+def test_write_data_leaves_zero_pages_as_holes() -> None:
+    src_path = Path("/dev/shm") / f"bunshin-test-src-{uuid.uuid4().hex[:8]}"
+    dst_path = src_path.with_name(src_path.name + "-dst")
+    data = bytearray(random.Random(3).randbytes(16 * PAGE))
+    data[4 * PAGE : 7 * PAGE] = bytes(3 * PAGE)  # three pages of zeros
+    data[10 * PAGE] = 0  # a page starting with zeros is still data
+    data[10 * PAGE + 1 : 10 * PAGE + 16] = bytes(15)
+    src_path.write_bytes(data[: 15 * PAGE + 100])  # the source ends inside its last page
+    try:
+        src = os.open(src_path, os.O_RDONLY)
+        dst = os.open(dst_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            written = fileio.write_data(src, 15 * PAGE + 100, 0, dst, 2 * PAGE, 17 * PAGE)
+            os.ftruncate(dst, 20 * PAGE)
+            assert written == 12 * PAGE + 100
+            assert list(fileio.data_extents(dst, 0, 20 * PAGE)) == [
+                (2 * PAGE, 4 * PAGE),
+                (9 * PAGE, 9 * PAGE),
+            ]
+            expect = bytes(2 * PAGE) + bytes(data[: 15 * PAGE + 100])
+            assert os.pread(dst, 20 * PAGE, 0) == expect + bytes(20 * PAGE - len(expect))
+        finally:
+            os.close(src)
+            os.close(dst)
+    finally:
+        src_path.unlink()
+        dst_path.unlink(missing_ok=True)
+
+
+def test_open_in_root_follows_no_symlink(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "usr/lib").mkdir(parents=True)
+    (root / "usr/lib/libx.so").write_bytes(b"x" * 100)
+    (root / "lib").symlink_to("usr/lib")
+    (root / "usr/lib/escape.so").symlink_to("/etc/hostname")
+    os.mkfifo(root / "usr/lib/fifo")
+    fd = fileio.open_in_root(root, "/usr/lib/libx.so")
+    assert fd is not None and os.read(fd, 10) == b"x" * 10
+    os.close(fd)
+    for name in (
+        "/lib/libx.so",
+        "/usr/lib/escape.so",
+        "/usr/lib/fifo",
+        "/usr/../usr/lib/libx.so",
+        "usr/lib/libx.so",
+        "/usr/lib/missing",
+    ):
+        assert fileio.open_in_root(root, name) is None, name
+
+
+def _reg(fid: int, name: str, size: int, mnt_id: int) -> dict:
+    return {
+        "type": "REG",
+        "id": fid,
+        "reg": {"id": fid, "name": name, "size": size, "mnt_id": mnt_id},
+    }
+
+
+def _mount(mnt_id: int, mountpoint: str) -> dict:
+    return {
+        "fstype": 1,
+        "mnt_id": mnt_id,
+        "root_dev": 1,
+        "parent_mnt_id": 1,
+        "flags": 0,
+        "root": "/",
+        "mountpoint": mountpoint,
+        "source": "x",
+        "options": "",
+    }
+
+
+def test_file_sources_use_only_files_on_the_root_mount(tmp_path: Path) -> None:
+    pytest.importorskip("pycriu")
+    root, dump = tmp_path / "root", tmp_path / "dump"
+    (root / "usr/lib").mkdir(parents=True)
+    (root / "usr/lib/libx.so").write_bytes(b"x" * 10000)
+    (root / "lib").symlink_to("usr/lib")
+    dump.mkdir()
+    ids = {"vm_id": 1, "files_id": 1, "fs_id": 1, "sighand_id": 1}
+    image_io.save({"magic": "IDS", "entries": [{**ids, "mnt_ns_id": 13}]}, dump / "ids-1.img")
+    image_io.save({"magic": "IDS", "entries": [{**ids, "mnt_ns_id": 6}]}, dump / "ids-2.img")
+    image_io.save(
+        {"magic": "MNTS", "entries": [_mount(88, "/"), _mount(50, "/tmp")]},
+        dump / "mountpoints-13.img",
+    )
+    image_io.save(
+        {"magic": "REMAP_FPATH", "entries": [{"orig_id": 5, "remap_id": 9}]},
+        dump / "remap-fpath.img",
+    )
+    files = {
+        1: _reg(1, "/usr/lib/libx.so", 10000, 88),
+        2: _reg(2, "/usr/lib/libx.so", 10000, 50),  # on another mount
+        3: _reg(3, "/usr/lib/libx.so", 9999, 88),  # another size than dumped
+        4: _reg(4, "/lib/libx.so", 10000, 88),  # through a symlink
+        5: _reg(5, "/usr/lib/libx.so", 10000, 88),  # deleted or replaced (remapped)
+        6: _reg(6, "/.bunshin/mem/a-1" + memfile.SUFFIX, 10000, 88),
+    }
+    with filemaps.FileSources(dump, files, root) as sources:
+        src = sources.source(1, 1)
+        assert src is not None and src[1] == 10000
+        assert [sources.source(1, i) for i in (2, 3, 4, 5, 6)] == [None] * 5
+        # a task in the host's mount namespace: its names are host paths, not under root
+        assert sources.source(2, 1) is None
 
 
 # ----------------------------------------------------------- real forks
@@ -617,3 +780,190 @@ def test_delta_is_restored_over_the_shared_file(lab: Lab) -> None:
     assert {Path(n).name for n in first} == {p.name for p in lab.mem.glob(f"*{memfile.SUFFIX}")} - {
         res.files[0].path.name
     }
+
+
+# ------------------------------------------- written file mappings, zero pages
+
+KIB = 1 << 10
+BLOB_KIB = 8192
+BLOB_ZERO_PAGE_KIB = 5760  # the blob holds one page of zeros here
+
+
+@pytest.fixture(scope="module")
+def libblob(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """libblob.so, whose .data is ``blob`` next to it: 8 MiB of random bytes."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("needs gcc")
+    d = tmp_path_factory.mktemp("libblob")
+    data = bytearray(random.Random(5).randbytes(BLOB_KIB * KIB))
+    data[BLOB_ZERO_PAGE_KIB * KIB : BLOB_ZERO_PAGE_KIB * KIB + PAGE] = bytes(PAGE)
+    (d / "blob").write_bytes(data)
+    out = d / "libblob.so"
+    subprocess.run(
+        [
+            gcc,
+            "-shared",
+            "-fPIC",
+            f'-DBLOB="{d / "blob"}"',
+            "-o",
+            str(out),
+            str(PROGS / "libblob.c"),
+        ],
+        check=True,
+    )
+    return out
+
+
+@pytest.mark.criu
+def test_written_library_data_is_shared_copy_on_write(lab: Lab, libblob: Path) -> None:
+    """A library's written .data: clones share it, see the same bytes, write privately."""
+    parent = lab.spawn(1, threads=0, env=dict(os.environ, MEMPROG_LIB=str(libblob)))
+    info = lab.cmd(parent, "lib")
+    addr, n = int(info["addr"], 16), int(info["len"])
+    blob = (libblob.parent / "blob").read_bytes()
+    assert n == len(blob) and _read_mem(parent, addr, n) == blob
+    # written: 2 MiB, then 256 KiB of zeros; 3.25 MiB untouched; 3 pages far apart
+    for c in (
+        "lfill 0 2048 11",
+        "lzero 2048 256",
+        "lfill 5632 8 12",
+        "lfill 6144 4 13",
+        "lfill 8188 4 14",
+    ):
+        lab.cmd(parent, c)
+    want = _read_mem(parent, addr, n)
+    assert want[2048 * KIB : 2304 * KIB] == bytes(256 * KIB)
+    assert want[2304 * KIB : 5632 * KIB] == blob[2304 * KIB : 5632 * KIB]
+
+    anon_only = lab.dump(parent)
+    memfile.rewrite_images(anon_only, lab.mem, convert_heap=True, file_maps=False)
+    dump = lab.dump(parent)
+    res = memfile.rewrite_images(dump, lab.mem, convert_heap=True)
+    assert res.vmas_file >= 3  # the blob's three written runs (and other libraries' data)
+    assert res.zero_bytes >= 256 * KIB
+    (mf,) = res.files
+
+    # the zeros are holes in the memory file: the page the process zeroed, and the
+    # page of zeros the library file holds (read from the file, not the image)
+    vmas = image_io.load(dump / "mm-1.img")["entries"][0]["vmas"]
+    fd = os.open(mf.path, os.O_RDONLY)
+    try:
+        for off_kib, length in ((2048, 256 * KIB), (BLOB_ZERO_PAGE_KIB, PAGE)):
+            a = addr + off_kib * KIB
+            (v,) = [v for v in vmas if image_io.num(v["start"]) <= a < image_io.num(v["end"])]
+            slot = image_io.num(v["pgoff"]) + a - image_io.num(v["start"])
+            assert os.lseek(fd, slot, os.SEEK_DATA) >= slot + length
+    finally:
+        os.close(fd)
+
+    plain = lab.restore(anon_only)
+    assert _read_mem(plain, addr, n) == want
+    clones = [lab.restore(dump) for _ in range(3)]
+    anon = [_smaps(c, "Anonymous") for c in clones]
+    for c in clones:
+        assert _read_mem(c, addr, n) == want
+    print(
+        f"\nwritten library data: clone private {_smaps(plain, 'Anonymous') / KIB:.0f} KiB "
+        f"(anonymous memory converted), {max(anon) / KIB:.0f} KiB (library data too)"
+    )
+    assert _smaps(plain, "Anonymous") > 2 * MIB
+    assert max(anon) < 512 * KIB
+
+    # what /proc/PID/maps shows: the memory file where the library was written,
+    # the library itself where it was not
+    assert _mapping(clones[0], addr + 1024 * KIB)[2] == str(mf.path)
+    assert _mapping(clones[0], addr + 4096 * KIB)[2] == str(libblob)
+    assert _mapping(clones[0], addr + 5700 * KIB)[2] == str(mf.path)
+
+    # a clone's writes stay its own, in converted and in unconverted parts
+    lab.cmd(clones[0], "lfill 100 8 77")
+    lab.cmd(clones[0], "lfill 3000 8 78")
+    mine = _read_mem(clones[0], addr, n)
+    changed = [i for i in range(0, n, PAGE) if mine[i : i + PAGE] != want[i : i + PAGE]]
+    assert changed == [
+        *range(100 * KIB, 108 * KIB, PAGE),
+        *range(3000 * KIB, 3008 * KIB, PAGE),
+    ]
+    for pid in (parent, *clones[1:]):
+        assert _read_mem(pid, addr, n) == want
+
+
+@pytest.mark.criu
+def test_file_mapping_past_its_end_still_faults(lab: Lab, tmp_path: Path) -> None:
+    """Only the part inside the file is converted: beyond it, access still faults (SIGBUS)."""
+    short = tmp_path / "short"
+    short.write_bytes(random.Random(9).randbytes(3 * PAGE + 100))
+    parent = lab.spawn(1, threads=0)
+    addr = int(lab.cmd(parent, f"fmap {short} 32 165")["addr"], 16)  # 8 pages over 3.1
+    want = bytes([165]) * 4 * PAGE  # what the process wrote, past the end of the file too
+    assert _read_mem(parent, addr, 4 * PAGE) == want
+    with pytest.raises(OSError):
+        _read_mem(parent, addr + 4 * PAGE, 1)
+    images = lab.dump(parent)
+    res = memfile.rewrite_images(images, lab.mem)
+    assert res.vmas_file >= 1
+    for clone in (lab.restore(images), lab.restore(images)):
+        assert _read_mem(clone, addr, 4 * PAGE) == want
+        assert _mapping(clone, addr)[2] == str(res.files[0].path)
+        assert _mapping(clone, addr + 4 * PAGE)[1:] == (4 * PAGE, str(short))
+        for page in (4, 7):
+            with pytest.raises(OSError):
+                _read_mem(clone, addr + page * PAGE, 1)
+
+
+@pytest.mark.criu
+def test_zero_pages_are_not_stored(lab: Lab) -> None:
+    parent = lab.spawn(64, threads=0)
+    lab.cmd(parent, "write 8 16 0")  # 16 MiB of the heap block: written zeros
+    want = _sums(lab, parent)
+    images = lab.dump(parent)
+    res = memfile.rewrite_images(images, lab.mem)
+    (mf,) = res.files
+    assert res.zero_bytes >= 16 * MIB - PAGE  # the block starts 16 bytes into a page
+    assert mf.data_bytes <= res.bytes_moved + res.file_bytes - res.zero_bytes
+    for c in (lab.restore(images), lab.restore(images)):
+        assert _sums(lab, c) == want
+        assert lab.cmd(c, "zero") == {"bad": "0"}
+    # the zeros read as zeros once, then are written privately like any page
+    lab.cmd(c, "write 8 1 9")
+    assert _sums(lab, c)["big"] != want["big"]
+    assert _sums(lab, parent) == want
+
+
+IDLE_PYTHON = r"""
+import hashlib, json, os, signal, socket, ssl, sys
+os.setsid()
+ctl = sys.argv[1]
+
+def answer(*_):
+    me = os.readlink("/proc/self")
+    with open(f"{ctl}/{me}.out.tmp", "w") as f:
+        f.write(f"n={len(sys.modules)}")
+    os.replace(f"{ctl}/{me}.out.tmp", f"{ctl}/{me}.out")
+
+signal.signal(signal.SIGUSR1, answer)
+open(f"{ctl}/{os.readlink('/proc/self')}.ready", "w").close()
+while True:
+    signal.pause()
+"""
+
+
+@pytest.mark.criu
+def test_idle_python_clone_owns_little(lab: Lab) -> None:
+    """Most of an idle interpreter's own pages are its libraries' written data."""
+    parent = lab.start([sys.executable, "-c", IDLE_PYTHON, str(lab.ctl)])
+    want = lab.cmd(parent, "sum")
+    anon: dict[bool, int] = {}
+    for file_maps in (False, True):
+        images = lab.dump(parent)
+        memfile.rewrite_images(images, lab.mem, convert_heap=True, file_maps=file_maps)
+        clones = [lab.restore(images) for _ in range(2)]
+        anon[file_maps] = max(_smaps(c, "Anonymous") for c in clones)
+        for c in clones:
+            assert lab.cmd(c, "sum") == want
+    print(
+        f"\nidle Python clone private memory: {anon[False] / KIB:.0f} KiB (anonymous memory "
+        f"converted), {anon[True] / KIB:.0f} KiB (written file mappings too)"
+    )
+    assert anon[True] <= 1 * MIB < anon[False]

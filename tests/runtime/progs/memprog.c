@@ -9,7 +9,11 @@
  * forked copies run the same command loop (without worker threads).
  *
  * Commands: sum, write OFF_MIB LEN_MIB BYTE, touch FIRST_PAGE N, alloc MIB,
- * arena, zero, mremap NEW_MIB, dontneed, exit (see handle()).
+ * arena, zero, mremap NEW_MIB, dontneed, lib, lfill OFF_KIB LEN_KIB SEED,
+ * lzero OFF_KIB LEN_KIB, fmap PATH KIB BYTE, exit (see handle()).
+ *
+ * With MEMPROG_LIB=/path/to/libblob.so in the environment it loads that
+ * library (see libblob.c); lib/lfill/lzero read and write its data.
  *
  * Protocol: the host writes one command line to CTL_DIR/<hostpid>.cmd and
  * sends SIGUSR1; the answer appears in CTL_DIR/<hostpid>.out (written to a
@@ -20,6 +24,7 @@
  * with jemalloc linked in statically does.
  */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <malloc.h>
@@ -62,6 +67,8 @@ static size_t extra_len[MAXEXTRA];
 static int nextra;
 static int nthreads;
 static struct worker workers[MAXT];
+static uint8_t *lib_blob;  /* the data of MEMPROG_LIB, if loaded */
+static size_t lib_len;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
 
@@ -179,7 +186,32 @@ static long zero_checks(void) {
 
 static void handle(const char *cmd, char *out, size_t outlen) {
     unsigned long a = 0, b = 0, c = 0;
-    if (!strncmp(cmd, "sum", 3)) {
+    char fpath[200];
+    if (!strcmp(cmd, "lib") && lib_blob) {
+        snprintf(out, outlen, "addr=%p len=%zu", (void *)lib_blob, lib_len);
+    } else if (sscanf(cmd, "lfill %lu %lu %lu", &a, &b, &c) == 3 && (a + b) * 1024 <= lib_len) {
+        fill_pattern(lib_blob + a * 1024, b * 1024, c);
+        snprintf(out, outlen, "ok");
+    } else if (sscanf(cmd, "lzero %lu %lu", &a, &b) == 2 && (a + b) * 1024 <= lib_len) {
+        memset(lib_blob + a * 1024, 0, b * 1024);
+        snprintf(out, outlen, "ok");
+    } else if (sscanf(cmd, "fmap %199s %lu %lu", fpath, &a, &c) == 3) {
+        /* a private, writable mapping of a file, maybe longer than the file:
+         * write every page that lies (at least partly) in the file */
+        int fd = open(fpath, O_RDONLY | O_CLOEXEC);
+        off_t size = fd >= 0 ? lseek(fd, 0, SEEK_END) : -1;
+        uint8_t *m = fd >= 0 ? mmap(NULL, a * 1024, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0)
+                             : MAP_FAILED;
+        if (fd >= 0)
+            close(fd);
+        if (m == MAP_FAILED) {
+            snprintf(out, outlen, "error fmap %d", errno);
+        } else {
+            size_t in_file = ((size_t)size + 4095) & ~(size_t)4095;
+            memset(m, (int)c, in_file < a * 1024 ? in_file : a * 1024);
+            snprintf(out, outlen, "addr=%p", (void *)m);
+        }
+    } else if (!strncmp(cmd, "sum", 3)) {
         uint64_t hb = hash(0xcbf29ce484222325ULL, big, big_len);
         uint64_t hh = 0xcbf29ce484222325ULL;
         for (int i = 0; i < NBRK; i++)
@@ -305,11 +337,29 @@ int main(int argc, char **argv) {
     int children = atoi(argv[4]);
     if (nthreads > MAXT)
         nthreads = MAXT;
+    const char *lib = getenv("MEMPROG_LIB");
+    if (lib) {
+        void *h = dlopen(lib, RTLD_NOW);
+        uint8_t *end = h ? dlsym(h, "lib_blob_end") : NULL;
+        lib_blob = h ? dlsym(h, "lib_blob") : NULL;
+        if (!lib_blob || !end) {
+            fprintf(stderr, "memprog: cannot load %s: %s\n", lib, dlerror());
+            return 2;
+        }
+        lib_len = (size_t)(end - lib_blob);
+    }
 
     struct sigaction sa = {0};
     sa.sa_handler = on_usr1;
     sigaction(SIGUSR1, &sa, NULL);
     signal(SIGCHLD, SIG_DFL);
+    /* Only the main thread may take SIGUSR1 (in sigsuspend): worker threads inherit
+     * this mask. Otherwise a signal sent while the main thread has it blocked (right
+     * after a restore, say) goes to a worker and the main thread sleeps on. */
+    sigset_t usr1;
+    sigemptyset(&usr1);
+    sigaddset(&usr1, SIGUSR1);
+    sigprocmask(SIG_BLOCK, &usr1, NULL);
 
     big = malloc(big_len);
     fill_pattern(big, big_len, 0x1234567);

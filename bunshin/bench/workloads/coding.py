@@ -1,0 +1,71 @@
+"""Workload (b): the coding agent of the cache benchmark (``bunshin bench cache``), as rollout tasks.
+
+The project is ``more-itertools`` from its PyPI sdist (downloaded once into
+``BUNSHIN_HOME/bench``), unpacked into ``/task`` by the setup. Trajectories make the
+cache benchmark's calls: list, read the README, ``pip install -e .``, run the tests,
+look around (the shared prefix), then read, edit and re-test with diverging edits,
+some with a follow-up edit, and a final import check. The reward is the fraction of
+the project's unit tests that pass in the final workspace. Each task draws its
+group's edits with its own seed.
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+
+from ...config import Config
+from ...rollout.policies import Trace, TraceStep
+from ...rollout.task import TaskSpec, parse_task
+from .. import cache as cache_bench
+from .common import think
+
+SCORE = r'''
+import re, sys
+out = sys.stdin.read()
+ran = re.search(r"Ran (\d+) tests?", out)
+if not ran or int(ran.group(1)) == 0:
+    print(0.0)
+    sys.exit()
+n = int(ran.group(1))
+bad = sum(int(x) for x in re.findall(r"(?:failures|errors)=(\d+)", out))
+print(round((n - bad) / n, 4))
+'''
+
+
+def task(i: int, *, sdist_b64: str) -> TaskSpec:
+    root = cache_bench.TASK
+    return parse_task({
+        "id": f"code-{i}",
+        "memory": "2G",
+        "files": {"/tmp/src.tgz.b64": sdist_b64, "/opt/grader/score.py": SCORE},
+        "setup": [f"mkdir -p {root} && base64 -d /tmp/src.tgz.b64 | tar xz -C {root} --strip-components=1"
+                  " && rm /tmp/src.tgz.b64"],
+        "tools": ["bash", "read_file", "edit"],
+        "workdir": root,
+        "prompt": f"Improve the recipes in {cache_bench.RECIPES} without breaking the tests (issue #{200 + i}).",
+        "max_turns": 16,
+        "reward": f"cd {root} && python3 -m unittest -q 2>&1 | python3 /opt/grader/score.py",
+        "call_timeout": 300,
+        "trajectory_timeout": 1200,
+        "metadata": {"workload": "coding", "project": f"{cache_bench.PACKAGE}=={cache_bench.VERSION}"},
+    })
+
+
+def tasks(cfg: Config, n: int) -> list[TaskSpec]:
+    sdist = cache_bench.fetch_sdist(cfg)
+    b64 = base64.b64encode(sdist.read_bytes()).decode()
+    return [task(i, sdist_b64=b64) for i in range(n)]
+
+
+def traces(t: TaskSpec, n: int, *, seed: int, think_scale: float) -> list[Trace]:
+    """The cache benchmark's calls for a group of ``n`` (edits drawn per task), with think times."""
+    index = int(t.id.rsplit("-", 1)[1])
+    group = cache_bench.traces(n, 1, seed * 100 + index)[0]
+    out = []
+    for j, calls in enumerate(group):
+        rng = random.Random(f"{seed}:{t.id}:{j}")
+        steps = tuple(TraceStep(name, dict(args), think(rng, think_scale)) for name, args in calls)
+        out.append(Trace(f"{t.id}-trace-{j}", steps, task=t.id, final_content="done",
+                         final_think_s=think(rng, think_scale) / 2))
+    return out

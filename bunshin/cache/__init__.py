@@ -1,0 +1,14 @@
+"""The stateful tool prefix cache.
+
+``PrefixCache(tools)`` keeps, per task root snapshot, a tree of tool calls: each
+node holds the call's observation and, when worth its memory, a snapshot of the
+workspace after it. ``cache.start(root)`` gives a ``Trajectory`` that walks the
+tree without a workspace while it hits and materialises one (a fork of the
+deepest snapshot on its path, plus a replay of what follows) on its first miss.
+"""
+
+from .policy import CachePolicy, CacheStats, TrajectoryStats
+from .prefix import PrefixCache
+from .trajectory import Step, Trajectory
+
+__all__ = ["CachePolicy", "CacheStats", "PrefixCache", "Step", "Trajectory", "TrajectoryStats"]

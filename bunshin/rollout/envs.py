@@ -1,0 +1,320 @@
+"""Where trajectories run, per mode: how a trajectory gets its workspace and runs its calls.
+
+- ``baseline``: a fresh workspace per trajectory, the task's setup re-run in each;
+  no cache, no speculation (one isolated environment per trajectory, as done today).
+- ``copy``: the task's setup runs once, the workspace is snapshotted with plain CRIU
+  (private pages) and each trajectory restores its own copy.
+- ``bunshin``: setup once, a copy-on-write snapshot as the task root; trajectories
+  go through the tool prefix cache (materialised by fork on a miss) with speculation.
+  Each part is switchable: ``cache=False`` forks one workspace per trajectory from the
+  root, ``fork=False`` takes plain CRIU snapshots instead of copy-on-write ones.
+
+Every env hands out :class:`TrajectoryEnv` objects with one interface (``call``,
+``workspace``, ``close``), the same as ``bunshin.cache.Trajectory``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from enum import StrEnum
+from typing import Any, Protocol, TypeVar
+
+from ..config import Config
+from ..errors import InvalidArgument, SetupFailed
+from ..workspace import Snapshot, Workspace
+from .records import StepObservation
+from .task import TaskSpec
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+CALL_GRACE_S = 5.0  # past the tool's own timeout, the engine stops waiting for the call
+
+
+class Mode(StrEnum):
+    BASELINE = "baseline"
+    COPY = "copy"
+    BUNSHIN = "bunshin"
+
+
+@dataclass(frozen=True)
+class ModeOptions:
+    """Ablation switches of the ``bunshin`` mode (ignored by the others)."""
+
+    fork: bool = True  # copy-on-write snapshots (False: plain CRIU copies)
+    cache: bool = True  # the tool prefix cache
+    speculation: bool = True  # speculative execution (needs the cache)
+
+    def effective(self, mode: Mode) -> dict[str, bool]:
+        if mode == Mode.BASELINE:
+            return {"fork": False, "cache": False, "speculation": False}
+        if mode == Mode.COPY:
+            return {"fork": False, "cache": False, "speculation": False}
+        return {"fork": self.fork, "cache": self.cache, "speculation": self.cache and self.speculation}
+
+
+class ToolRunner(Protocol):
+    """What the engine needs of a tool set (``bunshin.tools.ToolSet``)."""
+
+    def openai_tools(self) -> list[dict[str, Any]]: ...
+
+    async def run(self, ws: Workspace, name: str, args: dict[str, Any]) -> Any: ...
+
+
+class TrajectoryEnv(Protocol):
+    async def call(self, name: str, args: dict[str, Any]) -> Any: ...
+
+    async def workspace(self) -> Workspace: ...
+
+    async def close(self) -> None: ...
+
+
+async def in_thread(fn: Callable[[], T], *, undo: Callable[[T], None] | None = None) -> T:
+    """Run blocking ``fn`` in a thread; if the caller is cancelled meanwhile, ``undo`` its result.
+
+    A cancelled ``await`` does not stop the thread: without ``undo`` a workspace created
+    after the trajectory timed out would be left running.
+    """
+    fut = asyncio.ensure_future(asyncio.to_thread(fn))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        if undo is not None:
+            def _later(f: asyncio.Future) -> None:
+                if not f.cancelled() and f.exception() is None:
+                    asyncio.ensure_future(asyncio.to_thread(_quietly, undo, f.result()))
+            fut.add_done_callback(_later)
+        raise
+
+
+def _quietly(fn: Callable[[T], None], arg: T) -> None:
+    try:
+        fn(arg)
+    except Exception as e:  # cleanup after a failure must not mask it
+        log.warning("cleanup failed: %s", e)
+
+
+def remove_all(workspaces: list[Workspace]) -> None:
+    for ws in workspaces:
+        _quietly(Workspace.remove, ws)
+
+
+async def setup_workspace(ws: Workspace, task: TaskSpec, tools: ToolRunner) -> None:
+    """Write the task's files, then run its setup steps in order; :class:`SetupFailed` if one fails."""
+    def write_files() -> None:
+        for path, content in task.files.items():
+            ws.files.write(path, content)
+
+    await asyncio.to_thread(write_files)
+    for i, step in enumerate(task.setup):
+        what = f"task {task.id}: setup step {i} ({step.describe()!r})"
+        if step.tool is not None:
+            obs = StepObservation.of(await asyncio.wait_for(tools.run(ws, step.tool, dict(step.arguments)),
+                                                            step.timeout))
+            if obs.error or obs.timed_out or obs.exit_code not in (0, None):
+                why = obs.error or ("timed out" if obs.timed_out else f"exit code {obs.exit_code}")
+                raise SetupFailed(f"{what} failed: {why}", hint=obs.output[-500:] or None, step=i)
+            continue
+        run = step.run
+        assert run is not None
+        if step.background:
+            await asyncio.to_thread(ws.commands.spawn, ["sh", "-c", run])
+            continue
+        r = await asyncio.to_thread(ws.exec, run, timeout=step.timeout)
+        if not r.ok:
+            why = "timed out" if r.timed_out else f"exited {r.exit_code}"
+            raise SetupFailed(f"{what} {why}", hint=(r.stderr or r.stdout)[-500:] or None, step=i)
+
+
+def scope_tools(tools: ToolRunner, task: TaskSpec) -> ToolRunner:
+    """The task's view of a ``bunshin.tools.ToolSet``: only its tools, its timeout, its workdir.
+
+    Any other tool runner is used as it is.
+    """
+    try:
+        from ..tools import Tool, ToolSet
+    except ImportError:
+        return tools
+    if not isinstance(tools, ToolSet):
+        return tools
+    picked = [t for t in tools if task.tools is None or t.name in task.tools]
+    return ToolSet([replace(t, spec=replace(t.spec, timeout=task.call_timeout)) for t in picked
+                    if isinstance(t, Tool)], workdir=task.workdir)
+
+
+class DirectTrajectory:
+    """A trajectory on its own workspace: every call runs for real."""
+
+    def __init__(self, ws: Workspace, tools: ToolRunner, call_timeout: float) -> None:
+        self._ws = ws
+        self._tools = tools
+        self._timeout = call_timeout
+
+    async def call(self, name: str, args: dict[str, Any]) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return await asyncio.wait_for(self._tools.run(self._ws, name, args), self._timeout + CALL_GRACE_S)
+        except TimeoutError:
+            return StepObservation(output="", timed_out=True, duration_s=time.perf_counter() - t0,
+                                   error=f"no answer within {self._timeout:g}s")
+
+    async def workspace(self) -> Workspace:
+        return self._ws
+
+    async def close(self) -> None:
+        await asyncio.to_thread(_quietly, Workspace.remove, self._ws)
+
+
+class TaskEnv:
+    """Trajectories of one task in one mode. ``prepare`` once, ``open`` per trajectory."""
+
+    def __init__(self, task: TaskSpec, tools: ToolRunner, config: Config) -> None:
+        self.task = task
+        self.tools = scope_tools(tools, task)
+        self.config = config
+        self.prepare_s = 0.0
+        self.options: dict[str, bool] = {}  # the effective ablation switches (set by make_env)
+
+    async def prepare(self) -> None:
+        """Build what trajectories start from (the task root); nothing in baseline."""
+
+    async def open(self, index: int) -> TrajectoryEnv:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        """Free the task root."""
+
+    def new_group(self) -> None:
+        """A new group (training iteration) of this task starts."""
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    async def _create_and_setup(self) -> Workspace:
+        task = self.task
+        ws = await in_thread(lambda: Workspace.create(task.image, memory=task.memory, pids=task.pids,
+                                                      config=self.config), undo=Workspace.remove)
+        try:
+            await setup_workspace(ws, task, self.tools)
+        except BaseException:
+            await asyncio.shield(asyncio.to_thread(_quietly, Workspace.remove, ws))
+            raise
+        return ws
+
+
+class BaselineEnv(TaskEnv):
+    """A fresh workspace per trajectory, setup re-run each time."""
+
+    async def open(self, index: int) -> TrajectoryEnv:
+        ws = await self._create_and_setup()
+        return DirectTrajectory(ws, self.tools, self.task.call_timeout)
+
+
+class SnapshotEnv(TaskEnv):
+    """Setup once, snapshot (``cow`` or ``copy``), one restore per trajectory."""
+
+    def __init__(self, task: TaskSpec, tools: ToolRunner, config: Config, *, snapshot_mode: str) -> None:
+        super().__init__(task, tools, config)
+        self.snapshot_mode = snapshot_mode
+        self.root: Snapshot | None = None
+
+    async def prepare(self) -> None:
+        t0 = time.perf_counter()
+        ws = await self._create_and_setup()
+        try:
+            self.root = await in_thread(lambda: ws.snapshot(mode=self.snapshot_mode), undo=Snapshot.remove)
+        finally:  # the snapshot keeps everything trajectories need
+            await asyncio.shield(asyncio.to_thread(_quietly, Workspace.remove, ws))
+        self.prepare_s = time.perf_counter() - t0
+
+    async def open(self, index: int) -> TrajectoryEnv:
+        assert self.root is not None, "prepare() first"
+        root = self.root
+        ws = (await in_thread(lambda: root.restore(1), undo=remove_all))[0]
+        return DirectTrajectory(ws, self.tools, self.task.call_timeout)
+
+    async def aclose(self) -> None:
+        if self.root is not None:
+            root, self.root = self.root, None
+            await asyncio.to_thread(_quietly, Snapshot.remove, root)
+
+
+class CacheEnv(SnapshotEnv):
+    """The task root behind a tool prefix cache (``bunshin.cache``), with optional speculation."""
+
+    def __init__(self, task: TaskSpec, tools: ToolRunner, config: Config, *, snapshot_mode: str,
+                 speculation: bool) -> None:
+        super().__init__(task, tools, config, snapshot_mode=snapshot_mode)
+        self.speculation = speculation
+        self.cache: Any = None
+
+    async def prepare(self) -> None:
+        from ..cache import PrefixCache
+
+        spec = None
+        if self.speculation:
+            from ..speculate import SpeculationPolicy
+
+            spec = SpeculationPolicy()
+        await super().prepare()
+        self.cache = PrefixCache(self.tools, speculation=spec)
+
+    async def open(self, index: int) -> TrajectoryEnv:
+        assert self.cache is not None and self.root is not None, "prepare() first"
+        return self.cache.start(self.root)
+
+    def new_group(self) -> None:
+        if self.cache is not None:
+            self.cache.new_iteration()  # predictors weigh this group's siblings first
+
+    async def aclose(self) -> None:
+        if self.cache is not None:
+            cache, self.cache = self.cache, None
+            try:
+                await cache.aclose()
+            except Exception as e:
+                log.warning("closing the prefix cache failed: %s", e)
+        await super().aclose()
+
+    def stats(self) -> dict[str, Any]:
+        if self.cache is None:
+            return {}
+        s = self.cache.stats()
+        if hasattr(s, "__dataclass_fields__"):
+            return asdict(s)
+        return dict(s) if isinstance(s, dict) else {"stats": str(s)}
+
+
+def cache_available() -> bool:
+    """Whether ``bunshin.cache`` (the tool prefix cache) is installed in this tree."""
+    try:
+        from ..cache import PrefixCache  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_env(mode: Mode | str, task: TaskSpec, tools: ToolRunner, config: Config,
+             options: ModeOptions | None = None) -> TaskEnv:
+    """The :class:`TaskEnv` for ``mode`` with ``options``."""
+    try:
+        mode = Mode(mode)
+    except ValueError:
+        raise InvalidArgument(f"unknown mode {mode!r}", hint="one of: baseline, copy, bunshin") from None
+    eff = (options or ModeOptions()).effective(mode)
+    if eff["cache"] and not cache_available():
+        log.warning("bunshin.cache is not installed: bunshin mode runs without the prefix cache")
+        eff = {**eff, "cache": False, "speculation": False}
+    env: TaskEnv
+    snapshot_mode = "cow" if eff["fork"] else "copy"
+    if mode == Mode.BASELINE:
+        env = BaselineEnv(task, tools, config)
+    elif eff["cache"]:
+        env = CacheEnv(task, tools, config, snapshot_mode=snapshot_mode, speculation=eff["speculation"])
+    else:
+        env = SnapshotEnv(task, tools, config, snapshot_mode=snapshot_mode)
+    env.options = eff
+    return env

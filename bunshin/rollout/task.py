@@ -1,0 +1,178 @@
+"""Task specs: what one rollout group runs in, and how its outcome is scored.
+
+A task file (YAML or JSON) looks like::
+
+    id: fix-parser
+    image: host                 # 'host' or a root filesystem folder
+    memory: 1G
+    files: {/work/hello.py: "print('hi')\\n"}   # written before setup
+    setup:                      # run once per task root (per trajectory in baseline mode)
+      - pip --version
+      - {run: "python3 /opt/server.py", background: true}
+      - {tool: python, arguments: {code: "import json; data = json.load(open('/data.json'))"}}
+    tools: [bash, read_file, write_file]        # omit for every tool of the tool set
+    workdir: /work              # relative paths and new shells start here
+    prompt: "Make the tests pass."
+    max_turns: 20
+    reward: "python3 /work/score.py"            # its stdout's last number is the reward
+    call_timeout: 60            # seconds per tool call
+    trajectory_timeout: 600     # seconds per trajectory, setup included
+
+A bad spec raises :class:`~bunshin.errors.InvalidArgument` naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ..errors import InvalidArgument
+
+_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?(?:inf|nan)\b", re.I)
+
+
+class SetupStep(BaseModel):
+    """One setup step: a shell command (``run``), or a tool call (``tool`` + ``arguments``).
+
+    ``background`` starts the command and does not wait (a server). A tool call goes
+    through the task's tool set, e.g. ``{tool: python, arguments: {code: "df = load()"}}``
+    loads data into the persistent interpreter every trajectory then starts from.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run: str | None = Field(default=None, min_length=1)
+    tool: str | None = Field(default=None, min_length=1)
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    background: bool = False
+    timeout: float = Field(default=600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> SetupStep:
+        if (self.run is None) == (self.tool is None):
+            raise ValueError("a setup step has either 'run' (a command) or 'tool' (a tool call)")
+        if self.tool is not None and self.background:
+            raise ValueError("'background' applies to commands only")
+        return self
+
+    def describe(self) -> str:
+        return self.run[:80] if self.run is not None else f"{self.tool} {str(self.arguments)[:60]}"
+
+
+class RewardSpec(BaseModel):
+    """The command run in the final workspace; the last number on its stdout is the reward."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    command: str = Field(min_length=1)
+    timeout: float = Field(default=120.0, gt=0)
+
+
+class TaskSpec(BaseModel):
+    """One task: the workspace a group starts from, its tools, limits and reward."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
+    image: str = "host"
+    memory: str | int | None = "2G"
+    pids: int | None = Field(default=512, gt=0)
+    files: dict[str, str] = Field(default_factory=dict)
+    setup: tuple[SetupStep, ...] = ()
+    tools: tuple[str, ...] | None = None
+    workdir: str = Field(default="/", pattern=r"^/")
+    system: str | None = None
+    prompt: str = ""
+    max_turns: int = Field(default=20, ge=1)
+    reward: RewardSpec | None = None
+    call_timeout: float = Field(default=60.0, gt=0)
+    trajectory_timeout: float = Field(default=600.0, gt=0)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("setup", mode="before")
+    @classmethod
+    def _steps(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = [v]
+        if isinstance(v, list | tuple):
+            return [{"run": s} if isinstance(s, str) else s for s in v]
+        return v
+
+    @field_validator("reward", mode="before")
+    @classmethod
+    def _reward(cls, v: Any) -> Any:
+        return {"command": v} if isinstance(v, str) else v
+
+    @field_validator("files")
+    @classmethod
+    def _abs_paths(cls, v: dict[str, str]) -> dict[str, str]:
+        for path in v:
+            if not path.startswith("/"):
+                raise ValueError(f"path {path!r} must be absolute")
+        return v
+
+    @model_validator(mode="after")
+    def _tools_unique(self) -> TaskSpec:
+        if self.tools is not None and len(set(self.tools)) != len(self.tools):
+            raise ValueError("tools: a tool is named twice")
+        return self
+
+    def initial_messages(self) -> list[dict[str, Any]]:
+        """The chat a trajectory starts from: the system text (if any) and the prompt."""
+        msgs: list[dict[str, Any]] = []
+        if self.system:
+            msgs.append({"role": "system", "content": self.system})
+        msgs.append({"role": "user", "content": self.prompt})
+        return msgs
+
+
+def parse_task(data: Any, *, source: str = "task spec") -> TaskSpec:
+    """A :class:`TaskSpec` from already-parsed data; errors name the field."""
+    if not isinstance(data, dict):
+        raise InvalidArgument(f"{source}: expected a mapping, got {type(data).__name__}",
+                              hint="a task is an object with at least `id`")
+    try:
+        return TaskSpec.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
+        raise InvalidArgument(
+            f"{source}: field '{field}': {first['msg']}{more}",
+            hint="see `bunshin rollout --help` or bunshin/rollout/task.py for the task format",
+            field=field,
+        ) from None
+
+
+def load_task(path: str | Path) -> TaskSpec:
+    """Read a task from a ``.yaml``/``.yml`` or ``.json`` file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise InvalidArgument(f"cannot read task file {p}: {e.strerror}", hint="give a YAML or JSON file") from None
+    try:
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise InvalidArgument(f"task file {p} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}") from None
+    return parse_task(data, source=f"task file {p}")
+
+
+def parse_reward(stdout: str) -> float:
+    """The last number on the last non-empty line of ``stdout``; raises ValueError if none."""
+    for line in reversed(stdout.strip().splitlines()):
+        found = _NUMBER.findall(line)
+        if found:
+            value = float(found[-1])
+            if math.isnan(value):
+                raise ValueError("reward is NaN")
+            return value
+        if line.strip():
+            break
+    raise ValueError(f"no number in reward output {stdout.strip()[-200:]!r}")

@@ -1,0 +1,183 @@
+"""File plumbing for memory files: copying pages (all-zero pages become holes),
+sealing, removing, and opening a dumped task's file safely under its root."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import stat
+import struct
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from bunshin.errors import RuntimeFailure
+
+from .images import PAGE, SUFFIX
+
+_FS_IOC_GETFLAGS, _FS_IOC_SETFLAGS, _FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10
+_CHUNK = 1 << 20  # source bytes read at a time
+_ZERO_PAGE = bytes(PAGE)
+_ZERO_HEAD = bytes(16)
+
+
+def write_data(src: int, src_size: int, src_off: int, dst: int, dst_off: int, n: int) -> int:
+    """Copy ``n`` bytes from ``src`` at ``src_off`` to ``dst`` at ``dst_off``; returns bytes written.
+
+    Pages that are all zeros, and whatever lies past ``src_size``, are not
+    written: on tmpfs they stay holes, which read as zeros and take no memory
+    until touched. The destination range must not hold data already. Offsets
+    are page-aligned. Reads with ``pread`` (a file that shrinks meanwhile is an
+    error, never a SIGBUS).
+    """
+    end = min(src_off + n, src_size)
+    buf = bytearray(min(_CHUNK, max(end - src_off, 0)))
+    view = memoryview(buf)
+    written, pos = 0, src_off
+    try:
+        while pos < end:
+            length = min(len(buf), end - pos)
+            got = os.preadv(src, [view[:length]], pos)
+            if got < length:
+                raise RuntimeFailure("a file shrank while its pages were copied")
+            written += _write_nonzero(buf, view, length, dst, dst_off + pos - src_off)
+            pos += length
+    finally:
+        view.release()
+    return written
+
+
+def _write_nonzero(buf: bytearray, view: memoryview, size: int, dst: int, dst_off: int) -> int:
+    """Write ``buf[:size]`` at ``dst_off`` but its all-zero pages (a partial last page is written)."""
+    written, run = 0, -1
+    starts = buf.startswith  # compares in place, no copies
+    for p in range(0, size, PAGE):
+        q = p + PAGE
+        # cheap test first: most pages with data have some in their first bytes
+        if q <= size and starts(_ZERO_HEAD, p, q) and starts(_ZERO_PAGE, p, q):
+            if run >= 0:
+                written += _pwrite_all(dst, view[run:p], dst_off + run)
+                run = -1
+        elif run < 0:
+            run = p
+    if run >= 0:
+        written += _pwrite_all(dst, view[run:size], dst_off + run)
+    return written
+
+
+def _pwrite_all(fd: int, buf: memoryview, off: int) -> int:
+    total = len(buf)
+    while buf:
+        done = os.pwrite(fd, buf, off)
+        buf, off = buf[done:], off + done
+    return total
+
+
+def copy_range(src: int, src_off: int, dst: int, dst_off: int, n: int) -> None:
+    """Copy n bytes between file offsets: copy_file_range, else sendfile (across filesystems)."""
+    try:
+        while n > 0:
+            done = os.copy_file_range(src, dst, n, src_off, dst_off)
+            if done <= 0:
+                raise OSError(errno.EIO, "short copy_file_range")
+            src_off, dst_off, n = src_off + done, dst_off + done, n - done
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EIO):
+            raise
+    os.lseek(dst, dst_off, os.SEEK_SET)
+    while n > 0:
+        done = os.sendfile(dst, src, src_off, n)
+        if done <= 0:
+            raise RuntimeFailure("unexpected end of file while copying pages")
+        src_off, n = src_off + done, n - done
+
+
+def data_extents(fd: int, start: int, end: int) -> Iterator[tuple[int, int]]:
+    """The (offset, length) ranges of [start, end) that hold data (SEEK_DATA/SEEK_HOLE)."""
+    pos = start
+    while pos < end:
+        try:
+            data = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:
+                return
+            raise
+        if data >= end:
+            return
+        hole = min(os.lseek(fd, data, os.SEEK_HOLE), end)
+        yield data, hole - data
+        pos = hole
+
+
+def open_in_root(root: Path, name: str) -> int | None:
+    """Open ``name`` (an absolute path as a dumped task saw it) read-only under ``root``.
+
+    Only a canonical path of a regular file is followed, one directory at a
+    time and never through a symbolic link: the names CRIU records come from
+    the kernel and have none, so meeting one means the tree changed since the
+    dump, and following it could leave the workspace. None if it cannot be
+    opened that way.
+    """
+    parts = name.split("/")
+    if not name.startswith("/") or any(p in ("", ".", "..") for p in parts[1:]):
+        return None
+    fds: list[int] = []
+    try:
+        fds.append(os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
+        for part in parts[1:-1]:
+            flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+            fds.append(os.open(part, flags, dir_fd=fds[-1]))
+        fds.append(os.open(parts[-1], os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fds[-1]))
+        if not stat.S_ISREG(os.fstat(fds[-1]).st_mode):
+            return None
+        # reopen the very inode reached, for reading (O_PATH opened nothing yet)
+        return os.open(f"/proc/self/fd/{fds[-1]}", os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY)
+    except OSError:
+        return None
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _get_flags(fd: int) -> int:
+    buf = bytearray(struct.pack("i", 0))
+    fcntl.ioctl(fd, _FS_IOC_GETFLAGS, buf)
+    return int(struct.unpack("i", buf)[0])
+
+
+def _set_flags(fd: int, flags: int) -> None:
+    fcntl.ioctl(fd, _FS_IOC_SETFLAGS, bytearray(struct.pack("i", flags)))
+
+
+def seal(fd: int) -> None:
+    """Make a finished memory file read-only and, where supported, immutable."""
+    os.fchmod(fd, 0o444)
+    with contextlib.suppress(OSError):
+        _set_flags(fd, _get_flags(fd) | _FS_IMMUTABLE_FL)
+
+
+def remove_memfile(path: Path) -> None:
+    """Delete a memory file (clearing its immutable flag first); missing is fine."""
+    with contextlib.suppress(FileNotFoundError):
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            with contextlib.suppress(OSError):
+                flags = _get_flags(fd)
+                if flags & _FS_IMMUTABLE_FL:
+                    _set_flags(fd, flags & ~_FS_IMMUTABLE_FL)
+        finally:
+            os.close(fd)
+        path.unlink()
+
+
+def remove_memfiles(directory: Path, *, keep: Iterable[Path] = ()) -> list[Path]:
+    """Delete every memory file in a directory except ``keep``; returns what was removed."""
+    kept = {Path(p).resolve() for p in keep}
+    removed = []
+    for path in sorted(directory.glob(f"*{SUFFIX}")):
+        if path.resolve() not in kept:
+            remove_memfile(path)
+            removed.append(path)
+    return removed

@@ -1,0 +1,198 @@
+"""The built-in tools: ``bash`` (the persistent session), ``read_file``,
+``write_file``, ``edit`` (exact string replace). ``python`` lives in ``python_tool``.
+
+Relative paths are resolved against the tool set's working directory.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import (
+    BunshinError,
+    InvalidArgument,
+    NotFound,
+    PathNotFound,
+    SnapshotNotFound,
+    ToolTimeout,
+    WorkspaceNotFound,
+)
+from .spec import Tool, ToolContext, ToolError, ToolOutput, ToolSpec
+
+#: Largest file ``read_file`` shows; the rest is cut with a note.
+MAX_READ_BYTES = 256 * 1024
+
+
+def resolve(path: str, ctx: ToolContext) -> str:
+    if not path:
+        raise ToolError("path is empty")
+    return posixpath.normpath(posixpath.join(ctx.workdir, path))
+
+
+def translate(exc: BunshinError) -> BaseException:
+    """Bad input, missing paths and timeouts are the tool's error (an observation);
+    anything else (the workspace is gone, the agent failed...) stays an exception."""
+    if isinstance(exc, PathNotFound):
+        return ToolError(exc.message if "no such" in exc.message.lower() else f"{exc.message}: no such file")
+    if isinstance(exc, WorkspaceNotFound | SnapshotNotFound):
+        return exc
+    if isinstance(exc, InvalidArgument | NotFound | ToolTimeout):
+        return ToolError(exc.message)
+    return exc
+
+
+# --- bash ------------------------------------------------------------------------
+
+
+def session_id(ws: Any, workdir: str) -> str:
+    """The workspace's first live bash session, opened (in ``workdir``) if there is none."""
+    agent = ws.agent()
+    for s in agent.session_list():
+        if s.alive and s.kind in ("bash", "sh"):
+            return s.session_id
+        if not s.alive:
+            agent.session_close(s.session_id)
+    try:
+        return agent.session_open("bash", cwd=workdir)
+    except PathNotFound:
+        return agent.session_open("bash")
+
+
+def _bash(ws: Any, args: Mapping[str, Any], ctx: ToolContext) -> ToolOutput:
+    agent = ws.agent()
+    r = agent.session_run(session_id(ws, ctx.workdir), args["command"], timeout=ctx.timeout)
+    out = r.output
+    if not r.alive:
+        out += "\n(the shell exited; the next command starts a new one)"
+    return ToolOutput(out, r.exit_code, r.timed_out)
+
+
+BASH = Tool(
+    ToolSpec(
+        name="bash",
+        description="Run a command in a persistent bash shell (cwd, variables and background jobs carry over between calls).",
+        parameters={
+            "type": "object",
+            "properties": {"command": {"type": "string", "description": "the command line", "minLength": 1}},
+            "required": ["command"],
+            "additionalProperties": False,
+        },
+        timeout=300.0,
+    ),
+    _bash,
+)
+
+
+# --- files -----------------------------------------------------------------------
+
+
+def _read_text(ws: Any, path: str) -> str:
+    try:
+        data = ws.files.read(path)
+    except BunshinError as exc:
+        raise translate(exc) from None
+    return data.decode("utf-8", errors="replace")
+
+
+def _read_file(ws: Any, args: Mapping[str, Any], ctx: ToolContext) -> ToolOutput:
+    path = resolve(args["path"], ctx)
+    text = _read_text(ws, path)
+    start, end = args.get("start_line"), args.get("end_line")
+    if start is not None or end is not None:
+        lines = text.splitlines(keepends=True)
+        lo = max(int(start or 1), 1) - 1
+        hi = len(lines) if end is None else int(end)
+        if lo >= max(len(lines), 1) and lines:
+            raise ToolError(f"{path} has {len(lines)} lines; start_line {start} is past the end")
+        text = "".join(lines[lo:hi])
+    raw = text.encode()
+    if len(raw) > MAX_READ_BYTES:
+        cut = raw[:MAX_READ_BYTES].decode("utf-8", errors="ignore")
+        text = cut + f"\n[... {len(raw) - MAX_READ_BYTES} more bytes; read a line range]"
+    return ToolOutput(text)
+
+
+READ_FILE = Tool(
+    ToolSpec(
+        name="read_file",
+        description="Show a text file (optionally a 1-based, inclusive line range).",
+        parameters={
+            "type": "object",
+            "properties": {
+                "path": {"type": "string", "minLength": 1},
+                "start_line": {"type": "integer", "minimum": 1},
+                "end_line": {"type": "integer", "minimum": 1},
+            },
+            "required": ["path"],
+            "additionalProperties": False,
+        },
+        read_only=True,
+        timeout=30.0,
+    ),
+    _read_file,
+)
+
+
+def _write(ws: Any, path: str, text: str) -> int:
+    try:
+        return int(ws.files.write(path, text.encode()))
+    except BunshinError as exc:
+        raise translate(exc) from None
+
+
+def _write_file(ws: Any, args: Mapping[str, Any], ctx: ToolContext) -> ToolOutput:
+    path = resolve(args["path"], ctx)
+    size = _write(ws, path, args["content"])
+    return ToolOutput(f"wrote {size} bytes to {path}")
+
+
+WRITE_FILE = Tool(
+    ToolSpec(
+        name="write_file",
+        description="Create or overwrite a file with the given content (parent folders are created).",
+        parameters={
+            "type": "object",
+            "properties": {"path": {"type": "string", "minLength": 1}, "content": {"type": "string"}},
+            "required": ["path", "content"],
+            "additionalProperties": False,
+        },
+        timeout=30.0,
+    ),
+    _write_file,
+)
+
+
+def _edit(ws: Any, args: Mapping[str, Any], ctx: ToolContext) -> ToolOutput:
+    path = resolve(args["path"], ctx)
+    old, new = args["old_str"], args["new_str"]
+    text = _read_text(ws, path)
+    count = text.count(old)
+    if count == 0:
+        raise ToolError(f"old_str not found in {path}")
+    if count > 1 and not args.get("replace_all"):
+        raise ToolError(f"old_str occurs {count} times in {path}; add context to make it unique or set replace_all")
+    _write(ws, path, text.replace(old, new))
+    return ToolOutput(f"edited {path}: {count if args.get('replace_all') else 1} replacement(s)")
+
+
+EDIT = Tool(
+    ToolSpec(
+        name="edit",
+        description="Replace an exact string in a file. old_str must occur exactly once unless replace_all is true.",
+        parameters={
+            "type": "object",
+            "properties": {
+                "path": {"type": "string", "minLength": 1},
+                "old_str": {"type": "string", "minLength": 1},
+                "new_str": {"type": "string"},
+                "replace_all": {"type": "boolean", "default": False},
+            },
+            "required": ["path", "old_str", "new_str"],
+            "additionalProperties": False,
+        },
+        timeout=30.0,
+    ),
+    _edit,
+)

@@ -1,0 +1,158 @@
+"""Tool records: what a tool is (``ToolSpec``), what a call returns (``Observation``).
+
+A tool is a spec (name, JSON schema of its arguments, flags) plus a blocking
+executor that runs inside a workspace. Executors return a ``ToolOutput`` or
+raise ``ToolError``; ``ToolSet`` times them and wraps the result into an
+``Observation``. A call's cache key is the canonical JSON of its name and its
+arguments (schema defaults filled in, integral floats as integers).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A tool as the model sees it, plus what the cache needs to know.
+
+    ``deterministic``: the same call from the same state gives the same result and
+    state (so it may be cached). ``read_only``: the call leaves the workspace
+    state unchanged. ``timeout``: seconds before the call is interrupted.
+    """
+
+    name: str
+    description: str
+    parameters: Mapping[str, Any] = field(hash=False)
+    deterministic: bool = True
+    read_only: bool = False
+    timeout: float = 120.0
+
+    def openai(self) -> dict[str, Any]:
+        """This tool in the OpenAI function-calling format."""
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": json.loads(json.dumps(self.parameters)),
+            },
+        }
+
+
+@dataclass(frozen=True)
+class Observation:
+    """The result of one tool call, as the model will see it.
+
+    ``error`` is a tool-level failure (bad arguments, file not found, edit text
+    not unique...); ``exit_code`` is ``None`` when there is no exit status (an
+    error, or an interrupted command). ``cached``: served from the prefix cache;
+    ``speculated``: computed ahead of time by a speculation.
+    """
+
+    output: str
+    exit_code: int | None = 0
+    error: str | None = None
+    timed_out: bool = False
+    duration_s: float = 0.0
+    cached: bool = False
+    speculated: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.timed_out and self.exit_code == 0
+
+    def text(self) -> str:
+        """The observation as one string for a chat transcript."""
+        parts = [self.output] if self.output else []
+        if self.error:
+            parts.append(f"error: {self.error}")
+        if self.timed_out:
+            parts.append("(timed out)")
+        elif self.exit_code not in (0, None):
+            parts.append(f"(exit code {self.exit_code})")
+        return "\n".join(parts)
+
+    def same_result(self, other: Observation) -> bool:
+        """True when both calls produced the same result (timing and provenance aside)."""
+        return (self.output, self.exit_code, self.error, self.timed_out) == (
+            other.output, other.exit_code, other.error, other.timed_out,
+        )
+
+    def as_cached(self, *, duration_s: float, speculated: bool = False) -> Observation:
+        return replace(self, cached=True, speculated=speculated, duration_s=duration_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"output": self.output, "exit_code": self.exit_code, "error": self.error,
+                "timed_out": self.timed_out, "duration_s": self.duration_s}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Observation:
+        return cls(output=d["output"], exit_code=d.get("exit_code"), error=d.get("error"),
+                   timed_out=bool(d.get("timed_out")), duration_s=float(d.get("duration_s", 0.0)))
+
+
+@dataclass(frozen=True)
+class ToolOutput:
+    """What an executor returns; ``ToolSet`` adds the timing."""
+
+    output: str
+    exit_code: int | None = 0
+    timed_out: bool = False
+
+
+class ToolError(InvalidArgument):
+    """A tool-level failure; it becomes the call's observation, never a crash."""
+
+    code = "tool_error"
+
+
+@dataclass(frozen=True)
+class ToolContext:
+    """What an executor may need besides its arguments."""
+
+    workdir: str
+    timeout: float
+
+
+#: ``execute(workspace, arguments, context)``; blocking, runs in a worker thread.
+Executor = Callable[[Any, Mapping[str, Any], ToolContext], ToolOutput]
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A spec and the executor that runs it inside a workspace."""
+
+    spec: ToolSpec
+    execute: Executor = field(hash=False, compare=False)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+def canonical(value: Any) -> Any:
+    """JSON-ready form with integral floats as ints (``1.0`` and ``1`` are one key)."""
+    if isinstance(value, bool) or value is None or isinstance(value, int | str):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidArgument(f"arguments must be finite numbers, not {value!r}")
+        return int(value) if value.is_integer() and abs(value) < 2**53 else value
+    if isinstance(value, Mapping):
+        return {str(k): canonical(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [canonical(v) for v in value]
+    raise InvalidArgument(f"arguments must be JSON values, not {type(value).__name__}")
+
+
+def call_key(name: str, args: Mapping[str, Any]) -> str:
+    """The canonical form of a call: equal for calls that mean the same thing."""
+    return json.dumps([name, canonical(args)], sort_keys=True, separators=(",", ":"),
+                      ensure_ascii=False, allow_nan=False)

@@ -1,0 +1,334 @@
+"""An in-memory stand-in for ``Workspace``/``Snapshot``, for tests of the layers above.
+
+It implements the subset those layers use: ``exec``, ``files``, sessions through
+``agent()`` (``session_list/open/run/close``), ``fork``, ``snapshot``,
+``restore``, ``remove``, ``processes``, ``stats``. The state is a dict of files,
+the sessions' variables and cwd, and a list of background processes. Sessions
+understand a tiny shell (statements split on ``;``)::
+
+    echo WORDS | export K=V | K=V | cd DIR | sleep S | cat P | write P TEXT
+    append P TEXT | rm P | ls | inc P (add 1 to the number in P, print it)
+    random | bg NAME (start a background process) | exit N (status N)
+
+``$K`` expands variables. Like the real runtime, a ``fork``/``snapshot`` while a
+call is in flight in that workspace fails (the host would hold a connection
+across the dump), and every object is counted in the ``FakeWorld`` so tests can
+check that nothing leaked.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import random
+import re
+import shlex
+import threading
+import time
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from ..errors import AgentError, InvalidArgument, PathNotFound, SnapshotNotFound, StateConflict
+from ..runtime.agent_types import ExecResult, ProcessInfo, SessionInfo, SessionResult
+from ..runtime.stats import MemoryStats, WorkspaceStats
+
+
+@dataclass
+class _Session:
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str = "/"
+    alive: bool = True
+
+
+@dataclass
+class FakeState:
+    files: dict[str, bytes] = field(default_factory=dict)
+    sessions: dict[str, _Session] = field(default_factory=dict)
+    procs: list[str] = field(default_factory=list)
+
+    def size(self) -> int:
+        return 4096 + sum(len(k) + len(v) for k, v in self.files.items()) + 256 * len(self.sessions)
+
+
+@dataclass
+class FakeWorld:
+    """Registry and counters shared by every fake object of one test."""
+
+    fork_s: float = 0.0  # simulated latency of a dump and of each restore
+    live_workspaces: set[str] = field(default_factory=set)
+    snapshots: dict[str, FakeSnapshot] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=lambda: {"snapshot": 0, "restore": 0, "fork": 0, "run": 0})
+    _ids: itertools.count = field(default_factory=itertools.count)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def new_id(self, prefix: str) -> str:
+        with self.lock:
+            return f"{prefix}-{next(self._ids)}"
+
+    def bump(self, what: str) -> None:
+        with self.lock:
+            self.counts[what] = self.counts.get(what, 0) + 1
+
+    def create(self, *, workdir: str = "/") -> FakeWorkspace:
+        state = FakeState()
+        state.files[workdir.rstrip("/") + "/.keep"] = b""
+        return FakeWorkspace(self, state)
+
+    def leftovers(self, *, keep: Sequence[str] = ()) -> dict[str, list[str]]:
+        left = {"workspaces": sorted(self.live_workspaces - set(keep)),
+                "snapshots": sorted(set(self.snapshots) - set(keep))}
+        return {k: v for k, v in left.items() if v}
+
+
+@dataclass(frozen=True)
+class FakeSnapshotRecord:
+    memfile_bytes: int
+    image_bytes: int
+    layer_bytes: int
+
+
+class FakeSnapshot:
+    def __init__(self, world: FakeWorld, state: FakeState) -> None:
+        self.world = world
+        self.id = world.new_id("fsnap")
+        self._state = copy.deepcopy(state)
+        self.record = FakeSnapshotRecord(self._state.size(), 1024, 0)
+        world.snapshots[self.id] = self
+
+    @classmethod
+    def get(cls, ref: str, *, world: FakeWorld) -> FakeSnapshot:
+        try:
+            return world.snapshots[ref]
+        except KeyError:
+            raise SnapshotNotFound(f"no snapshot {ref!r}") from None
+
+    def restore(self, n: int = 1) -> list[FakeWorkspace]:
+        if self.id not in self.world.snapshots:
+            raise SnapshotNotFound(f"snapshot {self.id} was removed")
+        out = []
+        for _ in range(n):
+            time.sleep(self.world.fork_s)
+            self.world.bump("restore")
+            out.append(FakeWorkspace(self.world, copy.deepcopy(self._state)))
+        return out
+
+    def remove(self) -> None:
+        self.world.snapshots.pop(self.id, None)
+
+    def __repr__(self) -> str:
+        return f"FakeSnapshot({self.id!r})"
+
+
+class FakeWorkspace:
+    def __init__(self, world: FakeWorld, state: FakeState) -> None:
+        self.world = world
+        self.id = world.new_id("fws")
+        self.state = state
+        self.files = _Files(self)
+        self.alive = True
+        self._inflight = 0
+        self._lock = threading.Lock()
+        self._sids = itertools.count(1)
+        world.live_workspaces.add(self.id)
+
+    def __repr__(self) -> str:
+        return f"FakeWorkspace({self.id!r})"
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    @contextmanager
+    def _call(self):
+        with self._lock:
+            if not self.alive:
+                raise AgentError(f"workspace {self.id} is gone")
+            self._inflight += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._inflight -= 1
+        if not self.alive:
+            raise AgentError(f"workspace {self.id} was removed during the call")
+
+    def _quiet(self, what: str) -> FakeState:
+        with self._lock:
+            if not self.alive:
+                raise StateConflict(f"workspace {self.id} is not running")
+            if self._inflight:
+                raise AgentError(f"{what} of {self.id} while a call is in flight: the dump would fail")
+            return copy.deepcopy(self.state)
+
+    def snapshot(self) -> FakeSnapshot:
+        state = self._quiet("snapshot")
+        time.sleep(self.world.fork_s)
+        self.world.bump("snapshot")
+        return FakeSnapshot(self.world, state)
+
+    def fork(self, n: int = 1) -> list[FakeWorkspace]:
+        state = self._quiet("fork")
+        time.sleep(self.world.fork_s * (1 + n))
+        self.world.bump("fork")
+        return [FakeWorkspace(self.world, copy.deepcopy(state)) for _ in range(n)]
+
+    def remove(self) -> None:
+        with self._lock:
+            self.alive = False
+        self.world.live_workspaces.discard(self.id)
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def agent(self) -> _Agent:
+        if not self.alive:
+            raise StateConflict(f"workspace {self.id} is not running")
+        return _Agent(self)
+
+    def processes(self) -> list[ProcessInfo]:
+        procs = ["agent", *(f"bash-{sid}" for sid, s in self.state.sessions.items() if s.alive), *self.state.procs]
+        return [ProcessInfo(i + 1, 0, i + 1, i + 1, "S", p, (p,)) for i, p in enumerate(procs)]
+
+    def stats(self) -> WorkspaceStats:
+        size = self.state.size()
+        return WorkspaceStats(self.id, MemoryStats(size, size, size, size), len(self.processes()))
+
+    def exec(self, command: str | Sequence[str], *, timeout: float | None = None, cwd: str | None = None,
+             env: dict[str, str] | None = None, stdin: str | None = None) -> ExecResult:
+        with self._call():
+            line = command if isinstance(command, str) else shlex.join(command)
+            sess = _Session(env=dict(env or {}), cwd=cwd or "/")
+            out, code = _shell(self, sess, line, timeout)
+        return ExecResult(code, None, out, "", False, False, code is None, 0.0)
+
+
+class _Files:
+    def __init__(self, ws: FakeWorkspace) -> None:
+        self._ws = ws
+
+    def read(self, path: str) -> bytes:
+        with self._ws._call():
+            files = self._ws.state.files
+            if path in files:
+                return files[path]
+            if any(k.startswith(path.rstrip("/") + "/") for k in files):
+                raise InvalidArgument(f"{path}: is a directory")
+            raise PathNotFound(f"{path}: no such file or directory")
+
+    def read_text(self, path: str) -> str:
+        return self.read(path).decode()
+
+    def write(self, path: str, data: bytes | str, *, mode: int | None = None) -> int:
+        with self._ws._call():
+            raw = data.encode() if isinstance(data, str) else data
+            self._ws.state.files[path] = raw
+            return len(raw)
+
+    def remove(self, path: str, *, recursive: bool = False) -> None:
+        with self._ws._call():
+            if self._ws.state.files.pop(path, None) is None:
+                raise PathNotFound(f"{path}: no such file or directory")
+
+
+class _Agent:
+    def __init__(self, ws: FakeWorkspace) -> None:
+        self._ws = ws
+
+    def session_list(self) -> list[SessionInfo]:
+        with self._ws._call():
+            return [SessionInfo(sid, "bash", i + 2, False, s.alive)
+                    for i, (sid, s) in enumerate(self._ws.state.sessions.items())]
+
+    def session_open(self, kind: str = "bash", *, cwd: str | None = None, env: dict | None = None) -> str:
+        with self._ws._call():
+            sid = f"s{len(self._ws.state.sessions) + 1}"
+            self._ws.state.sessions[sid] = _Session(env=dict(env or {}), cwd=cwd or "/")
+            return sid
+
+    def session_close(self, session_id: str) -> None:
+        with self._ws._call():
+            self._ws.state.sessions.pop(session_id, None)
+
+    def session_run(self, session_id: str, command: str, *, timeout: float | None = None,
+                    max_output: int | None = None) -> SessionResult:
+        with self._ws._call():
+            self._ws.world.bump("run")
+            sess = self._ws.state.sessions[session_id]
+            t0 = time.monotonic()
+            out, code = _shell(self._ws, sess, command, timeout)
+        return SessionResult(out, code, code is None, False, time.monotonic() - t0, sess.alive)
+
+
+def _path(sess: _Session, p: str) -> str:
+    return p if p.startswith("/") else (sess.cwd.rstrip("/") + "/" + p)
+
+
+def _shell(ws: FakeWorkspace, sess: _Session, line: str, timeout: float | None) -> tuple[str, int | None]:
+    """Run the tiny shell; returns (output, status) with status None on timeout."""
+    out: list[str] = []
+    code = 0
+    deadline = None if timeout is None else time.monotonic() + timeout
+    files = ws.state.files
+    for stmt in (s.strip() for s in line.split(";")):
+        if not stmt:
+            continue
+        stmt = re.sub(r"\$(\w+)", lambda m: sess.env.get(m.group(1), ""), stmt)
+        try:
+            words = shlex.split(stmt)
+        except ValueError as exc:
+            return "".join(out) + f"fake: syntax error: {exc}\n", 2
+        cmd, args = words[0], words[1:]
+        code = 0
+        if cmd == "export" or (re.match(r"^\w+=", cmd) and not args):
+            for kv in (args if cmd == "export" else [cmd]):
+                k, _, v = kv.partition("=")
+                sess.env[k] = v
+        elif cmd == "echo":
+            out.append(" ".join(args) + "\n")
+        elif cmd == "cd":
+            sess.cwd = _path(sess, args[0]) if args else "/"
+        elif cmd == "sleep":
+            end = time.monotonic() + float(args[0])
+            while time.monotonic() < end:
+                if not ws.alive:
+                    raise AgentError(f"workspace {ws.id} was removed during the call")
+                if deadline is not None and time.monotonic() > deadline:
+                    return "".join(out), None
+                time.sleep(min(0.005, max(end - time.monotonic(), 0)))
+        elif cmd == "cat":
+            p = _path(sess, args[0])
+            if p in files:
+                out.append(files[p].decode())
+            else:
+                out.append(f"cat: {args[0]}: No such file or directory\n")
+                code = 1
+        elif cmd in ("write", "append"):
+            p, text = _path(sess, args[0]), (" ".join(args[1:]) + "\n").encode()
+            files[p] = (files.get(p, b"") if cmd == "append" else b"") + text
+        elif cmd == "rm":
+            code = 0 if files.pop(_path(sess, args[0]), None) is not None else 1
+        elif cmd == "ls":
+            prefix = sess.cwd.rstrip("/") + "/"
+            names = sorted({k[len(prefix):].split("/")[0] for k in files if k.startswith(prefix)})
+            out.append("".join(n + "\n" for n in names if not n.startswith(".")))
+        elif cmd == "inc":
+            p = _path(sess, args[0])
+            text = files.get(p, b"0").decode().strip() or "0"
+            if not text.isdigit():
+                out.append(f"inc: {args[0]}: not a number\n")
+                code = 1
+                continue
+            files[p] = str(int(text) + 1).encode()
+            out.append(f"{int(text) + 1}\n")
+        elif cmd == "random":
+            out.append(f"{random.random()}\n")
+        elif cmd == "bg":
+            ws.state.procs.append(args[0])
+        elif cmd == "env":
+            out.append(json.dumps(sess.env, sort_keys=True) + "\n")
+        elif cmd == "exit":
+            return "".join(out), int(args[0]) if args else 0
+        else:
+            out.append(f"fake: {cmd}: command not found\n")
+            code = 127
+    return "".join(out), code
