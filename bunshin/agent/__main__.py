@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import sys
@@ -33,6 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server.bind()
         print(f"bunshin-agent: pid {os.getpid()} listening on {args.socket}", file=sys.stderr)
+        # Everything allocated so far lives as long as the agent: keep the cyclic GC off
+        # those objects, so that collections in a forked clone do not write (and so
+        # copy) the pages they sit on.
+        gc.collect()
+        gc.freeze()
         server.serve_forever()
     except OSError as exc:
         print(f"bunshin-agent: {exc}", file=sys.stderr)

@@ -286,7 +286,8 @@ def run(cfg: Config, *, quick: bool = False, group: int = 8, iterations: int | N
             if mode == "speculate":
                 entry.update({"hidden_s": round(sp.hidden_s, 3), "speculations_started": sp.started,
                               "speculations_used": sp.used, "speculations_cancelled": sp.cancelled,
-                              "wasted_cpu_s": round(sp.wasted_cpu_s, 3)})
+                              "wasted_cpu_s": round(sp.wasted_cpu_s, 3),
+                              "skipped_budget": sp.skipped_budget, "skipped_think": sp.skipped_think})
         report[mode] = entry
     for stat in ("p50", "mean"):
         base_s = report["nocache"][f"tool_s_{stat}"]

@@ -18,6 +18,7 @@ from typing import Any
 
 from .. import console as output
 from ..config import Config
+from ..errors import BunshinError
 from ..rollout import ModeOptions, RolloutEngine, TraceReplayPolicy
 from ..rollout.envs import cache_available
 from ..rollout.progress import GroupProgress
@@ -132,12 +133,8 @@ async def _phase_rollouts(cfg: Config, label: str, work: wl.Workload, plan: Plan
                              on_event=progress) as engine:
         for n in plan.group_sizes:
             groups += await engine.run(work.tasks, policy, n)
-        cache = {}
-        for task in work.tasks:
-            env = engine._envs.get(task.id)
-            if env is not None and env.stats():
-                cache[task.id] = output.to_jsonable(env.stats())
-        opts = next((dict(e.options) for e in engine._envs.values()), options.effective(engine.mode))
+        cache = output.to_jsonable(engine.cache_stats())
+        opts = engine.options_in_effect()
     return groups, cache, opts
 
 
@@ -183,10 +180,21 @@ def warm_up(cfg: Config) -> None:
         ws.remove()
 
 
+def _build(cfg: Config, name: str, plan: Plan) -> wl.Workload:
+    kw = {"tasks": plan.tasks, "traces": max(plan.group_sizes), "seed": plan.seed,
+          "think_scale": plan.think_scale, "rows": plan.rows, "config": cfg}
+    try:
+        return wl.build(name, **kw)
+    except BunshinError as e:
+        if name != "coding":
+            raise
+        output.err.print(f"[yellow]coding workload unavailable ({e.message}); using coding-lite instead[/]")
+        return wl.build("coding-lite", **kw)
+
+
 def run(cfg: Config, plan: Plan) -> dict[str, Any]:
     """Every (mode, workload) phase in turn; the summary the CLI prints and ``--json`` emits."""
-    loads = {name: wl.build(name, tasks=plan.tasks, traces=max(plan.group_sizes), seed=plan.seed,
-                            think_scale=plan.think_scale, rows=plan.rows, config=cfg) for name in plan.workloads}
+    loads = {name: _build(cfg, name, plan) for name in plan.workloads}
     warm_up(cfg)
     settle(plan.settle_s)
     phases: list[Phase] = []
@@ -251,7 +259,7 @@ def summarize(plan: Plan, phases: list[Phase], loads: dict[str, wl.Workload], wa
     for g in goals.values():
         g["met"] = g["got"] is not None and g["got"] >= g["goal"]
     return {
-        "plan": {"modes": list(plan.modes), "workloads": {n: loads[n].description for n in plan.workloads},
+        "plan": {"modes": list(plan.modes), "workloads": {loads[n].name: loads[n].description for n in plan.workloads},
                  "group_sizes": list(plan.group_sizes), "tasks_per_workload": plan.tasks,
                  "think_scale": plan.think_scale, "concurrency": plan.concurrency,
                  "cache_available": cache_available()},

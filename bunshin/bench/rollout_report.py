@@ -1,7 +1,7 @@
 """``bench rollout --report DIR``: a markdown report, the raw results and PNG plots.
 
-- ``memory.png``: system-wide used memory above idle over each phase, one panel per
-  workload, one line per mode.
+- ``memory.png``: system-wide used memory above idle over each phase (top) and the
+  memory of this bunshin home alone (bottom), one column per workload, one line per mode.
 - ``latency.png``: where a trajectory's time goes (workspace, think, tools, reward),
   mean per mode and workload, plus tool-call p50/p95.
 """
@@ -37,20 +37,25 @@ def _plt():
 
 
 def plot_memory(result: dict[str, Any], path: Path) -> None:
+    """Top row: system-wide used memory above idle; bottom row: this bunshin home's own memory."""
     plt = _plt()
     workloads = list(result["plan"]["workloads"])
-    fig, axes = plt.subplots(1, len(workloads), figsize=(6.5 * len(workloads), 4.2), squeeze=False)
-    for ax, name in zip(axes[0], workloads, strict=True):
+    fig, axes = plt.subplots(2, len(workloads), figsize=(6.5 * len(workloads), 7.6), squeeze=False)
+    for col, name in enumerate(workloads):
+        top, bottom = axes[0][col], axes[1][col]
         for p in (p for p in result["phases"] if p["workload"] == name):
-            s = p["series"]
-            gib = [(u - p["idle_bytes"]) / 2**30 for u in s["used"]]
-            ax.plot(s["t"], gib, label=f"{p['mode']} (peak {p['peak_bytes'] / 2**30:.2f} GiB, {p['gb_s']:.0f} GB·s)",
-                    color=COLORS.get(p["mode"]), linewidth=1.6)
-        ax.set_title(f"{name}: system-wide used memory above idle")
-        ax.set_xlabel("seconds since the phase started")
-        ax.set_ylabel("GiB")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+            s, color = p["series"], COLORS.get(p["mode"])
+            top.plot(s["t"], [(u - p["idle_bytes"]) / 2**30 for u in s["used"]], color=color, linewidth=1.6,
+                     label=f"{p['mode']} (peak {p['peak_bytes'] / 2**30:.2f} GiB, {p['gb_s']:.0f} GB·s)")
+            bottom.plot(s["t"], [w / 2**30 for w in s["ws"]], color=color, linewidth=1.6,
+                        label=f"{p['mode']} (peak {p['ws_peak_bytes'] / 2**30:.2f} GiB, {p['ws_gb_s']:.0f} GB·s)")
+        top.set_title(f"{name}: system-wide used memory above idle")
+        bottom.set_title(f"{name}: workspaces + snapshot files only")
+        for ax in (top, bottom):
+            ax.set_xlabel("seconds since the phase started")
+            ax.set_ylabel("GiB")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

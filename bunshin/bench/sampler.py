@@ -5,10 +5,11 @@ Two series, both honest about shared pages:
 - ``used``: system-wide used memory (``MemTotal - MemAvailable``), which counts
   tmpfs memory files and page cache that cannot be reclaimed, every ~100 ms. This is
   the headline number; it also sees anything else running on the machine.
-- ``ws``: what this bunshin home alone holds: the memory cgroups of its workspaces
-  (their own pages and tmpfs upper files) plus the snapshot memory files and frozen
-  layers on its tmpfs (written by the host, so charged to no workspace). A cross-check
-  that other processes on the machine cannot disturb.
+- ``ws``: what this bunshin home alone holds: the unreclaimable memory charged to its
+  workspaces' memory cgroups (anonymous pages + tmpfs pages such as upper files, from
+  ``memory.stat``; page cache that could be dropped is left out) plus the snapshot
+  memory files and frozen layers on its tmpfs (written by the host, so charged to no
+  workspace). A cross-check that other processes on the machine cannot disturb.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class HomeMemory:
         self._n = 0
 
     def cgroups(self) -> int:
-        name = "memory.usage_in_bytes" if self.version == 1 else "memory.current"
+        keys = ("rss", "shmem") if self.version == 1 else ("anon", "shmem")
         total = 0
         for base in self.bases:
             try:
@@ -94,8 +95,11 @@ class HomeMemory:
             for e in entries:
                 if e.name.startswith(self.cfg.cgroup_prefix):
                     try:
-                        with open(os.path.join(e.path, name)) as f:
-                            total += int(f.read())
+                        with open(os.path.join(e.path, "memory.stat")) as f:
+                            for line in f:
+                                k, _, v = line.partition(" ")
+                                if k in keys:
+                                    total += int(v)
                     except (OSError, ValueError):
                         pass
         return total

@@ -1,20 +1,25 @@
-"""Saving and loading prefix trees: calls, observations, traffic counts, snapshot ids.
+"""Saving and loading prefix trees: calls, observations, traffic counts, snapshots.
 
-The snapshots stay where bunshin keeps them (its store and tmpfs); the file
-names them by id, and ``load`` looks each one up again, dropping any that is
-gone (its node then materialises from a snapshot higher up).
+``DIR/tree.json`` holds the trees and names snapshots by id; with ``snapshots``
+each snapshot (the roots too) is also written to ``DIR/snapshots/ID/`` with
+``Snapshot.save``. ``load`` takes a snapshot from bunshin's store when it is
+still there, else from its folder (``Snapshot.load`` keeps the id), and drops a
+node's snapshot that is in neither (the node then materialises from a snapshot
+higher up).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..config import Config
-from ..errors import InvalidArgument, NotFound
+from ..errors import BunshinError, InvalidArgument, NotFound
 from ..speculate import Call
 from ..tools import Observation
 from .tree import Node, Tree
@@ -22,16 +27,25 @@ from .tree import Node, Tree
 if TYPE_CHECKING:
     from .prefix import PrefixCache
 
+log = logging.getLogger("bunshin.cache")
 FORMAT = "bunshin-prefix-cache"
 VERSION = 1
 FILE = "tree.json"
+SNAPSHOTS = "snapshots"
 
 
-def store_resolver(config: Config | None) -> Callable[[str], Any]:
+def store_resolver(config: Config | None, directory: Path) -> Callable[[str], Any]:
     def resolve(snap_id: str) -> Any:
         from ..workspace import Snapshot
 
-        return Snapshot.get(snap_id, config=config or Config.from_env())
+        cfg = config or Config.from_env()
+        try:
+            return Snapshot.get(snap_id, config=cfg)
+        except NotFound:
+            folder = directory / SNAPSHOTS / snap_id
+            if not folder.is_dir():
+                raise
+            return Snapshot.load(folder, config=cfg)
 
     return resolve
 
@@ -52,8 +66,16 @@ def _node_dict(node: Node) -> dict[str, Any]:
     }
 
 
-def save(cache: PrefixCache, directory: Path) -> Path:
+def save(cache: PrefixCache, directory: Path, *, snapshots: bool) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
+    if snapshots:
+        for tree in cache._trees.values():
+            for node in tree.nodes():
+                snap = node.snapshot
+                folder = directory / SNAPSHOTS / str(getattr(snap, "id", ""))
+                if snap is not None and hasattr(snap, "save") and not (folder / "snapshot.json").is_file():
+                    shutil.rmtree(folder, ignore_errors=True)  # a save cut short
+                    snap.save(folder)
     doc = {
         "format": FORMAT,
         "version": VERSION,
@@ -75,6 +97,9 @@ def _lookup(resolve: Callable[[str], Any], snap_id: str | None) -> Any:
     try:
         return resolve(snap_id)
     except NotFound:
+        return None
+    except BunshinError as exc:
+        log.warning("snapshot %s could not be loaded, its node will replay instead: %s", snap_id, exc)
         return None
 
 

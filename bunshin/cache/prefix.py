@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config
+from ..errors import StateConflict
 from ..speculate import Call, SpeculationPolicy, SpeculationStats
 from ..tools import Observation, ToolSet
 from . import persist
@@ -73,7 +74,7 @@ class PrefixCache:
         root snapshot of the same task to keep using a loaded tree.
         """
         if self._closed:
-            raise RuntimeError("the cache is closed")
+            raise StateConflict("the prefix cache is closed", hint="make a new PrefixCache")
         key = key or root.id
         tree = self._trees.get(key)
         if tree is None:
@@ -112,24 +113,29 @@ class PrefixCache:
             speculation=dataclasses.replace(self._speculator.stats) if self._speculator else SpeculationStats(),
         )
 
-    def save(self, directory: str | Path) -> Path:
-        """Write the trees (calls, observations, snapshot ids) to ``directory/tree.json``.
+    def save(self, directory: str | Path, *, snapshots: bool = True) -> Path:
+        """Write the trees (calls, observations, snapshot ids) to ``directory/tree.json``
+        and, with ``snapshots``, every snapshot (roots too) to ``directory/snapshots/``.
 
-        The snapshots themselves stay in bunshin's store: close with
+        Without ``snapshots`` they stay only in bunshin's store: close with
         ``aclose(keep_snapshots=True)`` to hand them to a later ``load``.
         """
-        return persist.save(self, Path(directory))
+        return persist.save(self, Path(directory), snapshots=snapshots)
 
     @classmethod
     def load(cls, directory: str | Path, tools: ToolSet, *, config: Config | None = None,
              policy: CachePolicy | None = None, speculation: SpeculationPolicy | None = None,
              resolve: Callable[[str], Any] | None = None) -> PrefixCache:
-        """A cache holding the trees saved in ``directory``; snapshots no longer there are dropped.
+        """A cache holding the trees saved in ``directory``.
 
-        ``resolve`` maps a snapshot id to a Snapshot (default: bunshin's store of ``config``).
+        Each snapshot comes from bunshin's store (``config``) if it is still there,
+        else from its saved folder; one found in neither is dropped. ``resolve``
+        replaces that lookup (id -> Snapshot). The roots (``roots()``) belong to the
+        caller, the other snapshots to the cache.
         """
         cache = cls(tools, policy=policy, speculation=speculation)
-        persist.load(cache, Path(directory), resolve or persist.store_resolver(config))
+        directory = Path(directory)
+        persist.load(cache, directory, resolve or persist.store_resolver(config, directory))
         return cache
 
     async def aclose(self, *, keep_snapshots: bool = False) -> None:

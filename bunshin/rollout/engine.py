@@ -224,6 +224,16 @@ class RolloutEngine:
         for env in envs:
             await env.aclose()
 
+    def cache_stats(self) -> dict[str, Any]:
+        """The prefix cache's counters per task id (tasks whose env has none are left out)."""
+        return {tid: st for tid, env in self._envs.items() if (st := env.stats())}
+
+    def options_in_effect(self) -> dict[str, bool]:
+        """The ablation switches as applied (e.g. the cache off when ``bunshin.cache`` is missing)."""
+        for env in self._envs.values():
+            return dict(env.options)
+        return self.options.effective(self.mode)
+
     def _emit(self, kind: str, **info: Any) -> None:
         if self.on_event is not None:
             try:

@@ -39,6 +39,7 @@ class OpenAIPolicy:
         retries: int = 3,
         backoff_s: float = 0.5,
         extra_body: dict[str, Any] | None = None,
+        tool_choice: str | None = "auto",
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.name = f"openai:{model}"
@@ -49,6 +50,7 @@ class OpenAIPolicy:
         self.retries = retries
         self.backoff_s = backoff_s
         self.extra_body = dict(extra_body or {})
+        self.tool_choice = tool_choice  # None: leave it to the server's default
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
                                          headers=headers, transport=transport)
@@ -68,7 +70,8 @@ class OpenAIPolicy:
         body: dict[str, Any] = {"model": self.model, "messages": ctx.messages}
         if ctx.tools:
             body["tools"] = ctx.tools
-            body["tool_choice"] = "auto"
+            if self.tool_choice is not None:
+                body["tool_choice"] = self.tool_choice
         if self.temperature is not None:
             body["temperature"] = self.temperature
         if self.max_tokens is not None:

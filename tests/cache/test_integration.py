@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bunshin.cache import CachePolicy, PrefixCache
+from bunshin.errors import NotFound
 from bunshin.speculate import SpeculationPolicy
 from bunshin.tools import ToolSet
 from bunshin.workspace import Snapshot
@@ -150,17 +151,21 @@ def test_miss_materialises_from_the_snapshot_after_a_slow_call(real_root):
 
 
 def test_save_and_load_across_caches(real_root, tmp_path):
+    """Saved with its snapshots, the tree outlives its cache (and the snapshots' removal)."""
     root = real_root.snapshot
     calls = [("python", {"code": "big = 'x' * 10\nlen(big)"}), bash("sleep 0.6; export K=kept")]
 
     async def go():
         cache = PrefixCache(tools(), policy=CachePolicy(snapshot_min_s=0.5))
         await cached(cache, root, calls)
-        assert cache.stats().snapshots == 1
+        (node_snap,) = [n.snapshot for t in cache._trees.values() for n in t.nodes() if n.parent and n.snapshot]
         cache.save(tmp_path)
-        await cache.aclose(keep_snapshots=True)
+        assert (tmp_path / "tree.json").is_file() and (tmp_path / "snapshots" / node_snap.id).is_dir()
+        await cache.aclose()  # removes the cache's snapshots from the store
+        with pytest.raises(NotFound):
+            Snapshot.get(node_snap.id, config=real_root.cfg)
 
-        loaded = PrefixCache.load(tmp_path, tools(), config=real_root.cfg)
+        loaded = PrefixCache.load(tmp_path, tools(), config=real_root.cfg)  # brings it back from the folder
         try:
             assert loaded.roots()[root.id].id == root.id
             traj = loaded.start(root)

@@ -98,3 +98,17 @@ def test_coding_workload_uses_the_cache_benchmark_calls():
     assert [(s.name, s.arguments) for s in trs[0].steps[:len(cache_bench.PREFIX)]] == \
         [(n, a) for n, a in cache_bench.PREFIX]
     assert t.workdir == cache_bench.TASK and "unittest" in t.reward.command
+
+
+@pytest.mark.integration
+def test_home_memory_sees_a_workspace(no_leaks):
+    from bunshin.bench.sampler import HomeMemory
+    from bunshin.workspace import Workspace
+
+    home = HomeMemory(no_leaks)
+    before = home.cgroups()
+    with Workspace.create("host", memory="512M", config=no_leaks) as ws:
+        ws.exec("python3 -c 'import time; b = bytearray(64 << 20); b[::4096] = b\"x\" * len(b[::4096]); "
+                "open(\"/tmp/done\", \"w\").close(); time.sleep(30)' & while [ ! -e /tmp/done ]; do sleep 0.05; done",
+                timeout=20)
+        assert home.cgroups() - before > 60 << 20

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import pytest
 
-from bunshin.errors import NotForkable
+from bunshin.errors import NotForkable, RuntimeFailure
 from bunshin.runtime import criu, memfile
 from bunshin.runtime.memfile import PAGE, ZeroFillPolicy, fileio, filemaps, plan, rewrite
-from bunshin.runtime.memfile import images as image_io
+from bunshin.runtime.memfile import criu_images as image_io
 
 PROGS = Path(__file__).parent / "progs"
 MIB = 1 << 20
@@ -381,7 +381,7 @@ def test_write_data_leaves_zero_pages_as_holes() -> None:
         src = os.open(src_path, os.O_RDONLY)
         dst = os.open(dst_path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            written = fileio.write_data(src, 15 * PAGE + 100, 0, dst, 2 * PAGE, 17 * PAGE)
+            written = fileio.write_data(src, 0, dst, 2 * PAGE, 17 * PAGE, src_end=15 * PAGE + 100)
             os.ftruncate(dst, 20 * PAGE)
             assert written == 12 * PAGE + 100
             assert list(fileio.data_extents(dst, 0, 20 * PAGE)) == [
@@ -390,6 +390,9 @@ def test_write_data_leaves_zero_pages_as_holes() -> None:
             ]
             expect = bytes(2 * PAGE) + bytes(data[: 15 * PAGE + 100])
             assert os.pread(dst, 20 * PAGE, 0) == expect + bytes(20 * PAGE - len(expect))
+            # without an end, a source shorter than asked for is an error
+            with pytest.raises(RuntimeFailure):
+                fileio.write_data(src, 0, dst, 2 * PAGE, 17 * PAGE)
         finally:
             os.close(src)
             os.close(dst)

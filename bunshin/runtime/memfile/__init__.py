@@ -51,7 +51,7 @@ Semantic differences from anonymous memory, and how they are handled:
 - ``/proc/PID/maps`` shows the memory file's name for converted areas (a
   library's data segment no longer shows the library's name).
 
-Modules: ``images`` (CRIU image I/O, page maps cut at VMA boundaries),
+Modules: ``criu_images`` (CRIU image I/O, page maps cut at VMA boundaries),
 ``fileio`` (page copies with holes, sealing, safe opens), ``zerofill`` (which
 processes rely on zero-fill), ``filemaps`` (which file mappings convert, their
 files), ``plan`` (what becomes of each area), ``rebasing`` (folding deltas),
@@ -60,8 +60,8 @@ files), ``plan`` (what becomes of each area), ``rebasing`` (folding deltas),
 
 from bunshin.errors import NotForkable
 
+from .criu_images import PAGE, SUFFIX, referenced_memfiles
 from .fileio import remove_memfile, remove_memfiles
-from .images import PAGE, SUFFIX, referenced_memfiles
 from .rewrite import (
     DEFAULT_GROWTH_ROOM,
     HUGE,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from bunshin.errors import RuntimeFailure
 
-from .images import PAGE, SUFFIX
+from .criu_images import PAGE, SUFFIX
 
 _FS_IOC_GETFLAGS, _FS_IOC_SETFLAGS, _FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10
 _CHUNK = 1 << 20  # source bytes read at a time
@@ -22,16 +22,19 @@ _ZERO_PAGE = bytes(PAGE)
 _ZERO_HEAD = bytes(16)
 
 
-def write_data(src: int, src_size: int, src_off: int, dst: int, dst_off: int, n: int) -> int:
+def write_data(
+    src: int, src_off: int, dst: int, dst_off: int, n: int, *, src_end: int | None = None
+) -> int:
     """Copy ``n`` bytes from ``src`` at ``src_off`` to ``dst`` at ``dst_off``; returns bytes written.
 
-    Pages that are all zeros, and whatever lies past ``src_size``, are not
-    written: on tmpfs they stay holes, which read as zeros and take no memory
-    until touched. The destination range must not hold data already. Offsets
-    are page-aligned. Reads with ``pread`` (a file that shrinks meanwhile is an
-    error, never a SIGBUS).
+    Pages that are all zeros are not written: on tmpfs they stay holes, which
+    read as zeros and take no memory until touched. The destination range must
+    not hold data already. Offsets are page-aligned. Bytes at or past ``src_end``
+    (a file's end) are zeros, not read; a source shorter than expected otherwise
+    is an error. Reads with ``pread``: a file that shrinks meanwhile raises,
+    never a SIGBUS.
     """
-    end = min(src_off + n, src_size)
+    end = src_off + n if src_end is None else min(src_off + n, src_end)
     buf = bytearray(min(_CHUNK, max(end - src_off, 0)))
     view = memoryview(buf)
     written, pos = 0, src_off
@@ -40,7 +43,7 @@ def write_data(src: int, src_size: int, src_off: int, dst: int, dst_off: int, n:
             length = min(len(buf), end - pos)
             got = os.preadv(src, [view[:length]], pos)
             if got < length:
-                raise RuntimeFailure("a file shrank while its pages were copied")
+                raise RuntimeFailure("a file ended early while its pages were copied")
             written += _write_nonzero(buf, view, length, dst, dst_off + pos - src_off)
             pos += length
     finally:

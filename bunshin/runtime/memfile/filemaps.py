@@ -23,6 +23,16 @@ the tasks' root, one component at a time and never through a symbolic link
 mount namespace (a file on another mount, /tmp for instance, could not be told
 apart from what lies beneath that mount), has the size CRIU recorded, and was
 not deleted or replaced (no link-remap). Anything else stays as it is.
+
+Differences, none of which a loader or a library's own code relies on: the
+slot holds the bytes of the rewrite's moment, so a later write to the original
+file no longer shows through pages never written (Linux shows it in a private
+mapping, POSIX leaves it unspecified); ``MADV_DONTNEED`` brings back the
+dump-time bytes rather than the file's; growing the area with ``mremap`` reads
+the slot's hole (zeros) rather than more of the file; and ``/proc/PID/maps``
+names the memory file for the converted part. The file must not change between
+the dump and the rewrite: only its size is checked (CRIU checks no more for the
+mappings it restores from the file itself).
 """
 
 from __future__ import annotations
@@ -31,8 +41,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .fileio import open_in_root
-from .images import (
+from .criu_images import (
     MADV_WIPEONFORK,
     MAP_NORESERVE,
     MAP_PRIVATE,
@@ -44,6 +53,7 @@ from .images import (
     load,
     num,
 )
+from .fileio import open_in_root
 
 CLEAN_GAP = 512 << 10
 _ANY_MOUNT = -1

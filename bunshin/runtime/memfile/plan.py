@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .filemaps import FileSources, convertible_file_map, file_ranges, in_file_end
-from .images import (
+from .criu_images import (
     MADV_WIPEONFORK,
     MAP_ANONYMOUS,
     MAP_NORESERVE,
@@ -37,6 +36,7 @@ from .images import (
     split,
     stored_bytes,
 )
+from .filemaps import FileSources, convertible_file_map, file_ranges, in_file_end
 from .rebasing import choose_rebase
 
 _CONVERTIBLE_FLAGS = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE

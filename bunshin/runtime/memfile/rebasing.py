@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .criu_images import num
 from .fileio import data_extents, write_data
-from .images import num
 
 
 def _mapped_data(fd: int, vma: dict[str, Any]) -> int:
@@ -67,7 +67,7 @@ def copy_base(
         size = os.fstat(fd).st_size
         for a, b in gaps:
             for off, n in data_extents(fd, pgoff + a - start, pgoff + b - start):
-                written += write_data(fd, size, off, dst, slot + off - pgoff, n)
+                written += write_data(fd, off, dst, slot + off - pgoff, n, src_end=size)
     finally:
         os.close(fd)
     return written

@@ -11,9 +11,7 @@ from typing import Any
 
 from bunshin.errors import InvalidArgument, NotForkable
 
-from .fileio import copy_range, remove_memfile, seal, write_data
-from .filemaps import FileSources
-from .images import (
+from .criu_images import (
     MAP_ANONYMOUS,
     PAGE,
     SUFFIX,
@@ -26,6 +24,8 @@ from .images import (
     regular_files,
     save,
 )
+from .fileio import copy_range, remove_memfile, seal, write_data
+from .filemaps import FileSources
 from .plan import NEW_SLOT, Kind, Proc, plan
 from .rebasing import copy_base
 from .zerofill import ZeroFillPolicy, zero_fill_risks
@@ -135,7 +135,7 @@ def _fill_base(proc: Proc, offsets: dict[int, int], mem_fd: int, totals: _Totals
             fd, size = proc.sources[num(v["shmid"])]
             for a, b in gaps:
                 totals.file_bytes += write_data(
-                    fd, size, num(v["pgoff"]) + a - start, mem_fd, slot + a - start, b - a
+                    fd, num(v["pgoff"]) + a - start, mem_fd, slot + a - start, b - a, src_end=size
                 )
 
 
@@ -173,14 +173,13 @@ def _execute(
         # every byte of the new file is written once: dumped pages, and around them
         # the rebased areas' old data and the file areas' file bytes
         _fill_base(proc, offsets, mem_fd, totals)
-        src_size = os.fstat(src_fd).st_size
         entries: list[dict[str, Any]] = []
         out_off = 0
         for p in proc.pieces:
             n = p.end - p.start
             if p.src is not None and p.vma in offsets:
                 slot = offsets[p.vma] + p.start - num(proc.vmas[p.vma]["start"])  # type: ignore[index]
-                totals.zero += n - write_data(src_fd, src_size, p.src, mem_fd, slot, n)
+                totals.zero += n - write_data(src_fd, p.src, mem_fd, slot, n)
                 totals.moved += n
                 continue
             if p.src is not None:

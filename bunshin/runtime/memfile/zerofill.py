@@ -18,8 +18,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from .fileio import open_in_root
-from .images import (
+from .criu_images import (
     PROT_EXEC,
     VMA_FILE_PRIVATE,
     VMA_FILE_SHARED,
@@ -29,6 +28,7 @@ from .images import (
     pids,
     regular_files,
 )
+from .fileio import open_in_root
 
 _RISKY_LIBS = re.compile(r"/lib(jemalloc|mimalloc)[^/]*\.so")
 _JEMALLOC_MARK = b"<jemalloc>"
@@ -73,7 +73,7 @@ def _scan(fd: int, needle: bytes) -> bool:
         chunk = os.pread(fd, _CHUNK, pos)
         if not chunk:
             return False
-        if needle in tail + chunk:
+        if needle in chunk or needle in tail + chunk[: len(needle) - 1]:
             return True
         pos += len(chunk)
         tail = chunk[-(len(needle) - 1) :]
