@@ -55,7 +55,8 @@ def plot_memory(result: dict[str, Any], path: Path) -> None:
             ax.set_xlabel("seconds since the phase started")
             ax.set_ylabel("GiB")
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
+            if ax.lines:
+                ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

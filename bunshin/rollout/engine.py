@@ -259,7 +259,7 @@ class RolloutEngine:
 
     def episode(self, env: TaskEnv, index: int, group_id: str, policy_name: str = "") -> Episode:
         return Episode(env, index=index, run_id=self.run_id, group_id=group_id, mode=self.mode.value,
-                       schemas=tool_schemas(self.tools, env.task), policy_name=policy_name)
+                       schemas=tool_schemas(env.tools, env.task), policy_name=policy_name)
 
     async def run_group(self, task: TaskSpec, policy: Policy, n: int, *, group_id: str | None = None) -> GroupResult:
         """``n`` trajectories of ``task``, concurrently (within the engine's concurrency limit)."""

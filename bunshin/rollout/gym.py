@@ -15,6 +15,8 @@ or ``{"name", "arguments"}``), a string or ``None`` (final answer, no calls). Th
 (0.0 until the episode ends) comes from the task's reward command in the final
 workspace. Several envs may share one :class:`~bunshin.rollout.engine.RolloutEngine`
 (``engine=``), and so one task root; the ``a``-prefixed methods are the async API.
+Per-call timeouts apply; the task's ``trajectory_timeout`` does not (the trainer sets
+the pace between steps).
 """
 
 from __future__ import annotations

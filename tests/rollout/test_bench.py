@@ -43,14 +43,14 @@ def _phase(mode: str, rewards: list[float | None], peak: int, makespan: float) -
     gid = f"t1-g-{mode}"
     trajs = [_traj(mode, "t1", gid, i, r) for i, r in enumerate(rewards)]
     series = Series(t=[0.0, 1.0, 2.0], used=[0, peak, 0], ws=[0, peak // 2, 0])
-    return bench.Phase(mode, "coding", makespan, 0, series, trajs,
+    return bench.Phase(mode, "coding-lite", makespan, 0, series, trajs,
                        [{"task": "t1", "group_id": gid, "n": len(rewards), "makespan_s": makespan, "prepare_s": 0,
                          "failed": 0}])
 
 
 def test_summary_ratios_goals_and_reward_check(tmp_path):
-    plan = bench.Plan.make(quick=True, modes=("baseline", "bunshin"), workloads=("coding",))
-    loads = {"coding": workloads.build("coding-lite", tasks=1, traces=2)}
+    plan = bench.Plan.make(quick=True, modes=("baseline", "bunshin"), workloads=("coding-lite",))
+    loads = {"coding-lite": workloads.build("coding-lite", tasks=1, traces=2)}
     r = bench.summarize(plan, [_phase("baseline", [1.0, 0.5], 1000, 10.0), _phase("bunshin", [1.0, 0.5], 200, 5.0)],
                         loads, 1.0)
     assert r["same_rewards"] and r["rewards_compared"] == 2
