@@ -15,12 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from bunshin.config import Config
 from bunshin.errors import CriuError, HostUnsupported
 from bunshin.runtime import criu
 
-_PROBE = Path("/opt/bunshin/criu-probe")
-_INSTALLED = Path("/opt/bunshin/criu/bin/criu")
-CRIU = Path(os.environ.get("BUNSHIN_CRIU") or (_INSTALLED if _INSTALLED.exists() else _PROBE))
+CRIU = Config.from_env().criu
 PR_SET_CHILD_SUBREAPER = 36
 
 # A counter that reports its value into OUT/<host pid> on SIGUSR1.

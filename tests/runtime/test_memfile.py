@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from bunshin.config import Config
 from bunshin.errors import NotForkable, RuntimeFailure
 from bunshin.runtime import criu, memfile
 from bunshin.runtime.memfile import PAGE, ZeroFillPolicy, fileio, filemaps, plan, rewrite
@@ -32,9 +33,7 @@ from bunshin.runtime.memfile import criu_images as image_io
 
 PROGS = Path(__file__).parent / "progs"
 MIB = 1 << 20
-_PROBE = Path("/opt/bunshin/criu-probe")
-_INSTALLED = Path("/opt/bunshin/criu/bin/criu")
-CRIU = Path(os.environ.get("BUNSHIN_CRIU") or (_INSTALLED if _INSTALLED.exists() else _PROBE))
+CRIU = Config.from_env().criu
 JEMALLOC = Path("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
 PR_SET_CHILD_SUBREAPER = 36
 
