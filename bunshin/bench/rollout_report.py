@@ -14,7 +14,8 @@ from typing import Any
 
 from .. import console as output
 
-COLORS = {"baseline": "#c0392b", "copy": "#e67e22", "bunshin": "#2471a3"}
+COLORS = {"baseline": "#c0392b", "copy": "#e67e22", "bunshin": "#2471a3", "bunshin:no-spec": "#5dade2",
+          "bunshin:no-cache": "#8e44ad", "bunshin:no-fork": "#16a085"}
 
 
 def write(result: dict[str, Any], directory: str | Path) -> Path:
@@ -45,9 +46,10 @@ def plot_memory(result: dict[str, Any], path: Path) -> None:
         top, bottom = axes[0][col], axes[1][col]
         for p in (p for p in result["phases"] if p["workload"] == name):
             s, color = p["series"], COLORS.get(p["mode"])
-            top.plot(s["t"], [(u - p["idle_bytes"]) / 2**30 for u in s["used"]], color=color, linewidth=1.6,
+            style = "--" if ":" in p["mode"] else "-"
+            top.plot(s["t"], [(u - p["idle_bytes"]) / 2**30 for u in s["used"]], color=color, linewidth=1.6, ls=style,
                      label=f"{p['mode']} (peak {p['peak_bytes'] / 2**30:.2f} GiB, {p['gb_s']:.0f} GB·s)")
-            bottom.plot(s["t"], [w / 2**30 for w in s["ws"]], color=color, linewidth=1.6,
+            bottom.plot(s["t"], [w / 2**30 for w in s["ws"]], color=color, linewidth=1.6, ls=style,
                         label=f"{p['mode']} (peak {p['ws_peak_bytes'] / 2**30:.2f} GiB, {p['ws_gb_s']:.0f} GB·s)")
         top.set_title(f"{name}: system-wide used memory above idle")
         bottom.set_title(f"{name}: workspaces + snapshot files only")

@@ -41,12 +41,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_fork)
 
-    b = bsub.add_parser("rollout", help="rollouts in every mode side by side: memory, latency, rewards")
+    b = bsub.add_parser("rollout", help="rollouts in every mode side by side: memory, latency, rewards "
+                        "(full: ~30 min; --quick: ~4 min)")
     b.add_argument("--quick", action="store_true", help="groups of 8 only, 2 tasks per workload, shorter think times")
     b.add_argument("--json", action="store_true")
     b.add_argument("--report", metavar="DIR", help="write a markdown report and PNG plots here")
     b.add_argument("--modes", help="comma-separated: baseline,copy,bunshin[,bunshin:no-spec,bunshin:no-cache,bunshin:no-fork]")
-    b.add_argument("--workloads", help="comma-separated: data-analysis,coding")
+    b.add_argument("--workloads", help="comma-separated: data-analysis,coding (coding-lite: no download)")
     b.add_argument("--think-scale", type=float, help="multiply recorded think times (default 1, quick 0.5)")
     b.add_argument("--groups", help="comma-separated group sizes (default 8,32; quick 8)")
     b.add_argument("--tasks", type=int, help="tasks per workload (default 3; quick 2)")
