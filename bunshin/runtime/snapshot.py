@@ -216,30 +216,8 @@ def _tree(pid: int | None) -> list[int]:
 def _link_memfiles(files: Sequence[str], into: Path) -> None:
     into.mkdir(parents=True, exist_ok=True)
     for f in files:
-        _with_mutable(Path(f), lambda p: os.link(p, into / p.name))
-
-
-def _with_mutable(path: Path, action) -> None:
-    """Run ``action(path)`` with the file's immutable flag lifted (hard links need it)."""
-    import fcntl
-    import struct
-
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        buf = bytearray(struct.pack("i", 0))
-        flags = None
-        with contextlib.suppress(OSError):
-            fcntl.ioctl(fd, 0x80086601, buf)
-            flags = struct.unpack("i", buf)[0]
-            if flags & 0x10:
-                fcntl.ioctl(fd, 0x40086602, bytearray(struct.pack("i", flags & ~0x10)))
-        try:
-            action(path)
-        finally:
-            if flags is not None and flags & 0x10:
-                fcntl.ioctl(fd, 0x40086602, bytearray(struct.pack("i", flags)))
-    finally:
-        os.close(fd)
+        with memfile.unsealed(Path(f)):
+            os.link(f, into / Path(f).name)
 
 
 def _pause_ms(log: Path) -> float | None:
@@ -416,25 +394,29 @@ def _sweep_orphans(cfg: Config, store: Store) -> list[str]:
 
     Records are always written before the files they name, so anything unnamed is
     left over (from a crash, or the ancestor layers of a removed loaded snapshot).
+    The files are listed *before* the records are read: a snapshot being taken
+    concurrently has its record in place by the time its files can be seen.
     """
+    layers, sdir, mdir = cfg.tmpfs / "layers", cfg.tmpfs / "snapshots", mem_dir(cfg)
+    layer_dirs = sorted(layers.glob("snap-*")) if layers.is_dir() else []
+    image_dirs = sorted(sdir.iterdir()) if sdir.is_dir() else []
+    mem_files = sorted(mdir.glob(f"*{memfile.SUFFIX}")) if mdir.is_dir() else []
+    all_layers = {d.name for d in layers.iterdir()} if layers.is_dir() else set()
     snaps = list_all(store)
     named = {Path(p).name for p in held_layers(store)}
     named.update(Path(p).name for s in snaps for p in (s.layer, *s.lowers))
     ids = {s.id for s in snaps}
     freed: list[str] = []
-    layers = cfg.tmpfs / "layers"
-    for d in sorted(layers.glob("snap-*")) if layers.is_dir() else []:
-        if d.name not in named:
+    for d in layer_dirs:
+        if d.name not in named and d.name not in ids:
             remove_layer(d)
             freed.append(str(d))
-    sdir = cfg.tmpfs / "snapshots"
-    for d in sorted(sdir.iterdir()) if sdir.is_dir() else []:
+    for d in image_dirs:
         if d.name not in ids:
             shutil.rmtree(d, ignore_errors=True)
             freed.append(str(d))
-    tags = ids | named | ({d.name for d in layers.iterdir()} if layers.is_dir() else set())
-    mdir = mem_dir(cfg)
-    for f in sorted(mdir.glob(f"*{memfile.SUFFIX}")) if mdir.is_dir() else []:
+    tags = ids | named | all_layers
+    for f in mem_files:
         if memfile_tag(f.name) not in tags:
             memfile.remove_memfile(f)
             freed.append(str(f))

@@ -22,13 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
-import fcntl
 import json
 import os
 import secrets
 import shutil
-import struct
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -42,7 +39,6 @@ from .store import Store
 FORMAT = "bunshin-snapshot/1"
 MANIFEST = "snapshot.json"
 _TAR_XATTRS = ["--xattrs", "--xattrs-include=*", "--numeric-owner"]
-_FS_IOC_GETFLAGS, _FS_IOC_SETFLAGS, _FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10
 _CHUNK = 8 << 20
 _ROLES = {"base", "mask", "agent", "snapshot"}
 
@@ -117,28 +113,13 @@ def _save_memfile(path: Path, out: Path) -> dict[str, Any]:
         size = os.fstat(fd).st_size
         with open(out, "wb") as f:
             pos = 0
-            for off, n in _extents(fd, size):
+            for off, n in memfile.data_extents(fd, 0, size):
                 _copy_range(fd, off, f.fileno(), pos, n)
                 extents.append([off, n])
                 pos += n
     finally:
         os.close(fd)
     return {"name": path.name, "size": size, "extents": extents, "data": f"mem/{path.name}"}
-
-
-def _extents(fd: int, size: int) -> list[tuple[int, int]]:
-    out, pos = [], 0
-    while pos < size:
-        try:
-            data = os.lseek(fd, pos, os.SEEK_DATA)
-        except OSError as e:
-            if e.errno == errno.ENXIO:
-                break
-            raise
-        hole = os.lseek(fd, data, os.SEEK_HOLE)
-        out.append((data, hole - data))
-        pos = hole
-    return out
 
 
 def _copy_range(src: int, src_off: int, dst: int, dst_off: int, n: int) -> None:
@@ -234,15 +215,14 @@ def _extract(cfg: Config, src: Path, entry: dict[str, Any], mems: list[dict[str,
             host = rsnap.mem_dir(cfg) / m["name"]
             if not host.exists():
                 _load_memfile(src / m["data"], m, host)
-            _immutable(host, False)
-            os.link(host, view / m["name"])
-            _immutable(host, True)
+            with memfile.unsealed(host):
+                os.link(host, view / m["name"])
         os.rename(tmp, layers_dir / entry["name"])
     except BaseException:
         rsnap.remove_layer(tmp)
         for m in mems:  # removing the temporary links cleared the flag on the shared inode
             with contextlib.suppress(OSError):
-                _immutable(rsnap.mem_dir(cfg) / m["name"], True)
+                memfile.set_immutable(rsnap.mem_dir(cfg) / m["name"])
         raise
 
 
@@ -262,21 +242,6 @@ def _load_memfile(data: Path, m: dict[str, Any], host: Path) -> None:
         host.unlink(missing_ok=True)
         raise
     os.close(fd)
-
-
-def _immutable(path: Path, on: bool) -> None:
-    """Set or clear a file's immutable flag (where the filesystem has one)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        with contextlib.suppress(OSError):
-            buf = bytearray(struct.pack("i", 0))
-            fcntl.ioctl(fd, _FS_IOC_GETFLAGS, buf)
-            flags = struct.unpack("i", buf)[0]
-            new = flags | _FS_IMMUTABLE_FL if on else flags & ~_FS_IMMUTABLE_FL
-            if new != flags:
-                fcntl.ioctl(fd, _FS_IOC_SETFLAGS, bytearray(struct.pack("i", new)))
-    finally:
-        os.close(fd)
 
 
 def _run(argv: list[str], what: str) -> None:

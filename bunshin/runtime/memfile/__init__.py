@@ -61,7 +61,7 @@ files), ``plan`` (what becomes of each area), ``rebasing`` (folding deltas),
 from bunshin.errors import NotForkable
 
 from .criu_images import PAGE, SUFFIX, referenced_memfiles
-from .fileio import remove_memfile, remove_memfiles
+from .fileio import data_extents, remove_memfile, remove_memfiles, set_immutable, unsealed
 from .rewrite import (
     DEFAULT_GROWTH_ROOM,
     HUGE,
@@ -74,6 +74,9 @@ from .rewrite import (
 from .zerofill import ZeroFillPolicy, zero_fill_risks
 
 __all__ = [
+    "data_extents",
+    "set_immutable",
+    "unsealed",
     "DEFAULT_GROWTH_ROOM",
     "HUGE",
     "PAGE",

@@ -161,6 +161,36 @@ def seal(fd: int) -> None:
         _set_flags(fd, _get_flags(fd) | _FS_IMMUTABLE_FL)
 
 
+@contextlib.contextmanager
+def unsealed(path: Path) -> Iterator[None]:
+    """Lift a memory file's immutable flag for the block (hard-linking or deleting needs it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        flags = None
+        with contextlib.suppress(OSError):
+            flags = _get_flags(fd)
+            if flags & _FS_IMMUTABLE_FL:
+                _set_flags(fd, flags & ~_FS_IMMUTABLE_FL)
+        try:
+            yield
+        finally:
+            if flags is not None and flags & _FS_IMMUTABLE_FL:
+                with contextlib.suppress(OSError):
+                    _set_flags(fd, flags)
+    finally:
+        os.close(fd)
+
+
+def set_immutable(path: Path) -> None:
+    """Mark a file immutable where the filesystem allows it."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        with contextlib.suppress(OSError):
+            _set_flags(fd, _get_flags(fd) | _FS_IMMUTABLE_FL)
+    finally:
+        os.close(fd)
+
+
 def remove_memfile(path: Path) -> None:
     """Delete a memory file (clearing its immutable flag first); missing is fine."""
     with contextlib.suppress(FileNotFoundError):
