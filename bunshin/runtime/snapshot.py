@@ -415,7 +415,7 @@ def _sweep_orphans(cfg: Config, store: Store) -> list[str]:
         if d.name not in ids:
             shutil.rmtree(d, ignore_errors=True)
             freed.append(str(d))
-    tags = ids | named | all_layers
+    tags = ids | named | (all_layers - {Path(f).name for f in freed})
     for f in mem_files:
         if memfile_tag(f.name) not in tags:
             memfile.remove_memfile(f)
