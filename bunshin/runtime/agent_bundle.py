@@ -90,7 +90,7 @@ class AgentBundle:
     @classmethod
     def ensure(cls, layers_dir: Path) -> AgentBundle:
         """Build the layer for the current agent source unless it exists already."""
-        layer = layers_dir / f"agent-{_source_hash()}"
+        layer = layers_dir / current_layer_name()
         if not layer.is_dir():
             layers_dir.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=".agent-", dir=layers_dir))
@@ -105,6 +105,11 @@ class AgentBundle:
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
         return cls(layer)
+
+
+def current_layer_name() -> str:
+    """The folder name of the agent layer for the agent source installed now."""
+    return f"agent-{_source_hash()}"
 
 
 def _source_hash() -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 
 from ..config import Config
-from . import container, snapshot
+from . import agent_bundle, container, snapshot
 from . import syscalls as sc
 from .cgroups import Layout, WorkspaceCgroup
 from .records import WorkspaceState
@@ -80,11 +80,18 @@ def collect(cfg: Config, store: Store, *, extra_owned: set[str] | None = None) -
             if d.name not in live:
                 shutil.rmtree(d, ignore_errors=True)
                 report.files.append(str(d))
-    # Half-built layers from an interrupted build.
+    # Half-built layers from an interrupted build, and agent layers of older agent
+    # versions that no workspace or snapshot stacks on any more.
     layers = cfg.tmpfs / "layers"
     if layers.is_dir():
+        in_use = snapshot.held_layers(store) | {
+            p for s in snapshot.list_all(store) for p in (s.layer, *s.lowers)
+        }
+        current = agent_bundle.current_layer_name()
         for d in layers.iterdir():
-            if d.name.startswith(".") and not _recent(d):
+            stale_build = d.name.startswith(".") and not _recent(d)
+            old_agent = d.name.startswith("agent-") and d.name != current and str(d) not in in_use
+            if stale_build or old_agent:
                 shutil.rmtree(d, ignore_errors=True)
                 report.files.append(str(d))
     # Snapshots nothing holds (their forker died) and snapshot files no record names.

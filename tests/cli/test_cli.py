@@ -162,3 +162,19 @@ def test_interactive_sh_on_a_terminal(no_leaks):
         os.close(fd)
     finally:
         bunshin(no_leaks, "rm", ws_id)
+
+
+def test_gc_removes_agent_layers_of_older_agent_versions(no_leaks):
+    from bunshin.runtime.agent_bundle import current_layer_name
+
+    layers = no_leaks.tmpfs / "layers"
+    old = layers / "agent-000000000000"
+    (old / ".bunshin").mkdir(parents=True)
+    ws_id = bunshin(no_leaks, "create").stdout.strip()  # builds (or reuses) the current agent layer
+    try:
+        report = json.loads(bunshin(no_leaks, "gc", "--json").stdout)
+        assert str(old) in report["files"] and not old.exists()
+        assert (layers / current_layer_name()).is_dir()
+        assert bunshin(no_leaks, "exec", ws_id, "--", "true").returncode == 0
+    finally:
+        bunshin(no_leaks, "rm", ws_id)
