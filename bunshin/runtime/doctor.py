@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import platform
 import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Config
+from . import criu
 from .cgroups import Layout
 
 MIN_CRIU = (4, 2)
@@ -89,26 +89,18 @@ def _fstype(path: Path) -> str:
     return fstype
 
 
-def criu_version(criu: Path) -> tuple[int, ...] | None:
-    proc = subprocess.run([str(criu), "--version"], capture_output=True, text=True, timeout=30)
-    for line in proc.stdout.splitlines():
-        if line.startswith("Version:"):
-            return tuple(int(x) for x in line.split()[1].split(".") if x.isdigit())
-    return None
-
-
 def _criu(cfg: Config):
     fix = "run `make install` (installs CRIU >= 4.2 into /opt/bunshin/criu) or set BUNSHIN_CRIU"
     if not cfg.criu.exists() and not shutil.which(str(cfg.criu)):
         return False, f"{cfg.criu} not found", fix
-    ver = criu_version(cfg.criu)
-    if ver is None or ver < MIN_CRIU:
-        return False, f"{cfg.criu}: version {ver} < 4.2", fix
-    proc = subprocess.run([str(cfg.criu), "check"], capture_output=True, text=True, timeout=60)
-    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "RLIMIT_NOFILE" not in ln]
-    ok = proc.returncode == 0
+    text = criu.version(cfg.criu)
+    ver = tuple(int(x) for x in text.split(".") if x.isdigit())
+    if ver < MIN_CRIU:
+        return False, f"{cfg.criu}: version {text} < 4.2", fix
+    ok, output = criu.check(cfg.criu)
+    lines = [ln for ln in output.splitlines() if "RLIMIT_NOFILE" not in ln]
     tail = lines[-1] if lines else ""
-    return ok, f"{cfg.criu} {'.'.join(map(str, ver))}; criu check: {tail}", None if ok else fix
+    return ok, f"{cfg.criu} {text}; criu check: {tail}", None if ok else fix
 
 
 def _pycriu():
