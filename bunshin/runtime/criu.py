@@ -149,18 +149,23 @@ def restore(
     return CriuRun(duration_ms=ms, log=log, pid=pid)
 
 
+def _capture(criu: Path, args: Sequence[str], timeout: float | None) -> subprocess.CompletedProcess[str]:
+    """Run a short criu command and capture its output (no log file)."""
+    return subprocess.run(
+        [str(criu), *args],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        close_fds=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
 def check(criu: Path, *, extra: Sequence[str] = (), timeout: float | None = 60) -> tuple[bool, str]:
     """``criu check``: (whether it passed, its output)."""
     try:
-        proc = subprocess.run(
-            [str(criu), "check", *extra],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            close_fds=True,
-            timeout=timeout,
-            check=False,
-        )
+        proc = _capture(criu, ["check", *extra], timeout)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return False, str(exc)
     return proc.returncode == 0, (proc.stdout + proc.stderr).strip()
@@ -169,15 +174,7 @@ def check(criu: Path, *, extra: Sequence[str] = (), timeout: float | None = 60) 
 def version(criu: Path, *, timeout: float | None = 30) -> str:
     """The CRIU version, e.g. ``"4.2.1"``."""
     try:
-        proc = subprocess.run(
-            [str(criu), "--version"],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            close_fds=True,
-            timeout=timeout,
-            check=False,
-        )
+        proc = _capture(criu, ["--version"], timeout)
     except FileNotFoundError as exc:
         raise HostUnsupported(
             f"criu not found at {criu}", hint="install CRIU >= 4.2 (see DESIGN.md)"

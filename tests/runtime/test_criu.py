@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import shutil
@@ -19,8 +18,9 @@ from bunshin.config import Config
 from bunshin.errors import CriuError, HostUnsupported
 from bunshin.runtime import criu
 
+from .procs import PR_SET_CHILD_SUBREAPER, kill_and_wait, prctl
+
 CRIU = Config.from_env().criu
-PR_SET_CHILD_SUBREAPER = 36
 
 # A counter that reports its value into OUT/<host pid> on SIGUSR1.
 COUNTER = r"""
@@ -37,31 +37,6 @@ while True:
     n += 1
     time.sleep(0.005)
 """
-
-
-def _prctl(option: int, value: int) -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
-
-
-def _kill(pid: int) -> None:
-    """SIGKILL a process and wait until it is gone (reaping it if it is ours)."""
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return
-    try:
-        os.waitpid(pid, 0)
-        return
-    except ChildProcessError:
-        pass
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            if "State:\tZ" in Path(f"/proc/{pid}/status").read_text():
-                return
-        except OSError:
-            return
-        time.sleep(0.01)
 
 
 class Counters:
@@ -118,7 +93,7 @@ class Counters:
 
     def close(self) -> None:
         for pid in reversed(self.pids):
-            _kill(pid)
+            kill_and_wait(pid)
         for p in self.popens:
             p.kill()
             p.wait()
@@ -130,9 +105,9 @@ def criu_bin() -> Iterator[Path]:
         pytest.skip("needs root")
     if not CRIU.exists():
         pytest.skip(f"no CRIU at {CRIU}")
-    _prctl(PR_SET_CHILD_SUBREAPER, 1)  # restored tasks become our children: reap them
+    prctl(PR_SET_CHILD_SUBREAPER, 1)  # restored tasks become our children: reap them
     yield CRIU
-    _prctl(PR_SET_CHILD_SUBREAPER, 0)
+    prctl(PR_SET_CHILD_SUBREAPER, 0)
 
 
 @pytest.fixture

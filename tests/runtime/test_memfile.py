@@ -9,7 +9,6 @@ Unit tests of the page-map arithmetic and file plumbing need no CRIU.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
 import random
@@ -31,18 +30,15 @@ from bunshin.runtime import criu, memfile
 from bunshin.runtime.memfile import PAGE, ZeroFillPolicy, fileio, filemaps, plan, rewrite
 from bunshin.runtime.memfile import criu_images as image_io
 
+from .procs import PR_SET_CHILD_SUBREAPER, kill_and_wait, prctl
+
 PROGS = Path(__file__).parent / "progs"
 MIB = 1 << 20
 CRIU = Config.from_env().criu
 JEMALLOC = Path("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
-PR_SET_CHILD_SUBREAPER = 36
 
 
 # ------------------------------------------------------------------ harness
-
-
-def _prctl(option: int, value: int) -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
 
 
 def _reap_all() -> None:
@@ -53,28 +49,6 @@ def _reap_all() -> None:
             return
         if pid == 0:
             return
-
-
-def _kill(pid: int) -> None:
-    """SIGKILL a process and wait until it is gone (reaping it if it is ours)."""
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return
-    try:
-        os.waitpid(pid, 0)
-        return
-    except ChildProcessError:
-        pass
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return
-        if state in ("Z", "X"):
-            return
-        time.sleep(0.01)
 
 
 def _children(pid: int) -> list[int]:
@@ -220,7 +194,7 @@ class Lab:
 
     def close(self) -> None:
         for pid in reversed(self.pids):
-            _kill(pid)
+            kill_and_wait(pid)
         for p in self.popens:
             p.kill()
             p.wait()
@@ -262,9 +236,9 @@ def memprog(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def reaper() -> Iterator[None]:
     """Make this process the subreaper of restored clones, so they can be reaped."""
-    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
     yield None
-    _prctl(PR_SET_CHILD_SUBREAPER, 0)
+    prctl(PR_SET_CHILD_SUBREAPER, 0)
     _reap_all()
 
 
@@ -492,7 +466,7 @@ def test_clones_share_memory_copy_on_write(lab: Lab) -> None:
     plain_ms = (time.monotonic() - t0) * 1000
     assert _sums(lab, copy) == want
     plain_anon = _smaps(copy, "Anonymous")
-    _kill(copy)
+    kill_and_wait(copy)
 
     images = lab.dump(parent)
     res = memfile.rewrite_images(images, lab.mem)
@@ -736,7 +710,7 @@ def test_forks_of_forks(lab: Lab) -> None:
         lab.cmd(child, f"write {gen % 60} 1 {gen + 1}")  # 1 MiB of new writes per generation
         lab.cmd(child, "touch 3000 64")  # and 64 scattered pages
         want = _sums(lab, child)
-        _kill(pid)
+        kill_and_wait(pid)
         pid = child
     print(
         f"\ndelta left in the image per generation (MiB): {[round(d / MIB, 2) for d in deltas]}, rebased: {rebased}"
