@@ -4,7 +4,8 @@ Every call takes the binary's path, runs it with ``-v4`` and a log file in the
 images directory, and returns a ``CriuRun`` (wall time, log path, and for a
 restore the restored root task's host pid). A failure raises ``CriuError``
 carrying the last lines of CRIU's log. Callers add their own options (cgroups,
-``--root``, network lock, ``--external``, action scripts ...) through ``extra``.
+``--root``, network lock, ``--external``, action scripts ...) through ``extra``,
+and choose where the criu process itself runs with a ``Placement``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from pathlib import Path
 
 from bunshin.errors import CriuError, HostUnsupported
 
+from . import syscalls as sc
+
 LOG_TAIL_LINES = 30
 
 
@@ -30,6 +33,41 @@ class CriuRun:
     duration_ms: float
     log: Path
     pid: int | None = None  # restore: the restored root task's pid on the host
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Namespaces and cgroups the criu process enters before it starts.
+
+    CRIU dumps only the namespaces in which the tree differs from its own, and
+    restored tasks inherit criu's. So a dump run inside the workspace's network
+    namespace leaves the namespace out of the image (no links, rules or conntrack
+    to dump: ~30 ms less pause), and a restore run inside a fresh one with ``lo``
+    up, and inside the clone's cgroups, puts the clone there without CRIU's
+    cgroup management.
+    """
+
+    netns: str | None = None  # join this network namespace (e.g. /proc/PID/ns/net)
+    new_netns: bool = False  # or unshare a fresh one and bring lo up
+    cgroup_procs: tuple[str, ...] = ()  # cgroup.procs files to join
+
+    def enter(self) -> None:
+        """Runs in the criu child between fork and exec: plain syscalls only."""
+        for procs in self.cgroup_procs:
+            fd = os.open(procs, os.O_WRONLY)
+            try:
+                os.write(fd, b"0")
+            finally:
+                os.close(fd)
+        if self.netns is not None:
+            fd = os.open(self.netns, os.O_RDONLY)
+            try:
+                sc.setns(fd, sc.CLONE_NEWNET)
+            finally:
+                os.close(fd)
+        elif self.new_netns:
+            sc.unshare(sc.CLONE_NEWNET)
+            sc.loopback_up()
 
 
 def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -44,7 +82,8 @@ def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 
 
 def _run(
-    criu: Path, args: Sequence[str], *, action: str, log: Path | None, timeout: float | None
+    criu: Path, args: Sequence[str], *, action: str, log: Path | None, timeout: float | None,
+    placement: Placement | None = None,
 ) -> float:
     """Run criu; return the wall time in ms or raise CriuError."""
     with tempfile.TemporaryFile() as out:
@@ -58,16 +97,20 @@ def _run(
                 close_fds=True,
                 timeout=timeout,
                 check=False,
+                preexec_fn=placement.enter if placement else None,  # noqa: PLW1509 (syscalls only)
             )
+        except subprocess.SubprocessError as exc:
+            if isinstance(exc, subprocess.TimeoutExpired):
+                raise CriuError(
+                    f"criu {action} timed out after {timeout} s",
+                    log_tail=_tail(log) if log else "",
+                    action=action,
+                ) from exc
+            raise CriuError(f"criu {action} could not enter its namespaces or cgroups: {exc}",
+                            action=action) from exc
         except FileNotFoundError as exc:
             raise HostUnsupported(
                 f"criu not found at {criu}", hint="install CRIU >= 4.2 (see DESIGN.md)"
-            ) from exc
-        except subprocess.TimeoutExpired as exc:
-            raise CriuError(
-                f"criu {action} timed out after {timeout} s",
-                log_tail=_tail(log) if log else "",
-                action=action,
             ) from exc
         duration_ms = (time.monotonic() - t0) * 1000
         if proc.returncode != 0:
@@ -93,6 +136,7 @@ def dump(
     extra: Sequence[str] = (),
     log_name: str = "dump.log",
     timeout: float | None = None,
+    placement: Placement | None = None,
 ) -> CriuRun:
     """Dump the process tree rooted at ``pid`` into ``images_dir`` (created if missing)."""
     images_dir = Path(images_dir).absolute()
@@ -101,7 +145,7 @@ def dump(
     args = ["dump", "-t", str(pid), "-D", str(images_dir), "-v4", "--log-file", str(log)]
     if leave_running:
         args.append("--leave-running")
-    ms = _run(criu, [*args, *extra], action="dump", log=log, timeout=timeout)
+    ms = _run(criu, [*args, *extra], action="dump", log=log, timeout=timeout, placement=placement)
     return CriuRun(duration_ms=ms, log=log)
 
 
@@ -114,6 +158,7 @@ def restore(
     root: Path | None = None,
     log_name: str | None = None,
     timeout: float | None = None,
+    placement: Placement | None = None,
 ) -> CriuRun:
     """Restore ``images_dir`` detached; return the restored root task's host pid.
 
@@ -137,7 +182,7 @@ def restore(
     ]
     if root is not None:
         args += ["--root", str(root)]
-    ms = _run(criu, [*args, *extra], action="restore", log=log, timeout=timeout)
+    ms = _run(criu, [*args, *extra], action="restore", log=log, timeout=timeout, placement=placement)
     try:
         pid = int(pidfile.read_text().strip())
     except (OSError, ValueError) as exc:

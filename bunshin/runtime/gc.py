@@ -8,7 +8,6 @@ snapshots nothing holds and snapshot files no record names.
 
 from __future__ import annotations
 
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import psutil
 
 from ..config import Config
-from . import agent_bundle, container, snapshot
+from . import agent_bundle, container, imagefs, snapshot
 from . import syscalls as sc
 from .cgroups import Layout, WorkspaceCgroup
 from .records import WorkspaceState
@@ -57,9 +56,15 @@ def collect(cfg: Config, store: Store, *, extra_owned: set[str] | None = None) -
     live = {r.id for r in store.list_workspaces()} | (extra_owned or set())
     ws_root = cfg.tmpfs / "workspaces"
 
-    # Mounts beneath our tmpfs folder (deepest first) that belong to no live workspace.
-    for target in sorted(_mounts_under(cfg.tmpfs), key=len, reverse=True):
-        rel = Path(target).relative_to(ws_root) if Path(target).is_relative_to(ws_root) else None
+    # Mounts beneath our tmpfs folder (deepest first) that belong to no live workspace
+    # or recorded snapshot (whose images are a tmpfs of their own).
+    snaps_root = cfg.tmpfs / "snapshots"
+    recorded = {s.id for s in snapshot.list_all(store)}
+    for target in sorted(imagefs.mounts_under(cfg.tmpfs), key=len, reverse=True):
+        path = Path(target)
+        if path.is_relative_to(snaps_root) and path.relative_to(snaps_root).parts[0] in recorded:
+            continue
+        rel = path.relative_to(ws_root) if path.is_relative_to(ws_root) else None
         if rel is None or rel.parts[0] not in live:
             sc.umount(target, sc.MNT_DETACH)
             report.mounts.append(target)
@@ -107,14 +112,3 @@ def _recent(path: Path, seconds: float = 60.0) -> bool:
         return time.time() - path.stat().st_mtime < seconds
     except OSError:
         return False
-
-
-def _mounts_under(base: Path) -> list[str]:
-    prefix = os.path.realpath(base) + "/"
-    out = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            target = line.split()[4]
-            if target.startswith(prefix):
-                out.append(target)
-    return out

@@ -36,9 +36,17 @@ def lower_layers(cfg: Config, image: str) -> list[Path]:
     return [path.resolve()]
 
 
+# Host folders a workspace starts with empty, and their modes. They are plain
+# folders of the workspace's own upper layer, not tmpfs mounts: CRIU dumps a tmpfs
+# by running tar while the workspace is frozen (~4 ms each), an upper folder goes
+# into the snapshot layer with the rest, and clones share it copy-on-write.
+FRESH = {Path("/tmp"): 0o1777, Path("/run"): 0o755, Path("/dev"): 0o755}
+
+
 def hidden_paths(cfg: Config) -> list[Path]:
-    """Host folders a workspace on the host image must not see."""
-    return sorted({cfg.home.resolve(), Path("/var/lib/bunshin"), Path("/opt/bunshin")})
+    """Host folders a workspace on the host image must not see (none inside another)."""
+    paths = {cfg.home.resolve(), Path("/var/lib/bunshin"), Path("/opt/bunshin"), *FRESH}
+    return sorted(p for p in paths if not any(p != q and p.is_relative_to(q) for q in paths))
 
 
 def mask_layer(cfg: Config) -> Path:
@@ -54,6 +62,7 @@ def mask_layer(cfg: Config) -> Path:
         for p in hidden:
             d = tmp / p.relative_to("/")
             d.mkdir(parents=True, exist_ok=True)
+            os.chmod(d, FRESH.get(p, 0o755))
             os.setxattr(d, _OPAQUE_XATTR, b"y")
         os.rename(tmp, layer)
     except FileExistsError:

@@ -2,8 +2,8 @@
 
 Runs on the host side of the workspace boundary, as a short-lived child of the
 creating process. It joins the workspace's cgroups, unshares the namespaces and
-forks the workspace's first process (pid 1 inside), which builds /proc, /dev,
-/tmp and /run inside the already-mounted overlay root, pivots into it and execs
+forks the workspace's first process (pid 1 inside), which builds /proc and /dev
+inside the already-mounted overlay root, pivots into it and execs
 the in-workspace agent. The launcher prints pid 1's host pid and exits, so the
 workspace is re-parented away from the caller and outlives it.
 
@@ -13,12 +13,10 @@ stderr at the agent log inside the workspace, which closes the caller's pipe.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import socket
 import stat
-import struct
 import sys
 
 from . import syscalls as sc
@@ -31,22 +29,23 @@ _DEVICES = {  # name: (major, minor)
     "urandom": (1, 9),
     "tty": (5, 0),
 }
-_SIOCGIFFLAGS = 0x8913
-_SIOCSIFFLAGS = 0x8914
-_IFF_UP = 0x1
 
 
 def _mkdir(path: str, mode: int = 0o755) -> None:
-    os.makedirs(path, mode=mode, exist_ok=True)
+    """Create ``path`` with exactly ``mode`` (umask aside) unless it exists."""
+    if not os.path.isdir(path):
+        os.makedirs(path, exist_ok=True)
+        os.chmod(path, mode)
 
 
 def _build_dev(root: str) -> None:
+    """/dev as a folder of the upper layer (nodes, links, shm) plus a private devpts."""
     dev = f"{root}/dev"
     _mkdir(dev)
-    sc.mount("tmpfs", dev, "tmpfs", sc.MS_NOSUID, "mode=755,size=65536k")
     for name, (major, minor) in _DEVICES.items():
-        os.mknod(f"{dev}/{name}", 0o666 | stat.S_IFCHR, os.makedev(major, minor))
-        os.chmod(f"{dev}/{name}", 0o666)
+        if not os.path.lexists(f"{dev}/{name}"):
+            os.mknod(f"{dev}/{name}", 0o666 | stat.S_IFCHR, os.makedev(major, minor))
+            os.chmod(f"{dev}/{name}", 0o666)
     for name, target in {
         "fd": "/proc/self/fd",
         "stdin": "/proc/self/fd/0",
@@ -54,14 +53,16 @@ def _build_dev(root: str) -> None:
         "stderr": "/proc/self/fd/2",
         "ptmx": "pts/ptmx",
     }.items():
-        os.symlink(target, f"{dev}/{name}")
+        if not os.path.lexists(f"{dev}/{name}"):
+            os.symlink(target, f"{dev}/{name}")
     _mkdir(f"{dev}/pts")
     sc.mount("devpts", f"{dev}/pts", "devpts", sc.MS_NOSUID | sc.MS_NOEXEC, "newinstance,ptmxmode=0666,mode=620")
     _mkdir(f"{dev}/shm", 0o1777)
-    sc.mount("shm", f"{dev}/shm", "tmpfs", sc.MS_NOSUID | sc.MS_NODEV, "mode=1777")
 
 
 def _build_mounts(root: str) -> None:
+    """/proc (with /proc/sys read-only) and devpts are the only mounts inside; /dev,
+    /tmp and /run are folders of the upper layer (empty ones on the host image)."""
     sc.mount("none", "/", None, sc.MS_REC | sc.MS_PRIVATE)
     _mkdir(f"{root}/proc")
     sc.mount("proc", f"{root}/proc", "proc", sc.MS_NOSUID | sc.MS_NODEV | sc.MS_NOEXEC)
@@ -70,27 +71,18 @@ def _build_mounts(root: str) -> None:
     sc.mount(f"{root}/proc/sys", f"{root}/proc/sys", None, sc.MS_BIND | sc.MS_REMOUNT | sc.MS_RDONLY)
     _build_dev(root)
     _mkdir(f"{root}/tmp", 0o1777)
-    sc.mount("tmpfs", f"{root}/tmp", "tmpfs", sc.MS_NOSUID | sc.MS_NODEV, "mode=1777")
     _mkdir(f"{root}/run")
-    sc.mount("tmpfs", f"{root}/run", "tmpfs", sc.MS_NOSUID | sc.MS_NODEV, "mode=755")
     os.chdir(root)
     sc.pivot_root(".", ".")
     sc.umount(".", sc.MNT_DETACH)
     os.chdir("/")
 
 
-def _loopback_up() -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        req = struct.pack("16sH14x", b"lo", 0)
-        flags = struct.unpack("16sH14x", fcntl.ioctl(s.fileno(), _SIOCGIFFLAGS, req))[1]
-        fcntl.ioctl(s.fileno(), _SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | _IFF_UP))
-
-
 def _become_pid1(spec: dict) -> None:
     """Runs as pid 1 of the new namespaces; never returns."""
     _build_mounts(spec["root"])
     socket.sethostname(spec["hostname"])
-    _loopback_up()
+    sc.loopback_up()
     os.setsid()
     os.makedirs(os.path.dirname(spec["log"]), exist_ok=True)
     log = os.open(spec["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

@@ -46,7 +46,7 @@ from ..errors import (
     SnapshotNotFound,
     StateConflict,
 )
-from . import container, criu, memfile
+from . import container, criu, imagefs, memfile
 from .agent_client import quiesced
 from .cgroups import Layout, WorkspaceCgroup
 from .records import WorkspaceRecord, WorkspaceState
@@ -56,7 +56,10 @@ KIND = "snapshot"
 MEM_VIEW = "/.bunshin/mem"
 MODES = ("cow", "copy")
 RESTORE_CONCURRENCY = 2
-_COMMON = ["--network-lock", "nftables", "--file-locks", "--tcp-established", "--link-remap"]
+# CRIU runs inside the workspace's network namespace (``criu.Placement``), so the
+# namespace itself is not dumped and no network lock is needed: every peer of a
+# socket inside is frozen along with it.
+_COMMON = ["--network-lock", "skip", "--file-locks", "--tcp-established", "--link-remap"]
 _TS = re.compile(r"^\((\d+\.\d+)\)")
 
 
@@ -140,7 +143,7 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool, mode: s
     )
     store.put_object(KIND, snap_id, snap.to_json())  # recorded first: a crash leaves it to gc
     try:
-        images.mkdir(parents=True)
+        imagefs.create(images)
         script = sdir / "freeze-upper.sh"
         script.write_text(
             "#!/bin/sh\n"
@@ -150,10 +153,12 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool, mode: s
         script.chmod(0o755)
         _check_space(cfg, rec)
         # Tasks are frozen with ptrace, not the v1 freezer cgroup: CRIU polls the
-        # freezer every 100 ms, which adds ~100 ms to every parent pause.
-        extra = [*_COMMON, "--manage-cgroups", "--action-script", str(script)]
+        # freezer every 100 ms, which adds ~100 ms to every parent pause. Cgroups
+        # are not dumped either: a restore runs criu inside the clone's own.
+        extra = [*_COMMON, "--manage-cgroups=ignore", "--action-script", str(script)]
+        inside = criu.Placement(netns=f"/proc/{rec.pid}/ns/net")
         with quiesced(Path(rec.root).parent):  # no host call may hold a connection into it
-            run = criu.dump(cfg.criu, rec.pid or 0, images, leave_running=True, extra=extra)
+            run = criu.dump(cfg.criu, rec.pid or 0, images, leave_running=True, extra=extra, placement=inside)
         if not layer.is_dir():
             raise BunshinError(f"the upper layer of {rec.id} was not frozen", hint="see the dump log")
         rewrite_ms, files, mem_bytes, layer_bytes = 0.0, (), 0, _du(layer)
@@ -292,14 +297,12 @@ def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout
             os.makedirs(d)
         container.mount_overlay(rec)
         WorkspaceCgroup.create(layout, cfg.cgroup_prefix + ws_id, memory=snap.memory_limit, pids=snap.pids_limit)
-        roots = []
-        for c, p in cg.dirs:
-            h = next(h for h in layout.hierarchies if c in h.controllers or layout.version == 2)
-            roots += ["--cgroup-root", f"{c}:/{p.relative_to(h.mountpoint)}" if layout.version == 1
-                      else f"/{p.relative_to(h.mountpoint)}"]
+        # criu starts inside the clone's cgroups and a fresh network namespace with
+        # lo up; the restored tasks inherit both.
+        into = criu.Placement(new_netns=True, cgroup_procs=tuple(str(p / "cgroup.procs") for p in cg.paths))
         run = criu.restore(
             cfg.criu, Path(snap.images), pidfile=wdir / "pid", root=Path(rec.root),
-            extra=[*_COMMON, "--manage-cgroups=soft", *roots],
+            extra=[*_COMMON, "--manage-cgroups=ignore"], placement=into,
         )
         assert run.pid is not None
         rec = rec.replace(state=WorkspaceState.RUNNING, pid=run.pid, owner_pid=None,
@@ -413,7 +416,7 @@ def _sweep_orphans(cfg: Config, store: Store) -> list[str]:
             freed.append(str(d))
     for d in image_dirs:
         if d.name not in ids:
-            shutil.rmtree(d, ignore_errors=True)
+            imagefs.remove_tree(d)
             freed.append(str(d))
     tags = ids | named | (all_layers - {Path(f).name for f in freed})
     for f in mem_files:
@@ -440,5 +443,5 @@ def _delete(cfg: Config, store: Store, snap: SnapshotRecord) -> None:
     for f in snap.memfiles:
         memfile.remove_memfile(Path(f))
     remove_layer(Path(snap.layer))
-    shutil.rmtree(Path(snap.images).parent, ignore_errors=True)
+    imagefs.remove_tree(Path(snap.images).parent)
     store.delete_object(KIND, snap.id)
