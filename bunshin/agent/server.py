@@ -39,7 +39,6 @@ class Agent:
     def __init__(self, run_dir: str) -> None:
         self.run_dir = run_dir
         self.started = time.monotonic()
-        self.identity: dict[str, Any] = {}
         self.reaper = Reaper()
         self.sessions = Sessions(self.reaper, os.path.join(run_dir, "sessions"))
         reaper = self.reaper
@@ -78,8 +77,18 @@ class Agent:
             "pid": os.getpid(),
             "version": VERSION,
             "uptime_s": time.monotonic() - self.started,
-            "identity": self.identity,
+            "identity": self.identity(),
         }
+
+    def identity(self) -> dict[str, Any]:
+        """Who this workspace is, from ``identity.json`` (the host writes it into a clone
+        before restoring it, so a fresh clone needs no call and touches no memory)."""
+        try:
+            with open(os.path.join(self.run_dir, "identity.json"), encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
 
     def identify(self, req: dict[str, Any]) -> dict[str, Any]:
         """Store the identity (after a fork: which clone this is) and publish it in files."""
@@ -93,7 +102,6 @@ class Agent:
             _write_atomic(fork_id_path, f"{identity['fork_id']}\n")
         elif os.path.lexists(fork_id_path):
             os.unlink(fork_id_path)
-        self.identity = identity
         return {}
 
 

@@ -23,7 +23,10 @@ size: ``r["bunshin"]["restore_ms_p50"]``, ``r["copy"]["restore_ms_p50"]``,
 ``r["cold"]["start_ms_p50"]``, ``r["bunshin"]["private_bytes_per_clone"]``,
 ``r["copy"]["private_bytes_per_clone"]``, ``r["bunshin"]["total_added_bytes"]``,
 ``r["copy"]["total_added_bytes"]``, ``r["parent_pause_ms"]`` (p50 over the cow
-forks); ``r["sizes"]`` holds every size, ``r["depth"]`` every level.
+forks; CRIU's own ``frozen_time``); ``r["bunshin"]["clones_added_bytes"]`` (the
+clones' cgroups, without the shared snapshot) and its share of the parent's
+cgroup, ``clones_added_share_of_parent``; ``r["sizes"]`` holds every size,
+``r["depth"]`` every level.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ def measure(parent: Workspace, n: int, mode: str, progress: Progress) -> dict[st
     """Fork ``parent`` n ways, measure, remove the clones."""
     task = progress.add_task(f"{mode} fork x{n}: settling", total=n + 3)
     used0 = settled_used_bytes()
+    parent_bytes = parent.stats().memory.cgroup_bytes
     progress.update(task, description=f"{mode} fork x{n}")
     t0 = time.perf_counter()
     clones = parent.fork(n, mode=mode)
@@ -126,6 +130,11 @@ def measure(parent: Workspace, n: int, mode: str, progress: Progress) -> dict[st
         "total_added_bytes_after_work": used2 - used0,
         # the same, added up from its parts (a cross-check that other activity on the host cannot skew)
         "accounted_bytes": snap.memfile_bytes + snap.image_bytes + sum(m.cgroup_bytes for m in stats0),
+        # what the clones themselves hold beyond the one shared snapshot: their cgroups (user
+        # memory, upper-layer files, and kernel memory: namespaces, tasks, page tables)
+        "clones_added_bytes": sum(m.cgroup_bytes for m in stats0),
+        "parent_bytes": parent_bytes,
+        "clones_added_share_of_parent": round(sum(m.cgroup_bytes for m in stats0) / max(parent_bytes, 1), 4),
     }
 
 
@@ -237,14 +246,15 @@ def print_report(r: dict[str, Any]) -> None:
             n = f"{m['clones']}" + (f" (of {size['clones']}: capped)" if m.get("capped") else "")
             rows.append((mode, n, m["restore_ms_p50"], m["restore_ms_p99"], m["parent_pause_ms"],
                          hb(m["private_bytes_per_clone"]), hb(m["private_bytes_per_clone_after_work"]),
-                         hb(m["total_added_bytes"]), hb(m["accounted_bytes"]), hb(m["memfile_bytes"])))
+                         hb(m["total_added_bytes"]), hb(m["accounted_bytes"]), hb(m["memfile_bytes"]),
+                         f"{hb(m['clones_added_bytes'])} ({m['clones_added_share_of_parent']:.0%})"))
     c = r["cold"]
-    rows.append(("cold start", c["starts"], c["start_ms_p50"], c["start_ms_p99"], "", "", "", "", "", ""))
+    rows.append(("cold start", c["starts"], c["start_ms_p50"], c["start_ms_p99"], "", "", "", "", "", "", ""))
     output.print_table(
         f"bunshin bench fork: {r['heap_mib']} MiB heap, {r['cpus']} CPUs, {hb(r['mem_total_bytes'])} RAM "
         f"(copy mode capped at {r['copy_cap']} clones: half the available memory)",
         ["MODE", "CLONES", "RESTORE P50 MS", "P99 MS", "PARENT PAUSE MS", "PRIVATE/CLONE",
-         f"AFTER {LIGHT_WORK_S:.0f} S", "SYSTEM ADDED", "ACCOUNTED", "MEMORY FILES"],
+         f"AFTER {LIGHT_WORK_S:.0f} S", "SYSTEM ADDED", "ACCOUNTED", "MEMORY FILES", "CLONES' CGROUPS (OF PARENT)"],
         rows,
     )
     output.print_table(

@@ -61,6 +61,7 @@ class AgentBundle:
 
     SOCKET = "/.bunshin/run/agent.sock"
     LOG = "/.bunshin/run/agent.log"
+    RUN_DIR = "/run/bunshin"  # the agent's default --run-dir: identity.json, fork-id
 
     @property
     def argv(self) -> list[str]:

@@ -51,6 +51,23 @@ def agent(rec: WorkspaceRecord) -> AgentClient:
     return AgentClient(socket_path(rec), lock_dir=Path(rec.root).parent)
 
 
+def publish_identity(rec: WorkspaceRecord, identity: dict) -> None:
+    """Write who the workspace is (``identity.json``, ``fork-id``) where its agent and
+    processes read it, through the mounted root: a clone gets it before it is
+    restored, without a call into its agent (a first call costs a Python agent
+    ~2 MiB of copy-on-write)."""
+    run_dir = Path(rec.root) / AgentBundle.RUN_DIR.lstrip("/")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    files = {"identity.json": json.dumps(identity) + "\n"}
+    if identity.get("fork_id") is not None:
+        files["fork-id"] = f"{identity['fork_id']}\n"
+    for name, text in files.items():
+        tmp = run_dir / f".{name}.tmp"
+        tmp.write_text(text, encoding="utf-8")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, run_dir / name)
+
+
 def validate_name(name: str | None) -> None:
     if name is not None and not _NAME.match(name):
         raise InvalidArgument(

@@ -49,6 +49,7 @@ from ..errors import (
 from . import container, criu, imagefs, memfile
 from .agent_client import quiesced
 from .cgroups import Layout, WorkspaceCgroup
+from .memfile import criu_images
 from .records import WorkspaceRecord, WorkspaceState
 from .store import Store
 
@@ -173,7 +174,7 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool, mode: s
             _link_memfiles(files, layer / MEM_VIEW.lstrip("/"))
             rewrite_ms, mem_bytes = result.duration_ms, result.data_bytes
         snap = dataclasses.replace(
-            snap, memfiles=files, dump_ms=run.duration_ms, pause_ms=_pause_ms(run.log) or run.duration_ms,
+            snap, memfiles=files, dump_ms=run.duration_ms, pause_ms=_pause_ms(images, run.log) or run.duration_ms,
             rewrite_ms=rewrite_ms, memfile_bytes=mem_bytes, image_bytes=_du(images), layer_bytes=layer_bytes,
             owner_pid=None if keep else snap.owner_pid,  # a fork's snapshot stays owned until `release`
         )
@@ -225,8 +226,12 @@ def _link_memfiles(files: Sequence[str], into: Path) -> None:
             os.link(f, into / Path(f).name)
 
 
-def _pause_ms(log: Path) -> float | None:
-    """Freeze-to-thaw time of the dumped tasks, from CRIU's timestamped log."""
+def _pause_ms(images: Path, log: Path) -> float | None:
+    """How long the dumped tasks were frozen: CRIU's own ``frozen_time`` (stats-dump),
+    else freeze-to-thaw from its timestamped log."""
+    with contextlib.suppress(OSError, BunshinError, KeyError, IndexError, TypeError, ValueError):
+        stats = criu_images.load(images / "stats-dump")["entries"][0]["dump"]
+        return round(int(stats["frozen_time"]) / 1000, 2)
     start = end = None
     try:
         for line in log.read_text(errors="replace").splitlines():
@@ -296,6 +301,8 @@ def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout
         for d in (rec.upper, rec.work, rec.root):
             os.makedirs(d)
         container.mount_overlay(rec)
+        container.publish_identity(rec, {"workspace_id": ws_id, "fork_id": ws_id, "parent": snap.source,
+                                         "snapshot": snap.id, "depth": snap.depth})
         WorkspaceCgroup.create(layout, cfg.cgroup_prefix + ws_id, memory=snap.memory_limit, pids=snap.pids_limit)
         # criu starts inside the clone's cgroups and a fresh network namespace with
         # lo up; the restored tasks inherit both.
@@ -303,14 +310,13 @@ def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout
         run = criu.restore(
             cfg.criu, Path(snap.images), pidfile=wdir / "pid", root=Path(rec.root),
             extra=[*_COMMON, "--manage-cgroups=ignore"], placement=into,
+            keep_log=False,  # written from inside the clone's cgroup: it would be charged to it
         )
         assert run.pid is not None
         rec = rec.replace(state=WorkspaceState.RUNNING, pid=run.pid, owner_pid=None,
                           pid_start=psutil.Process(run.pid).create_time(),
                           extra={"restore_ms": round(run.duration_ms, 2)})
         store.save_workspace(rec)
-        container.agent(rec).identify({"workspace_id": ws_id, "fork_id": ws_id, "parent": snap.source,
-                                       "snapshot": snap.id, "depth": snap.depth})
         return rec
     except BaseException:
         container.destroy(cfg, store, store.get_workspace(ws_id))

@@ -80,6 +80,30 @@ def test_only_loopback(ws):
     assert r.stdout.strip() == "ok"
 
 
+def test_tmp_run_dev_are_private_folders_of_the_upper(ws, tmp_path):
+    """No tmpfs inside (CRIU would tar each at every fork): /tmp, /run, /dev live in the upper."""
+    marker = Path("/tmp") / f"bunshin-host-{os.getpid()}"
+    marker.write_text("host")
+    try:
+        script = (
+            f"test ! -e {marker} && stat -c '%a' /tmp /dev/shm /run /dev && "
+            "echo hi > /dev/null && head -c 3 /dev/zero | od -An -tx1 && "
+            "echo x > /tmp/f && echo y > /dev/shm/g && "
+            "awk '$2 ~ \"^/(tmp|run|dev)(/shm)?$\" {print $2, $3}' /proc/mounts"
+        )
+        r = ws.exec(["sh", "-c", script])
+    finally:
+        marker.unlink()
+    assert r.exit_code == 0, r.stderr
+    lines = r.stdout.split("\n")
+    assert lines[:4] == ["1777", "1777", "755", "755"]
+    assert lines[4].split() == ["00", "00", "00"]
+    assert lines[5:] == [""]  # none of them is a mount
+    upper = Path(ws.record.upper)
+    assert (upper / "tmp" / "f").read_text() == "x\n" and (upper / "dev" / "shm" / "g").read_text() == "y\n"
+    assert "devpts" in ws.exec(["sh", "-c", "grep ' /dev/pts ' /proc/mounts"]).stdout
+
+
 def test_proc_sys_is_read_only(ws):
     r = ws.exec("echo 1 > /proc/sys/vm/drop_caches; echo rc=$?")
     assert "rc=0" not in r.stdout

@@ -153,8 +153,9 @@ def test_dump_and_restore_side_by_side(counters: Counters, criu_bin: Path, workd
 
     clones = []
     for i in range(2):
-        r = criu.restore(criu_bin, images, pidfile=workdir / f"clone{i}.pid")
-        assert r.pid is not None and r.log.exists() and r.log.parent == images
+        r = criu.restore(criu_bin, images, pidfile=workdir / f"clone{i}.pid", keep_log=i == 0)
+        assert r.pid is not None and r.log.parent == images
+        assert r.log.exists() == (i == 0)  # keep_log=False: a successful restore's log is deleted
         counters.pids.append(r.pid)
         clones.append(r.pid)
     assert len({pid, *clones}) == 3
@@ -196,3 +197,13 @@ def test_failures_carry_the_log_tail(criu_bin: Path, workdir: Path) -> None:
         criu.restore(criu_bin, empty, pidfile=workdir / "x.pid", log_name="restore.log")
     assert info.value.log_tail and info.value.details["action"] == "restore"
     assert (empty / "restore.log").exists()
+
+
+@pytest.mark.criu
+def test_placement_that_cannot_be_entered_is_a_clear_error(counters: Counters, criu_bin: Path, workdir: Path) -> None:
+    pid = counters.spawn()
+    away = criu.Placement(netns=str(workdir / "no-such-netns"))
+    with pytest.raises(CriuError) as info:
+        criu.dump(criu_bin, pid, workdir / "img", placement=away)
+    assert "could not enter its namespaces or cgroups" in str(info.value)
+    assert counters.value(pid) > 0  # never touched: the task keeps running

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import shutil
 import subprocess
 import threading
@@ -25,7 +26,7 @@ from bunshin.errors import (
     StateConflict,
     WorkspaceNotFound,
 )
-from bunshin.runtime import gc
+from bunshin.runtime import gc, imagefs
 from bunshin.runtime import snapshot as rsnap
 from bunshin.runtime.store import Store
 from bunshin.workspace import Session, Snapshot, Workspace
@@ -293,6 +294,32 @@ def test_fork_id_is_the_clone_id(family):
     assert ids == [c.id for c in clones] and len(set(ids)) == 3
     assert ws.exec(["test", "-e", "/run/bunshin/fork-id"]).exit_code == 1
     assert all(c.record.parent == ws.id for c in clones)
+
+
+def _mount_options(path: Path) -> str | None:
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[4] == str(path):
+                return fields[-1]  # the superblock options
+    return None
+
+
+def test_snapshot_images_on_a_huge_page_tmpfs_without_the_netns(family):
+    ws = family.create()
+    snap = ws.snapshot()
+    images = Path(snap.record.images)
+    assert "huge=within_size" in (_mount_options(images) or "")
+    assert not list(images.glob("netns-*.img"))  # criu ran inside the workspace's netns
+    assert (images / "stats-dump").exists() and 0 < snap.record.pause_ms < snap.record.dump_ms
+    (clone,) = snap.restore(1)
+    nets = {os.stat(f"/proc/{p}/ns/net").st_ino for p in (ws.record.pid, clone.record.pid, os.getpid())}
+    assert len(nets) == 3  # the clone has a network namespace of its own
+    probe = "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print('lo up')"
+    assert clone.exec(["python3", "-c", probe]).stdout == "lo up\n"
+    clone.remove()
+    snap.remove()
+    assert not images.exists() and not imagefs.mounts_under(images.parent, include_self=True)
 
 
 def test_clone_has_own_cgroup_and_limits(family):
@@ -565,12 +592,16 @@ def test_sweep_frees_what_a_dead_owner_left_and_gc_takes_strays(family):
         strays = [cfg.tmpfs / "layers" / "snap-stray", cfg.tmpfs / "snapshots" / "snap-stray"]
         for d in strays:
             d.mkdir(parents=True)
+        assert imagefs.create(strays[1] / "images")  # a crash between mount and record
         stray_mem = rsnap.mem_dir(cfg) / f"snap-stray-7{rsnap.memfile.SUFFIX}"
         stray_mem.write_bytes(b"x")
         report = gc.collect(cfg, store)
         assert sorted(report.snapshots) == sorted([crashed_fork.id, half_kept.id])
         assert {str(p) for p in [*strays, stray_mem]} <= set(report.files)
         assert not any(p.exists() for p in [*strays, stray_mem])
+        assert not imagefs.mounts_under(strays[1], include_self=True)
+        assert not Path(crashed_fork.images).exists() and not Path(half_kept.images).exists()
+        assert all(os.path.ismount(s.images) for s in (busy, kept))  # recorded: gc keeps their images
         assert {i for i, _ in store.list_objects(rsnap.KIND)} == {busy.id, kept.id}
         rsnap.release(store, busy)
         assert rsnap.sweep(cfg, store) == [busy.id]
