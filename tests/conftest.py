@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bunshin.config import Config
+from bunshin.config import DEFAULT_TMPFS, Config
+from bunshin.runtime import statefs
 from bunshin.runtime.cgroups import Layout
 from bunshin.runtime.store import Store
 
@@ -20,13 +22,23 @@ def cfg(tmp_path_factory: pytest.TempPathFactory) -> Config:
     """A bunshin config private to this test session (its own tmpfs folder and cgroup names)."""
     config = Config.for_home(tmp_path_factory.mktemp("bunshin-home"), criu=Config.from_env().criu)
     yield config
+    drop_state_tmpfs(config)
+
+
+def drop_state_tmpfs(config: Config) -> None:
+    """Unmount and delete a test config's tmpfs (bunshin's own tmpfs stays mounted while in use)."""
+    if not statefs.release(config) and os.path.ismount(config.tmpfs):
+        subprocess.run(["umount", "-l", str(config.tmpfs)], check=False)
     shutil.rmtree(config.tmpfs, ignore_errors=True)
 
 
+# bunshin's tmpfs itself (DEFAULT_TMPFS, or DEFAULT_TMPFS.<tag> of a private home) is
+# state, like the database: mounted on first use, it stays while its config is in use
+_STATE_TMPFS = re.compile(re.escape(str(DEFAULT_TMPFS)) + r"(\.[0-9a-f]{6})?")
+
+
 def _mounts_under(path: Path) -> list[str]:
-    prefix = os.path.realpath(path)
-    with open("/proc/self/mountinfo") as f:
-        return [ln.split()[4] for ln in f if ln.split()[4].startswith(prefix)]
+    return statefs.mounts_under(path)
 
 
 def _netns() -> list[str]:
@@ -86,7 +98,10 @@ def _machine_state() -> set[str]:
     """Every mount, cgroup folder and criu process on the machine that names bunshin."""
     found = set()
     with open("/proc/self/mountinfo") as f:
-        found.update(f"mount {ln.split()[4]}" for ln in f if "bunshin" in ln.lower())
+        found.update(
+            f"mount {ln.split()[4]}" for ln in f
+            if "bunshin" in ln.lower() and not _STATE_TMPFS.fullmatch(ln.split()[4])
+        )
     for root in Path("/sys/fs/cgroup").iterdir():
         for dirpath, dirnames, _ in os.walk(root):
             for d in list(dirnames):

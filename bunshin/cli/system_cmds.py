@@ -73,7 +73,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     cfg = Config.from_env()
     with Store.open(cfg.db_path) as store:
-        report = gc.collect(cfg, store)
+        report = gc.collect(cfg, store, release=True)
     if args.json:
         output.print_json(report)
     else:

@@ -22,6 +22,7 @@ import psutil
 
 from ..config import Config
 from ..errors import BunshinError, InvalidArgument, RuntimeFailure
+from . import statefs
 from . import syscalls as sc
 from .agent_bundle import AgentBundle
 from .agent_client import AgentClient
@@ -91,6 +92,7 @@ def create(
     mem_bytes = parse_size(memory)
     if pids is not None and pids < 8:
         raise InvalidArgument(f"pids limit {pids} is too small", hint="give at least 8 (the agent needs a few)")
+    statefs.ensure(cfg)
     lowers = lower_layers(cfg, image)
     bundle = AgentBundle.ensure(cfg.tmpfs / "layers")
     layout = Layout.discover()

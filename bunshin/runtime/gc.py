@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 
 from ..config import Config
-from . import agent_bundle, container, imagefs, snapshot
+from . import agent_bundle, container, snapshot, statefs
 from . import syscalls as sc
 from .cgroups import Layout, WorkspaceCgroup
 from .records import WorkspaceState
@@ -41,8 +41,9 @@ def _owner_alive(pid: int | None) -> bool:
     return pid is not None and psutil.pid_exists(pid)
 
 
-def collect(cfg: Config, store: Store, *, extra_owned: set[str] | None = None) -> GcReport:
-    """Remove stale records and everything not owned by a live record."""
+def collect(cfg: Config, store: Store, *, extra_owned: set[str] | None = None, release: bool = False) -> GcReport:
+    """Remove stale records and everything not owned by a live record; with ``release``,
+    also unmount bunshin's tmpfs if no workspace or snapshot is left."""
     report = GcReport()
     for rec in store.list_workspaces():
         stale = (
@@ -56,14 +57,9 @@ def collect(cfg: Config, store: Store, *, extra_owned: set[str] | None = None) -
     live = {r.id for r in store.list_workspaces()} | (extra_owned or set())
     ws_root = cfg.tmpfs / "workspaces"
 
-    # Mounts beneath our tmpfs folder (deepest first) that belong to no live workspace
-    # or recorded snapshot (whose images are a tmpfs of their own).
-    snaps_root = cfg.tmpfs / "snapshots"
-    recorded = {s.id for s in snapshot.list_all(store)}
-    for target in sorted(imagefs.mounts_under(cfg.tmpfs), key=len, reverse=True):
+    # Mounts beneath our tmpfs folder (deepest first) that belong to no live workspace.
+    for target in sorted(statefs.mounts_under(cfg.tmpfs), key=len, reverse=True):
         path = Path(target)
-        if path.is_relative_to(snaps_root) and path.relative_to(snaps_root).parts[0] in recorded:
-            continue
         rel = path.relative_to(ws_root) if path.is_relative_to(ws_root) else None
         if rel is None or rel.parts[0] not in live:
             sc.umount(target, sc.MNT_DETACH)
@@ -102,6 +98,9 @@ def collect(cfg: Config, store: Store, *, extra_owned: set[str] | None = None) -
     # Snapshots nothing holds (their forker died) and snapshot files no record names.
     for item in snapshot.sweep(cfg, store):
         (report.files if "/" in item else report.snapshots).append(item)
+    idle = not store.list_workspaces() and not snapshot.list_all(store)
+    if release and idle and statefs.release(cfg):
+        report.mounts.append(str(cfg.tmpfs))
     return report
 
 

@@ -46,7 +46,7 @@ from ..errors import (
     SnapshotNotFound,
     StateConflict,
 )
-from . import container, criu, imagefs, memfile
+from . import container, criu, memfile, statefs
 from .agent_client import quiesced
 from .cgroups import Layout, WorkspaceCgroup
 from .memfile import criu_images
@@ -144,7 +144,7 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool, mode: s
     )
     store.put_object(KIND, snap_id, snap.to_json())  # recorded first: a crash leaves it to gc
     try:
-        imagefs.create(images)
+        images.mkdir(parents=True)
         script = sdir / "freeze-upper.sh"
         script.write_text(
             "#!/bin/sh\n"
@@ -169,6 +169,7 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool, mode: s
                 # [heap] too: Python (the agent, most tools) keeps most objects there; left
                 # anonymous a Python clone owns ~85 MiB instead of ~2 MiB. glibc stays correct.
                 convert_heap=True,
+                huge_pages=statefs.HUGE in (statefs.options(cfg.tmpfs) or ""),
             )
             files = tuple(str(f.path) for f in result.files)
             _link_memfiles(files, layer / MEM_VIEW.lstrip("/"))
@@ -422,7 +423,7 @@ def _sweep_orphans(cfg: Config, store: Store) -> list[str]:
             freed.append(str(d))
     for d in image_dirs:
         if d.name not in ids:
-            imagefs.remove_tree(d)
+            shutil.rmtree(d, ignore_errors=True)
             freed.append(str(d))
     tags = ids | named | (all_layers - {Path(f).name for f in freed})
     for f in mem_files:
@@ -449,5 +450,5 @@ def _delete(cfg: Config, store: Store, snap: SnapshotRecord) -> None:
     for f in snap.memfiles:
         memfile.remove_memfile(Path(f))
     remove_layer(Path(snap.layer))
-    imagefs.remove_tree(Path(snap.images).parent)
+    shutil.rmtree(Path(snap.images).parent, ignore_errors=True)
     store.delete_object(KIND, snap.id)

@@ -32,7 +32,7 @@ from typing import Any
 
 from ..config import Config
 from ..errors import ImageNotFound, InvalidArgument, RuntimeFailure, SnapshotNotFound
-from . import images, memfile
+from . import images, memfile, statefs
 from . import snapshot as rsnap
 from .store import Store
 
@@ -146,6 +146,7 @@ def load(cfg: Config, store: Store, src: Path) -> rsnap.SnapshotRecord:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else None
         raise InvalidArgument(f"{src} is in format {found!r}, not {FORMAT!r}")
+    statefs.ensure(cfg)
     try:
         saved = rsnap.SnapshotRecord.from_json(json.dumps(manifest["record"]))
         names = [str(e["name"]) for e in manifest["layers"] if e["role"] != "base"]

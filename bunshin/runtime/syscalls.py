@@ -46,6 +46,16 @@ def setns(fd: int, nstype: int = 0) -> None:
     _check(_libc.setns(ctypes.c_int(fd), ctypes.c_int(nstype)), "setns")
 
 
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Free [offset, offset + length) of a file, which then reads as zeros; its size stays."""
+    _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    _check(_libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length), "fallocate")
+
+
 def mount(source: str, target: str, fstype: str | None, flags: int = 0, data: str | None = None) -> None:
     _check(
         _libc.mount(

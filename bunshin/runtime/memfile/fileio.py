@@ -97,6 +97,43 @@ def copy_range(src: int, src_off: int, dst: int, dst_off: int, n: int) -> None:
         src_off, n = src_off + done, n - done
 
 
+HUGE = 2 << 20
+DENSE = 0.5  # share of non-zero pages a 2 MiB region needs to be written as one huge page
+
+
+def copy_in_huge_regions(src: int, dst: int, size: int, *, dense: float = DENSE) -> int:
+    """Copy the data of ``src`` into the empty ``dst`` region by region, in file order.
+
+    On a ``huge=within_size`` tmpfs a write that covers a whole 2 MiB region gets a
+    huge page, which clones map with one page-table entry instead of 512; a write
+    into a region beyond the file's current size gets small pages. So a region with
+    at least ``dense`` non-zero pages is written whole (its zero pages then take
+    memory), a sparser one page run by page run (its zero pages stay holes).
+    Returns the number of regions written as huge pages.
+    """
+    regions = sorted({r for off, n in data_extents(src, 0, size)
+                      for r in range(off // HUGE, (off + n - 1) // HUGE + 1)})
+    buf = bytearray(HUGE)
+    view = memoryview(buf)
+    starts = buf.startswith
+    huge = 0
+    try:
+        for region in regions:
+            start = region * HUGE
+            length = min(HUGE, size - start)
+            if os.preadv(src, [view[:length]], start) != length:
+                raise RuntimeFailure("a memory file ended early while it was copied")
+            nonzero = sum(not starts(_ZERO_PAGE, p, p + PAGE) for p in range(0, length, PAGE))
+            if length == HUGE and nonzero * PAGE >= dense * HUGE:
+                _pwrite_all(dst, view, start)
+                huge += 1
+            else:
+                _write_nonzero(buf, view, length, dst, start)
+    finally:
+        view.release()
+    return huge
+
+
 def data_extents(fd: int, start: int, end: int) -> Iterator[tuple[int, int]]:
     """The (offset, length) ranges of [start, end) that hold data (SEEK_DATA/SEEK_HOLE)."""
     pos = start
