@@ -52,6 +52,21 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # a foreign error that escaped translation: still no traceback
         output.print_error(BunshinError(f"{e}", hint="run `bunshin doctor` to check the host"))
         return 1
+    finally:
+        if getattr(args, "release_tmpfs", False):
+            release_idle_tmpfs()
+
+
+def release_idle_tmpfs() -> None:
+    """After a self-contained job (bench, demo, rollout): unmount bunshin's tmpfs if
+    nothing of it is left in use, so the job leaves the machine as it found it."""
+    from ..config import Config
+    from ..runtime import statefs
+
+    try:
+        statefs.release(Config.from_env())
+    except (OSError, BunshinError):
+        pass  # best effort: `bunshin gc` does the same
 
 
 def parse_env(pairs: list[str] | None) -> dict[str, str]:

@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int)
     p.add_argument("--request-timeout", type=float, default=120.0)
     p.add_argument("--json", action="store_true", help="print a JSON summary")
-    p.set_defaults(func=cmd_rollout)
+    p.set_defaults(func=cmd_rollout, release_tmpfs=True)
 
 
 def make_policy(args: argparse.Namespace) -> Any:

@@ -26,20 +26,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     b = bsub.add_parser("runtime", help="create latency, exec round trip, idle memory")
     b.add_argument("-n", type=int, default=20, help="workspaces (default 20)")
     b.add_argument("--json", action="store_true")
-    b.set_defaults(func=cmd_bench_runtime)
+    b.set_defaults(func=cmd_bench_runtime, release_tmpfs=True)
     b = bsub.add_parser("cache", help="tool prefix cache and speculation on a real coding task")
     b.add_argument("--quick", action="store_true", help="2 iterations, shorter think times (a few minutes)")
     b.add_argument("--group", type=int, default=8, help="trajectories per group (default 8)")
     b.add_argument("--iterations", type=int, default=None, help="training iterations (default 3, quick 2)")
     b.add_argument("--json", action="store_true")
-    b.set_defaults(func=cmd_bench_cache)
+    b.set_defaults(func=cmd_bench_cache, release_tmpfs=True)
     b = bsub.add_parser("fork", help="live fork vs plain CRIU restore vs cold start: latency and memory")
     b.add_argument("--sizes", default=None, help="clone counts, comma-separated (default 1,8,32,64)")
     b.add_argument("--heap-mib", type=int, default=None, help="heap of the forked process (default 256)")
     b.add_argument("--depth", type=int, default=8, help="forks of forks down to this depth (default 8)")
     b.add_argument("--quick", action="store_true", help="CI-sized: sizes 1,8, heap 64 MiB, 2 cold starts")
     b.add_argument("--json", action="store_true")
-    b.set_defaults(func=cmd_bench_fork)
+    b.set_defaults(func=cmd_bench_fork, release_tmpfs=True)
 
     b = bsub.add_parser("rollout", help="rollouts in every mode side by side: memory, latency, rewards "
                         "(full: ~30 min; --quick: ~4 min)")
@@ -51,12 +51,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--think-scale", type=float, help="multiply recorded think times (default 1, quick 0.5)")
     b.add_argument("--groups", help="comma-separated group sizes (default 8,32; quick 8)")
     b.add_argument("--tasks", type=int, help="tasks per workload (default 3; quick 2)")
-    b.set_defaults(func=cmd_bench_rollout)
+    b.set_defaults(func=cmd_bench_rollout, release_tmpfs=True)
 
     p = sub.add_parser("demo", help="the main job: rollouts in baseline, copy and bunshin mode, side by side")
     p.add_argument("--json", action="store_true")
     p.add_argument("--report", metavar="DIR", help="also write a markdown report and PNG plots here")
-    p.set_defaults(func=cmd_demo)
+    p.set_defaults(func=cmd_demo, release_tmpfs=True)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

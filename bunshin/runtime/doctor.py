@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Config
-from . import criu
+from . import criu, statefs
 from .cgroups import Layout
 
 MIN_CRIU = (4, 2)
@@ -77,6 +77,21 @@ def _tmpfs(cfg: Config):
     )
 
 
+def _huge_pages(cfg: Config):
+    """bunshin's tmpfs has (or will get) transparent huge pages: a short fork pause."""
+    opts = statefs.options(cfg.tmpfs)
+    if opts is not None:
+        ok = statefs.HUGE in opts
+        detail = f"{cfg.tmpfs} mounted with {opts}"
+    elif cfg.tmpfs.is_dir() and any(cfg.tmpfs.iterdir()):
+        ok, detail = False, f"{cfg.tmpfs} is a non-empty folder: used as it is, without huge pages"
+    else:
+        return True, f"{cfg.tmpfs} gets its own tmpfs with {statefs.HUGE} on first use", None
+    fix = ("with nothing running, `bunshin gc` then remove the folder (it is remounted on next use), "
+           "or point BUNSHIN_TMPFS at a new path")
+    return ok, detail, None if ok else fix
+
+
 def _fstype(path: Path) -> str:
     best, fstype = "", "?"
     real = os.path.realpath(path)
@@ -117,6 +132,7 @@ def run_checks(cfg: Config) -> list[Check]:
         _check("namespaces", _namespaces),
         _check("cgroups", _cgroups),
         _check("tmpfs", lambda: _tmpfs(cfg)),
+        _check("huge pages", lambda: _huge_pages(cfg), required=False),
         _check("criu", lambda: _criu(cfg), required=False),
         _check("pycriu", _pycriu, required=False),
     ]

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.integration
 
 
 def bunshin(cfg, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "BUNSHIN_HOME": str(cfg.home), "BUNSHIN_CRIU": str(cfg.criu)}
+    env = {**os.environ, "BUNSHIN_HOME": str(cfg.home), "BUNSHIN_CRIU": str(cfg.criu), "BUNSHIN_TMPFS": str(cfg.tmpfs)}
     proc = subprocess.run([sys.executable, "-m", "bunshin.cli.main", *args], capture_output=True, text=True,
                           env=env, timeout=timeout)
     if check and proc.returncode != 0:
@@ -116,8 +116,20 @@ def test_doctor(no_leaks):
     data = json.loads(r.stdout)
     assert data["ok"] is True
     names = {c["name"]: c for c in data["checks"]}
-    assert {"root", "kernel", "overlayfs", "namespaces", "cgroups", "tmpfs", "criu", "pycriu"} <= names.keys()
+    assert {"root", "kernel", "overlayfs", "namespaces", "cgroups", "tmpfs", "huge pages", "criu",
+            "pycriu"} <= names.keys()
     assert names["criu"]["ok"], names["criu"]
+    assert names["huge pages"]["ok"], names["huge pages"]  # this machine's kernel has shmem THP
+
+
+def test_doctor_reports_a_folder_without_huge_pages(no_leaks, tmp_path):
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    (folder / "somebody's file").write_text("x")
+    env_cfg = type(no_leaks)(home=no_leaks.home, tmpfs=folder, criu=no_leaks.criu, cgroup_prefix=no_leaks.cgroup_prefix)
+    r = bunshin(env_cfg, "doctor", "--json", check=False)  # exits 1: the folder is not on a tmpfs either
+    huge = next(c for c in json.loads(r.stdout)["checks"] if c["name"] == "huge pages")
+    assert huge["ok"] is False and "non-empty folder" in huge["detail"] and "BUNSHIN_TMPFS" in huge["fix"]
 
 
 def test_doctor_reports_missing_criu(no_leaks):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from bunshin.errors import RuntimeFailure
 
+from ..syscalls import punch_hole
 from .criu_images import PAGE, SUFFIX
 
 _FS_IOC_GETFLAGS, _FS_IOC_SETFLAGS, _FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10
@@ -108,8 +109,9 @@ def copy_in_huge_regions(src: int, dst: int, size: int, *, dense: float = DENSE)
     huge page, which clones map with one page-table entry instead of 512; a write
     into a region beyond the file's current size gets small pages. So a region with
     at least ``dense`` non-zero pages is written whole (its zero pages then take
-    memory), a sparser one page run by page run (its zero pages stay holes).
-    Returns the number of regions written as huge pages.
+    memory), a sparser one page run by page run (its zero pages stay holes). Each
+    region copied is punched out of ``src`` (a staging file), so the copy never holds
+    more than 2 MiB twice. Returns the number of regions written as huge pages.
     """
     regions = sorted({r for off, n in data_extents(src, 0, size)
                       for r in range(off // HUGE, (off + n - 1) // HUGE + 1)})
@@ -129,6 +131,7 @@ def copy_in_huge_regions(src: int, dst: int, size: int, *, dense: float = DENSE)
                 huge += 1
             else:
                 _write_nonzero(buf, view, length, dst, start)
+            punch_hole(src, start, length)
     finally:
         view.release()
     return huge
