@@ -11,6 +11,7 @@ from typing import Any
 
 from bunshin.errors import InvalidArgument, NotForkable
 
+from ..syscalls import punch_hole
 from .criu_images import (
     MAP_ANONYMOUS,
     PAGE,
@@ -167,9 +168,11 @@ def _execute(
     mem_fd = os.open(memfile_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     created.append(memfile_path)
     # on a huge-page tmpfs the data is first gathered in a small-page memfd, then
-    # copied in file order so that only dense 2 MiB regions become huge pages
+    # copied in file order so that only dense 2 MiB regions become huge pages; the
+    # dumped pages are punched out of the image as they move, and the memfd as it is
+    # copied, so the rewrite never holds much more than one copy of the data
     out_mem = os.memfd_create("bunshin-memfile", os.MFD_CLOEXEC) if huge_pages else mem_fd
-    src_fd = os.open(proc.pages_path, os.O_RDONLY | os.O_CLOEXEC)
+    src_fd = os.open(proc.pages_path, (os.O_RDWR if huge_pages else os.O_RDONLY) | os.O_CLOEXEC)
     tmp_pages = proc.pages_path.with_name(proc.pages_path.name + ".rewrite")
     out_fd = os.open(tmp_pages, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     created.append(tmp_pages)
@@ -185,6 +188,8 @@ def _execute(
                 slot = offsets[p.vma] + p.start - num(proc.vmas[p.vma]["start"])  # type: ignore[index]
                 totals.zero += n - write_data(src_fd, p.src, out_mem, slot, n)
                 totals.moved += n
+                if huge_pages:
+                    punch_hole(src_fd, p.src, n)
                 continue
             if p.src is not None:
                 copy_range(src_fd, p.src, out_fd, out_off, n)
@@ -259,7 +264,9 @@ def rewrite_images(
     random). ``split_chunks``: give each glibc mmapped chunk its own slot.
     ``file_maps``: convert written private file mappings too. ``huge_pages``:
     ``memfile_dir`` is on a ``huge=within_size`` tmpfs; write the dense 2 MiB
-    regions of each file so that they get huge pages (``fileio.hugify``). On failure the
+    regions of each file so that they get huge pages (``fileio.copy_in_huge_regions``);
+    the dumped pages are then consumed from the images as they move, so a failure
+    after the first write leaves a dump to throw away. Otherwise, on failure the
     images are left unchanged and no new file is left behind.
     """
     t0 = time.monotonic()
