@@ -27,18 +27,20 @@ def cfg(tmp_path_factory: pytest.TempPathFactory) -> Config:
 
 def drop_state_tmpfs(config: Config) -> None:
     """Unmount and delete a test config's tmpfs (bunshin's own tmpfs stays mounted while in use)."""
-    if not statefs.release(config) and os.path.ismount(config.tmpfs):
-        subprocess.run(["umount", "-l", str(config.tmpfs)], check=False)
+    if not statefs.release(config):
+        for mount in sorted(statefs.own_mounts(config), key=len, reverse=True):
+            if os.path.ismount(mount):
+                subprocess.run(["umount", "-l", mount], check=False)
     shutil.rmtree(config.tmpfs, ignore_errors=True)
 
 
 # bunshin's tmpfs itself (DEFAULT_TMPFS, or DEFAULT_TMPFS.<tag> of a private home) is
 # state, like the database: mounted on first use, it stays while its config is in use
-_STATE_TMPFS = re.compile(re.escape(str(DEFAULT_TMPFS)) + r"(\.[0-9a-f]{6})?")
+_STATE_TMPFS = re.compile(re.escape(str(DEFAULT_TMPFS)) + r"(\.[0-9a-f]{6})?(/snapshots)?")
 
 
-def _mounts_under(path: Path) -> list[str]:
-    return statefs.mounts_under(path)
+def _mounts_under(config: Config) -> list[str]:
+    return sorted(set(statefs.mounts_under(config.tmpfs)) - statefs.own_mounts(config))
 
 
 def _netns() -> list[str]:
@@ -53,7 +55,7 @@ def leftovers(config: Config) -> dict[str, list]:
     out: dict[str, list] = {}
     with Store.open(config.db_path) as store:
         out["records"] = [r.id for r in store.list_workspaces()]
-    out["mounts"] = _mounts_under(config.tmpfs)
+    out["mounts"] = _mounts_under(config)
     out["cgroups"] = [str(p) for p in Layout.discover().find(config.cgroup_prefix)]
     ws_dir = config.tmpfs / "workspaces"
     out["folders"] = sorted(p.name for p in ws_dir.iterdir()) if ws_dir.is_dir() else []

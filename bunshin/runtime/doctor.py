@@ -78,15 +78,15 @@ def _tmpfs(cfg: Config):
 
 
 def _huge_pages(cfg: Config):
-    """bunshin's tmpfs has (or will get) transparent huge pages: a short fork pause."""
-    opts = statefs.options(cfg.tmpfs)
+    """bunshin's tmpfs has (or will get) huge pages: short fork pauses, small page tables."""
+    opts, images = statefs.options(cfg.tmpfs), statefs.options(statefs.images_root(cfg))
     if opts is not None:
-        ok = statefs.HUGE in opts
-        detail = f"{cfg.tmpfs} mounted with {opts}"
+        ok = statefs.ADVISE in opts and statefs.WITHIN_SIZE in (images or "")
+        detail = f"{cfg.tmpfs}: {opts}; images: {images or 'not a mount'}"
     elif cfg.tmpfs.is_dir() and any(cfg.tmpfs.iterdir()):
         ok, detail = False, f"{cfg.tmpfs} is a non-empty folder: used as it is, without huge pages"
     else:
-        return True, f"{cfg.tmpfs} gets its own tmpfs with {statefs.HUGE} on first use", None
+        return True, f"{cfg.tmpfs} gets its own tmpfs ({statefs.ADVISE}, images {statefs.WITHIN_SIZE}) on first use", None
     fix = ("with nothing running, `bunshin gc` then remove the folder (it is remounted on next use), "
            "or point BUNSHIN_TMPFS at a new path")
     return ok, detail, None if ok else fix

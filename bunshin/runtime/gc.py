@@ -57,8 +57,9 @@ def collect(cfg: Config, store: Store, *, extra_owned: set[str] | None = None, r
     live = {r.id for r in store.list_workspaces()} | (extra_owned or set())
     ws_root = cfg.tmpfs / "workspaces"
 
-    # Mounts beneath our tmpfs folder (deepest first) that belong to no live workspace.
-    for target in sorted(statefs.mounts_under(cfg.tmpfs), key=len, reverse=True):
+    # Mounts beneath our tmpfs folder (deepest first) that belong to no live workspace
+    # (bunshin's own images tmpfs aside).
+    for target in sorted(set(statefs.mounts_under(cfg.tmpfs)) - statefs.own_mounts(cfg), key=len, reverse=True):
         path = Path(target)
         rel = path.relative_to(ws_root) if path.is_relative_to(ws_root) else None
         if rel is None or rel.parts[0] not in live:

@@ -1,17 +1,21 @@
-"""bunshin's tmpfs: one mount at ``Config.tmpfs`` holding every layer, upper,
-snapshot image and memory file, with transparent huge pages for files large
-enough to fill them (``huge=within_size``; small files keep small pages).
+"""bunshin's tmpfs: where everything bunshin keeps in memory lives (layers, uppers,
+snapshot images, memory files), mounted at ``Config.tmpfs`` on first use.
 
-Huge pages matter twice for a fork. CRIU writes a dump's memory pages into the
-images while the workspace is frozen: in 2 MiB page-cache units that copy is
-about 3x faster (256 MiB: ~37 ms instead of ~105 ms), and it is most of the
-parent's pause. And a memory file made of huge pages is mapped by clones with
-one page-table entry per 2 MiB (``ShmemPmdMapped``) instead of 512: a clone that
-reads its whole 256 MiB heap holds ~4 KiB of page tables for it, not ~520 KiB.
+Two mounts, for huge pages where they pay and nowhere else:
 
-Mounted on first use when the folder is missing or empty (an existing, non-empty
-folder is used as it is, without huge pages); unmounted by ``release`` once
-nothing of bunshin's is left in it but caches.
+- ``Config.tmpfs`` itself, ``huge=advise``: files get huge pages only where bunshin
+  asks for them (the dense 2 MiB regions of memory files, see
+  ``memfile.fileio.make_dense_regions_huge``). A clone maps those with one
+  page-table entry per 2 MiB: reading all of a 256 MiB heap costs it ~4 KiB of page
+  tables instead of ~520 KiB. Everything else keeps small pages and the usual 4 KiB
+  ``st_blksize`` (on an always-huge tmpfs it is 2 MiB, and stdio and Python then
+  give every open file a 2 MiB buffer).
+- ``snapshots/`` beneath it, ``huge=within_size``: CRIU's images only. CRIU writes a
+  dump's pages there while the workspace is frozen; in 2 MiB page-cache units that
+  copy is ~3x faster (256 MiB: ~37 ms instead of ~105 ms), most of the pause.
+
+An existing, non-empty folder at ``Config.tmpfs`` is used as it is (no mounts, no
+huge pages). ``release`` unmounts both once nothing but caches is left.
 """
 
 from __future__ import annotations
@@ -24,27 +28,40 @@ from ..config import Config
 from . import syscalls as sc
 
 SOURCE = "bunshin"
-HUGE = "huge=within_size"
+ADVISE = "huge=advise"
+WITHIN_SIZE = "huge=within_size"
+_FLAGS = sc.MS_NOSUID | sc.MS_NODEV
 _IN_USE = ("workspaces", "snapshots")  # folders whose entries mean "in use"
 
 
-def ensure(cfg: Config) -> bool:
-    """Mount bunshin's tmpfs at ``cfg.tmpfs`` if it is not there; True if it has huge pages."""
+def images_root(cfg: Config) -> Path:
+    return cfg.tmpfs / "snapshots"
+
+
+def own_mounts(cfg: Config) -> set[str]:
+    """The mount points that are bunshin's tmpfs itself (not workspace mounts)."""
+    return {os.path.realpath(cfg.tmpfs), os.path.realpath(images_root(cfg))}
+
+
+def ensure(cfg: Config) -> None:
+    """Mount bunshin's tmpfs (and its images tmpfs) where they are missing."""
     path = cfg.tmpfs
-    if os.path.ismount(path):
-        return HUGE in (options(path) or "")
-    if path.is_dir() and any(path.iterdir()):
-        return False  # someone's files already: use the folder as it is
-    path.mkdir(parents=True, exist_ok=True)
-    st = os.statvfs(path.parent)
-    size = f"size={st.f_blocks * st.f_frsize}"  # as large as the tmpfs it replaces
-    for opts in (f"mode=0755,{size},{HUGE}", f"mode=0755,{size}"):  # no shmem THP: plain tmpfs
-        try:
-            sc.mount(SOURCE, str(path), "tmpfs", sc.MS_NOSUID | sc.MS_NODEV, opts)
-            return HUGE in opts
-        except OSError:
-            continue
-    return False
+    if not os.path.ismount(path):
+        if path.is_dir() and any(path.iterdir()):
+            return  # someone's files already: use the folder as it is
+        path.mkdir(parents=True, exist_ok=True)
+        if not _mount(path, ADVISE, size=_size(path.parent)):
+            return
+    images = images_root(cfg)
+    if options(path) is not None and not os.path.ismount(images):
+        images.mkdir(exist_ok=True)
+        if not any(images.iterdir()):
+            _mount(images, WITHIN_SIZE, size=_size(path))
+
+
+def huge_memfiles(cfg: Config) -> bool:
+    """Whether memory files under ``cfg.tmpfs`` can be given huge pages on request."""
+    return ADVISE in (options(cfg.tmpfs) or "")
 
 
 def release(cfg: Config) -> bool:
@@ -53,11 +70,15 @@ def release(cfg: Config) -> bool:
     What it still holds are caches (the agent and mask layers), rebuilt on next use.
     """
     path = cfg.tmpfs
-    if not os.path.ismount(path) or options(path) is None or mounts_under(path):
+    if options(path) is None:
         return False
+    if set(mounts_under(path)) - own_mounts(cfg):
+        return False  # a workspace's overlay is still mounted
     if any(any((path / d).iterdir()) for d in _IN_USE if (path / d).is_dir()):
         return False
     try:
+        if os.path.ismount(images_root(cfg)):
+            sc.umount(str(images_root(cfg)))
         sc.umount(str(path))
     except OSError:
         return False  # busy: something still has a file open in it
@@ -82,3 +103,18 @@ def mounts_under(folder: Path) -> list[str]:
     base = os.path.realpath(folder) + "/"
     with open("/proc/self/mountinfo") as f:
         return [t for t in (line.split()[4] for line in f) if t.startswith(base)]
+
+
+def _size(fs: Path) -> int:
+    st = os.statvfs(fs)
+    return st.f_blocks * st.f_frsize  # as large as the tmpfs it sits on
+
+
+def _mount(path: Path, huge: str, *, size: int) -> bool:
+    for opts in (f"mode=0755,size={size},{huge}", f"mode=0755,size={size}"):  # no shmem THP: plain
+        try:
+            sc.mount(SOURCE, str(path), "tmpfs", _FLAGS, opts)
+            return True
+        except OSError:
+            continue
+    return False

@@ -1,9 +1,12 @@
-"""bunshin's tmpfs: mounted on first use with huge pages, released when idle, never over files."""
+"""bunshin's tmpfs: mounted on first use (huge pages on request, images always), released when idle,
+never over files; dense memory-file regions made huge pages."""
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -24,11 +27,18 @@ def home(tmp_path) -> Iterator[Config]:
 
 
 def test_mounted_on_first_use_with_huge_pages_and_released_when_idle(home):
-    assert statefs.ensure(home) is True
-    assert os.path.ismount(home.tmpfs) and statefs.HUGE in statefs.options(home.tmpfs)
-    assert statefs.ensure(home) is True  # idempotent: no second mount on top
+    statefs.ensure(home)
+    images = statefs.images_root(home)
+    assert statefs.ADVISE in statefs.options(home.tmpfs) and statefs.WITHIN_SIZE in statefs.options(images)
+    assert statefs.huge_memfiles(home)
+    # only what asks for huge pages gets them: files keep the usual 4 KiB I/O size
+    (home.tmpfs / "f").write_bytes(b"x" * (4 << 20))
+    assert os.stat(home.tmpfs / "f").st_blksize == 4096
+    (home.tmpfs / "f").unlink()
+    statefs.ensure(home)  # idempotent: no second mount on top
     with open("/proc/self/mountinfo") as f:
-        assert sum(line.split()[4] == str(home.tmpfs) for line in f) == 1
+        targets = [line.split()[4] for line in f]
+    assert targets.count(str(home.tmpfs)) == 1 and targets.count(str(images)) == 1
     (home.tmpfs / "layers" / "agent-x").mkdir(parents=True)  # caches do not hold it
     assert statefs.release(home) is True
     assert not home.tmpfs.exists()
@@ -46,35 +56,35 @@ def test_not_released_while_a_workspace_or_snapshot_is_in_it(home):
 def test_never_mounted_over_existing_files(home):
     home.tmpfs.mkdir(parents=True)
     (home.tmpfs / "someone's file").write_text("x")
-    assert statefs.ensure(home) is False
+    statefs.ensure(home)
     assert not os.path.ismount(home.tmpfs) and (home.tmpfs / "someone's file").read_text() == "x"
+    assert not statefs.huge_memfiles(home)
     assert statefs.release(home) is False  # not a mount: nothing to release
 
 
 def test_dense_regions_of_a_memory_file_become_huge_pages(home):
-    """Copied in file order, a dense 2 MiB region is one huge page; a sparse one keeps holes."""
-    assert statefs.ensure(home)
+    """A region at least half data becomes one huge page (clones map it with a PMD); a sparse one keeps holes."""
+    statefs.ensure(home)
     page, huge = 4096, 2 << 20
-    src = os.memfd_create("src")
-    dst_path = home.tmpfs / "memfile"
-    dst = os.open(dst_path, os.O_RDWR | os.O_CREAT, 0o600)
+    path = home.tmpfs / "memfile"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        os.pwrite(src, b"\x01" * huge, 0)  # region 0: all data
-        os.pwrite(src, b"\x02" * page, huge + 5 * page)  # region 1: one page
-        os.pwrite(src, b"\x03" * (huge // 2 + page), 3 * huge)  # region 3: just over half
+        os.pwrite(fd, b"\x01" * huge, 0)  # region 0: all data
+        os.pwrite(fd, b"\x02" * page, huge + 5 * page)  # region 1: one page
+        os.pwrite(fd, b"\x03" * (huge // 2 + page), 3 * huge)  # region 3: just over half
         size = 4 * huge
-        os.ftruncate(src, size)
-        expected = os.pread(src, size, 0)
-        assert fileio.copy_in_huge_regions(src, dst, size) == 2
-        os.ftruncate(dst, size)
-        assert os.pread(dst, 4 * huge, 0) == expected
-        assert not list(fileio.data_extents(src, 0, size))  # the staging file was emptied as it went
-        # regions 0 and 3 whole (huge pages, zeros included); region 1 its page in a small
-        # folio (the kernel may round it up to a few pages that fit the file size then)
-        sparse = sum(n for _, n in fileio.data_extents(dst, huge, 3 * huge))
-        assert page <= sparse <= 16 * page
-        assert os.fstat(dst).st_blocks * 512 == 2 * huge + sparse
+        os.ftruncate(fd, size)
+        expected = os.pread(fd, size, 0)
+        assert fileio.make_dense_regions_huge(fd, size) == 2
+        assert os.pread(fd, size, 0) == expected
+        # regions 0 and 3 whole (their zero pages included), region 1 its single page
+        assert os.fstat(fd).st_blocks * 512 == 2 * huge + page
+        assert list(fileio.data_extents(fd, huge, 3 * huge)) == [(huge + 5 * page, page)]
+        with mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ) as m:
+            assert sum(m[i] for i in range(0, size, page)) > 0  # fault every page in
+            rollup = Path("/proc/self/smaps_rollup").read_text()
+        pmd = int(next(ln for ln in rollup.splitlines() if ln.startswith("ShmemPmdMapped:")).split()[1])
+        assert pmd >= 2 * (huge >> 10)  # KiB: both huge regions mapped 2 MiB at a time
     finally:
-        os.close(src)
-        os.close(dst)
-        dst_path.unlink()
+        os.close(fd)
+        path.unlink()

@@ -145,7 +145,7 @@ def test_clone_heap_equals_parent_then_diverges(family):
 def test_clone_maps_its_dense_heap_with_huge_pages(family):
     """On bunshin's huge-page tmpfs a clone maps a dense heap 2 MiB per page-table entry."""
     ws = family.create()
-    if statefs.HUGE not in (statefs.options(family.cfg.tmpfs) or ""):
+    if not statefs.huge_memfiles(family.cfg):
         pytest.skip("bunshin's tmpfs has no huge pages here")
     before = start_probe(ws)
     (c,) = family.fork(ws, 1)
@@ -315,7 +315,8 @@ def test_snapshot_on_a_huge_page_tmpfs_without_the_netns(family):
     ws = family.create()
     snap = ws.snapshot()
     images = Path(snap.record.images)
-    assert images.is_relative_to(family.cfg.tmpfs) and statefs.HUGE in (statefs.options(family.cfg.tmpfs) or "")
+    assert images.is_relative_to(statefs.images_root(family.cfg))
+    assert statefs.WITHIN_SIZE in (statefs.options(statefs.images_root(family.cfg)) or "")
     assert not list(images.glob("netns-*.img"))  # criu ran inside the workspace's netns
     assert (images / "stats-dump").exists() and 0 < snap.record.pause_ms < snap.record.dump_ms
     (clone,) = snap.restore(1)

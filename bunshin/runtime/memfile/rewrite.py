@@ -25,7 +25,7 @@ from .criu_images import (
     regular_files,
     save,
 )
-from .fileio import copy_in_huge_regions, copy_range, remove_memfile, seal, write_data
+from .fileio import copy_range, make_dense_regions_huge, remove_memfile, seal, write_data
 from .filemaps import FileSources
 from .plan import NEW_SLOT, Kind, Proc, plan
 from .rebasing import copy_base
@@ -149,6 +149,7 @@ def _execute(
     growth_room: int,
     created: list[Path],
     huge_pages: bool = False,
+    consume_pages: bool = False,
 ) -> tuple[MemFile | None, dict[str, Any] | None, _Totals]:
     """Write the memory file and the new page map/pages for one process (to temp names)."""
     totals = _Totals(shared=proc.count(Kind.SHARED))
@@ -167,28 +168,25 @@ def _execute(
 
     mem_fd = os.open(memfile_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     created.append(memfile_path)
-    # on a huge-page tmpfs the data is first gathered in a small-page memfd, then
-    # copied in file order so that only dense 2 MiB regions become huge pages; the
-    # dumped pages are punched out of the image as they move, and the memfd as it is
-    # copied, so the rewrite never holds much more than one copy of the data
-    out_mem = os.memfd_create("bunshin-memfile", os.MFD_CLOEXEC) if huge_pages else mem_fd
-    src_fd = os.open(proc.pages_path, (os.O_RDWR if huge_pages else os.O_RDONLY) | os.O_CLOEXEC)
+    # consume_pages: the dumped pages are punched out of the image as they move, so
+    # the rewrite never holds two copies of the data
+    src_fd = os.open(proc.pages_path, (os.O_RDWR if consume_pages else os.O_RDONLY) | os.O_CLOEXEC)
     tmp_pages = proc.pages_path.with_name(proc.pages_path.name + ".rewrite")
     out_fd = os.open(tmp_pages, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     created.append(tmp_pages)
     try:
         # every byte of the new file is written once: dumped pages, and around them
         # the rebased areas' old data and the file areas' file bytes
-        _fill_base(proc, offsets, out_mem, totals)
+        _fill_base(proc, offsets, mem_fd, totals)
         entries: list[dict[str, Any]] = []
         out_off = 0
         for p in proc.pieces:
             n = p.end - p.start
             if p.src is not None and p.vma in offsets:
                 slot = offsets[p.vma] + p.start - num(proc.vmas[p.vma]["start"])  # type: ignore[index]
-                totals.zero += n - write_data(src_fd, p.src, out_mem, slot, n)
+                totals.zero += n - write_data(src_fd, p.src, mem_fd, slot, n)
                 totals.moved += n
-                if huge_pages:
+                if consume_pages:
                     punch_hole(src_fd, p.src, n)
                 continue
             if p.src is not None:
@@ -198,15 +196,12 @@ def _execute(
                 if p.vma is not None and proc.kinds[p.vma] is Kind.SHARED:
                     totals.delta += n
             append_entry(entries, p)
-        if out_mem != mem_fd:
-            os.ftruncate(out_mem, slots.cursor)
-            copy_in_huge_regions(out_mem, mem_fd, slots.cursor)
         os.ftruncate(mem_fd, slots.cursor)
+        if huge_pages:
+            make_dense_regions_huge(mem_fd, slots.cursor)
         seal(mem_fd)
         data = os.fstat(mem_fd).st_blocks * 512
     finally:
-        if out_mem != mem_fd:
-            os.close(out_mem)
         os.close(mem_fd)
         os.close(src_fd)
         os.close(out_fd)
@@ -252,6 +247,7 @@ def rewrite_images(
     split_chunks: bool = True,
     file_maps: bool = True,
     huge_pages: bool = False,
+    consume_pages: bool = False,
 ) -> RewriteResult:
     """Move the dump's private memory into memory files (see the package doc).
 
@@ -263,10 +259,11 @@ def rewrite_images(
     look for risky allocators). ``tag``: prefix of the new files' names (default:
     random). ``split_chunks``: give each glibc mmapped chunk its own slot.
     ``file_maps``: convert written private file mappings too. ``huge_pages``:
-    ``memfile_dir`` is on a ``huge=within_size`` tmpfs; write the dense 2 MiB
-    regions of each file so that they get huge pages (``fileio.copy_in_huge_regions``);
-    the dumped pages are then consumed from the images as they move, so a failure
-    after the first write leaves a dump to throw away. Otherwise, on failure the
+    ``memfile_dir`` is on a ``huge=advise`` tmpfs; give the dense 2 MiB regions of
+    each file huge pages (``fileio.make_dense_regions_huge``). ``consume_pages``:
+    punch the dumped pages out of the images as they move into memory files (one
+    copy of the data at a time instead of two; a failure after the first write
+    leaves a dump to throw away). Otherwise, on failure the
     images are left unchanged and no new file is left behind.
     """
     t0 = time.monotonic()
@@ -324,6 +321,7 @@ def rewrite_images(
                     growth_room,
                     created,
                     huge_pages,
+                    consume_pages,
                 )
                 totals.add(stats)
                 if memfile is None or entry is None:
