@@ -311,6 +311,19 @@ def test_fork_id_is_the_clone_id(family):
     assert all(c.record.parent == ws.id for c in clones)
 
 
+def test_a_symlink_at_run_bunshin_cannot_redirect_the_hosts_identity_write(family, tmp_path):
+    """The host writes a clone's identity into its root: a symlink the workspace left must not be followed."""
+    trap = tmp_path / "host-side"
+    trap.mkdir()
+    ws = family.create()
+    assert ws.exec(["sh", "-c", f"rm -rf /run/bunshin && ln -s {trap} /run/bunshin"]).exit_code == 0
+    (c,) = family.fork(ws, 1)
+    assert list(trap.iterdir()) == []  # nothing reached the host
+    assert c.exec(["cat", "/run/bunshin/fork-id"]).stdout.strip() == c.id
+    assert c.exec(["test", "-L", "/run/bunshin"]).exit_code == 1  # the clone got a real folder
+    assert ws.exec(["test", "-L", "/run/bunshin"]).exit_code == 0  # the parent is untouched
+
+
 def test_snapshot_on_a_huge_page_tmpfs_without_the_netns(family):
     ws = family.create()
     snap = ws.snapshot()
