@@ -63,20 +63,22 @@ def test_never_mounted_over_existing_files(home):
 
 
 def test_dense_regions_of_a_memory_file_become_huge_pages(home):
-    """A region at least half data becomes one huge page (clones map it with a PMD); a sparse one keeps holes."""
+    """Copied with huge=True, a region at least half data becomes one huge page (clones map it with a
+    PMD); a sparse one keeps its holes."""
     statefs.ensure(home)
     page, huge = 4096, 2 << 20
+    size = 4 * huge
+    src = os.memfd_create("dump")
     path = home.tmpfs / "memfile"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        os.pwrite(fd, b"\x01" * huge, 0)  # region 0: all data
-        os.pwrite(fd, b"\x02" * page, huge + 5 * page)  # region 1: one page
-        os.pwrite(fd, b"\x03" * (huge // 2 + page), 3 * huge)  # region 3: just over half
-        size = 4 * huge
+        os.pwrite(src, b"\x01" * huge, 0)  # region 0: all data
+        os.pwrite(src, b"\x02" * page, huge + 5 * page)  # region 1: one page
+        os.pwrite(src, b"\x03" * (huge // 2 + page), 3 * huge)  # region 3: just over half
+        os.ftruncate(src, size)
         os.ftruncate(fd, size)
-        expected = os.pread(fd, size, 0)
-        assert fileio.make_dense_regions_huge(fd, size) == 2
-        assert os.pread(fd, size, 0) == expected
+        fileio.write_data(src, 0, fd, 0, size, huge=True)
+        assert os.pread(fd, size, 0) == os.pread(src, size, 0)
         # regions 0 and 3 whole (their zero pages included), region 1 its single page
         assert os.fstat(fd).st_blocks * 512 == 2 * huge + page
         assert list(fileio.data_extents(fd, huge, 3 * huge)) == [(huge + 5 * page, page)]
@@ -86,5 +88,6 @@ def test_dense_regions_of_a_memory_file_become_huge_pages(home):
         pmd = int(next(ln for ln in rollup.splitlines() if ln.startswith("ShmemPmdMapped:")).split()[1])
         assert pmd >= 2 * (huge >> 10)  # KiB: both huge regions mapped 2 MiB at a time
     finally:
+        os.close(src)
         os.close(fd)
         path.unlink()

@@ -15,17 +15,18 @@ from pathlib import Path
 
 from bunshin.errors import RuntimeFailure
 
-from ..syscalls import punch_hole
 from .criu_images import PAGE, SUFFIX
 
 _FS_IOC_GETFLAGS, _FS_IOC_SETFLAGS, _FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10
 _CHUNK = 1 << 20  # source bytes read at a time
 _ZERO_PAGE = bytes(PAGE)
 _ZERO_HEAD = bytes(16)
+HUGE = 2 << 20
+DENSE = 0.5  # share of non-zero pages a 2 MiB region needs to be written as one huge page
 
 
 def write_data(
-    src: int, src_off: int, dst: int, dst_off: int, n: int, *, src_end: int | None = None
+    src: int, src_off: int, dst: int, dst_off: int, n: int, *, src_end: int | None = None, huge: bool = False
 ) -> int:
     """Copy ``n`` bytes from ``src`` at ``src_off`` to ``dst`` at ``dst_off``; returns bytes written.
 
@@ -35,22 +36,47 @@ def write_data(
     (a file's end) are zeros, not read; a source shorter than expected otherwise
     is an error. Reads with ``pread``: a file that shrinks meanwhile raises,
     never a SIGBUS.
+
+    ``huge``: ``dst`` is on a ``huge=advise`` tmpfs and already sized. Every whole
+    2 MiB region of it this copy fills with at least ``DENSE`` data is written through
+    a ``MADV_HUGEPAGE`` mapping, which gives the region one huge page: clones then map
+    it with one page-table entry instead of 512. Its zero pages take memory then, hence
+    the threshold; sparser regions keep their holes.
     """
     end = src_off + n if src_end is None else min(src_off + n, src_end)
-    buf = bytearray(min(_CHUNK, max(end - src_off, 0)))
+    buf = bytearray(min(HUGE if huge else _CHUNK, max(end - src_off, 0)))
     view = memoryview(buf)
     written, pos = 0, src_off
     try:
         while pos < end:
+            at = dst_off + pos - src_off
             length = min(len(buf), end - pos)
+            if huge:
+                length = min(length, HUGE - at % HUGE)  # chunks end where regions end
             got = os.preadv(src, [view[:length]], pos)
             if got < length:
                 raise RuntimeFailure("a file ended early while its pages were copied")
-            written += _write_nonzero(buf, view, length, dst, dst_off + pos - src_off)
+            if length == HUGE and _nonzero_pages(buf) >= DENSE * (HUGE // PAGE):
+                written += _write_huge(dst, view, at)
+            else:
+                written += _write_nonzero(buf, view, length, dst, at)
             pos += length
     finally:
         view.release()
     return written
+
+
+def _nonzero_pages(buf: bytearray) -> int:
+    starts = buf.startswith
+    return sum(not (starts(_ZERO_HEAD, p) and starts(_ZERO_PAGE, p)) for p in range(0, len(buf), PAGE))
+
+
+def _write_huge(dst: int, data: memoryview, at: int) -> int:
+    """Write one 2 MiB region through a mapping whose first fault allocates a huge page."""
+    with mmap.mmap(dst, HUGE, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=at) as region:
+        region.madvise(mmap.MADV_HUGEPAGE)
+        region[:] = data
+    return HUGE
 
 
 def _write_nonzero(buf: bytearray, view: memoryview, size: int, dst: int, dst_off: int) -> int:
@@ -97,44 +123,6 @@ def copy_range(src: int, src_off: int, dst: int, dst_off: int, n: int) -> None:
         if done <= 0:
             raise RuntimeFailure("unexpected end of file while copying pages")
         src_off, n = src_off + done, n - done
-
-
-HUGE = 2 << 20
-DENSE = 0.5  # share of data a 2 MiB region needs to be made one huge page
-
-
-def make_dense_regions_huge(fd: int, size: int, *, dense: float = DENSE) -> int:
-    """Give every 2 MiB region of ``fd`` holding at least ``dense`` data a huge page.
-
-    For a file on a ``huge=advise`` tmpfs: the region is read, punched out, and
-    written back through a shared mapping marked ``MADV_HUGEPAGE``, whose first fault
-    allocates one huge page for it (``MADV_COLLAPSE`` does the same, ~3x slower).
-    Clones then map the region with one page-table entry instead of 512. Its holes
-    (all-zero pages) take memory from then on, hence the threshold; sparser regions
-    keep their small pages. Returns the number of regions made huge.
-    """
-    per_region: dict[int, int] = {}
-    for off, n in data_extents(fd, 0, size):
-        while n > 0:
-            region = off // HUGE
-            take = min(n, (region + 1) * HUGE - off)
-            per_region[region] = per_region.get(region, 0) + take
-            off, n = off + take, n - take
-    buf = bytearray(HUGE)
-    done = 0
-    for region, n in sorted(per_region.items()):
-        start = region * HUGE
-        if n < dense * HUGE or start + HUGE > size:
-            continue
-        if os.preadv(fd, [buf], start) != HUGE:
-            raise RuntimeFailure("a memory file ended early while it was given huge pages")
-        punch_hole(fd, start, HUGE)
-        with mmap.mmap(fd, HUGE, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE,
-                       offset=start) as view:
-            view.madvise(mmap.MADV_HUGEPAGE)
-            view[:] = buf
-        done += 1
-    return done
 
 
 def data_extents(fd: int, start: int, end: int) -> Iterator[tuple[int, int]]:

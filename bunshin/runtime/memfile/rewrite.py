@@ -25,7 +25,7 @@ from .criu_images import (
     regular_files,
     save,
 )
-from .fileio import copy_range, make_dense_regions_huge, remove_memfile, seal, write_data
+from .fileio import copy_range, remove_memfile, seal, write_data
 from .filemaps import FileSources
 from .plan import NEW_SLOT, Kind, Proc, plan
 from .rebasing import copy_base
@@ -175,19 +175,22 @@ def _execute(
     out_fd = os.open(tmp_pages, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     created.append(tmp_pages)
     try:
+        if huge_pages:
+            os.ftruncate(mem_fd, slots.cursor)  # sized first: dense regions are written through mappings
         # every byte of the new file is written once: dumped pages, and around them
         # the rebased areas' old data and the file areas' file bytes
         _fill_base(proc, offsets, mem_fd, totals)
         entries: list[dict[str, Any]] = []
         out_off = 0
+        moves: list[list[int]] = []  # [src, dst, n]: CRIU cuts runs of pages at 1 MiB, joined again
         for p in proc.pieces:
             n = p.end - p.start
             if p.src is not None and p.vma in offsets:
                 slot = offsets[p.vma] + p.start - num(proc.vmas[p.vma]["start"])  # type: ignore[index]
-                totals.zero += n - write_data(src_fd, p.src, mem_fd, slot, n)
-                totals.moved += n
-                if consume_pages:
-                    punch_hole(src_fd, p.src, n)
+                if moves and moves[-1][0] + moves[-1][2] == p.src and moves[-1][1] + moves[-1][2] == slot:
+                    moves[-1][2] += n
+                else:
+                    moves.append([p.src, slot, n])
                 continue
             if p.src is not None:
                 copy_range(src_fd, p.src, out_fd, out_off, n)
@@ -196,9 +199,12 @@ def _execute(
                 if p.vma is not None and proc.kinds[p.vma] is Kind.SHARED:
                     totals.delta += n
             append_entry(entries, p)
+        for src, dst, n in moves:
+            totals.zero += n - write_data(src_fd, src, mem_fd, dst, n, huge=huge_pages)
+            totals.moved += n
+            if consume_pages:
+                punch_hole(src_fd, src, n)
         os.ftruncate(mem_fd, slots.cursor)
-        if huge_pages:
-            make_dense_regions_huge(mem_fd, slots.cursor)
         seal(mem_fd)
         data = os.fstat(mem_fd).st_blocks * 512
     finally:
@@ -260,7 +266,7 @@ def rewrite_images(
     random). ``split_chunks``: give each glibc mmapped chunk its own slot.
     ``file_maps``: convert written private file mappings too. ``huge_pages``:
     ``memfile_dir`` is on a ``huge=advise`` tmpfs; give the dense 2 MiB regions of
-    each file huge pages (``fileio.make_dense_regions_huge``). ``consume_pages``:
+    each file huge pages (``fileio.write_data``). ``consume_pages``:
     punch the dumped pages out of the images as they move into memory files (one
     copy of the data at a time instead of two; a failure after the first write
     leaves a dump to throw away). Otherwise, on failure the
