@@ -5,7 +5,7 @@ Two mounts, for huge pages where they pay and nowhere else:
 
 - ``Config.tmpfs`` itself, ``huge=advise``: files get huge pages only where bunshin
   asks for them (the dense 2 MiB regions of memory files, see
-  ``memfile.fileio.make_dense_regions_huge``). A clone maps those with one
+  ``memfile.fileio.write_data``). A clone maps those with one
   page-table entry per 2 MiB: reading all of a 256 MiB heap costs it ~4 KiB of page
   tables instead of ~520 KiB. Everything else keeps small pages and the usual 4 KiB
   ``st_blksize`` (on an always-huge tmpfs it is 2 MiB, and stdio and Python then
