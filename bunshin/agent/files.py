@@ -10,7 +10,6 @@ import base64
 import binascii
 import errno
 import os
-import shutil
 import stat
 from typing import Any
 
@@ -172,6 +171,8 @@ def remove(req: dict[str, Any]) -> dict[str, Any]:
         if not stat.S_ISDIR(st.st_mode):
             os.unlink(path)
         elif recursive:
+            import shutil  # here: at module level it loads bz2 and lzma into every agent
+
             shutil.rmtree(path)
         else:
             os.rmdir(path)

@@ -10,7 +10,7 @@ session) is forked with the agent: each clone finishes it and keeps its own answ
 
 from __future__ import annotations
 
-import secrets
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -42,7 +42,7 @@ class Jobs:
         inner = req.get("request")
         if not isinstance(inner, dict) or inner.get("op") not in RESUMABLE_OPS:
             raise invalid(f'"request" must be an object whose op is one of {", ".join(RESUMABLE_OPS)}')
-        job_id = secrets.token_hex(8)
+        job_id = os.urandom(8).hex()
         job = _Job()
         with self._lock:
             self._forget_old()

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
 import selectors
 import shlex
 import signal
@@ -187,7 +186,7 @@ class Session:
             os.makedirs(os.path.dirname(self.script), mode=0o700, exist_ok=True)
             with open(self.script, "w", encoding="utf-8", errors="surrogateescape") as f:
                 f.write(command if command.endswith("\n") else command + "\n")
-            token = secrets.token_hex(8)
+            token = os.urandom(8).hex()
             sink = _Sink(token, limit, output=True)
             start = time.monotonic()
             self._install(sink)
@@ -227,7 +226,7 @@ class Session:
 
     def _sync(self, prefix: str, timeout: float) -> bool:
         """Type ``prefix`` and a sync marker; True once the shell printed the marker."""
-        token = secrets.token_hex(8)
+        token = os.urandom(8).hex()
         sink = _Sink(token, 0, output=False)
         self._install(sink)
         try:
@@ -400,7 +399,7 @@ class Sessions:
         os.makedirs(self._scripts_dir, mode=0o700, exist_ok=True)
         with self._lock:
             self._counter += 1
-            session_id = f"s{self._counter}-{secrets.token_hex(3)}"
+            session_id = f"s{self._counter}-{os.urandom(3).hex()}"
         session = Session.open(self._reaper, session_id, req, self._scripts_dir)
         with self._lock:
             self._sessions[session_id] = session
