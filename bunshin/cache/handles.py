@@ -47,40 +47,33 @@ def snapshot_bytes(snap: Any) -> int:
     return sum(int(getattr(rec, f, 0) or 0) for f in ("memfile_bytes", "image_bytes", "layer_bytes"))
 
 
-# The processes of a workspace (but pid 1, the agent, and this shell): print
-# "P pid nice" for each and set it to $1 when given, then "T ticks hz" with the
-# CPU time of everything (pid 1's children's included, they are reaped by it).
-_NICE = r"""
-N=$1; T=0
+# For each process of a workspace but pid 1 (the agent) and this shell: add its CPU
+# ticks to T (pid 1's too: it reaps the others' children), with the process's stat
+# fields in $1... and its pid in $p. Each script below fills in ``{each}`` and ends
+# with "T ticks hz".
+_FOR_EACH_PROCESS = r"""
 for d in /proc/[0-9]*; do
-  p=${d#/proc/}
+  p=${{d#/proc/}}
   [ "$p" = "$$" ] && continue
   read -r l < "$d/stat" 2>/dev/null || continue
-  set -- ${l##*) }
+  set -- ${{l##*) }}
   T=$((T + $12 + $13 + $14 + $15))
   [ "$p" = 1 ] && continue
-  echo "P $p ${17}"
-  [ -n "$N" ] && renice -n "$N" -p "$p" >/dev/null 2>&1
+{each}
 done
 echo "T $T $(getconf CLK_TCK 2>/dev/null || echo 100)"
 """
 
+# Print "P pid nice" for each and set it to $1 when given.
+_NICE = "N=$1; T=0" + _FOR_EACH_PROCESS.format(each=r"""
+  echo "P $p ${17}"
+  [ -n "$N" ] && renice -n "$N" -p "$p" >/dev/null 2>&1""")
+
 # Put back the nice values "pid:nice ..." ($2...), $1 for processes not listed.
-_UNNICE = r"""
-D=$1; shift; M=" $* "; T=0
-for d in /proc/[0-9]*; do
-  p=${d#/proc/}
-  [ "$p" = "$$" ] && continue
-  read -r l < "$d/stat" 2>/dev/null || continue
-  set -- ${l##*) }
-  T=$((T + $12 + $13 + $14 + $15))
-  [ "$p" = 1 ] && continue
+_UNNICE = 'D=$1; shift; M=" $* "; T=0' + _FOR_EACH_PROCESS.format(each=r"""
   n=$D
   case "$M" in *" $p:"*) n=${M#* $p:}; n=${n%% *};; esac
-  [ "${17}" = "$n" ] || renice -n "$n" -p "$p" >/dev/null 2>&1
-done
-echo "T $T $(getconf CLK_TCK 2>/dev/null || echo 100)"
-"""
+  [ "${17}" = "$n" ] || renice -n "$n" -p "$p" >/dev/null 2>&1""")
 
 
 @dataclass(frozen=True)

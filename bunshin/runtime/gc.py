@@ -99,8 +99,7 @@ def collect(cfg: Config, store: Store, *, extra_owned: set[str] | None = None, r
     # Snapshots nothing holds (their forker died) and snapshot files no record names.
     for item in snapshot.sweep(cfg, store):
         (report.files if "/" in item else report.snapshots).append(item)
-    idle = not store.list_workspaces() and not snapshot.list_all(store)
-    if release and idle and statefs.release(cfg):
+    if release and not store.list_workspaces() and not snapshot.list_all(store) and statefs.release(cfg):
         report.mounts.append(str(cfg.tmpfs))
     return report
 

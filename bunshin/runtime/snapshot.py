@@ -144,7 +144,7 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool, mode: s
     )
     store.put_object(KIND, snap_id, snap.to_json())  # recorded first: a crash leaves it to gc
     try:
-        statefs.ensure(cfg)
+        huge_memfiles = statefs.ensure(cfg)
         images.mkdir(parents=True)
         script = sdir / "freeze-upper.sh"
         script.write_text(
@@ -170,7 +170,7 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool, mode: s
                 # [heap] too: Python (the agent, most tools) keeps most objects there; left
                 # anonymous a Python clone owns ~85 MiB instead of ~2 MiB. glibc stays correct.
                 convert_heap=True,
-                huge_pages=statefs.huge_memfiles(cfg), consume_pages=True,
+                huge_pages=huge_memfiles, consume_pages=True,
             )
             files = tuple(str(f.path) for f in result.files)
             _link_memfiles(files, layer / MEM_VIEW.lstrip("/"))

@@ -43,20 +43,26 @@ def own_mounts(cfg: Config) -> set[str]:
     return {os.path.realpath(cfg.tmpfs), os.path.realpath(images_root(cfg))}
 
 
-def ensure(cfg: Config) -> None:
-    """Mount bunshin's tmpfs (and its images tmpfs) where they are missing."""
+def ensure(cfg: Config) -> bool:
+    """Mount bunshin's tmpfs (and its images tmpfs) where they are missing.
+
+    Returns whether memory files there can be given huge pages (``huge_memfiles``).
+    """
     path = cfg.tmpfs
-    if not os.path.ismount(path):
+    opts = options(path)
+    if opts is None:
         if path.is_dir() and any(path.iterdir()):
-            return  # someone's files already: use the folder as it is
+            return False  # someone's files already: use the folder as it is
         path.mkdir(parents=True, exist_ok=True)
         if not _mount(path, ADVISE, size=_size(path.parent)):
-            return
+            return False
+        opts = options(path)
     images = images_root(cfg)
-    if options(path) is not None and not os.path.ismount(images):
+    if not os.path.ismount(images):
         images.mkdir(exist_ok=True)
         if not any(images.iterdir()):
             _mount(images, WITHIN_SIZE, size=_size(path))
+    return ADVISE in (opts or "")
 
 
 def huge_memfiles(cfg: Config) -> bool:

@@ -35,3 +35,24 @@ def kill_and_wait(pid: int) -> None:
         if state in ("Z", "X"):
             return
         time.sleep(0.01)
+
+
+def fork_bomb(ws) -> tuple[object, int]:
+    """Run a fork bomb in ``ws`` for 3 s; its exec result and the peak process count seen from the host."""
+    import threading
+
+    peak, stop = [0], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], ws.stats().processes)
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        r = ws.exec(["bash", "-c", "while :; do sleep 100 & done 2>/dev/null"], timeout=3)
+    finally:
+        stop.set()
+        sampler.join()
+    return r, peak[0]

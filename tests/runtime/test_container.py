@@ -19,6 +19,8 @@ from bunshin.errors import (
 )
 from bunshin.workspace import Workspace
 
+from .procs import fork_bomb
+
 pytestmark = pytest.mark.integration
 
 
@@ -144,25 +146,10 @@ def test_session_keeps_state(ws):
 
 
 def test_fork_bomb_stops_at_pids_limit(no_leaks):
-    import threading
-
     with Workspace.create("host", memory="256M", pids=64, config=no_leaks) as w:
-        peak, stop = [0], threading.Event()
-
-        def sample() -> None:
-            while not stop.is_set():
-                peak[0] = max(peak[0], w.stats().processes)
-                time.sleep(0.05)
-
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        try:
-            r = w.exec(["bash", "-c", "while :; do sleep 100 & done 2>/dev/null"], timeout=3)
-        finally:
-            stop.set()
-            sampler.join()
+        r, peak = fork_bomb(w)
         assert r.timed_out
-        assert 32 < peak[0] <= 64, peak
+        assert 32 < peak <= 64, peak
         # the host is fine, and the workspace recovers once the bomb's group is killed
         assert subprocess.run(["true"]).returncode == 0
         assert w.exec(["echo", "ok"], timeout=10).stdout == "ok\n"

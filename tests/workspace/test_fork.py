@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import os
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from bunshin.runtime.store import Store
 from bunshin.workspace import Session, Snapshot, Workspace
 from bunshin.workspace.family import SnapshotNode, WorkspaceNode, build
 from tests.conftest import drop_state_tmpfs, leftovers
+from tests.runtime.procs import fork_bomb
 
 pytestmark = [pytest.mark.integration, pytest.mark.criu]
 
@@ -351,21 +351,8 @@ def test_clone_has_own_cgroup_and_limits(family):
         assert c.id in Path(f"/proc/{c.record.pid}/cgroup").read_text()
         assert cgroup_value(c, "pids.max") == "64"
         assert int(cgroup_value(c, "memory.limit_in_bytes", "memory.max")) == 384 << 20
-    peak, stop = [0], threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            peak[0] = max(peak[0], a.stats().processes)
-            time.sleep(0.05)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    try:
-        r = a.exec(["bash", "-c", "while :; do sleep 100 & done 2>/dev/null"], timeout=3)
-    finally:
-        stop.set()
-        sampler.join()
-    assert r.timed_out and 32 < peak[0] <= 64, peak
+    r, peak = fork_bomb(a)
+    assert r.timed_out and 32 < peak <= 64, peak
     assert a.exec(["echo", "ok"], timeout=10).stdout == "ok\n"
     assert b.stats().processes < 10 and ws.stats().processes < 10
 
