@@ -12,11 +12,14 @@ result (``timed_out=True``), not raised.
 from __future__ import annotations
 
 import base64
+import errno
 import fcntl
 import json
 import os
 import signal as signals
 import socket
+import stat
+import struct
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -42,6 +45,7 @@ CHUNK = 16 * 1024 * 1024
 #: (the agent kills, drains and, for sessions, re-synchronises the shell).
 ANSWER_GRACE_S = 30.0
 _UNIX_PATH_MAX = 108
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid (SO_PEERCRED)
 #: Ops run as resumable agent jobs, and how long one poll of their answer may hold a connection.
 RESUMABLE_OPS = ("exec", "session_run")
 POLL_S = 0.25
@@ -102,11 +106,31 @@ class AgentClient:
         connect_timeout: float = 5.0,
         call_timeout: float = 60.0,
         lock_dir: Path | None = None,
+        beneath: Path | None = None,
+        expect_pid: int | None = None,
     ) -> None:
+        """``beneath``: a host-made folder (a workspace's mounted root) the socket lies
+        under; every component below it is one the workspace can write, so it is
+        walked without following symlinks (see ``_connect``). ``expect_pid``: host pid
+        of the process that must be listening (the workspace's pid 1, the agent);
+        a socket anyone else listens on is refused. ``None`` for both (an agent run
+        alone, e.g. in tests) connects to the path as given, unchecked.
+        """
         self.socket_path = Path(socket_path)
         self.connect_timeout = connect_timeout
         self.call_timeout = call_timeout
         self.lock_dir = Path(lock_dir) if lock_dir is not None else None
+        self.beneath = Path(beneath) if beneath is not None else None
+        self.expect_pid = expect_pid
+        self._parts: tuple[str, ...] | None = None
+        if self.beneath is not None:
+            try:
+                parts = self.socket_path.relative_to(self.beneath).parts
+            except ValueError:
+                parts = ()
+            if not parts or any(p in (".", "..") for p in parts):
+                raise InvalidArgument(f"agent socket {self.socket_path} is not beneath {self.beneath}")
+            self._parts = parts
 
     def __repr__(self) -> str:
         return f"AgentClient({str(self.socket_path)!r})"
@@ -172,18 +196,53 @@ class AgentClient:
                 raise AgentError(f"agent at {self.socket_path} did not answer {op!r} in time")
 
     def _connect(self) -> socket.socket:
+        """A connected socket to the agent, checked before a byte is sent.
+
+        With ``beneath``, the socket is reached by a walk of ``O_PATH | O_NOFOLLOW``
+        descriptors from that folder (a symlink or non-folder at any component is
+        refused, the last one must be a socket: ``fstat`` of what was opened), and
+        connected through ``/proc/self/fd/<fd of the socket inode>``: no name is
+        looked up again, so nothing the workspace swaps in meanwhile is followed.
+        With ``expect_pid``, the listener's ``SO_PEERCRED`` must be that pid: a
+        process inside that deletes the agent's socket and binds its own there (or
+        any host socket reached some other way) is refused with ``AgentError``.
+
+        SO_PEERCRED of a connection to a listening unix socket reports the process
+        that called ``listen()``, translated into the caller's pid namespace. After a
+        CRIU restore (a forked clone, or a clone of a clone) it reports the clone's pid
+        1 host pid, the same as the restored workspace's record (``rec.pid``): CRIU
+        re-creates and re-listens each socket in the restored task that owns it
+        (checked on CRIU 4.2.1, ``tests/security/test_host_paths.py``). Cost: three to
+        four ``openat``, one ``fstat`` and one ``getsockopt`` more than a plain
+        connect, about 4 us.
+        """
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             sock.settimeout(self.connect_timeout)
-            path = os.fspath(self.socket_path)
-            if len(os.fsencode(path)) < _UNIX_PATH_MAX:
-                sock.connect(path)
-            else:  # too long for sockaddr_un: go through an O_PATH fd of the directory
-                dir_fd = os.open(self.socket_path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            if self._parts is not None and self.beneath is not None:
+                fd = _open_socket_beneath(self.beneath, self._parts, self.socket_path)
                 try:
-                    sock.connect(f"/proc/self/fd/{dir_fd}/{self.socket_path.name}")
+                    sock.connect(f"/proc/self/fd/{fd}")
                 finally:
-                    os.close(dir_fd)
+                    os.close(fd)
+            else:
+                path = os.fspath(self.socket_path)
+                if len(os.fsencode(path)) < _UNIX_PATH_MAX:
+                    sock.connect(path)
+                else:  # too long for sockaddr_un: go through an O_PATH fd of the directory
+                    dir_fd = os.open(self.socket_path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                    try:
+                        sock.connect(f"/proc/self/fd/{dir_fd}/{self.socket_path.name}")
+                    finally:
+                        os.close(dir_fd)
+            if self.expect_pid is not None:
+                pid, _uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+                if pid != self.expect_pid:
+                    raise AgentError(
+                        f"the socket at {self.socket_path} is not the workspace agent's: pid {pid} listens "
+                        f"on it, the agent is pid {self.expect_pid}; refusing to talk to it",
+                        hint="a process inside the workspace replaced the agent's socket",
+                    )
         except BaseException:
             sock.close()
             raise
@@ -244,6 +303,8 @@ class AgentClient:
                 self.socket_path,
                 connect_timeout=min(self.connect_timeout, left),
                 call_timeout=min(self.call_timeout, left),
+                beneath=self.beneath,
+                expect_pid=self.expect_pid,
             )
             try:
                 return probe.ping()
@@ -492,6 +553,30 @@ class _Answer(dict[str, Any]):
 
     def __missing__(self, key: str) -> Any:
         raise AgentError(f"the agent's answer to {self.op!r} lacks {key!r}")
+
+
+def _open_socket_beneath(top: Path, parts: Sequence[str], where: Path) -> int:
+    """An ``O_PATH`` descriptor of the socket at ``top/parts...``, never through a symlink."""
+    fd = os.open(top, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in parts[:-1]:
+            try:
+                child = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ENOTDIR, errno.ELOOP):
+                    raise AgentError(f"refusing the agent socket {where}: {part!r} on its path is not a folder "
+                                     "(symlinks the workspace made are not followed)") from None
+                raise
+            os.close(fd)
+            fd = child
+        sfd = os.open(parts[-1], os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISSOCK(os.fstat(sfd).st_mode):
+        os.close(sfd)
+        raise AgentError(f"refusing the agent socket {where}: it is not a socket "
+                         "(symlinks the workspace made are not followed)")
+    return sfd
 
 
 def _encode(request: dict[str, Any]) -> bytes:

@@ -49,8 +49,14 @@ def socket_path(rec: WorkspaceRecord) -> Path:
 
 
 def agent(rec: WorkspaceRecord) -> AgentClient:
-    """A client of the workspace's agent, sharing the workspace's call lock (see ``quiesced``)."""
-    return AgentClient(socket_path(rec), lock_dir=Path(rec.root).parent)
+    """A client of the workspace's agent, sharing the workspace's call lock (see ``quiesced``).
+
+    The socket's folder is the workspace's to write: the client walks to it from the
+    mounted root without following symlinks and talks only to a socket the
+    workspace's pid 1 (the agent) listens on (``AgentClient._connect``).
+    """
+    return AgentClient(socket_path(rec), lock_dir=Path(rec.root).parent, beneath=Path(rec.root),
+                       expect_pid=rec.pid)
 
 
 def publish_identity(rec: WorkspaceRecord, identity: dict) -> None:
@@ -202,12 +208,26 @@ def _launch(rec: WorkspaceRecord, cg: WorkspaceCgroup, bundle: AgentBundle) -> i
     return int(out.split()[0])
 
 
+_LOG_TAIL_BYTES = 64 * 1024
+
+
 def agent_log_tail(rec: WorkspaceRecord, lines: int = 20) -> str:
-    log = Path(rec.upper) / AgentBundle.LOG.lstrip("/")
+    """The last ``lines`` of the agent's log, read from the upper without following
+    anything the workspace put on its path (it must be a regular file; at most the
+    last 64 KiB are read)."""
+    from .memfile.fileio import open_in_root  # noqa: PLC0415 (container's imports are not this function's)
+
+    fd = open_in_root(Path(rec.upper), AgentBundle.LOG)
+    if fd is None:
+        return "(no agent log)"
     try:
-        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+        size = os.fstat(fd).st_size
+        data = os.pread(fd, _LOG_TAIL_BYTES, max(size - _LOG_TAIL_BYTES, 0))
     except OSError:
         return "(no agent log)"
+    finally:
+        os.close(fd)
+    return "\n".join(data.decode(errors="replace").splitlines()[-lines:])
 
 
 def is_alive(rec: WorkspaceRecord) -> bool:

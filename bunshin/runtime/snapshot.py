@@ -30,6 +30,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -173,8 +174,8 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool, mode: s
                 huge_pages=huge_memfiles, consume_pages=True,
             )
             files = tuple(str(f.path) for f in result.files)
-            _link_memfiles(files, layer / MEM_VIEW.lstrip("/"))
             rewrite_ms, mem_bytes = result.duration_ms, result.data_bytes
+        _link_memfiles(files, layer)  # copy mode too: nothing the workspace left at /.bunshin/mem stays
         snap = dataclasses.replace(
             snap, memfiles=files, dump_ms=run.duration_ms, pause_ms=_pause_ms(images, run.log) or run.duration_ms,
             rewrite_ms=rewrite_ms, memfile_bytes=mem_bytes, image_bytes=_du(images), layer_bytes=layer_bytes,
@@ -221,11 +222,48 @@ def _tree(pid: int | None) -> list[int]:
         return []
 
 
-def _link_memfiles(files: Sequence[str], into: Path) -> None:
-    into.mkdir(parents=True, exist_ok=True)
-    for f in files:
-        with memfile.unsealed(Path(f)):
-            os.link(f, into / Path(f).name)
+def _link_memfiles(files: Sequence[str], layer: Path) -> None:
+    """Give a new frozen layer a host-made ``/.bunshin/mem`` holding links of ``files``.
+
+    The layer is a copy of what the workspace wrote, symlinks included, so whatever it
+    left at ``/.bunshin`` (if not a folder) or at ``/.bunshin/mem`` (a symlink to a host
+    folder, a file, a folder of its own entries) is removed first without following
+    anything, and the links are made through the new folder's descriptor. The memory
+    files themselves stay in ``mem_dir``, which no workspace reaches.
+    """
+    fd = os.open(layer, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for part, fresh in zip(Path(MEM_VIEW).relative_to("/").parts, (False, True), strict=True):
+            child = _host_dir_at(fd, part, fresh=fresh)
+            os.close(fd)
+            fd = child
+        for f in files:
+            with memfile.unsealed(Path(f)):
+                os.link(f, Path(f).name, dst_dir_fd=fd, follow_symlinks=False)
+    finally:
+        os.close(fd)
+
+
+def _host_dir_at(dir_fd: int, name: str, *, fresh: bool) -> int:
+    """A descriptor of a real folder ``name`` in ``dir_fd``. A folder there is kept unless
+    ``fresh``; anything else (or a ``fresh`` folder) is removed without following it
+    (``rmtree`` relative to a descriptor walks by descriptors) and a new one made."""
+    try:
+        mode: int | None = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and (fresh or not stat.S_ISDIR(mode)):
+        if stat.S_ISDIR(mode):
+            shutil.rmtree(name, dir_fd=dir_fd)
+        else:
+            os.unlink(name, dir_fd=dir_fd)
+        mode = None
+    if mode is None:
+        os.mkdir(name, 0o755, dir_fd=dir_fd)
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    if mode is None:
+        os.fchmod(fd, 0o755)  # whatever the umask
+    return fd
 
 
 def _pause_ms(images: Path, log: Path) -> float | None:
@@ -440,16 +478,38 @@ def memfile_tag(name: str) -> str:
 
 
 def remove_layer(layer: Path) -> None:
-    layer_mem = layer / MEM_VIEW.lstrip("/")
-    if layer_mem.is_dir():
-        for f in layer_mem.iterdir():
-            memfile.remove_memfile(f)
-    shutil.rmtree(layer, ignore_errors=True)
+    """Delete a frozen layer: the links in its ``/.bunshin/mem`` (memory files are
+    immutable: their flag goes first), then the folder.
+
+    A layer that failed half-way in ``take`` still holds what the workspace left there,
+    so only regular files reached through ``O_NOFOLLOW`` folder descriptors are opened;
+    a symlink (to a host folder at ``/.bunshin`` or ``mem``, or named like a memory file
+    and pointing at a host file) is unlinked as itself or skipped, never followed.
+    """
+    try:
+        fd = memfile.open_dir_beneath(layer, Path(MEM_VIEW).relative_to("/").parts)
+    except OSError:
+        fd = None
+    if fd is not None:
+        try:
+            for name in os.listdir(fd):
+                with contextlib.suppress(OSError):
+                    memfile.remove_memfile_at(fd, name)
+        finally:
+            os.close(fd)
+    shutil.rmtree(layer, ignore_errors=True)  # by descriptors: a symlink inside is unlinked, not followed
 
 
 def _delete(cfg: Config, store: Store, snap: SnapshotRecord) -> None:
+    """Free a snapshot's files and its record. Only paths where bunshin puts them are
+    touched (a record may come from a loaded folder, which is untrusted input)."""
+    mdir = mem_dir(cfg)
     for f in snap.memfiles:
-        memfile.remove_memfile(Path(f))
-    remove_layer(Path(snap.layer))
-    shutil.rmtree(Path(snap.images).parent, ignore_errors=True)
+        if Path(f).parent == mdir and Path(f).name.endswith(memfile.SUFFIX):
+            memfile.remove_memfile(Path(f))
+    layer, sdir = Path(snap.layer), Path(snap.images).parent
+    if layer.parent == cfg.tmpfs / "layers" and layer.name not in ("", ".", ".."):
+        remove_layer(layer)
+    if sdir.parent == cfg.tmpfs / "snapshots" and sdir.name not in ("", ".", ".."):
+        shutil.rmtree(sdir, ignore_errors=True)
     store.delete_object(KIND, snap.id)

@@ -61,7 +61,15 @@ files), ``plan`` (what becomes of each area), ``rebasing`` (folding deltas),
 from bunshin.errors import NotForkable
 
 from .criu_images import PAGE, SUFFIX, referenced_memfiles
-from .fileio import data_extents, remove_memfile, remove_memfiles, set_immutable, unsealed
+from .fileio import (
+    data_extents,
+    open_dir_beneath,
+    remove_memfile,
+    remove_memfile_at,
+    remove_memfiles,
+    set_immutable,
+    unsealed,
+)
 from .rewrite import (
     DEFAULT_GROWTH_ROOM,
     HUGE,
@@ -75,6 +83,8 @@ from .zerofill import ZeroFillPolicy, zero_fill_risks
 
 __all__ = [
     "data_extents",
+    "open_dir_beneath",
+    "remove_memfile_at",
     "set_immutable",
     "unsealed",
     "DEFAULT_GROWTH_ROOM",

@@ -189,10 +189,37 @@ def seal(fd: int) -> None:
         _set_flags(fd, _get_flags(fd) | _FS_IMMUTABLE_FL)
 
 
+def _open_regular(name: str | Path, dir_fd: int | None = None) -> int:
+    """``O_RDONLY`` descriptor of the regular file ``name`` (in ``dir_fd``), never
+    following a symlink there nor opening anything else (a FIFO, a device)."""
+    if not stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+        raise OSError(errno.EINVAL, "not a regular file", os.fspath(name))
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=dir_fd)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped since the lstat
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", os.fspath(name))
+    return fd
+
+
+def open_dir_beneath(top: Path, parts: Iterable[str]) -> int:
+    """A descriptor of the folder ``top/parts...``, every component below ``top`` opened
+    with ``O_NOFOLLOW`` from the one before: a symlink on the way raises (``ENOTDIR``)."""
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for part in parts:
+            child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 @contextlib.contextmanager
 def unsealed(path: Path) -> Iterator[None]:
     """Lift a memory file's immutable flag for the block (hard-linking or deleting needs it)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = _open_regular(path)
     try:
         flags = None
         with contextlib.suppress(OSError):
@@ -210,8 +237,8 @@ def unsealed(path: Path) -> Iterator[None]:
 
 
 def set_immutable(path: Path) -> None:
-    """Mark a file immutable where the filesystem allows it."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    """Mark a regular file immutable where the filesystem allows it (a symlink is not followed)."""
+    fd = _open_regular(path)
     try:
         with contextlib.suppress(OSError):
             _set_flags(fd, _get_flags(fd) | _FS_IMMUTABLE_FL)
@@ -219,18 +246,53 @@ def set_immutable(path: Path) -> None:
         os.close(fd)
 
 
-def remove_memfile(path: Path) -> None:
-    """Delete a memory file (clearing its immutable flag first); missing is fine."""
-    with contextlib.suppress(FileNotFoundError):
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
+def remove_memfile_at(dir_fd: int, name: str) -> None:
+    """Delete ``name`` in the folder ``dir_fd``; missing is fine, a folder is left alone.
+
+    Only a regular file is opened, to clear its immutable flag first (and to set it
+    again if the inode keeps other links: another name still maps it). Anything else
+    (a symlink named like a memory file, pointing at a host file) is unlinked as
+    itself: never followed, never opened.
+    """
+    try:
+        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(mode):
+        return
+    fd = _open_regular(name, dir_fd) if stat.S_ISREG(mode) else None
+    try:
+        flags = 0
+        if fd is not None:
             with contextlib.suppress(OSError):
                 flags = _get_flags(fd)
                 if flags & _FS_IMMUTABLE_FL:
                     _set_flags(fd, flags & ~_FS_IMMUTABLE_FL)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=dir_fd)
         finally:
+            if fd is not None and flags & _FS_IMMUTABLE_FL and os.fstat(fd).st_nlink > 0:
+                with contextlib.suppress(OSError):
+                    _set_flags(fd, flags)
+    finally:
+        if fd is not None:
             os.close(fd)
-        path.unlink()
+
+
+def remove_memfile(path: Path) -> None:
+    """Delete a memory file (clearing its immutable flag first); missing is fine.
+
+    The last component is not followed (see ``remove_memfile_at``).
+    """
+    try:
+        dir_fd = os.open(Path(path).parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        remove_memfile_at(dir_fd, Path(path).name)
+    finally:
+        os.close(dir_fd)
 
 
 def remove_memfiles(directory: Path, *, keep: Iterable[Path] = ()) -> list[Path]:
