@@ -25,6 +25,10 @@ class Config:
     tmpfs: Path = DEFAULT_TMPFS
     criu: Path = DEFAULT_CRIU
     cgroup_prefix: str = "bunshin-"
+    # Host uids/gids that a workspace's ids 0..id_count-1 map to (its user namespace):
+    # root inside is this unprivileged host id, never host root.
+    id_base: int = 1_000_000_000
+    id_count: int = 65536
 
     @classmethod
     def from_env(cls) -> Config:
@@ -67,3 +71,8 @@ class Config:
     @property
     def snapshots_dir(self) -> Path:
         return self.home / "snapshots"
+
+    @property
+    def snapshot_key_path(self) -> Path:
+        """The secret (32 bytes, mode 0600) that signs the snapshot folders this home saves."""
+        return self.home / "snapshot.key"

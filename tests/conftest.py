@@ -36,7 +36,7 @@ def drop_state_tmpfs(config: Config) -> None:
 
 # bunshin's tmpfs itself (DEFAULT_TMPFS, or DEFAULT_TMPFS.<tag> of a private home) is
 # state, like the database: mounted on first use, it stays while its config is in use
-_STATE_TMPFS = re.compile(re.escape(str(DEFAULT_TMPFS)) + r"(\.[0-9a-f]{6})?(/snapshots)?")
+_STATE_TMPFS = re.compile(re.escape(str(DEFAULT_TMPFS)) + r"(\.[0-9a-f]{6})?(/snapshots|/idmap/[^/]+)?")
 
 
 def _mounts_under(config: Config) -> list[str]:

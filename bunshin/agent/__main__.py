@@ -25,9 +25,12 @@ def main(argv: list[str] | None = None) -> int:
         help="where identity.json, fork-id and session scripts go (default: /run/bunshin)",
     )
     args = parser.parse_args(argv)
-    # As PID 1 a signal without a handler is ignored: exit cleanly on these.
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, _exit_on_signal)
+    # A workspace's pid 1 installs no handler: a signal without one is ignored when
+    # sent from inside (`kill -TERM 1`, `pkill python`). The host removes a workspace
+    # with SIGKILL.
+    if os.getpid() != 1:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, _exit_on_signal)
     agent = Agent(os.path.abspath(args.run_dir))
     server = AgentServer(agent, os.path.abspath(args.socket))
     agent.start()

@@ -24,7 +24,7 @@ from pathlib import Path
 from ..errors import RuntimeFailure
 
 AGENT_SRC = Path(__file__).resolve().parent.parent / "agent"
-BUNDLE_FORMAT = "2"
+BUNDLE_FORMAT = "3"
 # Modules the agent may import lazily; imported up-front while computing the closure.
 EXTRA_MODULES = (
     "pty", "tty", "termios", "select", "selectors", "subprocess", "ctypes", "json", "base64",
@@ -135,6 +135,7 @@ def _build(out: Path) -> None:
     for f in AGENT_SRC.glob("*.py"):
         shutil.copy2(f, agent_pkg / f.name)
     (root / "run").mkdir()
+    (root / "empty").mkdir()  # bound read-only over masked /proc and /sys folders
     python = _python_binary()
     proc = subprocess.run(
         [str(python), "-S", "-c", _CLOSURE_SCRIPT, ",".join(EXTRA_MODULES)],

@@ -14,6 +14,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -23,7 +24,7 @@ import psutil
 
 from ..config import Config
 from ..errors import BunshinError, InvalidArgument, RuntimeFailure
-from . import statefs
+from . import idmap, statefs
 from . import syscalls as sc
 from .agent_bundle import AgentBundle
 from .agent_client import AgentClient
@@ -73,6 +74,7 @@ def publish_identity(rec: WorkspaceRecord, identity: dict) -> None:
     if identity.get("fork_id") is not None:
         files["fork-id"] = f"{identity['fork_id']}\n"
     dir_fd = os.open(rec.root, os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    owner = os.fstat(dir_fd).st_uid  # root inside: folders made here are its own
     try:
         for part in Path(AgentBundle.RUN_DIR).relative_to("/").parts:
             try:
@@ -80,12 +82,14 @@ def publish_identity(rec: WorkspaceRecord, identity: dict) -> None:
             except FileNotFoundError:
                 os.mkdir(part, 0o755, dir_fd=dir_fd)
                 child = os.open(part, os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+                os.fchown(child, owner, owner)
             except OSError as e:
                 if e.errno not in (errno.ENOTDIR, errno.ELOOP):
                     raise
                 os.unlink(part, dir_fd=dir_fd)  # a symlink or file of the workspace's: not followed
                 os.mkdir(part, 0o755, dir_fd=dir_fd)
                 child = os.open(part, os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+                os.fchown(child, owner, owner)
             os.close(dir_fd)
             dir_fd = child
         for name, text in files.items():
@@ -150,9 +154,10 @@ def create(
     try:
         for d in (rec.upper, rec.work, rec.root):
             os.makedirs(d)
-        mount_overlay(rec)
+        prepare_upper(Path(rec.upper), cfg.id_base)
+        mount_overlay(rec, cfg)
         cg = WorkspaceCgroup.create(layout, cfg.cgroup_prefix + ws_id, memory=mem_bytes, pids=pids)
-        pid = _launch(rec, cg, bundle)
+        pid = _launch(cfg, rec, cg, bundle)
         rec = rec.replace(state=WorkspaceState.RUNNING, pid=pid, pid_start=psutil.Process(pid).create_time(), owner_pid=None)
         store.save_workspace(rec)
         client = agent(rec)
@@ -168,17 +173,63 @@ def create(
         raise
 
 
-def mount_overlay(rec: WorkspaceRecord) -> None:
-    opts = f"lowerdir={':'.join(rec.lowers)},upperdir={rec.upper},workdir={rec.work}"
+_DEVICES = {  # name: (major, minor)
+    "null": (1, 3),
+    "zero": (1, 5),
+    "full": (1, 7),
+    "random": (1, 8),
+    "urandom": (1, 9),
+    "tty": (5, 0),
+}
+_DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
+              "stderr": "/proc/self/fd/2", "ptmx": "pts/ptmx"}
+
+
+def prepare_upper(upper: Path, owner: int) -> None:
+    """Lay out a new workspace's (still empty, host-made) upper before its first mount.
+
+    Root inside is the host id ``owner``, which has no capability over host-owned
+    files: the folders it must write (/, /tmp, /run, /root, /dev, /.bunshin/run) are
+    made here and given to it, and /dev's nodes are made here, since nothing inside
+    a user namespace may mknod. /.bunshin itself stays the host's.
+    """
+    def make(rel: str, mode: int, uid: int = owner) -> Path:
+        path = upper / rel
+        path.mkdir(mode=mode)
+        os.chmod(path, mode)
+        os.chown(path, uid, uid)
+        return path
+
+    os.chown(upper, owner, owner)
+    make(".bunshin", 0o755, uid=0)
+    make(".bunshin/run", 0o755)
+    for rel, mode in (("tmp", 0o1777), ("run", 0o755), ("root", 0o700), ("dev", 0o755),
+                      ("dev/pts", 0o755), ("dev/shm", 0o1777)):
+        make(rel, mode)
+    for name, (major, minor) in _DEVICES.items():
+        os.mknod(upper / "dev" / name, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
+        os.chmod(upper / "dev" / name, 0o666)
+        os.chown(upper / "dev" / name, owner, owner)
+    for name, target in _DEV_LINKS.items():
+        os.symlink(target, upper / "dev" / name)
+        os.lchown(upper / "dev" / name, owner, owner)
+
+
+def mount_overlay(rec: WorkspaceRecord, cfg: Config) -> None:
+    """Mount ``rec``'s overlay root; its (host-made) upper belongs to root inside, and
+    host-owned layers are seen through idmapped views (``idmap``)."""
+    lowers = [str(idmap.view(cfg, Path(p)) if idmap.needs_view(cfg, Path(p)) else p) for p in rec.lowers]
+    opts = f"lowerdir={':'.join(lowers)},upperdir={rec.upper},workdir={rec.work}"
     if len(opts) > 4000:
         raise InvalidArgument(f"layer stack of {len(rec.lowers)} layers is too long for one overlay mount")
+    os.chown(rec.upper, cfg.id_base, cfg.id_base)
     try:
         sc.mount("overlay", rec.root, "overlay", 0, opts)
     except OSError as e:
         raise RuntimeFailure(f"cannot mount the overlay root of {rec.id}: {e}") from e
 
 
-def _launch(rec: WorkspaceRecord, cg: WorkspaceCgroup, bundle: AgentBundle) -> int:
+def _launch(cfg: Config, rec: WorkspaceRecord, cg: WorkspaceCgroup, bundle: AgentBundle) -> int:
     spec = {
         "root": rec.root,
         "hostname": rec.hostname,
@@ -186,6 +237,7 @@ def _launch(rec: WorkspaceRecord, cg: WorkspaceCgroup, bundle: AgentBundle) -> i
         "argv": bundle.argv,
         "env": bundle.env,
         "log": AgentBundle.LOG,
+        "ids": [cfg.id_base, cfg.id_count],
     }
     proc = subprocess.Popen(
         [sys.executable, "-m", "bunshin.runtime.init"],

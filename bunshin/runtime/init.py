@@ -1,11 +1,19 @@
 """Container launcher: ``python -m bunshin.runtime.init`` with a JSON spec on stdin.
 
 Runs on the host side of the workspace boundary, as a short-lived child of the
-creating process. It joins the workspace's cgroups, unshares the namespaces and
-forks the workspace's first process (pid 1 inside), which builds /proc and /dev
-inside the already-mounted overlay root, pivots into it and execs
-the in-workspace agent. The launcher prints pid 1's host pid and exits, so the
-workspace is re-parented away from the caller and outlives it.
+creating process. It joins the workspace's cgroups and forks a child that
+unshares a user namespace; the launcher maps the child's ids 0..n-1 to the
+unprivileged host range ``spec["ids"]`` (so uid 0 inside holds no capability in
+the host's namespace), and the child unshares the other namespaces (owned by that user
+namespace; the network namespace, lo only, is made by the launcher, as a clone's
+is made by the host) and forks the workspace's first process, pid 1 inside. The launcher
+mounts a read-only sysfs of that network namespace at /sys (in a mount namespace
+of its own: nothing appears on the host); pid 1 mounts /proc (with runc's masked
+and read-only paths), masks parts of /sys and mounts a private devpts inside the already-mounted overlay root, pivots into it, drops the
+capabilities no workspace process keeps, joins a keyring of its own, sets
+no_new_privs with the seccomp filter (``seccomp``) and execs the in-workspace
+agent. The launcher prints pid 1's host pid and exits, so the workspace is
+re-parented away from the caller and outlives it.
 
 Failures before the exec are written to stderr; on success pid 1 points its
 stderr at the agent log inside the workspace, which closes the caller's pipe.
@@ -16,19 +24,22 @@ from __future__ import annotations
 import json
 import os
 import socket
-import stat
 import sys
 
+from bunshin.agent.children import DROPPED_CAPS, PID1_ONLY_CAP
+
+from . import seccomp
 from . import syscalls as sc
 
-_DEVICES = {  # name: (major, minor)
-    "null": (1, 3),
-    "zero": (1, 5),
-    "full": (1, 7),
-    "random": (1, 8),
-    "urandom": (1, 9),
-    "tty": (5, 0),
-}
+# As runc: /proc files that show the host (bound to /dev/null), folders emptied
+# (an empty read-only folder of the agent layer bound over them), folders read-only.
+PROC_MASKED_FILES = ("kcore", "keys", "key-users", "timer_list", "sched_debug", "latency_stats",
+                     "sysrq-trigger")
+PROC_MASKED_DIRS = ("acpi", "scsi")
+PROC_READ_ONLY = ("sys", "bus", "fs", "irq")
+SYS_MASKED_DIRS = ("firmware", "devices/virtual/powercap", "kernel/security")
+EMPTY_DIR = "/.bunshin/empty"  # in the agent layer: read-only and empty
+_PROC_FLAGS = sc.MS_NOSUID | sc.MS_NODEV | sc.MS_NOEXEC
 
 
 def _mkdir(path: str, mode: int = 0o755) -> None:
@@ -38,60 +49,102 @@ def _mkdir(path: str, mode: int = 0o755) -> None:
         os.chmod(path, mode)
 
 
-def _build_dev(root: str) -> None:
-    """/dev as a folder of the upper layer (nodes, links, shm) plus a private devpts."""
-    dev = f"{root}/dev"
-    _mkdir(dev)
-    for name, (major, minor) in _DEVICES.items():
-        if not os.path.lexists(f"{dev}/{name}"):
-            os.mknod(f"{dev}/{name}", 0o666 | stat.S_IFCHR, os.makedev(major, minor))
-            os.chmod(f"{dev}/{name}", 0o666)
-    for name, target in {
-        "fd": "/proc/self/fd",
-        "stdin": "/proc/self/fd/0",
-        "stdout": "/proc/self/fd/1",
-        "stderr": "/proc/self/fd/2",
-        "ptmx": "pts/ptmx",
-    }.items():
-        if not os.path.lexists(f"{dev}/{name}"):
-            os.symlink(target, f"{dev}/{name}")
-    _mkdir(f"{dev}/pts")
-    sc.mount("devpts", f"{dev}/pts", "devpts", sc.MS_NOSUID | sc.MS_NOEXEC, "newinstance,ptmxmode=0666,mode=620")
-    _mkdir(f"{dev}/shm", 0o1777)
+def _bind_read_only(src: str, dst: str, flags: int = 0) -> None:
+    sc.mount(src, dst, None, sc.MS_BIND)
+    sc.mount(src, dst, None, sc.MS_BIND | sc.MS_REMOUNT | sc.MS_RDONLY | flags)
+
+
+def _mask_proc(root: str) -> None:
+    proc = f"{root}/proc"
+    for name in PROC_READ_ONLY:
+        if os.path.isdir(f"{proc}/{name}"):
+            _bind_read_only(f"{proc}/{name}", f"{proc}/{name}", _PROC_FLAGS)
+    for name in PROC_MASKED_FILES:
+        if os.path.exists(f"{proc}/{name}"):
+            _bind_read_only(f"{root}/dev/null", f"{proc}/{name}", sc.MS_NOSUID | sc.MS_NOEXEC)
+    for name in PROC_MASKED_DIRS:
+        if os.path.isdir(f"{proc}/{name}"):
+            _bind_read_only(f"{root}{EMPTY_DIR}", f"{proc}/{name}", _PROC_FLAGS)
+
+
+def _mask_sys(root: str) -> None:
+    """/sys is the read-only sysfs the launcher mounted (``syscalls.mount_sysfs``)."""
+    for name in SYS_MASKED_DIRS:
+        if os.path.isdir(f"{root}/sys/{name}"):
+            _bind_read_only(f"{root}{EMPTY_DIR}", f"{root}/sys/{name}", _PROC_FLAGS)
 
 
 def _build_mounts(root: str) -> None:
-    """/proc (with /proc/sys read-only) and devpts are the only mounts inside; /dev,
-    /tmp and /run are folders of the upper layer (empty ones on the host image)."""
+    """/proc (masked as runc does), /sys and devpts are the only mounts inside; /dev (its nodes made by the host), /tmp and /run are folders of the upper."""
     sc.mount("none", "/", None, sc.MS_REC | sc.MS_PRIVATE)
+    # The overlay was mounted by the host: in this user namespace's copy of the mount
+    # tree it is locked, and pivot_root refuses a locked new root. A bind of it is not.
+    sc.mount(root, root, None, sc.MS_BIND | sc.MS_REC)
     _mkdir(f"{root}/proc")
-    sc.mount("proc", f"{root}/proc", "proc", sc.MS_NOSUID | sc.MS_NODEV | sc.MS_NOEXEC)
-    # /proc/sys is global for most keys: inside it is read-only.
-    sc.mount(f"{root}/proc/sys", f"{root}/proc/sys", None, sc.MS_BIND)
-    sc.mount(f"{root}/proc/sys", f"{root}/proc/sys", None, sc.MS_BIND | sc.MS_REMOUNT | sc.MS_RDONLY)
-    _build_dev(root)
-    _mkdir(f"{root}/tmp", 0o1777)
-    _mkdir(f"{root}/run")
+    sc.mount("proc", f"{root}/proc", "proc", _PROC_FLAGS)
+    _mask_proc(root)
+    _mask_sys(root)
+    _mkdir(f"{root}/dev/pts")
+    sc.mount("devpts", f"{root}/dev/pts", "devpts", sc.MS_NOSUID | sc.MS_NOEXEC,
+             "newinstance,ptmxmode=0666,mode=620")
     os.chdir(root)
     sc.pivot_root(".", ".")
     sc.umount(".", sc.MNT_DETACH)
     os.chdir("/")
 
 
+def _lock_down() -> None:
+    """What pid 1 (and so every process of the workspace) keeps: none of the
+    capabilities its children drop but the one that confers nothing
+    (``PID1_ONLY_CAP``), a keyring of its own, no_new_privs and the seccomp filter."""
+    for name, cap in DROPPED_CAPS.items():
+        if name == PID1_ONLY_CAP:
+            continue
+        try:
+            sc.prctl(sc.PR_CAPBSET_DROP, cap)
+        except OSError:
+            pass  # a capability this kernel does not know
+    sc.join_session_keyring()
+    seccomp.install()
+
+
 def _become_pid1(spec: dict) -> None:
     """Runs as pid 1 of the new namespaces; never returns."""
     _build_mounts(spec["root"])
     socket.sethostname(spec["hostname"])
-    sc.loopback_up()
     os.setsid()
-    os.makedirs(os.path.dirname(spec["log"]), exist_ok=True)
-    log = os.open(spec["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    log = os.open(spec["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
     null = os.open("/dev/null", os.O_RDWR)
     os.dup2(null, 0)
     os.dup2(log, 1)
-    os.dup2(log, 2)  # closes the caller's stderr pipe: the caller stops waiting on it
     os.closerange(3, 1 << 16)
+    _lock_down()
+    os.dup2(1, 2)  # closes the caller's stderr pipe: the caller stops waiting on it
     os.execve(spec["argv"][0], spec["argv"], spec["env"])
+
+
+def _in_user_namespace(spec: dict, unshared: int, mapped: int) -> None:
+    """The child: a new user namespace, mapped by the launcher; then the rest."""
+    sc.unshare(sc.CLONE_NEWUSER)
+    os.write(unshared, b"u")
+    if os.read(mapped, 1) != b"m":
+        raise RuntimeError("the launcher did not map the user namespace")
+    os.setgroups([])
+    os.setresgid(0, 0, 0)
+    os.setresuid(0, 0, 0)
+    sc.unshare(sc.CLONE_NEWNS | sc.CLONE_NEWUTS | sc.CLONE_NEWIPC | sc.CLONE_NEWPID)
+    pid = os.fork()
+    if pid:
+        sys.stdout.write(f"{pid}\n")
+        sys.stdout.flush()
+        os._exit(0)
+    _become_pid1(spec)
+
+
+def _map_ids(pid: int, base: int, count: int) -> None:
+    for name in ("uid_map", "gid_map"):
+        with open(f"/proc/{pid}/{name}", "w") as f:
+            f.write(f"0 {base} {count}\n")
 
 
 def main() -> None:
@@ -99,18 +152,35 @@ def main() -> None:
     for procs in spec["cgroup_procs"]:
         with open(procs, "w") as f:
             f.write(str(os.getpid()))
-    sc.unshare(sc.CLONE_NEWNS | sc.CLONE_NEWUTS | sc.CLONE_NEWIPC | sc.CLONE_NEWNET | sc.CLONE_NEWPID)
+    # The network namespace is the host's (lo only), like a restored clone's. A sysfs
+    # needs its owner's capability, so the launcher mounts /sys, in a mount namespace
+    # of its own from which the workspace's is copied.
+    sc.new_netns()
+    sc.unshare(sc.CLONE_NEWNS)
+    sc.mount("none", "/", None, sc.MS_REC | sc.MS_PRIVATE)
+    sc.mount_sysfs(f"{spec['root']}/sys")
+    unshared_r, unshared_w = os.pipe()
+    mapped_r, mapped_w = os.pipe()
     pid = os.fork()
-    if pid:
-        sys.stdout.write(f"{pid}\n")
-        sys.stdout.flush()
-        os._exit(0)
+    if pid == 0:
+        try:
+            os.close(unshared_r)
+            os.close(mapped_w)
+            _in_user_namespace(spec, unshared_w, mapped_r)
+        except BaseException as e:  # report and die: the caller reads stderr
+            sys.stderr.write(f"workspace init failed: {type(e).__name__}: {e}\n")
+            sys.stderr.flush()
+            os._exit(1)
+    os.close(unshared_w)
+    os.close(mapped_r)
     try:
-        _become_pid1(spec)
-    except BaseException as e:  # report and die: the caller reads stderr
-        sys.stderr.write(f"workspace init failed: {type(e).__name__}: {e}\n")
-        sys.stderr.flush()
-        os._exit(1)
+        if os.read(unshared_r, 1) == b"u":
+            _map_ids(pid, *spec["ids"])
+            os.write(mapped_w, b"m")
+    finally:
+        os.close(mapped_w)
+        _, status = os.waitpid(pid, 0)
+    sys.exit(os.waitstatus_to_exitcode(status))
 
 
 if __name__ == "__main__":

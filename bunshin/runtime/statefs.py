@@ -25,6 +25,7 @@ import shutil
 from pathlib import Path
 
 from ..config import Config
+from . import idmap
 from . import syscalls as sc
 
 SOURCE = "bunshin"
@@ -39,8 +40,9 @@ def images_root(cfg: Config) -> Path:
 
 
 def own_mounts(cfg: Config) -> set[str]:
-    """The mount points that are bunshin's tmpfs itself (not workspace mounts)."""
-    return {os.path.realpath(cfg.tmpfs), os.path.realpath(images_root(cfg))}
+    """The mount points that are bunshin's own state (its tmpfs, the idmapped views of
+    host-owned layers), not workspace mounts."""
+    return {os.path.realpath(cfg.tmpfs), os.path.realpath(images_root(cfg)), *idmap.mounted(cfg)}
 
 
 def ensure(cfg: Config) -> bool:
@@ -82,6 +84,7 @@ def release(cfg: Config) -> bool:
         return False  # a workspace's overlay is still mounted
     if any(any((path / d).iterdir()) for d in _IN_USE if (path / d).is_dir()):
         return False
+    idmap.release(cfg)
     try:
         if os.path.ismount(images_root(cfg)):
             sc.umount(str(images_root(cfg)))

@@ -88,3 +88,50 @@ def loopback_up() -> None:
         req = struct.pack("16sH14x", b"lo", 0)
         flags = struct.unpack("16sH14x", fcntl.ioctl(s.fileno(), _SIOCGIFFLAGS, req))[1]
         fcntl.ioctl(s.fileno(), _SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | _IFF_UP))
+
+
+CLONE_NEWUSER = 0x10000000
+_SYS_KEYCTL = 250
+_KEYCTL_JOIN_SESSION_KEYRING = 1
+PR_CAPBSET_DROP = 24
+
+
+def prctl(option: int, a2: int = 0, a3: int = 0, a4: int = 0, a5: int = 0) -> int:
+    ret = _libc.prctl(ctypes.c_int(option), ctypes.c_ulong(a2), ctypes.c_ulong(a3),
+                      ctypes.c_ulong(a4), ctypes.c_ulong(a5))
+    if ret < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl({option}): {os.strerror(err)}")
+    return ret
+
+
+def join_session_keyring(name: str | None = None) -> None:
+    """Give the caller a new anonymous (or named) session keyring: no key of the
+    caller's old session keyring stays reachable from it or its children."""
+    arg = ctypes.c_char_p(name.encode()) if name else None
+    if _libc.syscall(ctypes.c_long(_SYS_KEYCTL), ctypes.c_int(_KEYCTL_JOIN_SESSION_KEYRING), arg) < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"keyctl(JOIN_SESSION_KEYRING): {os.strerror(err)}")
+
+
+def new_netns() -> None:
+    """Unshare a network namespace with ``lo`` up, in which root of a user namespace
+    the host made may still bind ports below 1024 and ping (it has no capability
+    there: the namespace belongs to the host)."""
+    unshare(CLONE_NEWNET)
+    loopback_up()
+    for key, value in (("ip_unprivileged_port_start", "0"), ("ping_group_range", "0 2147483647")):
+        fd = os.open(f"/proc/sys/net/ipv4/{key}", os.O_WRONLY)
+        try:
+            os.write(fd, value.encode())
+        finally:
+            os.close(fd)
+
+
+def mount_sysfs(target: str) -> None:
+    """A read-only sysfs at ``target`` showing the caller's network namespace (made
+    by the host: in a workspace's user namespace ``mount sysfs`` is refused for a
+    network namespace the host owns)."""
+    if not os.path.isdir(target):
+        os.mkdir(target, 0o755)
+    mount("sysfs", target, "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)

@@ -42,10 +42,11 @@ class RunningAgent:
             return []
 
     def stop(self) -> None:
-        """SIGTERM the agent; it must exit and take every child with it."""
+        """SIGTERM the agent (SIGKILL as pid 1, which ignores other signals); it must
+        exit and take every child with it."""
         left = self.descendants()
         if self.proc.poll() is None:
-            os.kill(self.agent_pid, signal.SIGTERM)
+            os.kill(self.agent_pid, signal.SIGKILL if self.prefixed else signal.SIGTERM)
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:

@@ -1,0 +1,146 @@
+"""Idmapped views of host-owned layers: the base image and the mask layer.
+
+Root inside a workspace is the host id ``Config.id_base`` (its user namespace maps
+0..id_count-1 there), which has no capability over files the host owns. Seen
+through a view, a file owned by host uid N shows as ``id_base + N``: root inside
+owns the image's files as it would in its own machine (``apt``, ``pip`` into the
+system Python, edits in /etc, all copied up into its upper), while nothing on the
+host changes owner. A view is a read-only, nosuid, nodev bind of the layer with
+``MOUNT_ATTR_IDMAP`` (Linux >= 5.12; tmpfs >= 6.3), mounted once per layer under
+``Config.tmpfs/idmap`` and shared by every workspace of the config, like the layer.
+nodev also means no device node an image brings can be opened inside.
+
+Snapshot layers need no view (they are copies of what root inside wrote, already
+owned by the mapped range); the agent layer keeps the host's ownership on purpose
+(readable, not writable inside).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import os
+from pathlib import Path
+
+from ..config import Config
+from ..errors import HostUnsupported
+from . import syscalls as sc
+
+_SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_MOUNT_SETATTR = 428, 429, 442
+_OPEN_TREE_CLONE, _AT_EMPTY_PATH, _AT_FDCWD = 1, 0x1000, -100
+_MOVE_MOUNT_F_EMPTY_PATH = 0x4
+_MOUNT_ATTR_RDONLY, _MOUNT_ATTR_NOSUID, _MOUNT_ATTR_NODEV = 0x1, 0x2, 0x4
+_MOUNT_ATTR_IDMAP = 0x00100000
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+
+
+def views_dir(cfg: Config) -> Path:
+    return cfg.tmpfs / "idmap"
+
+
+def needs_view(cfg: Config, layer: Path) -> bool:
+    """Host-owned layers: everything but snapshot layers and the agent layer."""
+    if layer.parent == cfg.tmpfs / "layers":
+        return layer.name.startswith("mask-")
+    return True
+
+
+def view(cfg: Config, layer: Path) -> Path:
+    """The idmapped view of ``layer`` (mounted on first use)."""
+    digest = hashlib.sha256(str(layer).encode()).hexdigest()[:12]
+    target = views_dir(cfg) / f"{layer.name or 'root'}-{digest}"
+    if os.path.realpath(target) in mounted(cfg):
+        return target
+    views_dir(cfg).mkdir(parents=True, exist_ok=True)
+    lock = os.open(views_dir(cfg), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one mount per view, whoever asks first
+        if os.path.realpath(target) not in mounted(cfg):
+            target.mkdir(exist_ok=True)
+            _mount_view(layer, target, cfg.id_base, cfg.id_count)
+    finally:
+        os.close(lock)
+    return target
+
+
+def mounted(cfg: Config) -> set[str]:
+    """The views mounted now (bunshin's own state, like its tmpfs)."""
+    # From mountinfo: a view of a layer on bunshin's tmpfs is a bind within the same
+    # filesystem, which ``os.path.ismount`` does not see.
+    base = os.path.realpath(views_dir(cfg)) + "/"
+    with open("/proc/self/mountinfo") as f:
+        return {t for t in (line.split()[4] for line in f) if t.startswith(base) and "/" not in t[len(base):]}
+
+
+def release(cfg: Config) -> None:
+    """Unmount every view (they are rebuilt on next use)."""
+    for target in mounted(cfg):
+        try:
+            sc.umount(target, sc.MNT_DETACH)
+        except OSError:
+            pass
+
+
+def _syscall(nr: int, *args: object) -> int:
+    ret = sc._libc.syscall(ctypes.c_long(nr), *args)
+    if ret < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return ret
+
+
+def _mount_view(layer: Path, target: Path, base: int, count: int) -> None:
+    userns = _userns_fd(base, count)
+    tree = -1
+    try:
+        tree = _syscall(_SYS_OPEN_TREE, ctypes.c_int(_AT_FDCWD), str(layer).encode(),
+                        ctypes.c_uint(_OPEN_TREE_CLONE | os.O_CLOEXEC))
+        attr = _MountAttr(_MOUNT_ATTR_IDMAP | _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV,
+                          0, 0, userns)
+        _syscall(_SYS_MOUNT_SETATTR, ctypes.c_int(tree), b"", ctypes.c_uint(_AT_EMPTY_PATH),
+                 ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)))
+        _syscall(_SYS_MOVE_MOUNT, ctypes.c_int(tree), b"", ctypes.c_int(_AT_FDCWD), str(target).encode(),
+                 ctypes.c_uint(_MOVE_MOUNT_F_EMPTY_PATH))
+    except OSError as e:
+        raise HostUnsupported(
+            f"cannot make an idmapped view of {layer}: {e.strerror}",
+            hint="workspaces need idmapped mounts (Linux >= 5.12; tmpfs >= 6.3) on the image's filesystem",
+        ) from e
+    finally:
+        if tree >= 0:
+            os.close(tree)
+        os.close(userns)
+
+
+def _userns_fd(base: int, count: int) -> int:
+    """An fd of a user namespace mapping 0..count-1 to base.. (held by no process)."""
+    ready_r, ready_w = os.pipe()
+    done_r, done_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # plain syscalls only: the parent may have threads
+        try:
+            os.close(done_w)
+            os.close(ready_r)
+            sc.unshare(sc.CLONE_NEWUSER)
+            os.write(ready_w, b"u")
+            os.read(done_r, 1)
+        finally:
+            os._exit(0)
+    os.close(ready_w)
+    os.close(done_r)
+    try:
+        if os.read(ready_r, 1) != b"u":
+            raise OSError(0, "the helper could not unshare a user namespace")
+        for name in ("uid_map", "gid_map"):
+            with open(f"/proc/{pid}/{name}", "w") as f:
+                f.write(f"0 {base} {count}\n")
+        return os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        os.close(done_w)
+        os.close(ready_r)
+        os.waitpid(pid, 0)
