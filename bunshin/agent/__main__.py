@@ -28,7 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     # A workspace's pid 1 installs no handler: a signal without one is ignored when
     # sent from inside (`kill -TERM 1`, `pkill python`). The host removes a workspace
     # with SIGKILL.
-    if os.getpid() != 1:
+    if os.getpid() == 1:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # not Python's KeyboardInterrupt
+    else:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, _exit_on_signal)
     agent = Agent(os.path.abspath(args.run_dir))

@@ -45,6 +45,28 @@ def workspace_dir(cfg: Config, ws_id: str) -> Path:
     return cfg.tmpfs / "workspaces" / ws_id
 
 
+def upper_size(memory_limit: int | None) -> int | None:
+    """The size of a workspace's upper: half its memory limit (its files are memory,
+    charged to it: a workspace that fills /tmp gets ENOSPC while its agent and its
+    processes still have room), None (half the host's memory) without a limit."""
+    return None if memory_limit is None else max(memory_limit // 2, 16 << 20)
+
+
+def make_workspace_dir(rec: WorkspaceRecord) -> None:
+    """The workspace's folder, a tmpfs of ``upper_size`` holding its upper, the
+    overlay's work folder and the root mount point."""
+    wdir = Path(rec.upper).parent
+    wdir.mkdir(parents=True)
+    size = upper_size(rec.memory_limit)
+    opts = "mode=0755" + (f",size={size}" if size is not None else "")
+    try:
+        sc.mount("bunshin-upper", str(wdir), "tmpfs", sc.MS_NOSUID | sc.MS_NODEV, opts)
+    except OSError as e:
+        raise RuntimeFailure(f"cannot mount the upper tmpfs of {rec.id}: {e}") from e
+    for d in (rec.upper, rec.work, rec.root):
+        os.mkdir(d)
+
+
 def socket_path(rec: WorkspaceRecord) -> Path:
     return Path(rec.root) / AgentBundle.SOCKET.lstrip("/")
 
@@ -152,8 +174,7 @@ def create(
     )
     store.add_workspace(rec)
     try:
-        for d in (rec.upper, rec.work, rec.root):
-            os.makedirs(d)
+        make_workspace_dir(rec)
         prepare_upper(Path(rec.upper), cfg.id_base)
         mount_overlay(rec, cfg)
         cg = WorkspaceCgroup.create(layout, cfg.cgroup_prefix + ws_id, memory=mem_bytes, pids=pids)
@@ -311,8 +332,10 @@ def destroy(cfg: Config, store: Store, rec: WorkspaceRecord) -> None:
         except ProcessLookupError:
             pass
     cg.kill_all()
-    while is_mounted(rec.root):
-        sc.umount(rec.root, sc.MNT_DETACH)
-    shutil.rmtree(workspace_dir(cfg, rec.id), ignore_errors=True)
+    wdir = workspace_dir(cfg, rec.id)
+    for mount_point in (rec.root, str(wdir)):
+        while is_mounted(mount_point):
+            sc.umount(mount_point, sc.MNT_DETACH)
+    shutil.rmtree(wdir, ignore_errors=True)
     cg.destroy()
     store.delete_workspace(rec.id)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Config
-from . import criu, statefs
+from . import criu, idmap, init, seccomp, statefs
 from .cgroups import Layout
 
 MIN_CRIU = (4, 2)
@@ -124,12 +124,30 @@ def _pycriu():
     return True, f"pycriu from {Path(pycriu.__file__).parent}", None
 
 
+def _isolation(cfg: Config):
+    """The isolation every workspace runs under, and whether this host can give it."""
+    idmap.probe(cfg)
+    actions = Path("/proc/sys/kernel/seccomp/actions_avail").read_text().split()
+    missing = {"errno", "kill_process", "allow"} - set(actions)
+    if missing:
+        return False, f"seccomp lacks {sorted(missing)}", "use a kernel with CONFIG_SECCOMP_FILTER"
+    detail = (
+        f"user namespace per workspace (root inside = host uid {cfg.id_base}, {cfg.id_count} ids), "
+        "idmapped read-only views of the image; seccomp deny-list of "
+        f"{len(seccomp.DENIED) + len(seccomp.AT_PID1) + 3} syscalls + no_new_privs; "
+        f"masked /proc ({', '.join(init.PROC_MASKED_FILES + init.PROC_MASKED_DIRS)}), read-only "
+        f"/proc/{{{','.join(init.PROC_READ_ONLY)}}} and /sys; own session keyring; pid 1 unreachable from inside"
+    )
+    return True, detail, None
+
+
 def run_checks(cfg: Config) -> list[Check]:
     return [
         _check("root", _root),
         _check("kernel", _kernel),
         _check("overlayfs", _overlay),
         _check("namespaces", _namespaces),
+        _check("isolation", lambda: _isolation(cfg)),
         _check("cgroups", _cgroups),
         _check("tmpfs", lambda: _tmpfs(cfg)),
         _check("huge pages", lambda: _huge_pages(cfg), required=False),

@@ -94,7 +94,13 @@ def _syscall(nr: int, *args: object) -> int:
     return ret
 
 
-def _mount_view(layer: Path, target: Path, base: int, count: int) -> None:
+def probe(cfg: Config, layer: Path = Path("/")) -> None:
+    """Make a view of ``layer`` without attaching it anywhere (``doctor``); raises
+    HostUnsupported if this host cannot."""
+    _mount_view(layer, None, cfg.id_base, cfg.id_count)
+
+
+def _mount_view(layer: Path, target: Path | None, base: int, count: int) -> None:
     userns = _userns_fd(base, count)
     tree = -1
     try:
@@ -104,8 +110,9 @@ def _mount_view(layer: Path, target: Path, base: int, count: int) -> None:
                           0, 0, userns)
         _syscall(_SYS_MOUNT_SETATTR, ctypes.c_int(tree), b"", ctypes.c_uint(_AT_EMPTY_PATH),
                  ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)))
-        _syscall(_SYS_MOVE_MOUNT, ctypes.c_int(tree), b"", ctypes.c_int(_AT_FDCWD), str(target).encode(),
-                 ctypes.c_uint(_MOVE_MOUNT_F_EMPTY_PATH))
+        if target is not None:
+            _syscall(_SYS_MOVE_MOUNT, ctypes.c_int(tree), b"", ctypes.c_int(_AT_FDCWD),
+                     str(target).encode(), ctypes.c_uint(_MOVE_MOUNT_F_EMPTY_PATH))
     except OSError as e:
         raise HostUnsupported(
             f"cannot make an idmapped view of {layer}: {e.strerror}",
