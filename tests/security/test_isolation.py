@@ -197,6 +197,29 @@ def test_a_full_tmp_leaves_the_agent_working(ws):
     assert ws.exec("rm /tmp/fill && echo x > /tmp/y && cat /tmp/y").stdout == "x\n"
 
 
+def test_a_forks_frozen_files_are_charged_to_the_workspace(no_leaks):
+    from bunshin.errors import ResourceExhausted
+    from bunshin.runtime.cgroups import WorkspaceCgroup
+
+    ws = Workspace.create("host", memory="256M", pids=64, config=no_leaks)
+    clones = []
+    try:
+        assert ws.exec("head -c 40000000 /dev/urandom > /tmp/data").exit_code == 0
+        rec = ws.record
+        cg = WorkspaceCgroup(rec.cgroup_version, tuple((c, Path(p)) for c, p in rec.cgroups))
+        before = cg.memory_bytes()
+        clones += ws.fork(1)
+        assert cg.memory_bytes() - before > 35_000_000  # the 40 MB copy went on its bill
+        assert ws.exec("head -c 90000000 /dev/urandom > /tmp/more").exit_code == 0
+        with pytest.raises(ResourceExhausted, match="charged to it"):
+            ws.fork(1)  # a copy of 130 MB no longer fits: refused before anything is frozen
+        assert ws.exec("echo alive").stdout == "alive\n"
+    finally:
+        for c in clones:
+            c.remove()
+        ws.remove()
+
+
 # ---------------------------------------------------------------- helpers
 
 
