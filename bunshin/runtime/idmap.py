@@ -3,8 +3,8 @@
 Root inside a workspace is the host id ``Config.id_base`` (its user namespace maps
 0..id_count-1 there), which has no capability over files the host owns. Seen
 through a view, a file owned by host uid N shows as ``id_base + N``: root inside
-owns the image's files as it would in its own machine (``apt``, ``pip`` into the
-system Python, edits in /etc, all copied up into its upper), while nothing on the
+owns the image's files as it would in its own machine (``pip`` into the system
+Python, edits in /etc, all copied up into its upper), while nothing on the
 host changes owner. A view is a read-only, nosuid, nodev bind of the layer with
 ``MOUNT_ATTR_IDMAP`` (Linux >= 5.12; tmpfs >= 6.3), mounted once per layer under
 ``Config.tmpfs/idmap`` and shared by every workspace of the config, like the layer.
