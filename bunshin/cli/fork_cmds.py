@@ -20,7 +20,7 @@ from ..workspace.family import SnapshotNode, WorkspaceNode, build
 
 _SNAPSHOT_VERBS = {"save": 2, "load": 1, "rm": None, "ls": 0}
 _SNAPSHOT_USAGE = (
-    "bunshin snapshot WS [--json] | snapshot save SNAP DIR | snapshot load DIR [--json]"
+    "bunshin snapshot WS [--json] | snapshot save SNAP DIR | snapshot load DIR [--trust] [--json]"
     " | snapshot rm SNAP... | snapshot ls [--json]"
 )
 
@@ -38,6 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("args", nargs="+", metavar="WS | VERB ARGS")
     p.add_argument("--mode", default="cow", help="cow (default) or copy")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--trust", action="store_true",
+                   help="snapshot load: accept a folder this home did not save (it is still checked)")
     p.set_defaults(func=cmd_snapshot)
 
     p = sub.add_parser("restore", help="start N workspaces from a snapshot")
@@ -90,7 +92,7 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
         folder = Snapshot.get(rest[0]).save(rest[1])
         print(folder)
     elif verb == "load":
-        snap = Snapshot.load(rest[0])
+        snap = Snapshot.load(rest[0], trust=args.trust)
         if args.json:
             output.print_json({"id": snap.id, "source": snap.record.source})
         else:

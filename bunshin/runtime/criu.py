@@ -24,6 +24,10 @@ from bunshin.errors import CriuError, HostUnsupported
 from . import syscalls as sc
 
 LOG_TAIL_LINES = 30
+# Every dump and restore ends: a crafted image (a loaded snapshot folder) must not
+# hang ``criu restore`` forever. On timeout the criu process is killed (CriuError).
+DUMP_TIMEOUT_S = 300.0
+RESTORE_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -135,7 +139,7 @@ def dump(
     leave_running: bool = True,
     extra: Sequence[str] = (),
     log_name: str = "dump.log",
-    timeout: float | None = None,
+    timeout: float | None = DUMP_TIMEOUT_S,
     placement: Placement | None = None,
 ) -> CriuRun:
     """Dump the process tree rooted at ``pid`` into ``images_dir`` (created if missing)."""
@@ -157,7 +161,7 @@ def restore(
     extra: Sequence[str] = (),
     root: Path | None = None,
     log_name: str | None = None,
-    timeout: float | None = None,
+    timeout: float | None = RESTORE_TIMEOUT_S,
     placement: Placement | None = None,
     keep_log: bool = True,
 ) -> CriuRun:

@@ -214,11 +214,15 @@ class Snapshot:
             return [cls(cfg, r) for r in rsnap.list_all(store)]
 
     @classmethod
-    def load(cls, folder: str | Path, *, config: Config | None = None) -> Snapshot:
-        """Bring back a snapshot written by :meth:`save` (kept until ``remove()``d)."""
+    def load(cls, folder: str | Path, *, config: Config | None = None, trust: bool = False) -> Snapshot:
+        """Bring back a snapshot written by :meth:`save` (kept until ``remove()``d).
+
+        The folder is untrusted input: only one this home saved, unchanged, loads
+        unless ``trust`` (then any folder does, still checked for what could harm the host).
+        """
         cfg = config or Config.from_env()
         with Store.open(cfg.db_path) as store:
-            return cls(cfg, snapshot_io.load(cfg, store, Path(folder)))
+            return cls(cfg, snapshot_io.load(cfg, store, Path(folder), trust=trust))
 
     def save(self, folder: str | Path) -> Path:
         """Write images, memory files and layers into ``folder`` (new or empty)."""

@@ -476,7 +476,7 @@ def test_save_and_load_after_everything_was_removed(family, tmp_path):
 
 
 def test_load_into_another_home(family, tmp_path):
-    """A fresh home: the agent layer comes from the folder, the mask layer is this home's own."""
+    """A fresh home: unsigned for it (``trust``); agent and mask layers are its own, built there."""
     ws = family.create()
     expected = start_probe(ws)
     snap = family.snapshot(ws)
@@ -484,7 +484,9 @@ def test_load_into_another_home(family, tmp_path):
     other = Config.for_home(tmp_path / "home2", criu=family.cfg.criu)
     clones: list[Workspace] = []
     try:
-        loaded = Snapshot.load(folder, config=other)
+        with pytest.raises(InvalidArgument, match="--trust"):
+            Snapshot.load(folder, config=other)  # another home's key signed it
+        loaded = Snapshot.load(folder, config=other, trust=True)
         assert all(str(other.tmpfs) in p for p in (loaded.record.layer, *loaded.record.lowers[:-1]))
         clones = loaded.restore(1)
         assert ask(clones[0], "sum") == expected
