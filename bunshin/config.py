@@ -76,8 +76,3 @@ class Config:
     def snapshot_key_path(self) -> Path:
         """The secret (32 bytes, mode 0600) that signs the snapshot folders this home saves."""
         return self.home / "snapshot.key"
-
-    @property
-    def snapshot_key_path(self) -> Path:
-        """The secret (32 bytes, mode 0600) that signs the snapshot folders this home saves."""
-        return self.home / "snapshot.key"
