@@ -60,7 +60,7 @@ from ..errors import (
     RuntimeFailure,
     SnapshotNotFound,
 )
-from . import agent_bundle, images, memfile, statefs
+from . import agent_bundle, image_policy, images, memfile, statefs
 from . import snapshot as rsnap
 from .cgroups import parse_size
 from .store import Store
@@ -644,6 +644,7 @@ def _load(cfg: Config, store: Store, folder: _Folder) -> rsnap.SnapshotRecord:
         (sdir / "images").mkdir(parents=True)
         for rel in sorted(r for r in folder.fds if r.startswith("images/")):
             _copy_in(folder, rel, sdir / rel, 0o644)  # read by criu inside the clone's user namespace
+        image_policy.check(sdir / "images", cfg)  # trusted or not: criu restore runs as host root
         for entry in todo:
             _extract(cfg, folder, entry, mems[entry["name"]], sdir)
         rec = dataclasses.replace(rec, owner_pid=None)

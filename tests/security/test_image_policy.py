@@ -93,3 +93,27 @@ def test_garbage_images_are_a_clear_error(images, no_leaks):
     (images / "pstree.img").write_bytes(b"\x00garbage")
     with pytest.raises(InvalidArgument, match="damaged|seccomp"):
         image_policy.check(images, no_leaks)
+
+
+def test_load_refuses_edited_images_even_when_trusted(no_leaks, tmp_path):
+    from bunshin.runtime import snapshot as rsnap
+    from bunshin.runtime.store import Store
+    from bunshin.workspace import Snapshot
+
+    ws = Workspace.create("host", memory="256M", pids=64, config=no_leaks)
+    try:
+        snap = ws.snapshot()
+        folder = snap.save(tmp_path / "saved")
+        snap.remove()
+    finally:
+        ws.remove()
+
+    def to_root(img):
+        for entry in img["entries"]:
+            entry["uid_map"] = entry["gid_map"] = [{"first": 0, "lower_first": 0, "count": 65536}]
+
+    _edit(next((folder / "images").glob("userns-*.img")), to_root)
+    with pytest.raises(InvalidArgument, match="map the user namespace"):
+        Snapshot.load(folder, config=no_leaks, trust=True)
+    with Store.open(no_leaks.db_path) as store:
+        assert rsnap.list_all(store) == []  # nothing recorded, nothing left on tmpfs (no_leaks)
