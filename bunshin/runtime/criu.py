@@ -54,9 +54,16 @@ class Placement:
     netns: str | None = None  # join this network namespace (e.g. /proc/PID/ns/net)
     new_netns: bool = False  # or unshare a fresh one and bring lo up
     cgroup_procs: tuple[str, ...] = ()  # cgroup.procs files to join
+    # a new session keyring: restored tasks keep criu's, which would be the host's
+    own_keyring: bool = False
+    # with new_netns: mount that namespace's sysfs here, in a mount namespace of criu's
+    # own (a restore passes it as the external /sys mount)
+    sysfs: str | None = None
 
     def enter(self) -> None:
         """Runs in the criu child between fork and exec: plain syscalls only."""
+        if self.own_keyring:
+            sc.join_session_keyring()
         for procs in self.cgroup_procs:
             fd = os.open(procs, os.O_WRONLY)
             try:
@@ -70,8 +77,11 @@ class Placement:
             finally:
                 os.close(fd)
         elif self.new_netns:
-            sc.unshare(sc.CLONE_NEWNET)
-            sc.loopback_up()
+            sc.new_netns()
+            if self.sysfs is not None:
+                sc.unshare(sc.CLONE_NEWNS)
+                sc.mount("none", "/", None, sc.MS_REC | sc.MS_PRIVATE)
+                sc.mount_sysfs(self.sysfs)
 
 
 def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
