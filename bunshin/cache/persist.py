@@ -34,7 +34,7 @@ FILE = "tree.json"
 SNAPSHOTS = "snapshots"
 
 
-def store_resolver(config: Config | None, directory: Path) -> Callable[[str], Any]:
+def store_resolver(config: Config | None, directory: Path, *, trust: bool = False) -> Callable[[str], Any]:
     def resolve(snap_id: str) -> Any:
         from ..workspace import Snapshot
 
@@ -45,7 +45,7 @@ def store_resolver(config: Config | None, directory: Path) -> Callable[[str], An
             folder = directory / SNAPSHOTS / snap_id
             if not folder.is_dir():
                 raise
-            return Snapshot.load(folder, config=cfg)
+            return Snapshot.load(folder, config=cfg, trust=trust)  # signed by this home unless trusted
 
     return resolve
 

@@ -125,17 +125,18 @@ class PrefixCache:
     @classmethod
     def load(cls, directory: str | Path, tools: ToolSet, *, config: Config | None = None,
              policy: CachePolicy | None = None, speculation: SpeculationPolicy | None = None,
-             resolve: Callable[[str], Any] | None = None) -> PrefixCache:
+             resolve: Callable[[str], Any] | None = None, trust: bool = False) -> PrefixCache:
         """A cache holding the trees saved in ``directory``.
 
         Each snapshot comes from bunshin's store (``config``) if it is still there,
         else from its saved folder; one found in neither is dropped. ``resolve``
         replaces that lookup (id -> Snapshot). The roots (``roots()``) belong to the
-        caller, the other snapshots to the cache.
+        caller, the other snapshots to the cache. Snapshot folders are untrusted input:
+        only those this home saved load, unless ``trust`` (see ``Snapshot.load``).
         """
         cache = cls(tools, policy=policy, speculation=speculation)
         directory = Path(directory)
-        persist.load(cache, directory, resolve or persist.store_resolver(config, directory))
+        persist.load(cache, directory, resolve or persist.store_resolver(config, directory, trust=trust))
         return cache
 
     async def aclose(self, *, keep_snapshots: bool = False) -> None:
