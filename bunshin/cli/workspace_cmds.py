@@ -22,6 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", help="a name to refer to it by")
     p.add_argument("--memory", default="2G", help="memory limit, e.g. 512M, 2G (default 2G)")
     p.add_argument("--pids", type=int, default=512, help="process limit (default 512)")
+    p.add_argument("--mount", action="append", default=[], metavar="HOST:PATH[:ro|rw]",
+                   help="share a host folder at PATH inside (read-only unless :rw; clones share it too)")
     p.add_argument("--json", action="store_true", help="print a JSON object")
     p.add_argument("cmd", nargs="*", help="-- CMD...: a long-lived command to run inside")
     p.set_defaults(func=cmd_create)
@@ -57,7 +59,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_create(args: argparse.Namespace) -> int:
     command = args.cmd or None
     t0 = time.perf_counter()
-    ws = Workspace.create(args.image, name=args.name, memory=args.memory, pids=args.pids, command=command)
+    ws = Workspace.create(args.image, name=args.name, memory=args.memory, pids=args.pids, command=command,
+                          mounts=args.mount)
     if args.json:
         output.print_json({"id": ws.id, "name": ws.name, "image": args.image, "pid": ws.record.pid,
                            "create_ms": round((time.perf_counter() - t0) * 1000, 1)})

@@ -196,7 +196,8 @@ class TaskEnv:
     async def _create_and_setup(self) -> Workspace:
         task = self.task
         ws = await in_thread(lambda: Workspace.create(task.image, memory=task.memory, pids=task.pids,
-                                                      config=self.config), undo=Workspace.remove)
+                                                      config=self.config, mounts=task.mounts),
+                             undo=Workspace.remove)
         try:
             await setup_workspace(ws, task, self.tools)
         except BaseException:

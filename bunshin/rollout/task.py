@@ -6,6 +6,7 @@ A task file (YAML or JSON) looks like::
     image: host                 # 'host' or a root filesystem folder
     memory: 1G
     files: {/work/hello.py: "print('hi')\\n"}   # written before setup
+    mounts: ["/srv/data:/data"]  # host folders shared on purpose: HOST:PATH[:ro|rw] (ro default)
     setup:                      # run once per task root (per trajectory in baseline mode)
       - pip --version
       - {run: "python3 /opt/server.py", background: true}
@@ -33,6 +34,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..errors import InvalidArgument
+from ..runtime.records import check_mounts
 
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?(?:inf|nan)\b", re.I)
 
@@ -84,6 +86,7 @@ class TaskSpec(BaseModel):
     memory: str | int | None = "2G"
     pids: int | None = Field(default=512, gt=0)
     files: dict[str, str] = Field(default_factory=dict)
+    mounts: tuple[str, ...] = ()  # checked, as "HOST:PATH:ro|rw"
     setup: tuple[SetupStep, ...] = ()
     tools: tuple[str, ...] | None = None
     workdir: str = Field(default="/", pattern=r"^/")
@@ -108,6 +111,16 @@ class TaskSpec(BaseModel):
     @classmethod
     def _reward(cls, v: Any) -> Any:
         return {"command": v} if isinstance(v, str) else v
+
+    @field_validator("mounts", mode="before")
+    @classmethod
+    def _mounts(cls, v: Any) -> Any:
+        if not isinstance(v, list | tuple):
+            raise ValueError("a list of HOST:PATH[:ro|rw] strings or {host, path, read_only} mappings")
+        try:
+            return tuple(str(m) for m in check_mounts(v))
+        except InvalidArgument as e:
+            raise ValueError(str(e)) from None
 
     @field_validator("files")
     @classmethod

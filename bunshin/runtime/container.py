@@ -18,6 +18,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import psutil
@@ -30,7 +31,7 @@ from .agent_bundle import AgentBundle
 from .agent_client import AgentClient
 from .cgroups import Layout, WorkspaceCgroup, parse_size
 from .images import lower_layers
-from .records import WorkspaceRecord, WorkspaceState
+from .records import Mount, WorkspaceRecord, WorkspaceState, check_mounts
 from .store import Store
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -125,6 +126,20 @@ def publish_identity(rec: WorkspaceRecord, identity: dict) -> None:
         os.close(dir_fd)
 
 
+def check_shared(cfg: Config, mounts: Sequence[Mount | str]) -> tuple[Mount, ...]:
+    """``mounts`` checked (``records.check_mounts``), none holding or inside bunshin's own state."""
+    if isinstance(mounts, str | Mount):
+        mounts = [mounts]
+    out = check_mounts(mounts)
+    own = [cfg.home.resolve(), Path(os.path.realpath(cfg.tmpfs)), Path("/var/lib/bunshin"), Path("/opt/bunshin")]
+    for m in out:
+        host = Path(m.host)
+        if any(host.is_relative_to(p) or p.is_relative_to(host) for p in own):
+            raise InvalidArgument(f"mount host folder {host} holds or lies in bunshin's own state",
+                                  hint="share a folder outside " + ", ".join(map(str, own)))
+    return out
+
+
 def validate_name(name: str | None) -> None:
     if name is not None and not _NAME.match(name):
         raise InvalidArgument(
@@ -142,9 +157,13 @@ def create(
     memory: str | int | None = "2G",
     pids: int | None = 512,
     command: list[str] | None = None,
+    mounts: Sequence[Mount | str] = (),
 ) -> WorkspaceRecord:
-    """Create and start a workspace; returns its record in state RUNNING."""
+    """Create and start a workspace; returns its record in state RUNNING.
+
+    ``mounts``: host folders shared on purpose (``Mount``, or ``HOST:PATH[:ro|rw]``)."""
     validate_name(name)
+    shared = check_shared(cfg, mounts)
     mem_bytes = parse_size(memory)
     if pids is not None and pids < 8:
         raise InvalidArgument(f"pids limit {pids} is too small", hint="give at least 8 (the agent needs a few)")
@@ -171,6 +190,7 @@ def create(
         hostname=name or ws_id,
         owner_pid=os.getpid(),
         command=tuple(command) if command else None,
+        mounts=shared,
     )
     store.add_workspace(rec)
     try:
@@ -259,6 +279,7 @@ def _launch(cfg: Config, rec: WorkspaceRecord, cg: WorkspaceCgroup, bundle: Agen
         "env": bundle.env,
         "log": AgentBundle.LOG,
         "ids": [cfg.id_base, cfg.id_count],
+        "mounts": [{"source": str(idmap.share(cfg, m)), "path": m.path} for m in rec.mounts],
     }
     proc = subprocess.Popen(
         [sys.executable, "-m", "bunshin.runtime.init"],

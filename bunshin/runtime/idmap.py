@@ -1,4 +1,5 @@
-"""Idmapped views of host-owned layers: the base image and the mask layer.
+"""Idmapped views of host-owned layers (the base image and the mask layer), and the
+host's views of folders shared on purpose (``share``).
 
 Root inside a workspace is the host id ``Config.id_base`` (its user namespace maps
 0..id_count-1 there), which has no capability over files the host owns. Seen
@@ -18,14 +19,17 @@ owned by the mapped range); the agent layer keeps the host's ownership on purpos
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from ..config import Config
-from ..errors import HostUnsupported
+from ..errors import HostUnsupported, InvalidArgument
 from . import syscalls as sc
+from .records import Mount
 
 _SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_MOUNT_SETATTR = 428, 429, 442
 _OPEN_TREE_CLONE, _AT_EMPTY_PATH, _AT_FDCWD = 1, 0x1000, -100
@@ -54,6 +58,27 @@ def view(cfg: Config, layer: Path) -> Path:
     """The idmapped view of ``layer`` (mounted on first use)."""
     digest = hashlib.sha256(str(layer).encode()).hexdigest()[:12]
     target = views_dir(cfg) / f"{layer.name or 'root'}-{digest}"
+    return _ensure(cfg, target, lambda: _mount_view(layer, target, cfg.id_base, cfg.id_count))
+
+
+def share(cfg: Config, mount: Mount) -> Path:
+    """The host's view of a folder shared on purpose (``--mount``), mounted on first use.
+
+    Read-only: idmapped like a layer (its files owned inside as on the host), read-only,
+    nosuid, nodev. Read-write: a plain nosuid, nodev bind, not idmapped: what the
+    workspace creates there belongs to host uid ``id_base`` (never host root), the
+    host's files show as nobody inside. Workspaces (and the CRIU restore of a clone)
+    bind this view, never the host path: the folder is opened once, here, walking
+    ``mount.host`` without following a symlink.
+    """
+    kind = "ro" if mount.read_only else "rw"
+    digest = hashlib.sha256(f"{kind}:{mount.host}".encode()).hexdigest()[:12]
+    target = views_dir(cfg) / f"share-{kind}-{Path(mount.host).name or 'root'}-{digest}"
+    return _ensure(cfg, target, lambda: _mount_view(Path(mount.host), target, cfg.id_base, cfg.id_count,
+                                                     idmapped=mount.read_only, walk=True))
+
+
+def _ensure(cfg: Config, target: Path, mount: Callable[[], None]) -> Path:
     if os.path.realpath(target) in mounted(cfg):
         return target
     views_dir(cfg).mkdir(parents=True, exist_ok=True)
@@ -62,7 +87,7 @@ def view(cfg: Config, layer: Path) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one mount per view, whoever asks first
         if os.path.realpath(target) not in mounted(cfg):
             target.mkdir(exist_ok=True)
-            _mount_view(layer, target, cfg.id_base, cfg.id_count)
+            mount()
     finally:
         os.close(lock)
     return target
@@ -100,28 +125,52 @@ def probe(cfg: Config, layer: Path = Path("/")) -> None:
     _mount_view(layer, None, cfg.id_base, cfg.id_count)
 
 
-def _mount_view(layer: Path, target: Path | None, base: int, count: int) -> None:
-    userns = _userns_fd(base, count)
-    tree = -1
+def _open_folder(path: Path) -> int:
+    """An O_PATH fd of the folder ``path``, reached without following any symlink."""
+    fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        tree = _syscall(_SYS_OPEN_TREE, ctypes.c_int(_AT_FDCWD), str(layer).encode(),
-                        ctypes.c_uint(_OPEN_TREE_CLONE | os.O_CLOEXEC))
-        attr = _MountAttr(_MOUNT_ATTR_IDMAP | _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV,
-                          0, 0, userns)
+        for part in path.relative_to("/").parts:
+            child = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _mount_view(layer: Path, target: Path | None, base: int, count: int, *,
+                idmapped: bool = True, walk: bool = False) -> None:
+    """``idmapped``: mapped to base.. and read-only; else a plain bind. Always nosuid, nodev.
+    ``walk``: ``layer`` is reached without following symlinks."""
+    userns = tree = src = -1
+    try:
+        if walk:
+            src = _open_folder(layer)
+        if idmapped:
+            userns = _userns_fd(base, count)
+        tree = _syscall(_SYS_OPEN_TREE, ctypes.c_int(src if walk else _AT_FDCWD), b"" if walk else str(layer).encode(),
+                        ctypes.c_uint(_OPEN_TREE_CLONE | os.O_CLOEXEC | (_AT_EMPTY_PATH if walk else 0)))
+        flags = _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV
+        attr = (_MountAttr(flags | _MOUNT_ATTR_IDMAP | _MOUNT_ATTR_RDONLY, 0, 0, userns) if idmapped
+                else _MountAttr(flags, 0, 0, 0))
         _syscall(_SYS_MOUNT_SETATTR, ctypes.c_int(tree), b"", ctypes.c_uint(_AT_EMPTY_PATH),
                  ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)))
         if target is not None:
             _syscall(_SYS_MOVE_MOUNT, ctypes.c_int(tree), b"", ctypes.c_int(_AT_FDCWD),
                      str(target).encode(), ctypes.c_uint(_MOVE_MOUNT_F_EMPTY_PATH))
     except OSError as e:
+        if walk and e.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+            raise InvalidArgument(f"cannot share {layer}: {e.strerror} on its path",
+                                  hint="a shared folder is reached without following symlinks") from e
         raise HostUnsupported(
-            f"cannot make an idmapped view of {layer}: {e.strerror}",
+            f"cannot make {'an idmapped' if idmapped else 'a'} view of {layer}: {e.strerror}",
             hint="workspaces need idmapped mounts (Linux >= 5.12; tmpfs >= 6.3) on the image's filesystem",
         ) from e
     finally:
-        if tree >= 0:
-            os.close(tree)
-        os.close(userns)
+        for fd in (tree, src, userns):
+            if fd >= 0:
+                os.close(fd)
 
 
 def _userns_fd(base: int, count: int) -> int:

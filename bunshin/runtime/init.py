@@ -141,6 +141,39 @@ def _in_user_namespace(spec: dict, unshared: int, mapped: int) -> None:
     _become_pid1(spec)
 
 
+def _mount_point(root: str, path: str, owner: int) -> int:
+    """An O_PATH fd of the folder ``root``/``path``, made (owned by root inside) where
+    missing; nothing on the way is followed (the image's symlinks name host paths here)."""
+    fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for part in path.strip("/").split("/"):
+            try:
+                child = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except FileNotFoundError:
+                os.mkdir(part, 0o755, dir_fd=fd)
+                os.chown(part, owner, owner, dir_fd=fd, follow_symlinks=False)
+                child = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as e:
+                raise RuntimeError(f"mount point {path}: {part!r} is not a folder in the image ({e.strerror})") from e
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _bind_shared(root: str, mounts: list[dict], owner: int) -> None:
+    """Host folders shared on purpose: the host's views of them (``idmap.share``) bound
+    at their paths, in this mount namespace only (the workspace's is copied from it)."""
+    for m in mounts:
+        fd = _mount_point(root, m["path"], owner)
+        try:
+            sc.mount(m["source"], f"/proc/self/fd/{fd}", None, sc.MS_BIND)
+        finally:
+            os.close(fd)
+
+
 def _map_ids(pid: int, base: int, count: int) -> None:
     for name in ("uid_map", "gid_map"):
         with open(f"/proc/{pid}/{name}", "w") as f:
@@ -159,6 +192,7 @@ def main() -> None:
     sc.unshare(sc.CLONE_NEWNS)
     sc.mount("none", "/", None, sc.MS_REC | sc.MS_PRIVATE)
     sc.mount_sysfs(f"{spec['root']}/sys")
+    _bind_shared(spec["root"], spec.get("mounts", []), spec["ids"][0])
     unshared_r, unshared_w = os.pipe()
     mapped_r, mapped_w = os.pipe()
     pid = os.fork()

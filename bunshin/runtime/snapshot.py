@@ -50,8 +50,9 @@ from ..errors import (
 from . import container, criu, memfile, statefs
 from .agent_client import quiesced
 from .cgroups import Layout, WorkspaceCgroup
+from .idmap import share as share_view
 from .memfile import criu_images
-from .records import WorkspaceRecord, WorkspaceState
+from .records import Mount, WorkspaceRecord, WorkspaceState, mounts_from_json
 from .store import Store
 
 KIND = "snapshot"
@@ -63,6 +64,17 @@ RESTORE_CONCURRENCY = 2
 # socket inside is frozen along with it.
 _COMMON = ["--network-lock", "skip", "--file-locks", "--tcp-established", "--link-remap"]
 _TS = re.compile(r"^\((\d+\.\d+)\)")
+
+
+def mount_externals(mounts: Sequence[Mount], *, dump: bool, cfg: Config | None = None) -> list[str]:
+    """Shared host folders (``--mount``) are external to CRIU too, keyed by their place in
+    the record: dumped by path, restored from the host's view (``idmap.share``), so a
+    clone shares the very folder its parent does."""
+    out: list[str] = []
+    for i, m in enumerate(mounts):
+        key = f"bunshin-mnt-{i}"
+        out += ["--external", f"mnt[{m.path}]:{key}" if dump else f"mnt[{key}]:{share_view(cfg, m)}"]
+    return out
 
 
 @dataclass(frozen=True)
@@ -90,6 +102,7 @@ class SnapshotRecord:
     image_bytes: int
     layer_bytes: int
     owner_pid: int | None = None  # the process taking, forking or loading it; sweep leaves it alone
+    mounts: tuple[Mount, ...] = ()  # the source's shared host folders, for its clones
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -98,6 +111,7 @@ class SnapshotRecord:
     def from_json(cls, text: str) -> SnapshotRecord:
         d = json.loads(text)
         d["lowers"], d["memfiles"] = tuple(d["lowers"]), tuple(d["memfiles"])
+        d["mounts"] = mounts_from_json(d.get("mounts", []))
         return cls(**d)
 
 
@@ -138,7 +152,7 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool, mode: s
     parent = _source_snapshot(store, rec)
     snap = SnapshotRecord(
         id=snap_id, source=rec.id, image=rec.image, mode=mode, keep=keep, created_at=time.time(),
-        images=str(images), layer=str(layer), lowers=rec.lowers, memfiles=(),
+        images=str(images), layer=str(layer), lowers=rec.lowers, memfiles=(), mounts=rec.mounts,
         memory_limit=rec.memory_limit, pids_limit=rec.pids_limit, hostname=rec.hostname,
         depth=(parent.depth + 1) if parent else 1, dump_ms=0, pause_ms=0, rewrite_ms=0,
         memfile_bytes=0, image_bytes=0, layer_bytes=0, owner_pid=os.getpid(),
@@ -159,6 +173,7 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool, mode: s
         # freezer every 100 ms, which adds ~100 ms to every parent pause. Cgroups
         # are not dumped either: a restore runs criu inside the clone's own.
         extra = [*_COMMON, "--manage-cgroups=ignore", "--action-script", str(script)]
+        extra += mount_externals(rec.mounts, dump=True)
         inside = criu.Placement(netns=f"/proc/{rec.pid}/ns/net")
         with quiesced(Path(rec.root).parent):  # no host call may hold a connection into it
             run = criu.dump(cfg.criu, rec.pid or 0, images, leave_running=True, extra=extra, placement=inside)
@@ -334,7 +349,7 @@ def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout
         root=str(wdir / "root"), upper=str(wdir / "upper"), work=str(wdir / "work"),
         lowers=(snap.layer, *snap.lowers), cgroup_version=layout.version, cgroups=cg.dirs_as_str(),
         memory_limit=snap.memory_limit, pids_limit=snap.pids_limit, hostname=snap.hostname,
-        owner_pid=os.getpid(), parent=snap.source, snapshot=snap.id,
+        owner_pid=os.getpid(), parent=snap.source, snapshot=snap.id, mounts=snap.mounts,
     )
     store.add_workspace(rec)
     try:
@@ -349,7 +364,8 @@ def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout
         into = criu.Placement(new_netns=True, cgroup_procs=tuple(str(p / "cgroup.procs") for p in cg.paths))
         run = criu.restore(
             cfg.criu, Path(snap.images), pidfile=wdir / "pid", root=Path(rec.root),
-            extra=[*_COMMON, "--manage-cgroups=ignore"], placement=into,
+            extra=[*_COMMON, "--manage-cgroups=ignore", *mount_externals(rec.mounts, dump=False, cfg=cfg)],
+            placement=into,
             keep_log=False,  # written from inside the clone's cgroup: it would be charged to it
         )
         assert run.pid is not None

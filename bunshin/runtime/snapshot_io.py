@@ -544,6 +544,10 @@ def _open_folder(cfg: Config, src: Path, dfd: int, trust: bool, fds: dict[str, i
     if not trust:
         _authenticate(cfg, src, manifest)
     rec = check_record(manifest.get("record"), memory_total=psutil.virtual_memory().total, pid_max=_pid_max())
+    if rec.mounts:  # host folders to share (--mount): named only by a folder the caller trusts
+        if not trust:
+            raise InvalidArgument(f"{src} shares host folders: {', '.join(map(str, rec.mounts))}", hint=_TRUST_HINT)
+        rec = dataclasses.replace(rec, mounts=rsnap.container.check_shared(cfg, rec.mounts))
     layers = check_layers(cfg, manifest.get("layers"), rec)
     snaps = [e for e in layers if e["role"] == "snapshot"]
     mems = check_memfiles(manifest.get("memfiles"), (e["name"] for e in snaps))

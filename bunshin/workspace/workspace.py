@@ -18,7 +18,7 @@ from ..runtime import snapshot as rsnap
 from ..runtime import stats as rstats
 from ..runtime.agent_client import AgentClient
 from ..runtime.agent_types import ExecResult, FileEntry, ProcessInfo, SessionResult
-from ..runtime.records import WorkspaceRecord, WorkspaceState
+from ..runtime.records import Mount, WorkspaceRecord, WorkspaceState
 from ..runtime.stats import WorkspaceStats
 from ..runtime.store import Store
 
@@ -68,12 +68,16 @@ class Workspace:
         pids: int | None = 512,
         command: Sequence[str] | None = None,
         config: Config | None = None,
+        mounts: Sequence[Mount | str] = (),
     ) -> Workspace:
-        """Start a new workspace from ``image`` ('host' or a root filesystem folder)."""
+        """Start a new workspace from ``image`` ('host' or a root filesystem folder).
+
+        ``mounts``: host folders shared on purpose, ``Mount(host, path, read_only=True)``
+        or ``"HOST:PATH[:ro|rw]"``; its clones share them too (see ``Mount``)."""
         cfg = config or Config.from_env()
         with Store.open(cfg.db_path) as store:
             rec = container.create(cfg, store, image=image, name=name, memory=memory, pids=pids,
-                                   command=list(command) if command else None)
+                                   command=list(command) if command else None, mounts=mounts)
         return cls(cfg, rec)
 
     @classmethod
