@@ -33,7 +33,7 @@ import shutil
 import stat
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +47,7 @@ from ..errors import (
     SnapshotNotFound,
     StateConflict,
 )
-from . import container, criu, memfile, statefs
+from . import container, criu, memfile, statefs, upper_copy
 from .agent_client import quiesced
 from .cgroups import Layout, WorkspaceCgroup
 from .idmap import share as share_view
@@ -63,6 +63,10 @@ RESTORE_CONCURRENCY = 2
 # namespace itself is not dumped and no network lock is needed: every peer of a
 # socket inside is frozen along with it.
 _COMMON = ["--network-lock", "skip", "--file-locks", "--tcp-established", "--link-remap"]
+# /sys is a sysfs the host mounts (a workspace's user namespace may not: see
+# ``init``): external to CRIU, a fresh one for each clone (``Placement.sysfs``).
+SYS_EXTERNAL = "bunshin-sys"
+DUMP_EXTERNAL = ["--external", f"mnt[/sys]:{SYS_EXTERNAL}"]
 _TS = re.compile(r"^\((\d+\.\d+)\)")
 
 
@@ -161,21 +165,15 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool, mode: s
     try:
         huge_memfiles = statefs.ensure(cfg)
         images.mkdir(parents=True)
-        script = sdir / "freeze-upper.sh"
-        script.write_text(
-            "#!/bin/sh\n"
-            '[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0\n'
-            f'exec cp -a --sparse=always "{rec.upper}" "{layer}"\n'
-        )
-        script.chmod(0o755)
         _check_space(cfg, rec)
         # Tasks are frozen with ptrace, not the v1 freezer cgroup: CRIU polls the
         # freezer every 100 ms, which adds ~100 ms to every parent pause. Cgroups
         # are not dumped either: a restore runs criu inside the clone's own.
-        extra = [*_COMMON, "--manage-cgroups=ignore", "--action-script", str(script)]
-        extra += mount_externals(rec.mounts, dump=True)
         inside = criu.Placement(netns=f"/proc/{rec.pid}/ns/net")
-        with quiesced(Path(rec.root).parent):  # no host call may hold a connection into it
+        with upper_copy.frozen_copy(Path(rec.upper), layer, sdir, _memory_cgroup(rec)) as script, \
+                quiesced(Path(rec.root).parent):  # no host call may hold a connection into it
+            extra = [*_COMMON, *DUMP_EXTERNAL, "--manage-cgroups=ignore", "--action-script", str(script)]
+            extra += mount_externals(rec.mounts, dump=True)
             run = criu.dump(cfg.criu, rec.pid or 0, images, leave_running=True, extra=extra, placement=inside)
         if not layer.is_dir():
             raise BunshinError(f"the upper layer of {rec.id} was not frozen", hint="see the dump log")
@@ -225,6 +223,18 @@ def _check_space(cfg: Config, rec: WorkspaceRecord) -> None:
             f"tmpfs {cfg.tmpfs} has {free >> 20} MiB free, the snapshot of {rec.id} needs about {need >> 20} MiB",
             hint="remove snapshots or workspaces, or point BUNSHIN_TMPFS at a larger tmpfs",
         )
+    upper = _du(Path(rec.upper))
+    cg = WorkspaceCgroup(rec.cgroup_version, tuple((c, Path(p)) for c, p in rec.cgroups))
+    if rec.memory_limit is not None and upper > rec.memory_limit - cg.memory_bytes():
+        raise ResourceExhausted(
+            f"the frozen copy of {rec.id}'s files ({upper >> 20} MiB) is charged to it, and its memory limit "
+            f"({rec.memory_limit >> 20} MiB) has {max(rec.memory_limit - cg.memory_bytes(), 0) >> 20} MiB left",
+            hint="delete files in the workspace (/tmp, build output) or give it a larger --memory",
+        )
+
+
+def _memory_cgroup(rec: WorkspaceRecord) -> Path | None:
+    return next((Path(p) for c, p in rec.cgroups if c == "memory"), None)
 
 
 def _tree(pid: int | None) -> list[int]:
@@ -317,27 +327,121 @@ def _du(path: Path) -> int:
 
 
 def restore(cfg: Config, store: Store, snap: SnapshotRecord, n: int) -> list[WorkspaceRecord]:
-    """``n`` new running workspaces from ``snap``; all of them or none."""
-    if n <= 0:
-        raise InvalidArgument(f"cannot restore {n} workspaces", hint="give n >= 1")
+    """``n`` new running workspaces from ``snap``; all of them or none.
+
+    All or none also under ``KeyboardInterrupt`` (pending restores are cancelled, the
+    running ones awaited, every clone made is destroyed) and under ``kill -9``: each
+    clone keeps this process as its ``owner_pid`` until the whole batch is in, so gc
+    treats the clones of a dead forker as unfinished.
+    """
+    check_batch(n, _snapshot_tasks(snap))
     layout = Layout.discover()
-    done: list[WorkspaceRecord] = []
+    pool = ThreadPoolExecutor(max_workers=min(n, RESTORE_CONCURRENCY))
+    futures: list[Future[WorkspaceRecord]] = []
     try:
-        with ThreadPoolExecutor(max_workers=min(n, RESTORE_CONCURRENCY)) as pool:
-            futures = [pool.submit(_restore_one, cfg, store, snap, layout) for _ in range(n)]
-            errors = []
-            for fut in futures:
-                try:
-                    done.append(fut.result())
-                except BaseException as e:  # collect: every clone is either returned or rolled back
-                    errors.append(e)
-            if errors:
-                raise errors[0]
+        for _ in range(n):  # one by one: an interrupt mid-way still sees every submitted future
+            futures.append(pool.submit(_restore_one, cfg, store, snap, layout))
+        done = [fut.result() for fut in futures]
+        with store.transaction():  # the batch is in: the clones are the caller's now
+            done = [rec.replace(owner_pid=None) for rec in done]
+            for rec in done:
+                store.save_workspace(rec)
+        pool.shutdown()
         return done
     except BaseException:
-        for rec in done:
-            container.destroy(cfg, store, store.get_workspace(rec.id))
+        _roll_back(cfg, store, pool, futures)
         raise
+
+
+def _roll_back(cfg: Config, store: Store, pool: ThreadPoolExecutor, futures: Sequence[Future[WorkspaceRecord]]) -> None:
+    """Cancel what has not started, wait for what runs, destroy every clone made.
+
+    A second Ctrl-C does not cut this short: the clones would be left running.
+    """
+    for fut in futures:
+        fut.cancel()
+    while True:
+        try:
+            pool.shutdown(wait=True, cancel_futures=True)
+            break
+        except KeyboardInterrupt:
+            continue
+    for fut in futures:
+        if fut.cancelled() or fut.exception() is not None:
+            continue
+        ws_id = fut.result().id
+        while True:
+            try:
+                with contextlib.suppress(BunshinError):  # gone already
+                    container.destroy(cfg, store, store.get_workspace(ws_id))
+                break
+            except KeyboardInterrupt:
+                continue
+
+
+#: Largest ``n`` of one ``fork``/``restore`` call.
+MAX_BATCH = 1024
+#: Memory a clone adds beyond what it shares with its snapshot (measured 140-320 KiB
+#: private per clone plus kernel memory: tasks, page tables, namespaces; rounded up).
+CLONE_MEMORY = 2 << 20
+#: Share of ``kernel.pid_max`` a batch must leave free.
+PID_MARGIN = 0.1
+
+
+def check_batch(n: int, tasks_per_clone: int) -> None:
+    """Refuse a batch of ``n`` clones of ``tasks_per_clone`` tasks each that cannot fit."""
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        raise InvalidArgument(f"cannot make {n!r} clones", hint="give n >= 1")
+    if n > MAX_BATCH:
+        raise InvalidArgument(f"{n} clones in one call is more than the limit of {MAX_BATCH}",
+                              hint=f"fork or restore in batches of at most {MAX_BATCH}")
+    pid_max, existing = _pid_max(), _tasks_now()
+    need = n * max(tasks_per_clone, 1)
+    room = int(pid_max * (1 - PID_MARGIN)) - existing
+    if need > room:
+        raise ResourceExhausted(
+            f"{n} clones of {tasks_per_clone} tasks need {need} pids; kernel.pid_max is {pid_max}, "
+            f"{existing} are in use and {int(pid_max * PID_MARGIN)} stay spare, so {max(room, 0)} are left",
+            hint=f"fork at most {max(room, 0) // max(tasks_per_clone, 1)} clones, remove workspaces, "
+                 "or raise kernel.pid_max (sysctl -w kernel.pid_max=4194304)",
+        )
+    available = psutil.virtual_memory().available
+    if n * CLONE_MEMORY > available:
+        raise ResourceExhausted(
+            f"{n} clones need about {n * CLONE_MEMORY >> 20} MiB ({CLONE_MEMORY >> 20} MiB each), "
+            f"only {available >> 20} MiB of memory is available",
+            hint=f"fork at most {available // CLONE_MEMORY} clones or remove workspaces to free memory",
+        )
+
+
+def _pid_max() -> int:
+    try:
+        return int(Path("/proc/sys/kernel/pid_max").read_text())
+    except (OSError, ValueError):
+        return 32768  # the kernel's default
+
+
+def _tasks_now() -> int:
+    """Threads on the machine now (the 4th field of /proc/loadavg: running/total)."""
+    try:
+        return int(Path("/proc/loadavg").read_text().split()[3].split("/")[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _snapshot_tasks(snap: SnapshotRecord) -> int:
+    """Tasks (threads) a restore of ``snap`` creates: CRIU writes one core image per thread."""
+    with contextlib.suppress(OSError):
+        return max(1, sum(1 for _ in Path(snap.images).glob("core-*.img")))
+    return 1
+
+
+def _live_tasks(rec: WorkspaceRecord) -> int:
+    total = 0
+    for pid in _tree(rec.pid):
+        with contextlib.suppress(OSError):
+            total += len(os.listdir(f"/proc/{pid}/task"))
+    return max(total, 1)
 
 
 def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout) -> WorkspaceRecord:
@@ -353,23 +457,26 @@ def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout
     )
     store.add_workspace(rec)
     try:
-        for d in (rec.upper, rec.work, rec.root):
-            os.makedirs(d)
-        container.mount_overlay(rec)
+        container.make_workspace_dir(rec)
+        container.mount_overlay(rec, cfg)
         container.publish_identity(rec, {"workspace_id": ws_id, "fork_id": ws_id, "parent": snap.source,
                                          "snapshot": snap.id, "depth": snap.depth})
         WorkspaceCgroup.create(layout, cfg.cgroup_prefix + ws_id, memory=snap.memory_limit, pids=snap.pids_limit)
         # criu starts inside the clone's cgroups and a fresh network namespace with
         # lo up; the restored tasks inherit both.
-        into = criu.Placement(new_netns=True, cgroup_procs=tuple(str(p / "cgroup.procs") for p in cg.paths))
+        sysfs = str(wdir / "sys")  # mounted in criu's own mount namespace only
+        into = criu.Placement(new_netns=True, own_keyring=True, sysfs=sysfs,
+                              cgroup_procs=tuple(str(p / "cgroup.procs") for p in cg.paths))
         run = criu.restore(
             cfg.criu, Path(snap.images), pidfile=wdir / "pid", root=Path(rec.root),
-            extra=[*_COMMON, "--manage-cgroups=ignore", *mount_externals(rec.mounts, dump=False, cfg=cfg)],
+            extra=[*_COMMON, "--external", f"mnt[{SYS_EXTERNAL}]:{sysfs}", "--manage-cgroups=ignore",
+                   *mount_externals(rec.mounts, dump=False, cfg=cfg)],
             placement=into,
             keep_log=False,  # written from inside the clone's cgroup: it would be charged to it
         )
         assert run.pid is not None
-        rec = rec.replace(state=WorkspaceState.RUNNING, pid=run.pid, owner_pid=None,
+        # owner_pid stays set until ``restore`` commits the whole batch
+        rec = rec.replace(state=WorkspaceState.RUNNING, pid=run.pid,
                           pid_start=psutil.Process(run.pid).create_time(),
                           extra={"restore_ms": round(run.duration_ms, 2)})
         store.save_workspace(rec)
@@ -386,10 +493,10 @@ def fork(cfg: Config, store: Store, rec: WorkspaceRecord, n: int, *, mode: str =
          ) -> tuple[SnapshotRecord, list[WorkspaceRecord]]:
     """One dump of ``rec`` and ``n`` restores from it; all clones or none.
 
-    The snapshot lives on while the clones stack on it and is freed with the last.
+    The snapshot lives on while the clones stack on it and is freed with the last;
+    if the restores fail or are interrupted it is freed at once.
     """
-    if n <= 0:
-        raise InvalidArgument(f"cannot fork {n} clones", hint="give n >= 1")
+    check_batch(n, _live_tasks(rec))  # before the dump: a refused fork creates nothing
     snap = take(cfg, store, rec, keep=False, mode=mode)
     try:
         clones = restore(cfg, store, snap, n)
