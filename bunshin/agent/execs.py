@@ -1,7 +1,12 @@
-"""``exec`` (run to completion, capture output), ``spawn`` and ``kill``."""
+"""``exec`` (run to completion, capture output), ``spawn`` and ``kill``.
+
+``exec`` answers its output as UTF-8 text (undecodable bytes replaced), or with
+``"binary": true`` as ``stdout_b64``/``stderr_b64``: the exact bytes, base64.
+"""
 
 from __future__ import annotations
 
+import base64
 import fcntl
 import os
 import selectors
@@ -51,6 +56,10 @@ class Capture:
     @property
     def truncated(self) -> bool:
         return self.dropped > 0
+
+    def b64(self) -> str:
+        """The kept bytes exactly, base64 (no truncation note: see ``truncated``)."""
+        return base64.b64encode(bytes(self.data)).decode("ascii")
 
     def text(self) -> str:
         text = self.data.decode("utf-8", errors="replace")
@@ -135,6 +144,7 @@ def exec_op(reaper: Reaper, req: dict[str, Any]) -> dict[str, Any]:
     cwd = arg_path(req, "cwd", None) or default_cwd(env)
     timeout = arg_timeout(req)
     limit = arg_int(req, "max_output", DEFAULT_MAX_OUTPUT)
+    binary = arg_bool(req, "binary", False)  # output as base64 of the exact bytes
     stdin_text = arg_str(req, "stdin", None)
     stdin_data = stdin_text.encode() if stdin_text else b""
     start = time.monotonic()
@@ -153,11 +163,12 @@ def exec_op(reaper: Reaper, req: dict[str, Any]) -> dict[str, Any]:
         _kill_group(child.pid)
         raise
     exit_code = child.exit_code
+    output = ({"stdout_b64": out.b64(), "stderr_b64": err.b64()} if binary
+              else {"stdout": out.text(), "stderr": err.text()})
     return {
         "exit_code": -signal.SIGKILL if exit_code is None else exit_code,
         "signal": child.signal,
-        "stdout": out.text(),
-        "stderr": err.text(),
+        **output,
         "stdout_truncated": out.truncated,
         "stderr_truncated": err.truncated,
         "timed_out": timed_out,

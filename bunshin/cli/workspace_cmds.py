@@ -14,6 +14,7 @@ from datetime import datetime
 from .. import console as output
 from ..errors import InvalidArgument
 from ..workspace import Snapshot, Workspace
+from ..workspace.workspace import check_timeout
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("exec", help="run a command in a workspace")
     p.add_argument("workspace")
-    p.add_argument("--timeout", type=float, help="kill the command (its whole process group) after S seconds")
+    p.add_argument("--timeout", type=float, help="kill the command (its whole process group) after S seconds (at most 7 days)")
     p.add_argument("--cwd", help="working directory inside the workspace")
     p.add_argument("-e", "--env", action="append", metavar="K=V", help="set an environment variable")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of streaming it")
@@ -75,14 +76,19 @@ def cmd_exec(args: argparse.Namespace) -> int:
     argv = args.cmd
     if not argv:
         raise InvalidArgument("no command given", hint="bunshin exec WS -- CMD [ARGS...]")
+    check_timeout(args.timeout, "--timeout")
     ws = Workspace.get(args.workspace)
-    res = ws.exec(argv, timeout=args.timeout, cwd=args.cwd, env=parse_env(args.env))
+    # Streamed output is passed through as the exact bytes the command wrote.
+    res = ws.exec(argv, timeout=args.timeout, cwd=args.cwd, env=parse_env(args.env), text=args.json)
     if args.json:
         output.print_json(res)
         return 0
-    sys.stdout.write(res.stdout)
     sys.stdout.flush()
-    sys.stderr.write(res.stderr)
+    sys.stdout.buffer.write(res.stdout)  # type: ignore[arg-type]  (bytes: text=False)
+    sys.stdout.buffer.flush()
+    sys.stderr.flush()
+    sys.stderr.buffer.write(res.stderr)  # type: ignore[arg-type]
+    sys.stderr.buffer.flush()
     if res.timed_out:
         sys.stderr.write(f"bunshin: command timed out after {args.timeout} s and was killed\n")
         return 124

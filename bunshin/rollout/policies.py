@@ -56,6 +56,9 @@ class Policy(Protocol):
 
 # --- trace replay --------------------------------------------------------------------------
 
+#: Longest think time a trace step may record (s).
+MAX_THINK_S = 24 * 3600.0
+
 
 @dataclass(frozen=True)
 class TraceStep:
@@ -75,8 +78,14 @@ class Trace:
     final_think_s: float = 0.0
 
 
-def _step(obj: dict[str, Any], where: str) -> TraceStep:
+def _step(obj: Any, where: str) -> TraceStep:
+    if not isinstance(obj, dict):
+        raise InvalidArgument(f"{where}: a step must be an object, got {type(obj).__name__}",
+                              hint='write each step as {"name": ..., "arguments": {...}}')
     call = obj.get("tool_call") or obj.get("call") or obj
+    if not isinstance(call, dict):
+        raise InvalidArgument(f"{where}: field 'tool_call' must be an object, got {type(call).__name__}",
+                              hint='write it as {"name": ..., "arguments": {...}}')
     name, args = call.get("name"), call.get("arguments", {})
     if isinstance(args, str):  # the OpenAI wire form
         try:
@@ -88,8 +97,8 @@ def _step(obj: dict[str, Any], where: str) -> TraceStep:
     if not isinstance(args, dict):
         raise InvalidArgument(f"{where}: field 'arguments' must be an object")
     think = obj.get("think_s", 0.0)
-    if not isinstance(think, int | float) or think < 0:
-        raise InvalidArgument(f"{where}: field 'think_s' must be a number >= 0")
+    if isinstance(think, bool) or not isinstance(think, int | float) or not 0 <= think <= MAX_THINK_S:
+        raise InvalidArgument(f"{where}: field 'think_s' must be a number of seconds from 0 to {MAX_THINK_S:g}")
     return TraceStep(name, args, float(think))
 
 
@@ -105,24 +114,38 @@ def parse_traces(lines: Iterable[str], *, source: str = "traces") -> list[Trace]
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise InvalidArgument(f"{where}: not JSON ({e.msg})") from None
+            raise InvalidArgument(f"{where}: not JSON ({e.msg})", hint="one JSON object per line") from None
+        except RecursionError:
+            raise InvalidArgument(f"{where}: JSON nested too deeply") from None
         if not isinstance(obj, dict):
-            raise InvalidArgument(f"{where}: expected an object")
+            raise InvalidArgument(f"{where}: expected an object, got {type(obj).__name__}",
+                                  hint="one trace or one step per line, each a JSON object")
+        task = obj.get("task") or obj.get("task_id")
+        if task is not None and not isinstance(task, str):
+            raise InvalidArgument(f"{where}: field 'task' must be a string (a task id)")
         if "steps" in obj:
             if not isinstance(obj["steps"], list):
                 raise InvalidArgument(f"{where}: field 'steps' must be a list")
             final = obj.get("final") or {}
+            if not isinstance(final, dict):
+                raise InvalidArgument(f"{where}: field 'final' must be an object",
+                                      hint='e.g. {"think_s": 0.5, "content": "done"}')
+            final_think = final.get("think_s") or 0.0
+            if isinstance(final_think, bool) or not isinstance(final_think, int | float) \
+                    or not 0 <= final_think <= MAX_THINK_S:
+                raise InvalidArgument(f"{where}: field 'final.think_s' must be a number of seconds "
+                                      f"from 0 to {MAX_THINK_S:g}")
             whole.append(Trace(
                 id=str(obj.get("id") or obj.get("trajectory_id") or f"trace-{len(whole)}"),
                 steps=tuple(_step(s, f"{where} step {i}") for i, s in enumerate(obj["steps"])),
-                task=obj.get("task") or obj.get("task_id"),
+                task=task,
                 final_content=str(final.get("content") or ""),
-                final_think_s=float(final.get("think_s") or 0.0),
+                final_think_s=float(final_think),
             ))
         else:
             key = str(obj.get("trace", "trace"))
             grouped.setdefault(key, []).append(_step(obj, where))
-            tasks.setdefault(key, obj.get("task"))
+            tasks.setdefault(key, obj.get("task") or None)
     traces = whole + [Trace(k, tuple(v), tasks.get(k)) for k, v in grouped.items()]
     if not traces:
         raise InvalidArgument(f"{source}: no traces", hint="one JSON object per line")
@@ -130,12 +153,20 @@ def parse_traces(lines: Iterable[str], *, source: str = "traces") -> list[Trace]
 
 
 def load_traces(path: str | Path) -> list[Trace]:
+    """Traces from a JSONL file; a bad line raises ``InvalidArgument`` naming the file and line."""
     p = Path(path)
     try:
-        with p.open() as f:
-            return parse_traces(f, source=str(p))
+        raw = p.read_bytes()
     except OSError as e:
-        raise InvalidArgument(f"cannot read traces {p}: {e.strerror}") from None
+        raise InvalidArgument(f"cannot read traces {p}: {e.strerror}", hint="give a JSONL file of traces") from None
+    lines = []
+    for n, line in enumerate(raw.splitlines(), 1):
+        try:
+            lines.append(line.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise InvalidArgument(f"{p} line {n}: not UTF-8 text (byte {e.start + 1})",
+                                  hint="a trace file is JSONL: one JSON object per line") from None
+    return parse_traces(lines, source=str(p))
 
 
 class TraceReplayPolicy:

@@ -16,7 +16,7 @@ A task file (YAML or JSON) looks like::
     prompt: "Make the tests pass."
     max_turns: 20
     reward: "python3 /work/score.py"            # its stdout's last number is the reward
-    call_timeout: 60            # seconds per tool call
+    call_timeout: 60            # seconds per tool call (finite, at most 7 days, as every timeout)
     trajectory_timeout: 600     # seconds per trajectory, setup included
 
 A bad spec raises :class:`~bunshin.errors.InvalidArgument` naming the field.
@@ -35,6 +35,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..errors import InvalidArgument
 from ..runtime.records import check_mounts
+from ..workspace.workspace import MAX_TIMEOUT_S
+
+#: A timeout field: finite seconds, > 0 and at most 7 days (``MAX_TIMEOUT_S``).
+_TIMEOUT = {"gt": 0, "le": MAX_TIMEOUT_S, "allow_inf_nan": False}
 
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?(?:inf|nan)\b", re.I)
 
@@ -53,7 +57,7 @@ class SetupStep(BaseModel):
     tool: str | None = Field(default=None, min_length=1)
     arguments: dict[str, Any] = Field(default_factory=dict)
     background: bool = False
-    timeout: float = Field(default=600.0, gt=0)
+    timeout: float = Field(default=600.0, **_TIMEOUT)
 
     @model_validator(mode="after")
     def _one_kind(self) -> SetupStep:
@@ -73,7 +77,7 @@ class RewardSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     command: str = Field(min_length=1)
-    timeout: float = Field(default=120.0, gt=0)
+    timeout: float = Field(default=120.0, **_TIMEOUT)
 
 
 class TaskSpec(BaseModel):
@@ -94,8 +98,8 @@ class TaskSpec(BaseModel):
     prompt: str = ""
     max_turns: int = Field(default=20, ge=1)
     reward: RewardSpec | None = None
-    call_timeout: float = Field(default=60.0, gt=0)
-    trajectory_timeout: float = Field(default=600.0, gt=0)
+    call_timeout: float = Field(default=60.0, **_TIMEOUT)
+    trajectory_timeout: float = Field(default=600.0, **_TIMEOUT)
     metadata: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("setup", mode="before")

@@ -333,8 +333,14 @@ class AgentClient:
         timeout: float | None = None,
         max_output: int | None = None,
         stdin: str | None = None,
+        text: bool = True,
     ) -> ExecResult:
-        """Run ``argv`` (or ``cmd`` via ``/bin/sh -c``) to completion and capture its output."""
+        """Run ``argv`` (or ``cmd`` via ``/bin/sh -c``) to completion and capture its output.
+
+        ``text=False``: ``stdout``/``stderr`` are the exact bytes written (base64 on the wire).
+        """
+        if timeout is not None and not 0 < timeout < float("inf"):  # also NaN
+            raise InvalidArgument(f"timeout {timeout!r} must be a finite number of seconds > 0")
         a = self.call(
             "exec",
             answer_timeout=None if timeout is None else timeout + ANSWER_GRACE_S,
@@ -344,12 +350,22 @@ class AgentClient:
             timeout=timeout,
             max_output=max_output,
             stdin=stdin,
+            binary=None if text else True,  # left out in text mode: older agents understand it
         )
+        out: str | bytes
+        err: str | bytes
+        if text:
+            out, err = a["stdout"], a["stderr"]
+        else:
+            try:
+                out, err = base64.b64decode(a["stdout_b64"]), base64.b64decode(a["stderr_b64"])
+            except (TypeError, ValueError):
+                raise AgentError(f"agent at {self.socket_path} sent malformed base64 output") from None
         return ExecResult(
             exit_code=a["exit_code"],
             signal=a["signal"],
-            stdout=a["stdout"],
-            stderr=a["stderr"],
+            stdout=out,  # type: ignore[arg-type]  (bytes with text=False)
+            stderr=err,  # type: ignore[arg-type]
             stdout_truncated=a["stdout_truncated"],
             stderr_truncated=a["stderr_truncated"],
             timed_out=a["timed_out"],

@@ -7,11 +7,14 @@ folder in the unified hierarchy. Folders are named ``<prefix><workspace id>`` so
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 from ..errors import HostUnsupported, InvalidArgument, RuntimeFailure
 
@@ -99,22 +102,62 @@ def _cgroup_mounts() -> dict[tuple[str, frozenset[str]], Path]:
     return found
 
 
+#: Smallest memory limit a workspace may get: its agent alone needs ~9 MiB (anonymous
+#: memory, page tables, kernel memory), a shell and a command a few MiB more.
+MIN_MEMORY = 32 << 20
+
+
 def parse_size(text: str | int | None) -> int | None:
-    """'2G', '512M', '1048576' -> bytes. None stays None."""
-    if text is None or isinstance(text, int):
-        return text
-    units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    t = text.strip().lower().removesuffix("b").removesuffix("i")
-    num, unit = (t[:-1], t[-1]) if t and t[-1] in units and not t[-1].isdigit() else (t, "")
-    try:
-        value = float(num)
-    except ValueError:
-        raise InvalidArgument(
-            f"malformed size {text!r}", hint="use a number with an optional unit, e.g. 512M or 2G"
-        ) from None
+    """A workspace memory limit: '2G', '512M', '1048576' -> bytes. None stays None.
+
+    Refused: below :data:`MIN_MEMORY`, and above the host's memory (MemTotal): a
+    limit the host cannot give is no limit.
+    """
+    if text is None:
+        return None
+    if isinstance(text, bool) or not isinstance(text, int | str):
+        raise InvalidArgument(f"malformed size {text!r}", hint="use a number with an optional unit, e.g. 512M or 2G")
+    if isinstance(text, int):
+        value = text
+    else:
+        units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+        t = text.strip().lower().removesuffix("b").removesuffix("i")
+        num, unit = (t[:-1], t[-1]) if t and t[-1] in units and not t[-1].isdigit() else (t, "")
+        try:
+            number = float(num)
+        except ValueError:
+            raise InvalidArgument(
+                f"malformed size {text!r}", hint="use a number with an optional unit, e.g. 512M or 2G"
+            ) from None
+        if not math.isfinite(number):
+            raise InvalidArgument(f"malformed size {text!r}", hint="use a finite number, e.g. 512M or 2G")
+        value = int(number * units[unit])
     if value <= 0:
         raise InvalidArgument(f"size must be positive, got {text!r}")
-    return int(value * units[unit])
+    check_memory_limit(value, text)
+    return value
+
+
+def check_memory_limit(value: int, text: str | int | None = None) -> None:
+    """Refuse a memory limit below :data:`MIN_MEMORY` or above the host's memory."""
+    shown = text if text is not None else value
+    if value < MIN_MEMORY:
+        raise InvalidArgument(
+            f"memory limit {shown!r} ({_mib(value)}) is too small for a workspace",
+            hint=f"give at least {MIN_MEMORY >> 20}M: the workspace's agent alone needs ~9 MiB",
+        )
+    total = psutil.virtual_memory().total
+    if value > total:
+        raise InvalidArgument(
+            f"memory limit {shown!r} ({_mib(value)}) is more than this host's {_mib(total)} of memory",
+            hint=f"give at most {total >> 20}M",
+        )
+
+
+def _mib(n: int) -> str:
+    if n < 1 << 20:
+        return f"{n} bytes"
+    return f"{n / (1 << 20):.4g} MiB" if n < 1 << 30 else f"{n / (1 << 30):.4g} GiB"
 
 
 @dataclass(frozen=True)

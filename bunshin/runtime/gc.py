@@ -1,7 +1,8 @@
 """Garbage collection: remove whatever no live recorded workspace owns.
 
 After a crash or a ``kill -9`` of any bunshin process this restores a clean
-machine: stale records (creator or workspace dead), orphaned overlay mounts,
+machine: stale records (creator or workspace dead, or a clone whose fork batch never
+committed), orphaned overlay mounts,
 cgroups and their processes, workspace folders on tmpfs and stray layers,
 snapshots nothing holds and snapshot files no record names.
 """
@@ -49,6 +50,8 @@ def collect(cfg: Config, store: Store, *, extra_owned: set[str] | None = None, r
         stale = (
             (rec.state == WorkspaceState.CREATING and not _owner_alive(rec.owner_pid))
             or (rec.state == WorkspaceState.RUNNING and not container.is_alive(rec))
+            # a clone of a fork batch whose forker died before the batch was committed
+            or (rec.state == WorkspaceState.RUNNING and rec.owner_pid is not None and not _owner_alive(rec.owner_pid))
             or rec.state in (WorkspaceState.DEAD, WorkspaceState.REMOVING)
         )
         if stale:

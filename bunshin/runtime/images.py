@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Config
-from ..errors import ImageNotFound, RuntimeFailure
+from ..errors import ImageNotFound, InvalidArgument, RuntimeFailure
 
 HOST = "host"
 _OPAQUE_XATTR = "trusted.overlay.opaque"
@@ -24,6 +24,9 @@ _OPAQUE_XATTR = "trusted.overlay.opaque"
 
 def lower_layers(cfg: Config, image: str) -> list[Path]:
     """The read-only layers of ``image``, top first (without the agent layer)."""
+    if not isinstance(image, str) or not image.strip():
+        raise InvalidArgument(f"image {image!r} is empty",
+                              hint="give 'host' or the path of a root filesystem folder (e.g. --image ./rootfs)")
     if image == HOST:
         return [mask_layer(cfg), Path("/")]
     path = Path(image)

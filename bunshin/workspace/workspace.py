@@ -7,12 +7,13 @@ a ``Workspace`` object does no I/O; ``Workspace.create`` starts a container.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Config
-from ..errors import StateConflict
+from ..errors import InvalidArgument, StateConflict
 from ..runtime import container, snapshot_io
 from ..runtime import snapshot as rsnap
 from ..runtime import stats as rstats
@@ -21,6 +22,24 @@ from ..runtime.agent_types import ExecResult, FileEntry, ProcessInfo, SessionRes
 from ..runtime.records import Mount, WorkspaceRecord, WorkspaceState
 from ..runtime.stats import WorkspaceStats
 from ..runtime.store import Store
+
+#: Longest timeout a command, a session run or a tool call may ask for: 7 days.
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def check_timeout(timeout: float | None, what: str = "timeout") -> float | None:
+    """``timeout`` as seconds, or ``InvalidArgument`` unless it is finite, > 0 and at most
+    :data:`MAX_TIMEOUT_S` (``None``: no timeout)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise InvalidArgument(f"{what} must be a number of seconds, got {timeout!r}")
+    if not math.isfinite(timeout) or timeout <= 0 or timeout > MAX_TIMEOUT_S:
+        raise InvalidArgument(
+            f"{what} {timeout!r} is out of range",
+            hint=f"give a finite number of seconds > 0 and <= {MAX_TIMEOUT_S:g} (7 days), or no timeout",
+        )
+    return float(timeout)
 
 
 @dataclass(frozen=True)
@@ -170,9 +189,15 @@ class Workspace:
         cwd: str | None = None,
         env: dict[str, str] | None = None,
         stdin: str | None = None,
+        text: bool = True,
     ) -> ExecResult:
-        """Run one command (a shell string or an argv list) and wait for it."""
-        return self.commands.run(command, timeout=timeout, cwd=cwd, env=env, stdin=stdin)
+        """Run one command (a shell string or an argv list) and wait for it.
+
+        ``timeout``: seconds, finite and at most :data:`MAX_TIMEOUT_S`. ``text=False``
+        returns ``stdout``/``stderr`` as the exact bytes the command wrote (no
+        decoding, no truncation note; see ``*_truncated``).
+        """
+        return self.commands.run(command, timeout=timeout, cwd=cwd, env=env, stdin=stdin, text=text)
 
     def shell(self, *, cwd: str | None = None, env: dict[str, str] | None = None) -> Session:
         """A new persistent bash session (on a pty) inside the workspace."""
@@ -262,10 +287,13 @@ class Commands:
         env: dict[str, str] | None = None,
         stdin: str | None = None,
         max_output: int | None = None,
+        text: bool = True,
     ) -> ExecResult:
+        """Run and wait; ``text=False``: output as exact bytes (see :meth:`Workspace.exec`)."""
+        timeout = check_timeout(timeout)
         argv, cmd = (None, command) if isinstance(command, str) else (list(command), None)
         return self._ws.agent().exec(argv=argv, cmd=cmd, cwd=cwd, env=env, timeout=timeout,
-                                     stdin=stdin, max_output=max_output)
+                                     stdin=stdin, max_output=max_output, text=text)
 
     def spawn(self, command: str | Sequence[str], *, cwd: str | None = None,
               env: dict[str, str] | None = None) -> int:
@@ -306,7 +334,7 @@ class Session:
 
     def run(self, command: str, *, timeout: float | None = None) -> SessionResult:
         """Run ``command`` in the session; a timeout interrupts the command, not the session."""
-        return self._ws.agent().session_run(self.id, command, timeout=timeout)
+        return self._ws.agent().session_run(self.id, command, timeout=check_timeout(timeout))
 
     def close(self) -> None:
         self._ws.agent().session_close(self.id)
