@@ -29,7 +29,7 @@ from bunshin.errors import (
     ResourceExhausted,
     RuntimeFailure,
 )
-from bunshin.runtime import agent_bundle, criu, gc, snapshot_io, statefs
+from bunshin.runtime import agent_bundle, criu, gc, snapshot_checks, snapshot_io, statefs
 from bunshin.runtime import snapshot as rsnap
 from bunshin.runtime.store import Store
 from bunshin.workspace import Snapshot, Workspace
@@ -451,19 +451,19 @@ def test_save_takes_only_the_real_memory_files(tmp_path, canary):
 
 
 def test_extents_checks():
-    assert snapshot_io.check_extents([[0, 4096], [8192, 4096]], 1 << 20, "f") == 8192
-    assert snapshot_io.check_extents([], 0, "f") == 0
+    assert snapshot_checks.check_extents([[0, 4096], [8192, 4096]], 1 << 20, "f") == 8192
+    assert snapshot_checks.check_extents([], 0, "f") == 0
     for ext, size in (([[4096, 1], [0, 1]], 8192), ([[0, 8192], [4096, 1]], 1 << 20), ([[0, 1]], 0),
                       ([[True, 1]], 10), ([[0, 1, 2]], 10), ([(0, 1)], 10), ([[0, 1]], 1 << 48), ([[0, 0]], 10)):
         with pytest.raises(InvalidArgument):
-            snapshot_io.check_extents(ext, size, "f")
+            snapshot_checks.check_extents(ext, size, "f")
 
 
 def test_relative_path_checks():
-    assert snapshot_io.rel_parts("mem/a", "x") == ["mem", "a"]
+    assert snapshot_checks.rel_parts("mem/a", "x") == ["mem", "a"]
     for bad in ("/etc/passwd", "../x", "mem/../x", "mem//x", "", ".", "a/./b", 3, None, "a\0b"):
         with pytest.raises(InvalidArgument):
-            snapshot_io.rel_parts(bad, "x")
+            snapshot_checks.rel_parts(bad, "x")
 
 
 def test_limit_checks_and_defaults():
@@ -473,13 +473,13 @@ def test_limit_checks_and_defaults():
     from bunshin.runtime.cgroups import parse_size
 
     params = inspect.signature(container.create).parameters  # the defaults put back are `create`'s own
-    assert (params["memory"].default, params["pids"].default) == (snapshot_io.DEFAULT_MEMORY, snapshot_io.DEFAULT_PIDS)
+    assert (params["memory"].default, params["pids"].default) == (snapshot_checks.DEFAULT_MEMORY, snapshot_checks.DEFAULT_PIDS)
     total = 8 << 30
-    assert snapshot_io.check_limits(None, None, memory_total=total, pid_max=32768) == (parse_size("2G"), 512)
-    assert snapshot_io.check_limits(total, 32768, memory_total=total, pid_max=32768) == (total, 32768)
+    assert snapshot_checks.check_limits(None, None, memory_total=total, pid_max=32768) == (parse_size("2G"), 512)
+    assert snapshot_checks.check_limits(total, 32768, memory_total=total, pid_max=32768) == (total, 32768)
     for mem, pids in ((total + 1, 10), (0, 10), (1 << 30, 32769), (1 << 30, 7), (1.0 * (1 << 30), 10)):
         with pytest.raises(InvalidArgument):
-            snapshot_io.check_limits(mem, pids, memory_total=total, pid_max=32768)
+            snapshot_checks.check_limits(mem, pids, memory_total=total, pid_max=32768)
 
 
 def test_tar_member_checks_accept_what_save_writes(tmp_path):
@@ -500,7 +500,7 @@ def test_tar_member_checks_accept_what_save_writes(tmp_path):
     archive = tmp_path / "x.tar"
     snapshot_io._tar(layer, archive)
     with tarfile.open(archive) as tf:
-        snapshot_io.check_tar_members(tf, "snap-0123456789ab", range(10**9, 10**9 + 65536))
+        snapshot_checks.check_tar_members(tf, "snap-0123456789ab", range(10**9, 10**9 + 65536))
 
 
 def test_the_safe_devices_are_those_of_a_workspace_dev():
@@ -509,16 +509,16 @@ def test_the_safe_devices_are_those_of_a_workspace_dev():
     devices = getattr(container, "_DEVICES", None)
     if devices is None:
         pytest.skip("container makes no /dev nodes")
-    assert {tuple(d) for d in devices.values()} | {(0, 0)} == snapshot_io.SAFE_DEVICES
+    assert {tuple(d) for d in devices.values()} | {(0, 0)} == snapshot_checks.SAFE_DEVICES
 
 
 def test_mac_is_over_the_canonical_manifest():
     key = os.urandom(32)
     m = {"format": snapshot_io.FORMAT, "record": {"a": 1.5, "b": [1, 2]}, "files": {}}
-    signed = {**m, "mac": snapshot_io.mac(key, m)}
+    signed = {**m, "mac": snapshot_checks.mac(key, m)}
     reordered = json.loads(json.dumps(dict(reversed(list(signed.items())))))
-    assert snapshot_io.mac(key, reordered) == signed["mac"] != snapshot_io.mac(os.urandom(32), m)
-    assert snapshot_io.mac(key, {**m, "record": {"a": 1.5, "b": [2, 1]}}) != signed["mac"]
+    assert snapshot_checks.mac(key, reordered) == signed["mac"] != snapshot_checks.mac(os.urandom(32), m)
+    assert snapshot_checks.mac(key, {**m, "record": {"a": 1.5, "b": [2, 1]}}) != signed["mac"]
 
 
 def test_criu_dump_and_restore_have_timeouts_that_kill(tmp_path):
