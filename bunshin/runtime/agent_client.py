@@ -364,8 +364,8 @@ class AgentClient:
         return ExecResult(
             exit_code=a["exit_code"],
             signal=a["signal"],
-            stdout=out,  # type: ignore[arg-type]  (bytes with text=False)
-            stderr=err,  # type: ignore[arg-type]
+            stdout=out,
+            stderr=err,
             stdout_truncated=a["stdout_truncated"],
             stderr_truncated=a["stderr_truncated"],
             timed_out=a["timed_out"],

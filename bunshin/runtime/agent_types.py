@@ -23,13 +23,14 @@ class ExecResult:
 
     ``exit_code`` is the exit status, or minus the signal number that killed it
     (``signal`` then holds that number). Truncated streams end with a note
-    saying how many bytes were dropped.
+    saying how many bytes were dropped. With ``text=False`` the streams are the
+    exact bytes (no note: the ``*_truncated`` flags say it).
     """
 
     exit_code: int
     signal: int | None
-    stdout: str
-    stderr: str
+    stdout: str | bytes
+    stderr: str | bytes
     stdout_truncated: bool
     stderr_truncated: bool
     timed_out: bool

@@ -148,7 +148,7 @@ class WorkspaceRecord:
     hostname: str
     pid: int | None = None  # host pid of the workspace's pid 1
     pid_start: float | None = None  # its start time, against pid reuse
-    owner_pid: int | None = None  # the process creating it, while CREATING
+    owner_pid: int | None = None  # the process creating it (a restore: until its whole batch is in)
     command: tuple[str, ...] | None = None
     parent: str | None = None  # the workspace it was forked from
     snapshot: str | None = None  # the snapshot it was restored from

@@ -194,12 +194,13 @@ class FakeWorkspace:
         return WorkspaceStats(self.id, MemoryStats(size, size, size, size), len(self.processes()))
 
     def exec(self, command: str | Sequence[str], *, timeout: float | None = None, cwd: str | None = None,
-             env: dict[str, str] | None = None, stdin: str | None = None) -> ExecResult:
+             env: dict[str, str] | None = None, stdin: str | None = None, text: bool = True) -> ExecResult:
         with self._call():
             line = command if isinstance(command, str) else shlex.join(command)
             sess = _Session(env=dict(env or {}), cwd=cwd or "/")
             out, code = _shell(self, sess, line, timeout)
-        return ExecResult(code, None, out, "", False, False, code is None, 0.0)
+        return ExecResult(code, None, out if text else out.encode(), "" if text else b"", False, False,
+                          code is None, 0.0)
 
 
 class _Files:
