@@ -47,56 +47,35 @@ def snapshot_bytes(snap: Any) -> int:
     return sum(int(getattr(rec, f, 0) or 0) for f in ("memfile_bytes", "image_bytes", "layer_bytes"))
 
 
-# For each process of a workspace but pid 1 (the agent) and this shell: add its CPU
-# ticks to T (pid 1's too: it reaps the others' children), with the process's stat
-# fields in $1... and its pid in $p. Each script below fills in ``{each}`` and ends
-# with "T ticks hz".
-_FOR_EACH_PROCESS = r"""
+# The CPU seconds of every process of a workspace but this shell (pid 1's too: it
+# reaps the others' children): "T ticks hz".
+_CPU_TICKS = r"""
+T=0
 for d in /proc/[0-9]*; do
-  p=${{d#/proc/}}
-  [ "$p" = "$$" ] && continue
+  [ "${d#/proc/}" = "$$" ] && continue
   read -r l < "$d/stat" 2>/dev/null || continue
-  set -- ${{l##*) }}
+  set -- ${l##*) }
   T=$((T + $12 + $13 + $14 + $15))
-  [ "$p" = 1 ] && continue
-{each}
 done
 echo "T $T $(getconf CLK_TCK 2>/dev/null || echo 100)"
 """
-
-# Print "P pid nice" for each and set it to $1 when given.
-_NICE = "N=$1; T=0" + _FOR_EACH_PROCESS.format(each=r"""
-  echo "P $p ${17}"
-  [ -n "$N" ] && renice -n "$N" -p "$p" >/dev/null 2>&1""")
-
-# Put back the nice values "pid:nice ..." ($2...), $1 for processes not listed.
-_UNNICE = 'D=$1; shift; M=" $* "; T=0' + _FOR_EACH_PROCESS.format(each=r"""
-  n=$D
-  case "$M" in *" $p:"*) n=${M#* $p:}; n=${n%% *};; esac
-  [ "${17}" = "$n" ] || renice -n "$n" -p "$p" >/dev/null 2>&1""")
 
 
 @dataclass(frozen=True)
 class Niceness:
     """What ``nice_all`` changed, to put it back; ``cpu_s`` at that moment."""
 
-    before: dict[int, int]
-    default: int
+    nice: int
     cpu_s: float | None
 
 
-def _parse(out: str) -> tuple[dict[int, int], float | None]:
-    procs: dict[int, int] = {}
-    cpu = None
+def _cpu_seconds(out: str) -> float | None:
     for line in out.splitlines():
         f = line.split()
-        if len(f) == 3 and f[0] == "P" and f[1].isdigit():
-            with contextlib.suppress(ValueError):
-                procs[int(f[1])] = int(f[2])
-        elif len(f) == 3 and f[0] == "T":
+        if len(f) == 3 and f[0] == "T":
             with contextlib.suppress(ValueError, ZeroDivisionError):
-                cpu = int(f[1]) / int(f[2])
-    return procs, cpu
+                return int(f[1]) / int(f[2])
+    return None
 
 
 class Host:
@@ -143,27 +122,25 @@ class Host:
         return h.bytes
 
     async def nice_all(self, h: WsHandle, nice: int) -> Niceness | None:
-        """Lower the CPU priority of every process in the workspace (not the agent)."""
+        """Lower the CPU priority of the whole workspace (its cgroup's CPU weight: nothing
+        inside its user namespace could raise a process's priority back)."""
         async with h.lock:
             try:
-                r = await self.call(h.ws.exec, ["/bin/sh", "-c", _NICE, "nice", str(nice)], timeout=30)
+                await self.call(h.ws.set_cpu_priority, nice)
+                r = await self.call(h.ws.exec, ["/bin/sh", "-c", _CPU_TICKS], timeout=30)
             except BunshinError:
                 return None
-        if r.exit_code != 0:
-            return None
-        procs, cpu = _parse(r.stdout)
-        return Niceness(procs, min(procs.values(), default=0), cpu)
+        return Niceness(nice, _cpu_seconds(r.stdout) if r.exit_code == 0 else None)
 
     async def unnice(self, h: WsHandle, n: Niceness) -> float | None:
-        """Put the priorities back; the CPU seconds used since ``nice_all``."""
-        pairs = [f"{p}:{v}" for p, v in n.before.items()]
+        """Put the priority back; the CPU seconds used since ``nice_all``."""
         async with h.lock:
             try:
-                r = await self.call(h.ws.exec, ["/bin/sh", "-c", _UNNICE, "unnice", str(n.default), *pairs],
-                                    timeout=30)
+                await self.call(h.ws.set_cpu_priority, 0)
+                r = await self.call(h.ws.exec, ["/bin/sh", "-c", _CPU_TICKS], timeout=30)
             except BunshinError:
                 return None
-        _, cpu = _parse(r.stdout)
+        cpu = _cpu_seconds(r.stdout) if r.exit_code == 0 else None
         return None if cpu is None or n.cpu_s is None else max(cpu - n.cpu_s, 0.0)
 
     async def discard(self, h: WsHandle) -> None:

@@ -241,6 +241,18 @@ class WorkspaceCgroup:
                 pass
         return sorted(out)
 
+    def set_cpu_nice(self, nice: int) -> None:
+        """Weigh the whole cgroup's CPU share as the scheduler weighs a nice value
+        (0: the default, 19: ~1.5 % of it when competing): the host's to set, since
+        nothing inside a user namespace may lower a nice value again."""
+        if not 0 <= nice <= 19:
+            raise InvalidArgument(f"nice {nice} is out of range", hint="give 0..19")
+        weight = 1024 / 1.25**nice  # sched_prio_to_weight: x1.25 per step
+        if self.version == 1:
+            _write(self._need("cpu", "cpu.shares"), str(max(int(weight), 2)))
+        else:
+            _write(self._need("cpu", "cpu.weight"), str(max(int(weight * 100 / 1024), 1)))
+
     def memory_bytes(self) -> int:
         f = self._file("memory", "memory.usage_in_bytes" if self.version == 1 else "memory.current")
         return int(f.read_text()) if f else 0

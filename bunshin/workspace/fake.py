@@ -131,6 +131,7 @@ class FakeWorkspace:
         self._inflight = 0
         self._lock = threading.Lock()
         self._sids = itertools.count(1)
+        self.cpu_nice = 0
         world.live_workspaces.add(self.id)
 
     def __repr__(self) -> str:
@@ -188,6 +189,11 @@ class FakeWorkspace:
     def processes(self) -> list[ProcessInfo]:
         procs = ["agent", *(f"bash-{sid}" for sid, s in self.state.sessions.items() if s.alive), *self.state.procs]
         return [ProcessInfo(i + 1, 0, i + 1, i + 1, "S", p, (p,)) for i, p in enumerate(procs)]
+
+    def set_cpu_priority(self, nice: int) -> None:
+        if not 0 <= nice <= 19:
+            raise InvalidArgument(f"nice {nice} is out of range", hint="give 0..19")
+        self.cpu_nice = nice
 
     def stats(self) -> WorkspaceStats:
         size = self.state.size()

@@ -19,6 +19,7 @@ from ..runtime import snapshot as rsnap
 from ..runtime import stats as rstats
 from ..runtime.agent_client import AgentClient
 from ..runtime.agent_types import ExecResult, FileEntry, ProcessInfo, SessionResult
+from ..runtime.cgroups import WorkspaceCgroup
 from ..runtime.records import Mount, WorkspaceRecord, WorkspaceState
 from ..runtime.stats import WorkspaceStats
 from ..runtime.store import Store
@@ -209,6 +210,12 @@ class Workspace:
 
     def stats(self) -> WorkspaceStats:
         return rstats.collect(self._record)
+
+    def set_cpu_priority(self, nice: int) -> None:
+        """The CPU priority of the whole workspace, as a nice value 0..19 (its cgroup's
+        CPU weight): speculative forks run at 19 and go back to 0 when adopted."""
+        rec = self._record
+        WorkspaceCgroup(rec.cgroup_version, tuple((c, Path(p)) for c, p in rec.cgroups)).set_cpu_nice(nice)
 
 
 class Snapshot:

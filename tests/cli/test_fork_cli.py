@@ -79,7 +79,7 @@ def test_fork_errors_are_clear(no_leaks, args, message):
 def test_fork_bad_count_and_mode(no_leaks):
     ws = bunshin(no_leaks, "create", "--memory", "256M").stdout.strip()
     try:
-        for args, message in ((("-n", "0"), "cannot fork 0"), (("--mode", "lazy"), "unknown fork mode")):
+        for args, message in ((("-n", "0"), "cannot make 0 clones"), (("--mode", "lazy"), "unknown fork mode")):
             r = bunshin(no_leaks, "fork", ws, *args, check=False)
             assert r.returncode == 1 and message in r.stderr
         assert bunshin(no_leaks, "exec", ws, "--", "echo", "alive").stdout == "alive\n"

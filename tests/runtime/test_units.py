@@ -20,7 +20,7 @@ from bunshin.runtime.store import Store
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("2G", 2 << 30), ("512M", 512 << 20), ("512MiB", 512 << 20), ("1.5g", 3 << 29), ("4096", 4096), ("64k", 65536)],
+    [("2G", 2 << 30), ("512M", 512 << 20), ("512MiB", 512 << 20), ("1.5g", 3 << 29), ("40000000", 40000000), ("65536k", 64 << 20)],
 )
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
@@ -78,3 +78,16 @@ def test_errors_survive_the_wire_and_match_builtins():
     assert isinstance(ToolTimeout("x"), TimeoutError)
     assert isinstance(InvalidArgument("x"), ValueError)
     assert "tail" in str(CriuError("boom", log_tail="tail"))
+
+
+def test_cpu_nice_maps_to_the_schedulers_weights(tmp_path):
+    from bunshin.runtime.cgroups import WorkspaceCgroup
+
+    (tmp_path / "cpu.shares").write_text("1024")
+    cg = WorkspaceCgroup(1, (("cpu", tmp_path),))
+    cg.set_cpu_nice(19)
+    assert (tmp_path / "cpu.shares").read_text() == "14"  # the kernel's weight for nice 19 is 15 of 1024
+    cg.set_cpu_nice(0)
+    assert (tmp_path / "cpu.shares").read_text() == "1024"
+    with pytest.raises(InvalidArgument):
+        cg.set_cpu_nice(-5)  # never above the default

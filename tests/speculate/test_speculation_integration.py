@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -58,7 +59,10 @@ def test_speculation_is_used_and_hands_over_its_fork(real_root):
             ws = await traj.workspace()  # the speculation's fork, adopted: nothing replayed
             assert traj.stats.replayed == 0
             nice = ws.exec("for d in /proc/[0-9]*; do read -r l < $d/stat; set -- ${l##*) }; echo ${17}; done")
-            assert set(nice.stdout.split()) == {"0"}  # priorities put back after the speculation
+            assert set(nice.stdout.split()) == {"0"}  # no process reniced (the cgroup is)
+            cpu = next((Path(p) for k, p in ws.record.cgroups if k == "cpu"), None)
+            if cpu is not None and (cpu / "cpu.shares").exists():
+                assert (cpu / "cpu.shares").read_text().strip() == "1024"  # priority put back
             st = c.stats().speculation
             assert st.used == 1 and st.hidden_s > 0.5
             await traj.close()
