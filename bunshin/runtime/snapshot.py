@@ -464,7 +464,7 @@ def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout
         WorkspaceCgroup.create(layout, cfg.cgroup_prefix + ws_id, memory=snap.memory_limit, pids=snap.pids_limit)
         # criu starts inside the clone's cgroups and a fresh network namespace with
         # lo up; the restored tasks inherit both.
-        sysfs = str(wdir / "sys")  # mounted in criu's own mount namespace only
+        sysfs = str(wdir / "sys")  # beneath the clone's folder: unmounted with it
         into = criu.Placement(new_netns=True, own_keyring=True, sysfs=sysfs,
                               cgroup_procs=tuple(str(p / "cgroup.procs") for p in cg.paths))
         run = criu.restore(
