@@ -125,20 +125,6 @@ def probe(cfg: Config, layer: Path = Path("/")) -> None:
     _mount_view(layer, None, cfg.id_base, cfg.id_count)
 
 
-def _open_folder(path: Path) -> int:
-    """An O_PATH fd of the folder ``path``, reached without following any symlink."""
-    fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        for part in path.relative_to("/").parts:
-            child = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            os.close(fd)
-            fd = child
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 def _mount_view(layer: Path, target: Path | None, base: int, count: int, *,
                 idmapped: bool = True, walk: bool = False) -> None:
     """``idmapped``: mapped to base.. and read-only; else a plain bind. Always nosuid, nodev.
@@ -146,7 +132,7 @@ def _mount_view(layer: Path, target: Path | None, base: int, count: int, *,
     userns = tree = src = -1
     try:
         if walk:
-            src = _open_folder(layer)
+            src = sc.open_dir_beneath("/", layer.relative_to("/").parts, path_only=True)
         if idmapped:
             userns = _userns_fd(base, count)
         tree = _syscall(_SYS_OPEN_TREE, ctypes.c_int(src if walk else _AT_FDCWD), b"" if walk else str(layer).encode(),

@@ -144,23 +144,10 @@ def _in_user_namespace(spec: dict, unshared: int, mapped: int) -> None:
 def _mount_point(root: str, path: str, owner: int) -> int:
     """An O_PATH fd of the folder ``root``/``path``, made (owned by root inside) where
     missing; nothing on the way is followed (the image's symlinks name host paths here)."""
-    fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        for part in path.strip("/").split("/"):
-            try:
-                child = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            except FileNotFoundError:
-                os.mkdir(part, 0o755, dir_fd=fd)
-                os.chown(part, owner, owner, dir_fd=fd, follow_symlinks=False)
-                child = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            except OSError as e:
-                raise RuntimeError(f"mount point {path}: {part!r} is not a folder in the image ({e.strerror})") from e
-            os.close(fd)
-            fd = child
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+        return sc.open_dir_beneath(root, path.strip("/").split("/"), path_only=True, make_as=owner)
+    except OSError as e:
+        raise RuntimeError(f"mount point {path}: not a folder in the image ({e.strerror})") from e
 
 
 def _bind_shared(root: str, mounts: list[dict], owner: int) -> None:

@@ -8,6 +8,7 @@ import fcntl
 import os
 import socket
 import struct
+from collections.abc import Iterable
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
@@ -135,3 +136,29 @@ def mount_sysfs(target: str) -> None:
     if not os.path.isdir(target):
         os.mkdir(target, 0o755)
     mount("sysfs", target, "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+
+
+def open_dir_beneath(top: str | os.PathLike[str], parts: Iterable[str], *, path_only: bool = False,
+                     make_as: int | None = None) -> int:
+    """A descriptor of the folder ``top/parts...``, each component opened with
+    ``O_NOFOLLOW`` from the one before: a symlink (or a file) on the way raises
+    (``ENOTDIR``/``ELOOP``). ``path_only``: ``O_PATH`` descriptors. ``make_as``: a
+    missing folder is made (0755) and given to that uid and gid."""
+    flags = (os.O_PATH if path_only else os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(top, flags)
+    try:
+        for part in parts:
+            try:
+                child = os.open(part, flags, dir_fd=fd)
+            except FileNotFoundError:
+                if make_as is None:
+                    raise
+                os.mkdir(part, 0o755, dir_fd=fd)
+                os.chown(part, make_as, make_as, dir_fd=fd, follow_symlinks=False)
+                child = os.open(part, flags, dir_fd=fd)
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

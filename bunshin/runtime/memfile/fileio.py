@@ -15,6 +15,7 @@ from pathlib import Path
 
 from bunshin.errors import RuntimeFailure
 
+from .. import syscalls as sc
 from .criu_images import PAGE, SUFFIX
 
 _FS_IOC_GETFLAGS, _FS_IOC_SETFLAGS, _FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10
@@ -202,18 +203,9 @@ def _open_regular(name: str | Path, dir_fd: int | None = None) -> int:
 
 
 def open_dir_beneath(top: Path, parts: Iterable[str]) -> int:
-    """A descriptor of the folder ``top/parts...``, every component below ``top`` opened
-    with ``O_NOFOLLOW`` from the one before: a symlink on the way raises (``ENOTDIR``)."""
-    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        for part in parts:
-            child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            os.close(fd)
-            fd = child
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    """A descriptor of the folder ``top/parts...`` reached without following anything
+    (``syscalls.open_dir_beneath``): a symlink on the way raises (``ENOTDIR``)."""
+    return sc.open_dir_beneath(top, parts)
 
 
 @contextlib.contextmanager
