@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import InvalidArgument
+from ..workspace.workspace import check_timeout
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class ToolSpec:
     deterministic: bool = True
     read_only: bool = False
     timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        check_timeout(self.timeout, f"the timeout of tool {self.name!r}")
 
     def openai(self) -> dict[str, Any]:
         """This tool in the OpenAI function-calling format."""

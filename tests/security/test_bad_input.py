@@ -233,3 +233,11 @@ def test_cli_exec_passes_bytes_through(ws_cfg, ws):
 
 def test_errors_are_bunshin_errors():
     assert issubclass(InvalidArgument, BunshinError) and issubclass(InvalidArgument, ValueError)
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), float("nan"), 0, -1, 1e12])
+def test_a_tool_with_a_bad_timeout_is_refused(timeout):
+    from bunshin.tools import ToolSpec
+
+    with pytest.raises(InvalidArgument, match="timeout of tool 'grep'"):
+        ToolSpec("grep", "search", {"type": "object"}, timeout=timeout)
