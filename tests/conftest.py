@@ -132,3 +132,15 @@ def _machine_left_clean():
         time.sleep(0.5)  # an exiting process may still be releasing its cgroup
         left = _machine_state() - before
     assert not left, f"test left behind: {sorted(left)}"
+
+
+@pytest.fixture
+def family(no_leaks):
+    """A ``Family`` of workspaces and snapshots, all removed after the test."""
+    from tests.workspace.fixtures import Family
+
+    fam = Family(no_leaks)
+    try:
+        yield fam
+    finally:
+        fam.close()

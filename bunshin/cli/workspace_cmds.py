@@ -13,8 +13,8 @@ from datetime import datetime
 
 from .. import console as output
 from ..errors import InvalidArgument
+from ..runtime.limits import check_timeout
 from ..workspace import Snapshot, Workspace
-from ..workspace.workspace import check_timeout
 
 
 def register(sub: argparse._SubParsersAction) -> None:

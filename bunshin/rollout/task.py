@@ -34,8 +34,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..errors import InvalidArgument
+from ..runtime.limits import MAX_TIMEOUT_S
 from ..runtime.records import check_mounts
-from ..workspace.workspace import MAX_TIMEOUT_S
 
 #: A timeout field: finite seconds, > 0 and at most 7 days (``MAX_TIMEOUT_S``).
 _TIMEOUT = {"gt": 0, "le": MAX_TIMEOUT_S, "allow_inf_nan": False}

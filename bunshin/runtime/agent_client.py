@@ -36,6 +36,7 @@ from .agent_types import (
     SessionInfo,
     SessionResult,
 )
+from .limits import check_timeout
 
 PathLike = str | os.PathLike[str]
 
@@ -339,8 +340,7 @@ class AgentClient:
 
         ``text=False``: ``stdout``/``stderr`` are the exact bytes written (base64 on the wire).
         """
-        if timeout is not None and not 0 < timeout < float("inf"):  # also NaN
-            raise InvalidArgument(f"timeout {timeout!r} must be a finite number of seconds > 0")
+        check_timeout(timeout)
         a = self.call(
             "exec",
             answer_timeout=None if timeout is None else timeout + ANSWER_GRACE_S,

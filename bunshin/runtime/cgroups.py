@@ -13,10 +13,14 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 
 from ..errors import HostUnsupported, InvalidArgument, RuntimeFailure
+
+if TYPE_CHECKING:
+    from .records import WorkspaceRecord
 
 V1_CONTROLLERS = ("memory", "pids", "freezer", "cpu")
 V2_CONTROLLERS = ("memory", "pids", "cpu")
@@ -173,6 +177,11 @@ class WorkspaceCgroup:
     @property
     def paths(self) -> tuple[Path, ...]:
         return tuple(dict.fromkeys(p for _, p in self.dirs))
+
+    @classmethod
+    def of_record(cls, rec: WorkspaceRecord) -> WorkspaceCgroup:
+        """The folders a workspace record names."""
+        return cls(rec.cgroup_version, tuple((c, Path(p)) for c, p in rec.cgroups))
 
     @classmethod
     def of(cls, layout: Layout, name: str) -> WorkspaceCgroup:

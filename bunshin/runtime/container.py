@@ -53,9 +53,10 @@ def upper_size(memory_limit: int | None) -> int | None:
     return None if memory_limit is None else max(memory_limit // 2, 16 << 20)
 
 
-def make_workspace_dir(rec: WorkspaceRecord) -> None:
-    """The workspace's folder, a tmpfs of ``upper_size`` holding its upper, the
-    overlay's work folder and the root mount point."""
+def make_workspace_dir(rec: WorkspaceRecord, owner: int) -> None:
+    """The workspace's folder, a tmpfs of ``upper_size`` holding its upper (owned by
+    ``owner``, root inside: the overlay's root takes the upper's owner), the overlay's
+    work folder and the root mount point."""
     wdir = Path(rec.upper).parent
     wdir.mkdir(parents=True)
     size = upper_size(rec.memory_limit)
@@ -66,6 +67,7 @@ def make_workspace_dir(rec: WorkspaceRecord) -> None:
         raise RuntimeFailure(f"cannot mount the upper tmpfs of {rec.id}: {e}") from e
     for d in (rec.upper, rec.work, rec.root):
         os.mkdir(d)
+    os.chown(rec.upper, owner, owner)
 
 
 def socket_path(rec: WorkspaceRecord) -> Path:
@@ -194,7 +196,7 @@ def create(
     )
     store.add_workspace(rec)
     try:
-        make_workspace_dir(rec)
+        make_workspace_dir(rec, cfg.id_base)
         prepare_upper(Path(rec.upper), cfg.id_base)
         mount_overlay(rec, cfg)
         cg = WorkspaceCgroup.create(layout, cfg.cgroup_prefix + ws_id, memory=mem_bytes, pids=pids)
@@ -230,8 +232,8 @@ def prepare_upper(upper: Path, owner: int) -> None:
     """Lay out a new workspace's (still empty, host-made) upper before its first mount.
 
     Root inside is the host id ``owner``, which has no capability over host-owned
-    files: the folders it must write (/, /tmp, /run, /root, /dev, /.bunshin/run) are
-    made here and given to it, and /dev's nodes are made here, since nothing inside
+    files: the folders it must write (/tmp, /run, /root, /dev, /.bunshin/run; / is given
+    by ``make_workspace_dir``) are made here and given to it, and /dev's nodes are made here, since nothing inside
     a user namespace may mknod. /.bunshin itself stays the host's.
     """
     def make(rel: str, mode: int, uid: int = owner) -> Path:
@@ -241,7 +243,6 @@ def prepare_upper(upper: Path, owner: int) -> None:
         os.chown(path, uid, uid)
         return path
 
-    os.chown(upper, owner, owner)
     make(".bunshin", 0o755, uid=0)
     make(".bunshin/run", 0o755)
     for rel, mode in (("tmp", 0o1777), ("run", 0o755), ("root", 0o700), ("dev", 0o755),
@@ -257,13 +258,12 @@ def prepare_upper(upper: Path, owner: int) -> None:
 
 
 def mount_overlay(rec: WorkspaceRecord, cfg: Config) -> None:
-    """Mount ``rec``'s overlay root; its (host-made) upper belongs to root inside, and
-    host-owned layers are seen through idmapped views (``idmap``)."""
+    """Mount ``rec``'s overlay root; host-owned layers are seen through idmapped views
+    (``idmap``)."""
     lowers = [str(idmap.view(cfg, Path(p)) if idmap.needs_view(cfg, Path(p)) else p) for p in rec.lowers]
     opts = f"lowerdir={':'.join(lowers)},upperdir={rec.upper},workdir={rec.work}"
     if len(opts) > 4000:
         raise InvalidArgument(f"layer stack of {len(rec.lowers)} layers is too long for one overlay mount")
-    os.chown(rec.upper, cfg.id_base, cfg.id_base)
     try:
         sc.mount("overlay", rec.root, "overlay", 0, opts)
     except OSError as e:
@@ -346,7 +346,7 @@ def destroy(cfg: Config, store: Store, rec: WorkspaceRecord) -> None:
     if rec.state != WorkspaceState.REMOVING:
         rec = rec.replace(state=WorkspaceState.REMOVING)
         store.save_workspace(rec)
-    cg = WorkspaceCgroup(rec.cgroup_version, tuple((c, Path(p)) for c, p in rec.cgroups))
+    cg = WorkspaceCgroup.of_record(rec)
     if is_alive(rec) and rec.pid is not None:
         try:
             os.kill(rec.pid, 9)

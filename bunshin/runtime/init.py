@@ -145,7 +145,7 @@ def _mount_point(root: str, path: str, owner: int) -> int:
     """An O_PATH fd of the folder ``root``/``path``, made (owned by root inside) where
     missing; nothing on the way is followed (the image's symlinks name host paths here)."""
     try:
-        return sc.open_dir_beneath(root, path.strip("/").split("/"), path_only=True, make_as=owner)
+        return sc.open_dir_beneath(root, path.strip("/").split("/"), path_only=True, make=True, owner=owner)
     except OSError as e:
         raise RuntimeError(f"mount point {path}: not a folder in the image ({e.strerror})") from e
 
@@ -178,6 +178,8 @@ def main() -> None:
     sc.new_netns()
     sc.unshare(sc.CLONE_NEWNS)
     sc.mount("none", "/", None, sc.MS_REC | sc.MS_PRIVATE)
+    if not os.path.isdir(f"{spec['root']}/sys"):
+        os.mkdir(f"{spec['root']}/sys", 0o755)
     sc.mount_sysfs(f"{spec['root']}/sys")
     _bind_shared(spec["root"], spec.get("mounts", []), spec["ids"][0])
     unshared_r, unshared_w = os.pipe()

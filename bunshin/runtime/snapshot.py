@@ -48,6 +48,7 @@ from ..errors import (
     StateConflict,
 )
 from . import container, criu, memfile, statefs, upper_copy
+from . import syscalls as sc
 from .agent_client import quiesced
 from .cgroups import Layout, WorkspaceCgroup
 from .idmap import share as share_view
@@ -214,7 +215,8 @@ def _check_space(cfg: Config, rec: WorkspaceRecord) -> None:
     """Refuse early when tmpfs cannot hold the workspace's memory and upper once more."""
     st = os.statvfs(cfg.tmpfs)
     free = st.f_bavail * st.f_frsize
-    need = _du(Path(rec.upper))
+    upper = _du(Path(rec.upper))
+    need = upper
     for pid in _tree(rec.pid):
         with contextlib.suppress(psutil.Error):
             need += psutil.Process(pid).memory_full_info().uss
@@ -223,12 +225,11 @@ def _check_space(cfg: Config, rec: WorkspaceRecord) -> None:
             f"tmpfs {cfg.tmpfs} has {free >> 20} MiB free, the snapshot of {rec.id} needs about {need >> 20} MiB",
             hint="remove snapshots or workspaces, or point BUNSHIN_TMPFS at a larger tmpfs",
         )
-    upper = _du(Path(rec.upper))
-    cg = WorkspaceCgroup(rec.cgroup_version, tuple((c, Path(p)) for c, p in rec.cgroups))
-    if rec.memory_limit is not None and upper > rec.memory_limit - cg.memory_bytes():
+    left = None if rec.memory_limit is None else rec.memory_limit - WorkspaceCgroup.of_record(rec).memory_bytes()
+    if left is not None and upper > left:
         raise ResourceExhausted(
             f"the frozen copy of {rec.id}'s files ({upper >> 20} MiB) is charged to it, and its memory limit "
-            f"({rec.memory_limit >> 20} MiB) has {max(rec.memory_limit - cg.memory_bytes(), 0) >> 20} MiB left",
+            f"({rec.memory_limit >> 20} MiB) has {max(left, 0) >> 20} MiB left",
             hint="delete files in the workspace (/tmp, build output) or give it a larger --memory",
         )
 
@@ -315,11 +316,13 @@ def _pause_ms(images: Path, log: Path) -> float | None:
 
 
 def _du(path: Path) -> int:
+    """Bytes allocated under ``path``, walked by descriptors (``os.fwalk``): a running
+    workspace's upper may swap a folder for a symlink meanwhile, which is not followed."""
     total = 0
-    for dirpath, _, files in os.walk(path):
+    for _, _, files, dir_fd in os.fwalk(path):
         for f in files:
             with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
+                total += os.stat(f, dir_fd=dir_fd, follow_symlinks=False).st_blocks * 512
     return total
 
 
@@ -457,7 +460,7 @@ def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout
     )
     store.add_workspace(rec)
     try:
-        container.make_workspace_dir(rec)
+        container.make_workspace_dir(rec, cfg.id_base)
         container.mount_overlay(rec, cfg)
         container.publish_identity(rec, {"workspace_id": ws_id, "fork_id": ws_id, "parent": snap.source,
                                          "snapshot": snap.id, "depth": snap.depth})
@@ -465,6 +468,7 @@ def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout
         # criu starts inside the clone's cgroups and a fresh network namespace with
         # lo up; the restored tasks inherit both.
         sysfs = str(wdir / "sys")  # beneath the clone's folder: unmounted with it
+        os.mkdir(sysfs, 0o755)
         into = criu.Placement(new_netns=True, own_keyring=True, sysfs=sysfs,
                               cgroup_procs=tuple(str(p / "cgroup.procs") for p in cg.paths))
         run = criu.restore(
@@ -610,7 +614,7 @@ def remove_layer(layer: Path) -> None:
     and pointing at a host file) is unlinked as itself or skipped, never followed.
     """
     try:
-        fd = memfile.open_dir_beneath(layer, Path(MEM_VIEW).relative_to("/").parts)
+        fd = sc.open_dir_beneath(layer, Path(MEM_VIEW).relative_to("/").parts)
     except OSError:
         fd = None
     if fd is not None:

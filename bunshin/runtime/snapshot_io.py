@@ -60,6 +60,7 @@ from ..errors import (
 )
 from . import agent_bundle, image_policy, images, memfile, statefs
 from . import snapshot as rsnap
+from . import syscalls as sc
 from .snapshot_checks import (
     _IMAGE_NAME,
     _SHA256,
@@ -478,18 +479,10 @@ def _workspace_ids(cfg: Config) -> range | None:
 def _make_view(layer: Path) -> int:
     """A descriptor of the memory-file view of an unpacked layer, made where missing and
     never reached through a symbolic link."""
-    fd = os.open(layer, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        for part in rsnap.MEM_VIEW.strip("/").split("/"):
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(part, 0o755, dir_fd=fd)
-            child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            os.close(fd)
-            fd = child
+        return sc.open_dir_beneath(layer, rsnap.MEM_VIEW.strip("/").split("/"), make=True)
     except OSError as e:
-        os.close(fd)
         raise InvalidArgument(f"the memory-file view of layer {layer.name} is not a folder ({e.strerror})") from e
-    return fd
 
 
 def _load_memfile(folder: _Folder, m: dict[str, Any], host: Path) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import psutil
 
@@ -26,12 +25,9 @@ class WorkspaceStats:
     processes: int
 
 
-def cgroup_of(rec: WorkspaceRecord) -> WorkspaceCgroup:
-    return WorkspaceCgroup(rec.cgroup_version, tuple((c, Path(p)) for c, p in rec.cgroups))
-
 
 def collect(rec: WorkspaceRecord) -> WorkspaceStats:
-    cg = cgroup_of(rec)
+    cg = WorkspaceCgroup.of_record(rec)
     pids = cg.pids()
     pss = uss = anon = 0
     for pid in pids:

@@ -130,20 +130,18 @@ def new_netns() -> None:
 
 
 def mount_sysfs(target: str) -> None:
-    """A read-only sysfs at ``target`` showing the caller's network namespace (made
-    by the host: in a workspace's user namespace ``mount sysfs`` is refused for a
-    network namespace the host owns)."""
-    if not os.path.isdir(target):
-        os.mkdir(target, 0o755)
+    """A read-only sysfs at the folder ``target`` (a host path, or ``/proc/self/fd/N``)
+    showing the caller's network namespace (made by the host: in a workspace's user
+    namespace ``mount sysfs`` is refused for a network namespace the host owns)."""
     mount("sysfs", target, "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
 
 
 def open_dir_beneath(top: str | os.PathLike[str], parts: Iterable[str], *, path_only: bool = False,
-                     make_as: int | None = None) -> int:
+                     make: bool = False, owner: int | None = None) -> int:
     """A descriptor of the folder ``top/parts...``, each component opened with
     ``O_NOFOLLOW`` from the one before: a symlink (or a file) on the way raises
-    (``ENOTDIR``/``ELOOP``). ``path_only``: ``O_PATH`` descriptors. ``make_as``: a
-    missing folder is made (0755) and given to that uid and gid."""
+    (``ENOTDIR``/``ELOOP``). ``path_only``: ``O_PATH`` descriptors. ``make``: a missing
+    folder is made (0755), and given to uid and gid ``owner`` if one is named."""
     flags = (os.O_PATH if path_only else os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(top, flags)
     try:
@@ -151,10 +149,11 @@ def open_dir_beneath(top: str | os.PathLike[str], parts: Iterable[str], *, path_
             try:
                 child = os.open(part, flags, dir_fd=fd)
             except FileNotFoundError:
-                if make_as is None:
+                if not make:
                     raise
                 os.mkdir(part, 0o755, dir_fd=fd)
-                os.chown(part, make_as, make_as, dir_fd=fd, follow_symlinks=False)
+                if owner is not None:
+                    os.chown(part, owner, owner, dir_fd=fd, follow_symlinks=False)
                 child = os.open(part, flags, dir_fd=fd)
             os.close(fd)
             fd = child

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import InvalidArgument
-from ..workspace.workspace import check_timeout
+from ..runtime.limits import check_timeout
 
 
 @dataclass(frozen=True)

@@ -7,40 +7,22 @@ a ``Workspace`` object does no I/O; ``Workspace.create`` starts a container.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Config
-from ..errors import InvalidArgument, StateConflict
+from ..errors import StateConflict
 from ..runtime import container, snapshot_io
 from ..runtime import snapshot as rsnap
 from ..runtime import stats as rstats
 from ..runtime.agent_client import AgentClient
 from ..runtime.agent_types import ExecResult, FileEntry, ProcessInfo, SessionResult
 from ..runtime.cgroups import WorkspaceCgroup
+from ..runtime.limits import check_timeout
 from ..runtime.records import Mount, WorkspaceRecord, WorkspaceState
 from ..runtime.stats import WorkspaceStats
 from ..runtime.store import Store
-
-#: Longest timeout a command, a session run or a tool call may ask for: 7 days.
-MAX_TIMEOUT_S = 7 * 24 * 3600.0
-
-
-def check_timeout(timeout: float | None, what: str = "timeout") -> float | None:
-    """``timeout`` as seconds, or ``InvalidArgument`` unless it is finite, > 0 and at most
-    :data:`MAX_TIMEOUT_S` (``None``: no timeout)."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-        raise InvalidArgument(f"{what} must be a number of seconds, got {timeout!r}")
-    if not math.isfinite(timeout) or timeout <= 0 or timeout > MAX_TIMEOUT_S:
-        raise InvalidArgument(
-            f"{what} {timeout!r} is out of range",
-            hint=f"give a finite number of seconds > 0 and <= {MAX_TIMEOUT_S:g} (7 days), or no timeout",
-        )
-    return float(timeout)
 
 
 @dataclass(frozen=True)
@@ -194,7 +176,7 @@ class Workspace:
     ) -> ExecResult:
         """Run one command (a shell string or an argv list) and wait for it.
 
-        ``timeout``: seconds, finite and at most :data:`MAX_TIMEOUT_S`. ``text=False``
+        ``timeout``: seconds, finite and at most ``limits.MAX_TIMEOUT_S`` (7 days). ``text=False``
         returns ``stdout``/``stderr`` as the exact bytes the command wrote (no
         decoding, no truncation note; see ``*_truncated``).
         """
@@ -215,7 +197,7 @@ class Workspace:
         """The CPU priority of the whole workspace, as a nice value 0..19 (its cgroup's
         CPU weight): speculative forks run at 19 and go back to 0 when adopted."""
         rec = self._record
-        WorkspaceCgroup(rec.cgroup_version, tuple((c, Path(p)) for c, p in rec.cgroups)).set_cpu_nice(nice)
+        WorkspaceCgroup.of_record(rec).set_cpu_nice(nice)
 
 
 class Snapshot:

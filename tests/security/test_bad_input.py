@@ -22,8 +22,8 @@ from bunshin.errors import BunshinError, InvalidArgument
 from bunshin.rollout.policies import TraceReplayPolicy
 from bunshin.rollout.task import parse_task
 from bunshin.runtime.cgroups import MIN_MEMORY, parse_size
+from bunshin.runtime.limits import MAX_TIMEOUT_S, check_timeout
 from bunshin.workspace import Workspace
-from bunshin.workspace.workspace import MAX_TIMEOUT_S, check_timeout
 from tests.conftest import drop_state_tmpfs, leftovers
 
 BUNSHIN = Path(sys.executable).parent / "bunshin"

@@ -31,11 +31,11 @@ from pathlib import Path
 
 import pytest
 
-from bunshin.errors import AgentError, BunshinError, WorkspaceNotFound
+from bunshin.errors import AgentError
 from bunshin.runtime import container, gc
 from bunshin.runtime import snapshot as rsnap
 from bunshin.runtime.store import Store
-from bunshin.workspace import Snapshot, Workspace
+from bunshin.workspace import Workspace
 
 pytestmark = [pytest.mark.integration, pytest.mark.criu]
 
@@ -73,42 +73,6 @@ class Canary:
             st = os.lstat(self.folder / name)
             assert st.st_ino == self.inodes[name] and st.st_nlink == 1, f"{name} was replaced or linked"
             assert (self.folder / name).read_bytes() == data, f"{name} was changed"
-
-
-class Family:
-    """Workspaces and snapshots of one test, all removed at the end whatever happened."""
-
-    def __init__(self, cfg) -> None:
-        self.cfg = cfg
-        self.workspaces: list[Workspace] = []
-        self.snapshots: list[Snapshot] = []
-
-    def create(self) -> Workspace:
-        ws = Workspace.create("host", config=self.cfg, memory="1G")
-        self.workspaces.append(ws)
-        return ws
-
-    def fork(self, ws: Workspace, **kw) -> list[Workspace]:
-        clones = ws.fork(1, **kw)
-        self.workspaces += clones
-        return clones
-
-    def close(self) -> None:
-        for ws in reversed(self.workspaces):
-            with contextlib.suppress(WorkspaceNotFound):
-                Workspace.get(ws.id, config=self.cfg).remove()
-        for snap in self.snapshots:
-            with contextlib.suppress(BunshinError):
-                Snapshot.get(snap.id, config=self.cfg).remove()
-
-
-@pytest.fixture
-def family(no_leaks):
-    fam = Family(no_leaks)
-    try:
-        yield fam
-    finally:
-        fam.close()
 
 
 def plant(ws: Workspace, script: str) -> bool:

@@ -206,7 +206,7 @@ def test_a_forks_frozen_files_are_charged_to_the_workspace(no_leaks):
     try:
         assert ws.exec("head -c 40000000 /dev/urandom > /tmp/data").exit_code == 0
         rec = ws.record
-        cg = WorkspaceCgroup(rec.cgroup_version, tuple((c, Path(p)) for c, p in rec.cgroups))
+        cg = WorkspaceCgroup.of_record(rec)
         before = cg.memory_bytes()
         clones += ws.fork(1)
         assert cg.memory_bytes() - before > 35_000_000  # the 40 MB copy went on its bill

@@ -39,58 +39,6 @@ PROGS = Path(__file__).parent / "progs"
 HEAP_MIB = 64
 
 
-class Family:
-    """Creates workspaces and snapshots and removes all of them at the end, whatever happened."""
-
-    def __init__(self, cfg) -> None:
-        self.cfg = cfg
-        self.workspaces: list[Workspace] = []
-        self.snapshots: list[Snapshot] = []
-
-    def create(self, **kw) -> Workspace:
-        kw.setdefault("memory", "1G")
-        ws = Workspace.create("host", config=self.cfg, **kw)
-        self.workspaces.append(ws)
-        return ws
-
-    def fork(self, ws: Workspace, n: int = 1, **kw) -> list[Workspace]:
-        clones = ws.fork(n, **kw)
-        self.workspaces += clones
-        return clones
-
-    def snapshot(self, ws: Workspace) -> Snapshot:
-        snap = ws.snapshot()
-        self.snapshots.append(snap)
-        return snap
-
-    def restore(self, snap: Snapshot, n: int = 1) -> list[Workspace]:
-        clones = snap.restore(n)
-        self.workspaces += clones
-        return clones
-
-    def close(self) -> None:
-        for ws in reversed(self.workspaces):
-            try:
-                Workspace.get(ws.id, config=self.cfg)
-            except WorkspaceNotFound:
-                continue
-            ws.remove()
-        for snap in self.snapshots:
-            try:
-                Snapshot.get(snap.id, config=self.cfg).remove()
-            except SnapshotNotFound:
-                pass
-
-
-@pytest.fixture
-def family(no_leaks):
-    fam = Family(no_leaks)
-    try:
-        yield fam
-    finally:
-        fam.close()
-
-
 # ------------------------------------------------------------------- helpers
 
 

@@ -63,7 +63,6 @@ from bunshin.errors import NotForkable
 from .criu_images import PAGE, SUFFIX, referenced_memfiles
 from .fileio import (
     data_extents,
-    open_dir_beneath,
     remove_memfile,
     remove_memfile_at,
     remove_memfiles,
@@ -83,7 +82,6 @@ from .zerofill import ZeroFillPolicy, zero_fill_risks
 
 __all__ = [
     "data_extents",
-    "open_dir_beneath",
     "remove_memfile_at",
     "set_immutable",
     "unsealed",

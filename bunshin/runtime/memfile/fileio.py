@@ -15,7 +15,6 @@ from pathlib import Path
 
 from bunshin.errors import RuntimeFailure
 
-from .. import syscalls as sc
 from .criu_images import PAGE, SUFFIX
 
 _FS_IOC_GETFLAGS, _FS_IOC_SETFLAGS, _FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10
@@ -200,12 +199,6 @@ def _open_regular(name: str | Path, dir_fd: int | None = None) -> int:
         os.close(fd)
         raise OSError(errno.EINVAL, "not a regular file", os.fspath(name))
     return fd
-
-
-def open_dir_beneath(top: Path, parts: Iterable[str]) -> int:
-    """A descriptor of the folder ``top/parts...`` reached without following anything
-    (``syscalls.open_dir_beneath``): a symlink on the way raises (``ENOTDIR``)."""
-    return sc.open_dir_beneath(top, parts)
 
 
 @contextlib.contextmanager

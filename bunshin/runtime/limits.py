@@ -1,0 +1,25 @@
+"""Bounds on what a caller may ask for, checked where a request enters (one place)."""
+
+from __future__ import annotations
+
+import math
+
+from ..errors import InvalidArgument
+
+#: Longest timeout a command, a session run or a tool call may ask for: 7 days.
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def check_timeout(timeout: float | None, what: str = "timeout") -> float | None:
+    """``timeout`` as seconds, or ``InvalidArgument`` unless it is finite, > 0 and at most
+    :data:`MAX_TIMEOUT_S` (``None``: no timeout)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise InvalidArgument(f"{what} must be a number of seconds, got {timeout!r}")
+    if not math.isfinite(timeout) or timeout <= 0 or timeout > MAX_TIMEOUT_S:
+        raise InvalidArgument(
+            f"{what} {timeout!r} is out of range",
+            hint=f"give a finite number of seconds > 0 and <= {MAX_TIMEOUT_S:g} (7 days), or no timeout",
+        )
+    return float(timeout)
