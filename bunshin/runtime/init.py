@@ -150,6 +150,16 @@ def _mount_point(root: str, path: str, owner: int) -> int:
         raise RuntimeError(f"mount point {path}: not a folder in the image ({e.strerror})") from e
 
 
+def _mount_sysfs(root: str, owner: int) -> None:
+    """/sys, on the image's folder reached without following anything (an image may
+    bring a symlink there: this runs as host root)."""
+    fd = _mount_point(root, "/sys", owner)
+    try:
+        sc.mount_sysfs(f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)
+
+
 def _bind_shared(root: str, mounts: list[dict], owner: int) -> None:
     """Host folders shared on purpose: the host's views of them (``idmap.share``) bound
     at their paths, in this mount namespace only (the workspace's is copied from it)."""
@@ -178,9 +188,7 @@ def main() -> None:
     sc.new_netns()
     sc.unshare(sc.CLONE_NEWNS)
     sc.mount("none", "/", None, sc.MS_REC | sc.MS_PRIVATE)
-    if not os.path.isdir(f"{spec['root']}/sys"):
-        os.mkdir(f"{spec['root']}/sys", 0o755)
-    sc.mount_sysfs(f"{spec['root']}/sys")
+    _mount_sysfs(spec["root"], spec["ids"][0])
     _bind_shared(spec["root"], spec.get("mounts", []), spec["ids"][0])
     unshared_r, unshared_w = os.pipe()
     mapped_r, mapped_w = os.pipe()

@@ -220,6 +220,30 @@ def test_a_forks_frozen_files_are_charged_to_the_workspace(no_leaks):
         ws.remove()
 
 
+def test_an_image_symlink_at_sys_is_not_followed_by_the_launcher(no_leaks, tmp_path):
+    """The launcher mounts /sys as host root: a symlink an image brings there (pointing at
+    a host folder) must not take that mount, or the mkdir of a mount point, elsewhere."""
+    import shutil
+    import subprocess
+
+    from bunshin.errors import RuntimeFailure
+
+    canary = tmp_path / "canary"
+    canary.mkdir()
+    (canary / "keep").write_text("host data\n")
+    root = tmp_path / "image"
+    (root / "bin").mkdir(parents=True)
+    busybox = shutil.which("busybox") or "/bin/busybox"
+    subprocess.run(["cp", busybox, str(root / "bin" / "busybox")], check=True)
+    (root / "bin" / "sh").symlink_to("busybox")
+    (root / "sys").symlink_to(canary)
+    with pytest.raises(RuntimeFailure, match="mount point /sys"):
+        Workspace.create(str(root), memory="256M", config=no_leaks)
+    assert os.listdir(canary) == ["keep"] and (canary / "keep").read_text() == "host data\n"
+    assert not any(canary in Path(line.split()[4]).parents or line.split()[4] == str(canary)
+                   for line in open("/proc/self/mountinfo"))
+
+
 # ---------------------------------------------------------------- helpers
 
 
