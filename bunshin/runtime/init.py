@@ -42,13 +42,6 @@ EMPTY_DIR = "/.bunshin/empty"  # in the agent layer: read-only and empty
 _PROC_FLAGS = sc.MS_NOSUID | sc.MS_NODEV | sc.MS_NOEXEC
 
 
-def _mkdir(path: str, mode: int = 0o755) -> None:
-    """Create ``path`` with exactly ``mode`` (umask aside) unless it exists."""
-    if not os.path.isdir(path):
-        os.makedirs(path, exist_ok=True)
-        os.chmod(path, mode)
-
-
 def _bind_read_only(src: str, dst: str, flags: int = 0) -> None:
     sc.mount(src, dst, None, sc.MS_BIND)
     sc.mount(src, dst, None, sc.MS_BIND | sc.MS_REMOUNT | sc.MS_RDONLY | flags)
@@ -68,7 +61,7 @@ def _mask_proc(root: str) -> None:
 
 
 def _mask_sys(root: str) -> None:
-    """/sys is the read-only sysfs the launcher mounted (``syscalls.mount_sysfs``)."""
+    """/sys is the read-only sysfs the launcher mounted (``_mount_sysfs``)."""
     for name in SYS_MASKED_DIRS:
         if os.path.isdir(f"{root}/sys/{name}"):
             _bind_read_only(f"{root}{EMPTY_DIR}", f"{root}/sys/{name}", _PROC_FLAGS)
@@ -80,13 +73,12 @@ def _build_mounts(root: str) -> None:
     # The overlay was mounted by the host: in this user namespace's copy of the mount
     # tree it is locked, and pivot_root refuses a locked new root. A bind of it is not.
     sc.mount(root, root, None, sc.MS_BIND | sc.MS_REC)
-    _mkdir(f"{root}/proc")
-    sc.mount("proc", f"{root}/proc", "proc", _PROC_FLAGS)
+    # Mount points reached without following anything: the image's /proc could be a
+    # symlink into the host's tree, still visible here before the pivot.
+    _mount_at(root, "/proc", "proc", _PROC_FLAGS)
     _mask_proc(root)
     _mask_sys(root)
-    _mkdir(f"{root}/dev/pts")
-    sc.mount("devpts", f"{root}/dev/pts", "devpts", sc.MS_NOSUID | sc.MS_NOEXEC,
-             "newinstance,ptmxmode=0666,mode=620")
+    _mount_at(root, "/dev/pts", "devpts", sc.MS_NOSUID | sc.MS_NOEXEC, "newinstance,ptmxmode=0666,mode=620")
     os.chdir(root)
     sc.pivot_root(".", ".")
     sc.umount(".", sc.MNT_DETACH)
@@ -141,7 +133,7 @@ def _in_user_namespace(spec: dict, unshared: int, mapped: int) -> None:
     _become_pid1(spec)
 
 
-def _mount_point(root: str, path: str, owner: int) -> int:
+def _mount_point(root: str, path: str, owner: int | None) -> int:
     """An O_PATH fd of the folder ``root``/``path``, made (owned by root inside) where
     missing; nothing on the way is followed (the image's symlinks name host paths here)."""
     try:
@@ -150,14 +142,21 @@ def _mount_point(root: str, path: str, owner: int) -> int:
         raise RuntimeError(f"mount point {path}: not a folder in the image ({e.strerror})") from e
 
 
-def _mount_sysfs(root: str, owner: int) -> None:
-    """/sys, on the image's folder reached without following anything (an image may
-    bring a symlink there: this runs as host root)."""
-    fd = _mount_point(root, "/sys", owner)
+def _mount_at(root: str, path: str, fstype: str, flags: int = 0, data: str | None = None,
+              owner: int | None = None) -> None:
+    """Mount a fresh ``fstype`` at ``root``/``path``, a folder reached (made where
+    missing) without following any symlink."""
+    fd = _mount_point(root, path, owner)
     try:
-        sc.mount_sysfs(f"/proc/self/fd/{fd}")
+        sc.mount(fstype, f"/proc/self/fd/{fd}", fstype, flags, data)
     finally:
         os.close(fd)
+
+
+def _mount_sysfs(root: str, owner: int) -> None:
+    """/sys, read-only, on the image's folder reached without following anything (an
+    image may bring a symlink there: this runs as host root)."""
+    _mount_at(root, "/sys", "sysfs", sc.MS_RDONLY | _PROC_FLAGS, owner=owner)
 
 
 def _bind_shared(root: str, mounts: list[dict], owner: int) -> None:

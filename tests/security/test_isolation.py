@@ -220,9 +220,11 @@ def test_a_forks_frozen_files_are_charged_to_the_workspace(no_leaks):
         ws.remove()
 
 
-def test_an_image_symlink_at_sys_is_not_followed_by_the_launcher(no_leaks, tmp_path):
-    """The launcher mounts /sys as host root: a symlink an image brings there (pointing at
-    a host folder) must not take that mount, or the mkdir of a mount point, elsewhere."""
+@pytest.mark.parametrize("point", ["sys", "proc"])
+def test_an_image_symlink_at_a_mount_point_is_not_followed(no_leaks, tmp_path, point):
+    """The launcher mounts /sys as host root, pid 1 mounts /proc before its pivot (the
+    host's tree still in view): a symlink an image brings there (pointing at a host
+    folder) must not take that mount, or the mkdir of a mount point, elsewhere."""
     import shutil
     import subprocess
 
@@ -236,8 +238,8 @@ def test_an_image_symlink_at_sys_is_not_followed_by_the_launcher(no_leaks, tmp_p
     busybox = shutil.which("busybox") or "/bin/busybox"
     subprocess.run(["cp", busybox, str(root / "bin" / "busybox")], check=True)
     (root / "bin" / "sh").symlink_to("busybox")
-    (root / "sys").symlink_to(canary)
-    with pytest.raises(RuntimeFailure, match="mount point /sys"):
+    (root / point).symlink_to(canary / "made-here")  # missing: a followed mkdir would make it
+    with pytest.raises(RuntimeFailure, match=f"mount point /{point}"):
         Workspace.create(str(root), memory="256M", config=no_leaks)
     assert os.listdir(canary) == ["keep"] and (canary / "keep").read_text() == "host data\n"
     assert not any(canary in Path(line.split()[4]).parents or line.split()[4] == str(canary)
