@@ -2,7 +2,7 @@
 #   make install   system packages, private CRIU >= 4.2, .venv, `bunshin` on PATH
 #   make test      the whole test suite (unit + integration, needs root and CRIU)
 #   make demo      the end-to-end demo
-#   make lint      ruff
+#   make lint      ruff, mypy (strict on the core layers), import-linter contracts
 #   make bench     runtime micro-benchmarks
 # Every target first runs `install`, which takes seconds once everything is in place.
 # Extra pytest arguments: make test PYTEST_ARGS='-k fork -x'
@@ -24,6 +24,8 @@ demo: install
 
 lint: install
 	cd $(ROOT) && $(VENV)/bin/ruff check bunshin tests
+	cd $(ROOT) && $(VENV)/bin/mypy
+	cd $(ROOT) && $(VENV)/bin/lint-imports
 
 bench: install
 	cd $(ROOT) && $(VENV)/bin/bunshin bench runtime

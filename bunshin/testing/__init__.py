@@ -1,0 +1,1 @@
+"""Test doubles that satisfy bunshin's protocols (public, documented)."""
