@@ -1,78 +1,114 @@
-"""A small JSON-schema checker for tool arguments.
+"""Tool arguments checked against their JSON schema, with ``jsonschema``.
 
-Covers what function-calling schemas use: ``type`` (one or a list), ``properties``,
-``required``, ``additionalProperties`` (bool or schema), ``items``, ``enum``,
-``minimum``/``maximum``, ``minLength``/``maxLength``, ``minItems``/``maxItems``.
-Errors name the argument path, so the model can correct its call.
+Schemas are read as draft 2020-12 (what function-calling schemas are written in),
+with two widenings the tools rely on: any ``Mapping`` is an object and a tuple is
+an array. jsonschema finds the problems; this module words them for the model:
+each message names the argument path (``arguments.items[2]``) so the model can
+correct its call, and a value of the wrong type gets that one message only.
+An invalid schema is the tool author's mistake and raises ``InvalidArgument``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+import json
+import re
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-_TYPES: dict[str, tuple[type, ...]] = {
-    "string": (str,),
-    "integer": (int,),
-    "number": (int, float),
-    "boolean": (bool,),
-    "array": (list, tuple),
-    "object": (Mapping,),
-    "null": (type(None),),
-}
+from jsonschema import Draft202012Validator, SchemaError, ValidationError, validators
+from jsonschema.protocols import Validator
+
+from ..errors import InvalidArgument
+
+_CHECKER = Draft202012Validator.TYPE_CHECKER.redefine_many({
+    "object": lambda _checker, value: isinstance(value, Mapping),
+    "array": lambda _checker, value: isinstance(value, list | tuple),
+})
+_extend: Callable[..., type[Validator]] = validators.extend  # the stubs leave it untyped
+_ToolArgsValidator = _extend(Draft202012Validator, type_checker=_CHECKER)
 
 
-def _is(value: Any, kind: str) -> bool:
-    if kind == "integer" and isinstance(value, float):
-        return value.is_integer()
-    if kind in ("integer", "number") and isinstance(value, bool):
-        return False
-    return isinstance(value, _TYPES.get(kind, (object,)))
+@functools.lru_cache(maxsize=256)
+def _checked(canonical: str) -> Validator:
+    schema = json.loads(canonical)
+    try:
+        _ToolArgsValidator.check_schema(schema)
+    except SchemaError as exc:
+        where = "".join(f"[{p!r}]" for p in exc.absolute_path) or "at the top"
+        raise InvalidArgument(f"invalid JSON schema for tool arguments ({where}): {exc.message}") from None
+    return _ToolArgsValidator(schema)
+
+
+def _validator(schema: Mapping[str, Any]) -> Validator:
+    """A validator of ``schema``, which is checked once (tool schemas are few)."""
+    try:
+        canonical = json.dumps(schema, sort_keys=True)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"invalid JSON schema for tool arguments: not JSON ({exc})") from None
+    return _checked(canonical)
+
+
+def _path(root: str, parts: Iterable[str | int]) -> str:
+    return root + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts)
+
+
+def _kinds(types: str | Iterable[str]) -> list[str]:
+    return [types] if isinstance(types, str) else list(types)
+
+
+def _extra_names(schema: Mapping[str, Any], value: Mapping[str, Any]) -> list[str]:
+    props = schema.get("properties", {})
+    patterns = list(schema.get("patternProperties", {}))
+    return [n for n in value if n not in props and not any(re.search(p, n) for p in patterns)]
+
+
+def _messages(err: ValidationError, path: str) -> list[str]:
+    """``err`` in the words the model sees (one or more lines)."""
+    kw = err.validator
+    want: Any = err.validator_value
+    value: Any = err.instance
+    schema = err.schema if isinstance(err.schema, Mapping) else {}
+    if kw == "type":
+        got = "null" if value is None else type(value).__name__
+        return [f"{path}: expected {' or '.join(_kinds(want))}, got {got}"]
+    if kw == "required":
+        return [f"{path}: missing required {n!r}" for n in want if n not in value]
+    if kw == "additionalProperties" and want is False:
+        allowed = ", ".join(schema.get("properties", {})) or "none"
+        return [f"{path}: unexpected {n!r} (allowed: {allowed})" for n in _extra_names(schema, value)]
+    match kw:
+        case "enum":
+            text = f"must be one of {list(want)}"
+        case "minLength":
+            text = f"shorter than {want} characters"
+        case "maxLength":
+            text = f"longer than {want} characters"
+        case "minimum":
+            text = f"must be >= {want}"
+        case "maximum":
+            text = f"must be <= {want}"
+        case "minItems":
+            text = f"needs at least {want} items"
+        case "maxItems":
+            text = f"takes at most {want} items"
+        case _:
+            text = err.message
+    return [f"{path}: {text}"]
 
 
 def errors(schema: Mapping[str, Any], value: Any, path: str = "arguments") -> list[str]:
     """Everything wrong with ``value`` against ``schema`` (empty when it conforms)."""
+    found = list(_validator(schema).iter_errors(value))
+    mistyped = {tuple(e.absolute_path) for e in found if e.validator == "type"}
     out: list[str] = []
-    kinds = schema.get("type")
-    if kinds is not None:
-        kinds = [kinds] if isinstance(kinds, str) else list(kinds)
-        if not any(_is(value, k) for k in kinds):
-            got = "null" if value is None else type(value).__name__
-            return [f"{path}: expected {' or '.join(kinds)}, got {got}"]
-    if "enum" in schema and value not in schema["enum"]:
-        out.append(f"{path}: must be one of {list(schema['enum'])}")
-    if isinstance(value, str):
-        if len(value) < schema.get("minLength", 0):
-            out.append(f"{path}: shorter than {schema['minLength']} characters")
-        if "maxLength" in schema and len(value) > schema["maxLength"]:
-            out.append(f"{path}: longer than {schema['maxLength']} characters")
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        if "minimum" in schema and value < schema["minimum"]:
-            out.append(f"{path}: must be >= {schema['minimum']}")
-        if "maximum" in schema and value > schema["maximum"]:
-            out.append(f"{path}: must be <= {schema['maximum']}")
-    if isinstance(value, list | tuple):
-        if len(value) < schema.get("minItems", 0):
-            out.append(f"{path}: needs at least {schema['minItems']} items")
-        if "maxItems" in schema and len(value) > schema["maxItems"]:
-            out.append(f"{path}: takes at most {schema['maxItems']} items")
-        if isinstance(schema.get("items"), Mapping):
-            for i, item in enumerate(value):
-                out += errors(schema["items"], item, f"{path}[{i}]")
-    if isinstance(value, Mapping):
-        props: Mapping[str, Any] = schema.get("properties", {})
-        for name in schema.get("required", ()):
-            if name not in value:
-                out.append(f"{path}: missing required {name!r}")
-        extra = schema.get("additionalProperties", True)
-        for name, item in value.items():
-            if name in props:
-                out += errors(props[name], item, f"{path}.{name}")
-            elif extra is False:
-                allowed = ", ".join(props) or "none"
-                out.append(f"{path}: unexpected {name!r} (allowed: {allowed})")
-            elif isinstance(extra, Mapping):
-                out += errors(extra, item, f"{path}.{name}")
+    for err in found:
+        where = tuple(err.absolute_path)
+        if where in mistyped and err.validator != "type":
+            continue  # the wrong type says it all
+        for line in _messages(err, _path(path, where)):
+            if line not in out:
+                out.append(line)
     return out
 
 
