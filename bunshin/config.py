@@ -9,7 +9,8 @@ from pathlib import Path
 
 DEFAULT_HOME = Path("/var/lib/bunshin")
 DEFAULT_TMPFS = Path("/dev/shm/bunshin")
-DEFAULT_CRIU = Path("/opt/bunshin/criu/bin/criu")
+INSTALL_DIR = Path("/opt/bunshin")  # what `make install` puts on the host (CRIU)
+DEFAULT_CRIU = INSTALL_DIR / "criu" / "bin" / "criu"
 
 
 @dataclass(frozen=True)
@@ -57,22 +58,77 @@ class Config:
         )
 
     @property
+    def paths(self) -> Paths:
+        """Every host path bunshin uses under ``home`` and ``tmpfs``."""
+        return Paths(self.home, self.tmpfs)
+
+    @property
     def db_path(self) -> Path:
-        return self.home / "state.db"
-
-    @property
-    def workspaces_dir(self) -> Path:
-        return self.home / "workspaces"
-
-    @property
-    def layers_dir(self) -> Path:
-        return self.home / "layers"
-
-    @property
-    def snapshots_dir(self) -> Path:
-        return self.home / "snapshots"
+        return self.paths.db
 
     @property
     def snapshot_key_path(self) -> Path:
         """The secret (32 bytes, mode 0600) that signs the snapshot folders this home saves."""
+        return self.paths.snapshot_key
+
+
+@dataclass(frozen=True)
+class Paths:
+    """The one place host paths are joined (``Config.paths``).
+
+    Under ``home`` (disk): the store, the snapshot key, benchmark downloads. Under
+    ``tmpfs`` (memory): workspace folders, frozen layers, snapshot images, memory
+    files and the idmapped views of host-owned layers.
+    """
+
+    home: Path
+    tmpfs: Path
+
+    @property
+    def db(self) -> Path:
+        """The SQLite store."""
+        return self.home / "state.db"
+
+    @property
+    def snapshot_key(self) -> Path:
+        """The secret (32 bytes, mode 0600) that signs the snapshot folders this home saves."""
         return self.home / "snapshot.key"
+
+    @property
+    def bench(self) -> Path:
+        """Downloads of the benchmarks."""
+        return self.home / "bench"
+
+    @property
+    def workspaces(self) -> Path:
+        """One folder per workspace (its upper, work folder and root mount point)."""
+        return self.tmpfs / "workspaces"
+
+    @property
+    def layers(self) -> Path:
+        """Frozen layers: snapshot layers, the agent layer, mask layers."""
+        return self.tmpfs / "layers"
+
+    @property
+    def snapshots(self) -> Path:
+        """Snapshot folders (CRIU images), on their own tmpfs (``statefs``)."""
+        return self.tmpfs / "snapshots"
+
+    @property
+    def mem(self) -> Path:
+        """Memory files of cow snapshots."""
+        return self.tmpfs / "mem"
+
+    @property
+    def idmap(self) -> Path:
+        """Idmapped views of host-owned layers and shared folders."""
+        return self.tmpfs / "idmap"
+
+    def workspace(self, ws_id: str) -> Path:
+        return self.workspaces / ws_id
+
+    def snapshot(self, snap_id: str) -> Path:
+        return self.snapshots / snap_id
+
+    def layer(self, name: str) -> Path:
+        return self.layers / name

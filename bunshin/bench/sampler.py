@@ -105,8 +105,8 @@ class HomeMemory:
         return total
 
     def files(self) -> int:
-        return (_tree_bytes(self.cfg.tmpfs / "mem")
-                + _tree_bytes(self.cfg.tmpfs / "layers", skip=("agent-", "mask-")))
+        return (_tree_bytes(self.cfg.paths.mem)
+                + _tree_bytes(self.cfg.paths.layers, skip=("agent-", "mask-")))
 
     def __call__(self) -> int:
         if self._n % 5 == 0:  # walking the layers is the slow part: every fifth sample

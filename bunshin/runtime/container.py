@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-from ..config import Config
+from ..config import DEFAULT_HOME, INSTALL_DIR, Config
 from ..errors import BunshinError, InvalidArgument, RuntimeFailure
 from . import idmap, statefs
 from . import syscalls as sc
@@ -40,10 +40,6 @@ READY_TIMEOUT_S = 20.0
 
 def new_id() -> str:
     return "ws-" + secrets.token_hex(6)
-
-
-def workspace_dir(cfg: Config, ws_id: str) -> Path:
-    return cfg.tmpfs / "workspaces" / ws_id
 
 
 def upper_size(memory_limit: int | None) -> int | None:
@@ -133,7 +129,7 @@ def check_shared(cfg: Config, mounts: Sequence[Mount | str]) -> tuple[Mount, ...
     if isinstance(mounts, str | Mount):
         mounts = [mounts]
     out = check_mounts(mounts)
-    own = [cfg.home.resolve(), Path(os.path.realpath(cfg.tmpfs)), Path("/var/lib/bunshin"), Path("/opt/bunshin")]
+    own = [cfg.home.resolve(), Path(os.path.realpath(cfg.tmpfs)), DEFAULT_HOME, INSTALL_DIR]
     for m in out:
         host = Path(m.host)
         if any(host.is_relative_to(p) or p.is_relative_to(host) for p in own):
@@ -171,10 +167,10 @@ def create(
         raise InvalidArgument(f"pids limit {pids} is too small", hint="give at least 8 (the agent needs a few)")
     statefs.ensure(cfg)
     lowers = lower_layers(cfg, image)
-    bundle = AgentBundle.ensure(cfg.tmpfs / "layers")
+    bundle = AgentBundle.ensure(cfg.paths.layers)
     layout = Layout.discover()
     ws_id = new_id()
-    wdir = workspace_dir(cfg, ws_id)
+    wdir = cfg.paths.workspace(ws_id)
     rec = WorkspaceRecord(
         id=ws_id,
         name=name,
@@ -353,7 +349,7 @@ def destroy(cfg: Config, store: Store, rec: WorkspaceRecord) -> None:
         except ProcessLookupError:
             pass
     cg.kill_all()
-    wdir = workspace_dir(cfg, rec.id)
+    wdir = cfg.paths.workspace(rec.id)
     for mount_point in (rec.root, str(wdir)):
         while is_mounted(mount_point):
             sc.umount(mount_point, sc.MNT_DETACH)

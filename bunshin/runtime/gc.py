@@ -58,7 +58,7 @@ def collect(cfg: Config, store: Store, *, extra_owned: set[str] | None = None, r
             container.destroy(cfg, store, rec)
             report.workspaces.append(rec.id)
     live = {r.id for r in store.list_workspaces()} | (extra_owned or set())
-    ws_root = cfg.tmpfs / "workspaces"
+    ws_root = cfg.paths.workspaces
 
     # Mounts beneath our tmpfs folder (deepest first) that belong to no live workspace
     # (bunshin's own images tmpfs aside).
@@ -87,7 +87,7 @@ def collect(cfg: Config, store: Store, *, extra_owned: set[str] | None = None, r
                 report.files.append(str(d))
     # Half-built layers from an interrupted build, and agent layers of older agent
     # versions that no workspace or snapshot stacks on any more.
-    layers = cfg.tmpfs / "layers"
+    layers = cfg.paths.layers
     if layers.is_dir():
         in_use = snapshot.held_layers(store) | {
             p for s in snapshot.list_all(store) for p in (s.layer, *s.lowers)

@@ -43,13 +43,9 @@ class _MountAttr(ctypes.Structure):
                 ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
 
 
-def views_dir(cfg: Config) -> Path:
-    return cfg.tmpfs / "idmap"
-
-
 def needs_view(cfg: Config, layer: Path) -> bool:
     """Host-owned layers: everything but snapshot layers and the agent layer."""
-    if layer.parent == cfg.tmpfs / "layers":
+    if layer.parent == cfg.paths.layers:
         return layer.name.startswith("mask-")
     return True
 
@@ -57,7 +53,7 @@ def needs_view(cfg: Config, layer: Path) -> bool:
 def view(cfg: Config, layer: Path) -> Path:
     """The idmapped view of ``layer`` (mounted on first use)."""
     digest = hashlib.sha256(str(layer).encode()).hexdigest()[:12]
-    target = views_dir(cfg) / f"{layer.name or 'root'}-{digest}"
+    target = cfg.paths.idmap / f"{layer.name or 'root'}-{digest}"
     return _ensure(cfg, target, lambda: _mount_view(layer, target, cfg.id_base, cfg.id_count))
 
 
@@ -73,7 +69,7 @@ def share(cfg: Config, mount: Mount) -> Path:
     """
     kind = "ro" if mount.read_only else "rw"
     digest = hashlib.sha256(f"{kind}:{mount.host}".encode()).hexdigest()[:12]
-    target = views_dir(cfg) / f"share-{kind}-{Path(mount.host).name or 'root'}-{digest}"
+    target = cfg.paths.idmap / f"share-{kind}-{Path(mount.host).name or 'root'}-{digest}"
     return _ensure(cfg, target, lambda: _mount_view(Path(mount.host), target, cfg.id_base, cfg.id_count,
                                                      idmapped=mount.read_only, walk=True))
 
@@ -81,8 +77,8 @@ def share(cfg: Config, mount: Mount) -> Path:
 def _ensure(cfg: Config, target: Path, mount: Callable[[], None]) -> Path:
     if os.path.realpath(target) in mounted(cfg):
         return target
-    views_dir(cfg).mkdir(parents=True, exist_ok=True)
-    lock = os.open(views_dir(cfg), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    cfg.paths.idmap.mkdir(parents=True, exist_ok=True)
+    lock = os.open(cfg.paths.idmap, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one mount per view, whoever asks first
         if os.path.realpath(target) not in mounted(cfg):
@@ -97,7 +93,7 @@ def mounted(cfg: Config) -> set[str]:
     """The views mounted now (bunshin's own state, like its tmpfs)."""
     # From mountinfo: a view of a layer on bunshin's tmpfs is a bind within the same
     # filesystem, which ``os.path.ismount`` does not see.
-    base = os.path.realpath(views_dir(cfg)) + "/"
+    base = os.path.realpath(cfg.paths.idmap) + "/"
     with open("/proc/self/mountinfo") as f:
         return {t for t in (line.split()[4] for line in f) if t.startswith(base) and "/" not in t[len(base):]}
 

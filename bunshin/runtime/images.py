@@ -15,7 +15,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import Config
+from ..config import DEFAULT_HOME, INSTALL_DIR, Config
 from ..errors import ImageNotFound, InvalidArgument, RuntimeFailure
 
 HOST = "host"
@@ -68,7 +68,7 @@ MASK_FORMAT = "2"  # in the layer's digest: a layer built by an older rule is ne
 def hidden_paths(cfg: Config) -> list[Path]:
     """bunshin's own host folders (none inside another): hidden in the host image
     whatever else it shows, and never inside an image folder."""
-    paths = {cfg.home.resolve(), Path("/var/lib/bunshin"), Path("/opt/bunshin"), *FRESH}
+    paths = {cfg.home.resolve(), DEFAULT_HOME, INSTALL_DIR, *FRESH}
     return sorted(p for p in paths if not any(p != q and p.is_relative_to(q) for q in paths))
 
 
@@ -137,7 +137,7 @@ def mask_layer(cfg: Config) -> Path:
     entries = mask_entries(cfg)
     spec = "\n".join([MASK_FORMAT, *(f"{e.kind} {e.mode:o} {e.uid} {e.gid} {e.path}" for e in entries)])
     digest = hashlib.sha256(spec.encode()).hexdigest()[:12]
-    layer = cfg.tmpfs / "layers" / f"mask-{digest}"
+    layer = cfg.paths.layer(f"mask-{digest}")
     if layer.is_dir():
         return layer
     layer.parent.mkdir(parents=True, exist_ok=True)

@@ -135,7 +135,7 @@ def list_all(store: Store) -> list[SnapshotRecord]:
 
 
 def mem_dir(cfg: Config) -> Path:
-    return cfg.tmpfs / "mem"
+    return cfg.paths.mem
 
 
 # ------------------------------------------------------------------------- take
@@ -152,8 +152,8 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool, mode: s
     if rec.state != WorkspaceState.RUNNING or not container.is_alive(rec):
         raise StateConflict(f"workspace {rec.id} is not running", hint="only a running workspace can be forked")
     snap_id = "snap-" + secrets.token_hex(6)
-    sdir = cfg.tmpfs / "snapshots" / snap_id
-    images, layer = sdir / "images", cfg.tmpfs / "layers" / snap_id
+    sdir = cfg.paths.snapshot(snap_id)
+    images, layer = sdir / "images", cfg.paths.layer(snap_id)
     parent = _source_snapshot(store, rec)
     snap = SnapshotRecord(
         id=snap_id, source=rec.id, image=rec.image, mode=mode, keep=keep, created_at=time.time(),
@@ -181,7 +181,7 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool, mode: s
         rewrite_ms, files, mem_bytes, layer_bytes = 0.0, (), 0, _du(layer)
         if mode == "cow":
             result = memfile.rewrite_images(
-                images, mem_dir(cfg), memfile_view=MEM_VIEW, root=Path(rec.root), tag=snap_id,
+                images, cfg.paths.mem, memfile_view=MEM_VIEW, root=Path(rec.root), tag=snap_id,
                 # [heap] too: Python (the agent, most tools) keeps most objects there; left
                 # anonymous a Python clone owns ~85 MiB instead of ~2 MiB. glibc stays correct.
                 convert_heap=True,
@@ -255,7 +255,7 @@ def _link_memfiles(files: Sequence[str], layer: Path) -> None:
     left at ``/.bunshin`` (if not a folder) or at ``/.bunshin/mem`` (a symlink to a host
     folder, a file, a folder of its own entries) is removed first without following
     anything, and the links are made through the new folder's descriptor. The memory
-    files themselves stay in ``mem_dir``, which no workspace reaches.
+    files themselves stay in ``Config.paths.mem``, which no workspace reaches.
     """
     fd = os.open(layer, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
@@ -449,7 +449,7 @@ def _live_tasks(rec: WorkspaceRecord) -> int:
 
 def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout) -> WorkspaceRecord:
     ws_id = container.new_id()
-    wdir = container.workspace_dir(cfg, ws_id)
+    wdir = cfg.paths.workspace(ws_id)
     cg = WorkspaceCgroup.of(layout, cfg.cgroup_prefix + ws_id)
     rec = WorkspaceRecord(
         id=ws_id, name=None, image=snap.image, state=WorkspaceState.CREATING, created_at=time.time(),
@@ -573,7 +573,7 @@ def _sweep_orphans(cfg: Config, store: Store) -> list[str]:
     The files are listed *before* the records are read: a snapshot being taken
     concurrently has its record in place by the time its files can be seen.
     """
-    layers, sdir, mdir = cfg.tmpfs / "layers", cfg.tmpfs / "snapshots", mem_dir(cfg)
+    layers, sdir, mdir = cfg.paths.layers, cfg.paths.snapshots, cfg.paths.mem
     layer_dirs = sorted(layers.glob("snap-*")) if layers.is_dir() else []
     image_dirs = sorted(sdir.iterdir()) if sdir.is_dir() else []
     mem_files = sorted(mdir.glob(f"*{memfile.SUFFIX}")) if mdir.is_dir() else []
@@ -630,13 +630,13 @@ def remove_layer(layer: Path) -> None:
 def _delete(cfg: Config, store: Store, snap: SnapshotRecord) -> None:
     """Free a snapshot's files and its record. Only paths where bunshin puts them are
     touched (a record may come from a loaded folder, which is untrusted input)."""
-    mdir = mem_dir(cfg)
+    mdir = cfg.paths.mem
     for f in snap.memfiles:
         if Path(f).parent == mdir and Path(f).name.endswith(memfile.SUFFIX):
             memfile.remove_memfile(Path(f))
     layer, sdir = Path(snap.layer), Path(snap.images).parent
-    if layer.parent == cfg.tmpfs / "layers" and layer.name not in ("", ".", ".."):
+    if layer.parent == cfg.paths.layers and layer.name not in ("", ".", ".."):
         remove_layer(layer)
-    if sdir.parent == cfg.tmpfs / "snapshots" and sdir.name not in ("", ".", ".."):
+    if sdir.parent == cfg.paths.snapshots and sdir.name not in ("", ".", ".."):
         shutil.rmtree(sdir, ignore_errors=True)
     store.delete_object(KIND, snap.id)

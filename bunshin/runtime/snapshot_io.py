@@ -141,7 +141,7 @@ def save(cfg: Config, snap: rsnap.SnapshotRecord, dest: Path) -> Path:
 def _role(cfg: Config, layer: Path, *, base: bool) -> str:
     if base:
         return "base"
-    if layer.parent == cfg.tmpfs / "layers" and layer.name.startswith("mask-"):
+    if layer.parent == cfg.paths.layers and layer.name.startswith("mask-"):
         return "mask"
     return "agent" if layer.name.startswith("agent-") else "snapshot"
 
@@ -176,7 +176,7 @@ def _save_memfiles(cfg: Config, layer: Path, out_dir: Path) -> list[dict[str, An
                 raise RuntimeFailure(f"memory file {name} of {layer.name} cannot be opened safely ({e.strerror})",
                                      hint="the workspace replaced it; the snapshot cannot be saved") from e
             try:
-                st, host = os.fstat(fd), _lstat(rsnap.mem_dir(cfg) / name)
+                st, host = os.fstat(fd), _lstat(cfg.paths.mem / name)
                 if not stat.S_ISREG(st.st_mode) or host is None or (st.st_dev, st.st_ino) != (host.st_dev, host.st_ino):
                     raise RuntimeFailure(f"{name} in the layer of {layer.name} is not the memory file bunshin wrote",
                                          hint="the workspace replaced it; the snapshot cannot be saved")
@@ -373,16 +373,15 @@ def _load(cfg: Config, store: Store, folder: _Folder) -> rsnap.SnapshotRecord:
         raise ImageNotFound(f"the base image {base['path']} of the saved snapshot is missing",
                             hint="put the image folder back at that path")
     statefs.ensure(cfg)
-    layers_dir = cfg.tmpfs / "layers"
-    todo = [e for e in folder.layers if e["role"] == "snapshot" and not (layers_dir / e["name"]).is_dir()]
+    todo = [e for e in folder.layers if e["role"] == "snapshot" and not cfg.paths.layer(e["name"]).is_dir()]
     mems = {e["name"]: [m for m in folder.memfiles if m["layer"] == e["name"]] for e in todo}
     _check_space(cfg, folder, todo, [m for ms in mems.values() for m in ms])
     paths = [_host_layer(cfg, e) for e in folder.layers]
     own = [m for m in folder.memfiles if m["layer"] == saved.id]
-    sdir = cfg.tmpfs / "snapshots" / saved.id
+    sdir = cfg.paths.snapshot(saved.id)
     rec = dataclasses.replace(
         saved, images=str(sdir / "images"), layer=paths[0], lowers=tuple(paths[1:]), keep=True,
-        memfiles=tuple(str(rsnap.mem_dir(cfg) / m["name"]) for m in own), owner_pid=os.getpid(),
+        memfiles=tuple(str(cfg.paths.mem / m["name"]) for m in own), owner_pid=os.getpid(),
     )
     store.put_object(rsnap.KIND, rec.id, rec.to_json())  # recorded first, as ``take`` does
     try:
@@ -424,8 +423,8 @@ def _host_layer(cfg: Config, entry: dict[str, Any]) -> str:
     if role == "mask":
         return str(images.mask_layer(cfg))
     if role == "agent":  # never from the folder: this host builds the version the images were made with
-        return str(agent_bundle.AgentBundle.ensure(cfg.tmpfs / "layers").layer)
-    return str(cfg.tmpfs / "layers" / entry["name"])
+        return str(agent_bundle.AgentBundle.ensure(cfg.paths.layers).layer)
+    return str(cfg.paths.layer(entry["name"]))
 
 
 def _extract(cfg: Config, folder: _Folder, entry: dict[str, Any], mems: list[dict[str, Any]], sdir: Path) -> None:
@@ -433,7 +432,7 @@ def _extract(cfg: Config, folder: _Folder, entry: dict[str, Any], mems: list[dic
 
     The archive is copied (and hashed) into the snapshot's own folder first, and
     inspected and unpacked from that copy: the folder may change meanwhile."""
-    layers_dir = cfg.tmpfs / "layers"
+    layers_dir = cfg.paths.layers
     layers_dir.mkdir(parents=True, exist_ok=True)
     staged = sdir / f"{entry['name']}.tar"
     tmp = layers_dir / f".load-{entry['name']}-{os.urandom(4).hex()}"
@@ -452,21 +451,21 @@ def _extract(cfg: Config, folder: _Folder, entry: dict[str, Any], mems: list[dic
             vfd = _make_view(tmp)
             try:
                 for m in mems:
-                    host = rsnap.mem_dir(cfg) / m["name"]
+                    host = cfg.paths.mem / m["name"]
                     if not host.exists():
                         _load_memfile(folder, m, host)
                     with memfile.unsealed(host):
                         os.link(host, m["name"], dst_dir_fd=vfd)
             finally:
                 os.close(vfd)
-        os.rename(tmp, layers_dir / entry["name"])
+        os.rename(tmp, cfg.paths.layer(entry["name"]))
     except BaseException:
         staged.unlink(missing_ok=True)
         if tmp.exists():
             rsnap.remove_layer(tmp)
         for m in mems:  # removing the temporary links cleared the flag on the shared inode
             with contextlib.suppress(OSError):
-                memfile.set_immutable(rsnap.mem_dir(cfg) / m["name"])
+                memfile.set_immutable(cfg.paths.mem / m["name"])
         raise
 
 

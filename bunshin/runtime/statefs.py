@@ -36,7 +36,7 @@ _IN_USE = ("workspaces", "snapshots")  # folders whose entries mean "in use"
 
 
 def images_root(cfg: Config) -> Path:
-    return cfg.tmpfs / "snapshots"
+    return cfg.paths.snapshots
 
 
 def own_mounts(cfg: Config) -> set[str]:
