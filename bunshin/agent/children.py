@@ -183,7 +183,8 @@ class Child:
                 return
         callback(self)
 
-    def _finish(self, status: int) -> None:
+    def finish(self, status: int) -> None:
+        """Record the exit ``status`` and run the exit callbacks (the reaper calls it once)."""
         with self._lock:
             self.status = status
             self._done.set()
@@ -265,7 +266,7 @@ class Reaper:
                     continue  # reaped elsewhere (Popen after a failed exec)
                 child = self._children.pop(pid, None) if pid else None
             if child is not None:
-                child._finish(status)
+                child.finish(status)
 
     def kill_all(self) -> None:
         """SIGKILL every live child's process group (agent shutdown)."""
