@@ -1,9 +1,11 @@
 """The bunshin error tree.
 
-Every error bunshin raises is a ``BunshinError``. Each carries a stable ``code``
-(survives the wire), an HTTP status, and a ``hint`` saying what to do. Where a
-built-in exception fits, the error inherits it too, so ``except TimeoutError``
-and ``except FileNotFoundError`` work as expected::
+Every error bunshin raises is a ``BunshinError``. Each class carries a stable
+``code`` (survives the wire: ``to_dict``/``from_dict``, ``error_class(code)``) and
+an HTTP status; each instance a ``hint`` saying what to do (given where it is
+raised). Where a built-in exception fits, the error inherits it too, so
+``except TimeoutError`` and ``except FileNotFoundError`` work as expected. The
+tree below is checked against the classes by ``tests/test_errors.py``::
 
     BunshinError
     ├── InvalidArgument (ValueError)            400 bad input: size, count, name, spec
@@ -53,7 +55,7 @@ class BunshinError(Exception):
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> BunshinError:
-        cls = _BY_CODE.get(data.get("code", ""), BunshinError)
+        cls = error_class(data.get("code", ""))
         return cls(data.get("message", ""), hint=data.get("hint"), **(data.get("details") or {}))
 
 
@@ -146,12 +148,17 @@ class SetupFailed(RuntimeFailure):
     code = "setup_failed"
 
 
-def _all_subclasses(cls: type) -> list[type]:
-    out = []
+def _all_subclasses(cls: type[BunshinError]) -> list[type[BunshinError]]:
+    out: list[type[BunshinError]] = []
     for sub in cls.__subclasses__():
         out.append(sub)
         out.extend(_all_subclasses(sub))
     return out
+
+
+def error_class(code: str) -> type[BunshinError]:
+    """The class whose ``code`` this is; ``BunshinError`` for a code nobody defines."""
+    return _BY_CODE.get(code, BunshinError)
 
 
 _BY_CODE: dict[str, type[BunshinError]] = {c.code: c for c in _all_subclasses(BunshinError)}
