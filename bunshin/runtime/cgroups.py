@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 from ..errors import HostUnsupported, InvalidArgument, RuntimeFailure
+from . import mountinfo
 
 if TYPE_CHECKING:
     from .records import WorkspaceRecord
@@ -94,12 +95,10 @@ class Layout:
 
 def _cgroup_mounts() -> dict[tuple[str, frozenset[str]], Path]:
     found: dict[tuple[str, frozenset[str]], Path] = {}
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        left, right = line.split(" - ", 1)
-        fstype, _src, opts = right.split(" ", 2)
-        mp = Path(left.split(" ")[4])
+    for m in mountinfo.read():
+        fstype, mp = m.fs_type, Path(m.mount_point)
         if fstype == "cgroup":
-            names = frozenset(o for o in opts.split(",") if o in V1_CONTROLLERS or o.startswith("name=") or o in ("cpuacct", "cpuset", "devices", "blkio", "net_cls", "net_prio", "perf_event", "hugetlb", "rdma", "misc"))
+            names = frozenset(o for o in m.super_options.split(",") if o in V1_CONTROLLERS or o.startswith("name=") or o in ("cpuacct", "cpuset", "devices", "blkio", "net_cls", "net_prio", "perf_event", "hugetlb", "rdma", "misc"))
             found.setdefault((fstype, names), mp)
         elif fstype == "cgroup2":
             found.setdefault((fstype, frozenset()), mp)

@@ -25,7 +25,7 @@ import psutil
 
 from ..config import DEFAULT_HOME, INSTALL_DIR, Config
 from ..errors import BunshinError, InvalidArgument, RuntimeFailure
-from . import idmap, statefs
+from . import idmap, mountinfo, statefs
 from . import syscalls as sc
 from .agent_bundle import AgentBundle
 from .agent_client import AgentClient
@@ -332,9 +332,7 @@ def is_alive(rec: WorkspaceRecord) -> bool:
 
 
 def is_mounted(path: str) -> bool:
-    target = os.path.realpath(path)
-    with open("/proc/self/mountinfo") as f:
-        return any(line.split()[4] == target for line in f)
+    return mountinfo.at(path) is not None
 
 
 def destroy(cfg: Config, store: Store, rec: WorkspaceRecord) -> None:

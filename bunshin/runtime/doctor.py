@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Config
-from . import criu, idmap, init, seccomp, statefs
+from . import criu, idmap, init, mountinfo, seccomp, statefs
 from .cgroups import Layout
 
 MIN_CRIU = (4, 2)
@@ -95,12 +95,10 @@ def _huge_pages(cfg: Config):
 def _fstype(path: Path) -> str:
     best, fstype = "", "?"
     real = os.path.realpath(path)
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, right = line.split(" - ", 1)
-            mp = left.split()[4]
-            if (real == mp or real.startswith(mp.rstrip("/") + "/")) and len(mp) >= len(best):
-                best, fstype = mp, right.split()[0]
+    for m in mountinfo.read():
+        if (real == m.mount_point or real.startswith(m.mount_point.rstrip("/") + "/")) \
+                and len(m.mount_point) >= len(best):
+            best, fstype = m.mount_point, m.fs_type
     return fstype
 
 

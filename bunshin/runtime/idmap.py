@@ -28,6 +28,7 @@ from pathlib import Path
 
 from ..config import Config
 from ..errors import HostUnsupported, InvalidArgument
+from . import mountinfo
 from . import syscalls as sc
 from .records import Mount
 
@@ -94,8 +95,7 @@ def mounted(cfg: Config) -> set[str]:
     # From mountinfo: a view of a layer on bunshin's tmpfs is a bind within the same
     # filesystem, which ``os.path.ismount`` does not see.
     base = os.path.realpath(cfg.paths.idmap) + "/"
-    with open("/proc/self/mountinfo") as f:
-        return {t for t in (line.split()[4] for line in f) if t.startswith(base) and "/" not in t[len(base):]}
+    return {t for t in mountinfo.below(base) if "/" not in t[len(base):]}
 
 
 def release(cfg: Config) -> None:

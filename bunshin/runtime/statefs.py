@@ -25,7 +25,7 @@ import shutil
 from pathlib import Path
 
 from ..config import Config
-from . import idmap
+from . import idmap, mountinfo
 from . import syscalls as sc
 
 SOURCE = "bunshin"
@@ -97,21 +97,13 @@ def release(cfg: Config) -> bool:
 
 def options(path: Path) -> str | None:
     """The superblock options of the mount at ``path`` (None if it is not a mount point)."""
-    target = os.path.realpath(path)
-    found = None
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if fields[4] == target:
-                found = fields[-1]  # the last mount on a point is the visible one
-    return found
+    found = mountinfo.at(path)
+    return None if found is None else found.super_options
 
 
 def mounts_under(folder: Path) -> list[str]:
     """Mount points strictly below ``folder``."""
-    base = os.path.realpath(folder) + "/"
-    with open("/proc/self/mountinfo") as f:
-        return [t for t in (line.split()[4] for line in f) if t.startswith(base)]
+    return mountinfo.below(folder)
 
 
 def _size(fs: Path) -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bunshin.config import Config
-from bunshin.runtime import statefs
+from bunshin.runtime import mountinfo, statefs
 from bunshin.runtime.memfile import fileio
 from tests.conftest import drop_state_tmpfs
 
@@ -36,8 +36,7 @@ def test_mounted_on_first_use_with_huge_pages_and_released_when_idle(home):
     assert os.stat(home.tmpfs / "f").st_blksize == 4096
     (home.tmpfs / "f").unlink()
     statefs.ensure(home)  # idempotent: no second mount on top
-    with open("/proc/self/mountinfo") as f:
-        targets = [line.split()[4] for line in f]
+    targets = mountinfo.mount_points()
     assert targets.count(str(home.tmpfs)) == 1 and targets.count(str(images)) == 1
     (home.tmpfs / "layers" / "agent-x").mkdir(parents=True)  # caches do not hold it
     assert statefs.release(home) is True
