@@ -23,7 +23,8 @@ from . import mountinfo
 if TYPE_CHECKING:
     from .records import WorkspaceRecord
 
-V1_CONTROLLERS = ("memory", "pids", "freezer", "cpu")
+# cpuacct: the CPU time a workspace used (``cpu_seconds``), where v1 mounts it apart from cpu.
+V1_CONTROLLERS = ("memory", "pids", "freezer", "cpu", "cpuacct")
 V2_CONTROLLERS = ("memory", "pids", "cpu")
 
 
@@ -72,10 +73,6 @@ class Layout:
             "no usable cgroup hierarchy with a memory controller",
             hint="mount cgroup v1 controllers (memory, pids) or a cgroup2 with memory and pids enabled",
         )
-
-    def controller_dirs(self, name: str) -> list[Path]:
-        """Folders named ``name`` beneath our own cgroup, one per hierarchy."""
-        return [h.base / name for h in self.hierarchies]
 
     def find(self, prefix: str) -> list[Path]:
         """Every workspace cgroup folder (named ``prefix*``) anywhere in our hierarchies.
@@ -236,10 +233,6 @@ class WorkspaceCgroup:
             raise HostUnsupported(f"cgroup controller {controller!r} is not available ({name} missing)")
         return f
 
-    def add(self, pid: int) -> None:
-        for p in self.paths:
-            _write(p / "cgroup.procs", str(pid))
-
     def pids(self) -> list[int]:
         out: set[int] = set()
         for p in self.paths:
@@ -265,26 +258,19 @@ class WorkspaceCgroup:
         f = self._file("memory", "memory.usage_in_bytes" if self.version == 1 else "memory.current")
         return int(f.read_text()) if f else 0
 
-    def memory_stat(self) -> dict[str, int]:
-        f = self._file("memory", "memory.stat")
-        if f is None:
-            return {}
-        return {k: int(v) for k, v in (line.split() for line in f.read_text().splitlines())}
-
-    def oom_kills(self) -> int:
+    def cpu_seconds(self) -> float:
+        """CPU time (user and system) used by every process that ran in the cgroup, the
+        exited ones included: v2's ``cpu.stat`` ``usage_usec``, v1's ``cpuacct.usage``
+        (nanoseconds). 0.0 where the host keeps no count (no cpuacct hierarchy)."""
         if self.version == 1:
-            f = self._file("memory", "memory.oom_control")
-            key = "oom_kill"
-        else:
-            f = self._file("memory", "memory.events")
-            key = "oom_kill"
-        if f is None:
-            return 0
-        for line in f.read_text().splitlines():
+            f = self._file("cpuacct", "cpuacct.usage")
+            return int(f.read_text()) / 1e9 if f else 0.0
+        f = self._file("cpu", "cpu.stat")
+        for line in f.read_text().splitlines() if f else ():
             k, _, v = line.partition(" ")
-            if k == key:
-                return int(v)
-        return 0
+            if k == "usage_usec":
+                return int(v) / 1e6
+        return 0.0
 
     def kill_all(self, timeout: float = 5.0) -> None:
         """SIGKILL every process in the cgroup until it is empty."""

@@ -1,4 +1,4 @@
-"""Memory and process accounting of one workspace: cgroup usage plus PSS/USS of its processes."""
+"""Memory, CPU and process accounting of one workspace: cgroup usage plus PSS/USS of its processes."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class WorkspaceStats:
     id: str
     memory: MemoryStats
     processes: int
-
+    cpu_s: float = 0.0  # CPU seconds used by the whole workspace so far (its cgroup's count)
 
 
 def collect(rec: WorkspaceRecord) -> WorkspaceStats:
@@ -42,6 +42,7 @@ def collect(rec: WorkspaceRecord) -> WorkspaceStats:
         id=rec.id,
         memory=MemoryStats(cgroup_bytes=cg.memory_bytes(), pss_bytes=pss, uss_bytes=uss, anon_bytes=anon),
         processes=len(pids),
+        cpu_s=cg.cpu_seconds(),
     )
 
 
