@@ -30,7 +30,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
-from .protocol import PATH_NOT_FOUND, RESOURCE_EXHAUSTED, AgentFailure, from_os_error, invalid
+from .protocol import AgentFailure, from_os_error, invalid
+from .wire import ErrorCode
 
 BASE_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -89,19 +90,19 @@ def check_cwd(cwd: str) -> None:
     except OSError as exc:
         raise from_os_error(exc, f"cwd {cwd}") from None
     if not exists:
-        raise AgentFailure(PATH_NOT_FOUND, f"cwd {cwd}: no such directory")
+        raise AgentFailure(ErrorCode.PATH_NOT_FOUND, f"cwd {cwd}: no such directory")
     if not is_dir:
         raise invalid(f"cwd {cwd}: not a directory")
 
 
 def _start_error(exc: OSError, program: str, cwd: str, env: dict[str, str]) -> AgentFailure:
     if exc.errno in (errno.EAGAIN, errno.ENOMEM) and exc.filename is None:
-        return AgentFailure(RESOURCE_EXHAUSTED, f"cannot start {program}: {exc.strerror}")
+        return AgentFailure(ErrorCode.RESOURCE_EXHAUSTED, f"cannot start {program}: {exc.strerror}")
     if exc.filename == cwd and program != cwd:
         return from_os_error(exc, f"cwd {cwd}")
     if isinstance(exc, FileNotFoundError):
         where = "" if "/" in program else f" in PATH={env.get('PATH', '')}"
-        return AgentFailure(PATH_NOT_FOUND, f"executable not found: {program}{where}")
+        return AgentFailure(ErrorCode.PATH_NOT_FOUND, f"executable not found: {program}{where}")
     reason = "permission denied" if isinstance(exc, PermissionError) else exc.strerror or str(exc)
     return invalid(f"cannot execute {program}: {reason}")
 

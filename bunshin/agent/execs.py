@@ -17,7 +17,6 @@ from typing import Any
 
 from .children import Child, Reaper, child_env, default_cwd
 from .protocol import (
-    NOT_FOUND,
     AgentFailure,
     arg_bool,
     arg_command,
@@ -29,6 +28,7 @@ from .protocol import (
     from_os_error,
     invalid,
 )
+from .wire import ErrorCode
 
 DEFAULT_MAX_OUTPUT = 1024 * 1024
 #: After the child exits, how long to keep reading pipes that its background
@@ -209,7 +209,7 @@ def kill_op(req: dict[str, Any]) -> dict[str, Any]:
             os.kill(pid, sig)
     except ProcessLookupError:
         raise AgentFailure(
-            NOT_FOUND, f"no such process{' group' if group else ''}: {pid}"
+            ErrorCode.NOT_FOUND, f"no such process{' group' if group else ''}: {pid}"
         ) from None
     except OSError as exc:
         raise from_os_error(exc, f"kill {pid}") from None

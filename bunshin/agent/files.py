@@ -14,7 +14,6 @@ import stat
 from typing import Any
 
 from .protocol import (
-    PATH_NOT_FOUND,
     AgentFailure,
     arg_bool,
     arg_int,
@@ -23,19 +22,20 @@ from .protocol import (
     from_os_error,
     invalid,
 )
+from .wire import MAX_CHUNK, ErrorCode, FileType
 
 #: Most bytes one ``read_file`` answers (clients read larger files in chunks).
-MAX_READ = 16 * 1024 * 1024
+MAX_READ = MAX_CHUNK
 
 
-def _type_name(mode: int) -> str:
+def _type_name(mode: int) -> FileType:
     if stat.S_ISREG(mode):
-        return "file"
+        return FileType.FILE
     if stat.S_ISDIR(mode):
-        return "dir"
+        return FileType.DIR
     if stat.S_ISLNK(mode):
-        return "symlink"
-    return "other"
+        return FileType.SYMLINK
+    return FileType.OTHER
 
 
 def _entry(name: str, path: str, st: os.stat_result) -> dict[str, Any]:
@@ -117,7 +117,7 @@ def write_file(req: dict[str, Any]) -> dict[str, Any]:
         except OSError as exc:
             raise from_os_error(exc, parent) from None
     elif not os.path.lexists(parent):
-        raise AgentFailure(PATH_NOT_FOUND, f"{parent}: no such directory (pass mkdirs)")
+        raise AgentFailure(ErrorCode.PATH_NOT_FOUND, f"{parent}: no such directory (pass mkdirs)")
     flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
     fd = _open_regular(path, flags, 0o644 if mode is None else mode)
     try:

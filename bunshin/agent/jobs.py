@@ -16,10 +16,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .protocol import NOT_FOUND, AgentFailure, arg_str, invalid, ok
+from .protocol import AgentFailure, arg_any, arg_str, invalid
+from .wire import (
+    JOB_ID,
+    JOB_REQUEST,
+    JOB_RUNNING,
+    JOB_WAIT,
+    MAX_WAIT_S,
+    OP,
+    RESUMABLE_OPS,
+    ErrorCode,
+    ok_line,
+)
 
-RESUMABLE_OPS = ("exec", "session_run")
-MAX_WAIT_S = 5.0
 KEEP_FINISHED_S = 600.0  # answers nobody fetched are dropped after this
 
 
@@ -39,16 +48,16 @@ class Jobs:
         self._lock = threading.Lock()
 
     def start(self, req: dict[str, Any]) -> bytes:
-        inner = req.get("request")
-        if not isinstance(inner, dict) or inner.get("op") not in RESUMABLE_OPS:
-            raise invalid(f'"request" must be an object whose op is one of {", ".join(RESUMABLE_OPS)}')
+        inner = arg_any(req, JOB_REQUEST)
+        if not isinstance(inner, dict) or inner.get(OP) not in RESUMABLE_OPS:
+            raise invalid(f'"{JOB_REQUEST}" must be an object whose op is one of {", ".join(RESUMABLE_OPS)}')
         job_id = os.urandom(8).hex()
         job = _Job()
         with self._lock:
             self._forget_old()
             self._jobs[job_id] = job
         threading.Thread(target=self._run, args=(job, inner), name=f"job-{job_id}", daemon=True).start()
-        return ok({"job_id": job_id})
+        return ok_line({JOB_ID: job_id})
 
     def _run(self, job: _Job, inner: dict[str, Any]) -> None:
         try:
@@ -58,16 +67,16 @@ class Jobs:
             job.done.set()
 
     def wait(self, req: dict[str, Any]) -> bytes:
-        job_id = arg_str(req, "job_id")
-        wait = req.get("wait", 1.0)
+        job_id = arg_str(req, JOB_ID)
+        wait = arg_any(req, JOB_WAIT) if JOB_WAIT in req else 1.0
         if not isinstance(wait, int | float) or wait < 0:
-            raise invalid('argument "wait" must be a non-negative number')
+            raise invalid(f'argument "{JOB_WAIT}" must be a non-negative number')
         with self._lock:
             job = self._jobs.get(job_id)
         if job is None:
-            raise AgentFailure(NOT_FOUND, f"no job {job_id!r} (finished and fetched, or never started)")
+            raise AgentFailure(ErrorCode.NOT_FOUND, f"no job {job_id!r} (finished and fetched, or never started)")
         if not job.done.wait(min(float(wait), MAX_WAIT_S)):
-            return ok({"running": True})
+            return ok_line({JOB_RUNNING: True})
         with self._lock:
             self._jobs.pop(job_id, None)
         return job.answer

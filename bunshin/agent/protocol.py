@@ -1,142 +1,68 @@
-"""Wire protocol of the agent: newline-delimited JSON over a unix stream socket.
+"""What the agent's handlers share about the wire: the error they raise, the
+request parser, and the argument readers.
 
-A request is one JSON object on one line, ``{"op": "...", ...args}``; the answer
-is one line, ``{"ok": true, ...}`` or ``{"ok": false, "error": {"code", "message"}}``.
-Error codes are those of ``bunshin/errors.py`` (this package may not import it:
-it runs inside the workspace with nothing but the standard library).
+The wire itself (ops, fields, error codes, framing) is in ``wire``; an
+``AgentFailure`` is answered as ``{"ok": false, "error": {"code", "message"}}``
+with one of ``wire.ErrorCode`` (each the code of a ``bunshin/errors.py`` class;
+this package may not import it: it runs inside the workspace with nothing but
+the standard library).
 
-Also here: the argument readers every handler uses, so that a wrong type or a
-missing argument always becomes an ``invalid_argument`` answer.
+The argument readers check that the argument is one ``wire.SPEC`` declares for
+the op, and turn a wrong type or a missing argument into an
+``invalid_argument`` answer.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 from collections.abc import Mapping
 from typing import Any
 
-VERSION = "1"
-
-#: Largest request line accepted (a base64 ``write_file`` chunk must fit).
-MAX_LINE = 64 * 1024 * 1024
-
-INVALID_ARGUMENT = "invalid_argument"
-NOT_FOUND = "not_found"
-PATH_NOT_FOUND = "path_not_found"
-STATE_CONFLICT = "state_conflict"
-RESOURCE_EXHAUSTED = "resource_exhausted"
-AGENT_ERROR = "agent_error"
-
-OPS = (
-    "ping",
-    "identify",
-    "exec",
-    "spawn",
-    "kill",
-    "read_file",
-    "write_file",
-    "list_dir",
-    "stat",
-    "remove",
-    "session_open",
-    "session_run",
-    "session_close",
-    "session_list",
-    "attach",
-    "processes",
-    "job_start",
-    "job_wait",
-)
+from .wire import OP, SPEC, ErrorCode, Op, decode, error_line
 
 
 class AgentFailure(Exception):
     """An error answered to the client as ``{"ok": false, "error": ...}``."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(message)
-        self.code = code
+        self.code = ErrorCode(code)  # ValueError for a code the wire does not know
         self.message = message
-
-    def to_dict(self) -> dict[str, str]:
-        return {"code": self.code, "message": self.message}
 
 
 def invalid(message: str) -> AgentFailure:
-    return AgentFailure(INVALID_ARGUMENT, message)
+    return AgentFailure(ErrorCode.INVALID_ARGUMENT, message)
 
 
 def from_os_error(exc: OSError, what: str) -> AgentFailure:
     """Translate an ``OSError`` about ``what`` (usually a path) into a wire error."""
     reason = exc.strerror or str(exc)
     if isinstance(exc, FileNotFoundError):
-        return AgentFailure(PATH_NOT_FOUND, f"{what}: no such file or directory")
+        return AgentFailure(ErrorCode.PATH_NOT_FOUND, f"{what}: no such file or directory")
     if isinstance(exc, NotADirectoryError):
         return invalid(f"{what}: a path component is not a directory")
     if isinstance(exc, IsADirectoryError):
         return invalid(f"{what}: is a directory")
     if isinstance(exc, PermissionError):
         return invalid(f"{what}: permission denied")
-    return AgentFailure(AGENT_ERROR, f"{what}: {reason}")
-
-
-def encode(message: Mapping[str, Any]) -> bytes:
-    """One response line. ASCII-escaped so that undecodable file names survive."""
-    return json.dumps(message, separators=(",", ":")).encode() + b"\n"
-
-
-def ok(payload: Mapping[str, Any] | None = None) -> bytes:
-    return encode({"ok": True, **(payload or {})})
+    return AgentFailure(ErrorCode.AGENT_ERROR, f"{what}: {reason}")
 
 
 def failure(exc: AgentFailure) -> bytes:
-    return encode({"ok": False, "error": exc.to_dict()})
-
-
-class LineReader:
-    """Reads ``\\n``-terminated lines from a socket, keeping what follows in ``buffer``."""
-
-    def __init__(self, sock: socket.socket, limit: int = MAX_LINE) -> None:
-        self.sock = sock
-        self.limit = limit
-        self.buffer = bytearray()
-
-    def readline(self) -> bytes | None:
-        """The next line without its newline; ``None`` at a clean end of stream.
-
-        Raises ``AgentFailure`` if the line exceeds the limit or the stream ends
-        inside a line.
-        """
-        start = 0
-        while True:
-            end = self.buffer.find(b"\n", start)
-            if end >= 0:
-                line = bytes(self.buffer[:end])
-                del self.buffer[: end + 1]
-                return line
-            if len(self.buffer) > self.limit:
-                raise invalid(f"request line longer than {self.limit} bytes")
-            start = len(self.buffer)
-            chunk = self.sock.recv(1 << 20)
-            if not chunk:
-                if self.buffer:
-                    raise invalid("connection closed in the middle of a request")
-                return None
-            self.buffer += chunk
+    return error_line(exc.code, exc.message)
 
 
 def parse_request(line: bytes) -> dict[str, Any]:
     try:
-        request = json.loads(line)
+        request = decode(line)
     except (ValueError, UnicodeDecodeError) as exc:
         raise invalid(f"malformed JSON request: {exc}") from None
     if not isinstance(request, dict):
         raise invalid("a request must be a JSON object")
-    op = request.get("op")
+    op = request.get(OP)
     if not isinstance(op, str):
         raise invalid('a request needs an "op" string')
-    if op not in OPS:
+    if op not in SPEC:
         raise invalid(f"unknown op {op!r}")
     return request
 
@@ -146,9 +72,19 @@ def parse_request(line: bytes) -> dict[str, Any]:
 _MISSING: Any = object()
 
 
+def arg_any(req: Mapping[str, Any], name: str) -> Any:
+    """The argument ``name`` as sent (``None`` if absent), once ``wire.SPEC`` declares it."""
+    op = req.get(OP)
+    if isinstance(op, str) and op in SPEC and name not in SPEC[Op(op)].request:
+        raise AgentFailure(
+            ErrorCode.AGENT_ERROR, f"the agent reads {name!r}, which {op!r} does not declare (wire.SPEC)"
+        )
+    return req.get(name)
+
+
 def _get(req: Mapping[str, Any], name: str, default: Any) -> Any:
-    value = req.get(name, _MISSING)
-    if value is None or value is _MISSING:
+    value = arg_any(req, name)
+    if value is None:
         if default is _MISSING:
             raise invalid(f"missing argument {name!r}")
         return default
@@ -218,8 +154,8 @@ def arg_env(req: Mapping[str, Any], name: str = "env") -> dict[str, str]:
 
 def arg_command(req: Mapping[str, Any]) -> list[str]:
     """``argv`` (a non-empty list of strings) or ``cmd`` (run by ``/bin/sh -c``)."""
-    argv = req.get("argv")
-    cmd = req.get("cmd")
+    argv = arg_any(req, "argv")
+    cmd = arg_any(req, "cmd")
     if (argv is None) == (cmd is None):
         raise invalid('give exactly one of "argv" (a list) or "cmd" (a shell string)')
     if cmd is not None:

@@ -15,20 +15,21 @@ from typing import Any
 from . import execs, files, procfs
 from .children import Reaper
 from .jobs import Jobs
-from .protocol import (
-    AGENT_ERROR,
-    RESOURCE_EXHAUSTED,
-    VERSION,
-    AgentFailure,
-    LineReader,
-    failure,
-    invalid,
-    ok,
-    parse_request,
-    unix_address,
-)
+from .protocol import AgentFailure, arg_any, failure, invalid, parse_request, unix_address
 from .sessions import Sessions
 from .terminals import Attachment
+from .wire import (
+    OP,
+    SPEC,
+    VERSION,
+    ErrorCode,
+    LineCut,
+    LineReader,
+    LineTooLong,
+    Op,
+    encode,
+    ok_line,
+)
 
 Handler = Callable[[dict[str, Any]], "dict[str, Any] | Attachment"]
 
@@ -42,23 +43,23 @@ class Agent:
         self.reaper = Reaper()
         self.sessions = Sessions(self.reaper, os.path.join(run_dir, "sessions"))
         reaper = self.reaper
-        self.handlers: dict[str, Handler] = {
-            "ping": self.ping,
-            "identify": self.identify,
-            "exec": lambda req: execs.exec_op(reaper, req),
-            "spawn": lambda req: execs.spawn_op(reaper, req),
-            "kill": execs.kill_op,
-            "read_file": files.read_file,
-            "write_file": files.write_file,
-            "list_dir": files.list_dir,
-            "stat": files.stat_op,
-            "remove": files.remove,
-            "session_open": self.sessions.open,
-            "session_run": self.sessions.run,
-            "session_close": self.sessions.close,
-            "session_list": self.sessions.list,
-            "attach": lambda req: Attachment(reaper, req),
-            "processes": lambda req: {"processes": procfs.list_processes()},
+        self.handlers: dict[Op, Handler] = {
+            Op.PING: self.ping,
+            Op.IDENTIFY: self.identify,
+            Op.EXEC: lambda req: execs.exec_op(reaper, req),
+            Op.SPAWN: lambda req: execs.spawn_op(reaper, req),
+            Op.KILL: execs.kill_op,
+            Op.READ_FILE: files.read_file,
+            Op.WRITE_FILE: files.write_file,
+            Op.LIST_DIR: files.list_dir,
+            Op.STAT: files.stat_op,
+            Op.REMOVE: files.remove,
+            Op.SESSION_OPEN: self.sessions.open,
+            Op.SESSION_RUN: self.sessions.run,
+            Op.SESSION_CLOSE: self.sessions.close,
+            Op.SESSION_LIST: self.sessions.list,
+            Op.ATTACH: lambda req: Attachment(reaper, req),
+            Op.PROCESSES: lambda req: {"processes": procfs.list_processes()},
         }
 
     def start(self) -> None:
@@ -70,7 +71,7 @@ class Agent:
         self.reaper.kill_all()
 
     def handle(self, request: dict[str, Any]) -> dict[str, Any] | Attachment:
-        return self.handlers[request["op"]](request)
+        return self.handlers[Op(request[OP])](request)
 
     def ping(self, req: dict[str, Any]) -> dict[str, Any]:
         return {
@@ -92,7 +93,7 @@ class Agent:
 
     def identify(self, req: dict[str, Any]) -> dict[str, Any]:
         """Store the identity (after a fork: which clone this is) and publish it in files."""
-        identity = req.get("identity")
+        identity = arg_any(req, "identity")
         if not isinstance(identity, dict):
             raise invalid('argument "identity" must be an object')
         os.makedirs(self.run_dir, exist_ok=True)
@@ -119,7 +120,7 @@ class AgentServer:
         self.agent = agent
         self.socket_path = socket_path
         self._sock: socket.socket | None = None
-        self.jobs = Jobs(lambda req: self._reply(json.dumps(req).encode()))
+        self.jobs = Jobs(lambda req: self._reply(encode(req)[:-1]))
 
     def bind(self) -> None:
         """Create the listening socket (replacing a stale one), mode 0600."""
@@ -152,7 +153,7 @@ class AgentServer:
             try:
                 threading.Thread(target=self._serve, args=(conn,), name="conn", daemon=True).start()
             except RuntimeError as exc:  # no thread left (pids limit): refuse this one
-                _send(conn, failure(AgentFailure(RESOURCE_EXHAUSTED, f"agent: {exc}")))
+                _send(conn, failure(AgentFailure(ErrorCode.RESOURCE_EXHAUSTED, f"agent: {exc}")))
                 conn.close()
 
     def close(self) -> None:
@@ -166,12 +167,15 @@ class AgentServer:
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
-            reader = LineReader(conn)
+            reader = LineReader(conn.recv)
             while True:
                 try:
                     line = reader.readline()
-                except AgentFailure as exc:  # cannot find the next request: give up
-                    _send(conn, failure(exc))
+                except LineTooLong:  # cannot find the next request: give up
+                    _send(conn, failure(invalid(f"request line longer than {reader.limit} bytes")))
+                    return
+                except LineCut:
+                    _send(conn, failure(invalid("connection closed in the middle of a request")))
                     return
                 except OSError:
                     return
@@ -181,7 +185,7 @@ class AgentServer:
                     continue
                 reply = self._answer(line)
                 if isinstance(reply, Attachment):
-                    if _send(conn, ok()):
+                    if _send(conn, ok_line()):
                         reply.bridge(conn, bytes(reader.buffer))
                     else:
                         reply.close()
@@ -193,30 +197,35 @@ class AgentServer:
         reply = self._answer(line)
         if isinstance(reply, Attachment):  # not reachable: attach is not resumable
             reply.close()
-            return failure(AgentFailure(AGENT_ERROR, "attach cannot run as a job"))
+            return failure(AgentFailure(ErrorCode.AGENT_ERROR, "attach cannot run as a job"))
         return reply
 
     def _answer(self, line: bytes) -> bytes | Attachment:
         op = "?"
         try:
             request = parse_request(line)
-            op = request["op"]
-            if op == "job_start":
+            op = request[OP]
+            if op == Op.JOB_START:
                 return self.jobs.start(request)
-            if op == "job_wait":
+            if op == Op.JOB_WAIT:
                 return self.jobs.wait(request)
             result = self.agent.handle(request)
         except AgentFailure as exc:
             return failure(exc)
         except Exception as exc:  # never die on a request
             traceback.print_exc(file=sys.stderr)
-            return failure(AgentFailure(AGENT_ERROR, f"internal error in {op}: {exc!r}"))
+            return failure(AgentFailure(ErrorCode.AGENT_ERROR, f"internal error in {op}: {exc!r}"))
         if isinstance(result, Attachment):
             return result
+        undeclared = result.keys() - SPEC[Op(op)].answer
+        if undeclared:
+            return failure(AgentFailure(
+                ErrorCode.AGENT_ERROR, f"the answer to {op} has fields wire.SPEC does not declare: "
+                f"{', '.join(sorted(undeclared))}"))
         try:
-            return ok(result)
+            return ok_line(result)
         except (TypeError, ValueError) as exc:
-            return failure(AgentFailure(AGENT_ERROR, f"cannot encode the answer to {op}: {exc}"))
+            return failure(AgentFailure(ErrorCode.AGENT_ERROR, f"cannot encode the answer to {op}: {exc}"))
 
 
 def _send(conn: socket.socket, data: bytes) -> bool:

@@ -32,15 +32,13 @@ from . import procfs
 from .children import Child, Reaper
 from .execs import DEFAULT_MAX_OUTPUT, Capture
 from .protocol import (
-    AGENT_ERROR,
-    NOT_FOUND,
-    STATE_CONFLICT,
     AgentFailure,
     arg_int,
     arg_str,
     arg_timeout,
 )
 from .terminals import pick_shell, start_shell
+from .wire import ErrorCode
 
 #: Extra environment of tool sessions: nothing may wait for a human at a pager.
 SESSION_ENV = {"PAGER": "cat", "GIT_PAGER": "cat"}
@@ -143,7 +141,7 @@ class Session:
         if not session._sync(init, START_TIMEOUT_S):
             session.close()
             raise AgentFailure(
-                AGENT_ERROR, f"shell {argv[0]} did not start within {START_TIMEOUT_S:.0f} s"
+                ErrorCode.AGENT_ERROR, f"shell {argv[0]} did not start within {START_TIMEOUT_S:.0f} s"
             )
         return session
 
@@ -169,7 +167,7 @@ class Session:
     def _dead_error(self) -> AgentFailure:
         self.child.wait(1.0)
         return AgentFailure(
-            STATE_CONFLICT,
+            ErrorCode.STATE_CONFLICT,
             f"session {self.session_id}: shell exited (status {self.child.exit_code}); "
             "close it and open a new one",
         )
@@ -178,7 +176,7 @@ class Session:
 
     def run(self, command: str, timeout: float | None, limit: int) -> dict[str, Any]:
         if not self._run_lock.acquire(blocking=False):
-            raise AgentFailure(STATE_CONFLICT, f"session {self.session_id} is busy")
+            raise AgentFailure(ErrorCode.STATE_CONFLICT, f"session {self.session_id} is busy")
         try:
             if not self.alive:
                 raise self._dead_error()
@@ -392,7 +390,7 @@ class Sessions:
         with self._lock:
             session = self._sessions.get(session_id)
         if session is None:
-            raise AgentFailure(NOT_FOUND, f"no session {session_id!r}")
+            raise AgentFailure(ErrorCode.NOT_FOUND, f"no session {session_id!r}")
         return session
 
     def open(self, req: dict[str, Any]) -> dict[str, Any]:
