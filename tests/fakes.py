@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from bunshin.workspace.fake import FakeSnapshot, FakeWorkspace, FakeWorld
+from bunshin.testing import FakeSnapshot, FakeWorkspace, FakeWorld
 
 T = TypeVar("T")
 WORKDIR = "/w"
@@ -22,7 +22,7 @@ def fake_root(world: FakeWorld, *, files: dict[str, str] | None = None, session:
     for path, text in (files or {}).items():
         ws.files.write(path, text)
     if session:
-        ws.agent().session_open("bash", cwd=WORKDIR)
+        ws.sessions.open("bash", cwd=WORKDIR)
     snap = ws.snapshot()
     ws.remove()
     return snap

@@ -200,7 +200,7 @@ async def _trajectory(traj: Any, calls: list[Call], thinks: list[float], run: Mo
             run.tool_s.append(time.perf_counter() - t0)
             results.append(_result(obs))
             tick()
-        ws = await traj.workspace()
+        ws = (await traj.workspace()).sync
         run.states[key] = await asyncio.get_running_loop().run_in_executor(pool, end_state, ws)
         run.results[key] = results
     finally:

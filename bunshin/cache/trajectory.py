@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import StateConflict
 from ..speculate import Call
 from ..tools import Observation, ToolError, ToolSpec
+from ..workspace.aio import AsyncWorkspace
 from .handles import WsHandle
 from .policy import TrajectoryStats
 from .tree import Node, Tree
@@ -93,7 +94,7 @@ class Trajectory:
         self._cache._after_call(self)
         return obs
 
-    async def workspace(self) -> Any:
+    async def workspace(self) -> AsyncWorkspace:
         """This trajectory's workspace, brought up to date (materialised if needed).
 
         The trajectory then leaves the tree: what is done to the workspace directly
@@ -107,7 +108,7 @@ class Trajectory:
         if self._handle is None:
             raise StateConflict(f"trajectory {self.id} lost its workspace", hint="start a new trajectory")
         async with self._handle.lock:  # let a background snapshot finish first
-            return self._handle.ws
+            return AsyncWorkspace(self._handle.ws)
 
     async def close(self) -> None:
         """Cancel its speculations and remove its workspace."""

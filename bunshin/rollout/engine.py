@@ -23,7 +23,7 @@ from typing import Any
 
 from ..config import Config
 from ..errors import BunshinError, InvalidArgument
-from .envs import Mode, ModeOptions, TaskEnv, ToolRunner, TrajectoryEnv, in_thread, make_env
+from .envs import Mode, ModeOptions, TaskEnv, ToolRunner, TrajectoryEnv, make_env
 from .policies import Policy, PolicyContext
 from .records import (
     Action,
@@ -140,7 +140,7 @@ class Episode:
         assert self.traj is not None
         ws = await self.traj.workspace()
         spec = self.task.reward
-        r = await in_thread(lambda: ws.exec(spec.command, timeout=spec.timeout))
+        r = await ws.exec(spec.command, timeout=spec.timeout)
         if r.timed_out:
             raise BunshinError(f"reward command timed out after {spec.timeout:g}s")
         try:

@@ -10,7 +10,9 @@
   root, ``fork=False`` takes plain CRIU snapshots instead of copy-on-write ones.
 
 Every env hands out :class:`TrajectoryEnv` objects with one interface (``call``,
-``workspace``, ``close``), the same as ``bunshin.cache.Trajectory``.
+``workspace``, ``close``), the same as ``bunshin.cache.Trajectory``. Workspaces are
+driven through :class:`~bunshin.workspace.AsyncWorkspace` (one call at a time each,
+cancel-safe), blocking work through the one thread bridge.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from typing import Any, Protocol, TypeVar
 
 from ..config import Config
 from ..errors import InvalidArgument, SetupFailed
-from ..workspace import Snapshot, Workspace
+from ..runtime.records import SnapshotMode
+from ..workspace import Workspace
+from ..workspace.aio import AsyncSnapshot, AsyncWorkspace, default_bridge
 from .records import StepObservation
 from .task import TaskSpec
 
@@ -61,54 +65,34 @@ class ToolRunner(Protocol):
 
     def openai_tools(self) -> list[dict[str, Any]]: ...
 
-    async def run(self, ws: Workspace, name: str, args: dict[str, Any]) -> Any: ...
+    async def run(self, ws: AsyncWorkspace, name: str, args: dict[str, Any]) -> Any: ...
 
 
 class TrajectoryEnv(Protocol):
     async def call(self, name: str, args: dict[str, Any]) -> Any: ...
 
-    async def workspace(self) -> Workspace: ...
+    async def workspace(self) -> AsyncWorkspace: ...
 
     async def close(self) -> None: ...
 
 
-async def in_thread(fn: Callable[[], T], *, undo: Callable[[T], None] | None = None) -> T:
-    """Run blocking ``fn`` in a thread; if the caller is cancelled meanwhile, ``undo`` its result.
+async def in_thread(fn: Callable[[], T], *, undo: Callable[[T], object] | None = None) -> T:
+    """Run blocking ``fn`` through the thread bridge; if the caller is cancelled meanwhile,
+    ``undo`` its result (see :mod:`bunshin.workspace.aio`)."""
+    return await default_bridge().run_sync(fn, undo=undo)
 
-    A cancelled ``await`` does not stop the thread: without ``undo`` a workspace created
-    after the trajectory timed out would be left running.
-    """
-    fut = asyncio.ensure_future(asyncio.to_thread(fn))
+
+async def _remove_quietly(ws: AsyncWorkspace | AsyncSnapshot) -> None:
     try:
-        return await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        if undo is not None:
-            def _later(f: asyncio.Future) -> None:
-                if not f.cancelled() and f.exception() is None:
-                    asyncio.ensure_future(asyncio.to_thread(_quietly, undo, f.result()))
-            fut.add_done_callback(_later)
-        raise
-
-
-def _quietly(fn: Callable[[T], None], arg: T) -> None:
-    try:
-        fn(arg)
+        await ws.remove()
     except Exception as e:  # cleanup after a failure must not mask it
         log.warning("cleanup failed: %s", e)
 
 
-def remove_all(workspaces: list[Workspace]) -> None:
-    for ws in workspaces:
-        _quietly(Workspace.remove, ws)
-
-
-async def setup_workspace(ws: Workspace, task: TaskSpec, tools: ToolRunner) -> None:
+async def setup_workspace(ws: AsyncWorkspace, task: TaskSpec, tools: ToolRunner) -> None:
     """Write the task's files, then run its setup steps in order; :class:`SetupFailed` if one fails."""
-    def write_files() -> None:
-        for path, content in task.files.items():
-            ws.files.write(path, content)
-
-    await asyncio.to_thread(write_files)
+    for path, content in task.files.items():
+        await ws.files.write(path, content)
     for i, step in enumerate(task.setup):
         what = f"task {task.id}: setup step {i} ({step.describe()!r})"
         if step.tool is not None:
@@ -121,9 +105,9 @@ async def setup_workspace(ws: Workspace, task: TaskSpec, tools: ToolRunner) -> N
         run = step.run
         assert run is not None
         if step.background:
-            await asyncio.to_thread(ws.commands.spawn, ["sh", "-c", run])
+            await ws.commands.spawn(["sh", "-c", run])
             continue
-        r = await asyncio.to_thread(ws.exec, run, timeout=step.timeout)
+        r = await ws.exec(run, timeout=step.timeout)
         if not r.ok:
             why = "timed out" if r.timed_out else f"exited {r.exit_code}"
             raise SetupFailed(f"{what} {why}", hint=(r.stderr or r.stdout)[-500:] or None, step=i)
@@ -148,7 +132,7 @@ def scope_tools(tools: ToolRunner, task: TaskSpec) -> ToolRunner:
 class DirectTrajectory:
     """A trajectory on its own workspace: every call runs for real."""
 
-    def __init__(self, ws: Workspace, tools: ToolRunner, call_timeout: float) -> None:
+    def __init__(self, ws: AsyncWorkspace, tools: ToolRunner, call_timeout: float) -> None:
         self._ws = ws
         self._tools = tools
         self._timeout = call_timeout
@@ -161,11 +145,11 @@ class DirectTrajectory:
             return StepObservation(output="", timed_out=True, duration_s=time.perf_counter() - t0,
                                    error=f"no answer within {self._timeout:g}s")
 
-    async def workspace(self) -> Workspace:
+    async def workspace(self) -> AsyncWorkspace:
         return self._ws
 
     async def close(self) -> None:
-        await asyncio.to_thread(_quietly, Workspace.remove, self._ws)
+        await _remove_quietly(self._ws)
 
 
 class TaskEnv:
@@ -193,15 +177,16 @@ class TaskEnv:
     def stats(self) -> dict[str, Any]:
         return {}
 
-    async def _create_and_setup(self) -> Workspace:
+    async def _create_and_setup(self) -> AsyncWorkspace:
         task = self.task
-        ws = await in_thread(lambda: Workspace.create(task.image, memory=task.memory, pids=task.pids,
-                                                      config=self.config, mounts=task.mounts),
-                             undo=Workspace.remove)
+        ws = AsyncWorkspace(await in_thread(
+            lambda: Workspace.create(task.image, memory=task.memory, pids=task.pids,
+                                     config=self.config, mounts=task.mounts),
+            undo=Workspace.remove))
         try:
             await setup_workspace(ws, task, self.tools)
         except BaseException:
-            await asyncio.shield(asyncio.to_thread(_quietly, Workspace.remove, ws))
+            await asyncio.shield(_remove_quietly(ws))
             raise
         return ws
 
@@ -217,37 +202,37 @@ class BaselineEnv(TaskEnv):
 class SnapshotEnv(TaskEnv):
     """Setup once, snapshot (``cow`` or ``copy``), one restore per trajectory."""
 
-    def __init__(self, task: TaskSpec, tools: ToolRunner, config: Config, *, snapshot_mode: str) -> None:
+    def __init__(self, task: TaskSpec, tools: ToolRunner, config: Config, *,
+                 snapshot_mode: SnapshotMode) -> None:
         super().__init__(task, tools, config)
         self.snapshot_mode = snapshot_mode
-        self.root: Snapshot | None = None
+        self.root: AsyncSnapshot | None = None
 
     async def prepare(self) -> None:
         t0 = time.perf_counter()
         ws = await self._create_and_setup()
         try:
-            self.root = await in_thread(lambda: ws.snapshot(mode=self.snapshot_mode), undo=Snapshot.remove)
+            self.root = await ws.snapshot(mode=self.snapshot_mode)
         finally:  # the snapshot keeps everything trajectories need
-            await asyncio.shield(asyncio.to_thread(_quietly, Workspace.remove, ws))
+            await asyncio.shield(_remove_quietly(ws))
         self.prepare_s = time.perf_counter() - t0
 
     async def open(self, index: int) -> TrajectoryEnv:
         assert self.root is not None, "prepare() first"
-        root = self.root
-        ws = (await in_thread(lambda: root.restore(1), undo=remove_all))[0]
+        (ws,) = await self.root.restore(1)
         return DirectTrajectory(ws, self.tools, self.task.call_timeout)
 
     async def aclose(self) -> None:
         if self.root is not None:
             root, self.root = self.root, None
-            await asyncio.to_thread(_quietly, Snapshot.remove, root)
+            await _remove_quietly(root)
 
 
 class CacheEnv(SnapshotEnv):
     """The task root behind a tool prefix cache (``bunshin.cache``), with optional speculation."""
 
-    def __init__(self, task: TaskSpec, tools: ToolRunner, config: Config, *, snapshot_mode: str,
-                 speculation: bool) -> None:
+    def __init__(self, task: TaskSpec, tools: ToolRunner, config: Config, *,
+                 snapshot_mode: SnapshotMode, speculation: bool) -> None:
         super().__init__(task, tools, config, snapshot_mode=snapshot_mode)
         self.speculation = speculation
         self.cache: Any = None
@@ -265,7 +250,7 @@ class CacheEnv(SnapshotEnv):
 
     async def open(self, index: int) -> TrajectoryEnv:
         assert self.cache is not None and self.root is not None, "prepare() first"
-        return self.cache.start(self.root)
+        return self.cache.start(self.root.sync)
 
     def new_group(self) -> None:
         if self.cache is not None:
@@ -310,7 +295,7 @@ def make_env(mode: Mode | str, task: TaskSpec, tools: ToolRunner, config: Config
         log.warning("bunshin.cache is not installed: bunshin mode runs without the prefix cache")
         eff = {**eff, "cache": False, "speculation": False}
     env: TaskEnv
-    snapshot_mode = "cow" if eff["fork"] else "copy"
+    snapshot_mode = SnapshotMode.COW if eff["fork"] else SnapshotMode.COPY
     if mode == Mode.BASELINE:
         env = BaselineEnv(task, tools, config)
     elif eff["cache"]:

@@ -197,8 +197,9 @@ def create(
         mount_overlay(rec, cfg)
         cg = WorkspaceCgroup.create(layout, cfg.cgroup_prefix + ws_id, memory=mem_bytes, pids=pids)
         pid = _launch(cfg, rec, cg, bundle)
-        rec = rec.replace(state=WorkspaceState.RUNNING, pid=pid, pid_start=psutil.Process(pid).create_time(), owner_pid=None)
-        store.save_workspace(rec)
+        started = {"state": WorkspaceState.RUNNING, "pid": pid, "pid_start": psutil.Process(pid).create_time(),
+                   "owner_pid": None}
+        rec = store.update_workspace(ws_id, lambda r: r.replace(**started)) or rec.replace(**started)
         client = agent(rec)
         try:
             client.wait_ready(READY_TIMEOUT_S)
@@ -335,11 +336,14 @@ def is_mounted(path: str) -> bool:
     return mountinfo.at(path) is not None
 
 
+def _removing(rec: WorkspaceRecord) -> WorkspaceRecord:
+    return rec if rec.state == WorkspaceState.REMOVING else rec.replace(state=WorkspaceState.REMOVING)
+
+
 def destroy(cfg: Config, store: Store, rec: WorkspaceRecord) -> None:
     """Kill every process, unmount, remove cgroups, files and the record. Idempotent."""
     if rec.state != WorkspaceState.REMOVING:
-        rec = rec.replace(state=WorkspaceState.REMOVING)
-        store.save_workspace(rec)
+        rec = store.update_workspace(rec.id, _removing) or _removing(rec)
     cg = WorkspaceCgroup.of_record(rec)
     if is_alive(rec) and rec.pid is not None:
         try:

@@ -13,6 +13,14 @@ from typing import Any
 from ..errors import InvalidArgument, StateConflict
 
 
+class SnapshotMode(enum.StrEnum):
+    """How a snapshot keeps memory: ``cow`` shares it copy-on-write with its clones
+    (memory files on tmpfs), ``copy`` is a plain CRIU restore with private pages."""
+
+    COW = "cow"
+    COPY = "copy"
+
+
 class WorkspaceState(enum.StrEnum):
     CREATING = "creating"
     RUNNING = "running"

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -134,6 +135,23 @@ def list_all(store: Store) -> list[SnapshotRecord]:
     return [SnapshotRecord.from_json(d) for _, d in store.list_objects(KIND)]
 
 
+def update(store: Store, snap_id: str, **changes: Any) -> SnapshotRecord | None:
+    """Change fields of the stored record ``snap_id`` (read and written back in one
+    transaction: a concurrent change to another field is kept); None if it is gone."""
+    data = store.update_object(KIND, snap_id, lambda d: dataclasses.replace(SnapshotRecord.from_json(d), **changes).to_json())
+    return None if data is None else SnapshotRecord.from_json(data)
+
+
+def finish(store: Store, snap: SnapshotRecord, **changes: Any) -> SnapshotRecord:
+    """``update`` the record this process wrote for ``snap``; if it went meanwhile, write
+    ``snap`` with the changes again."""
+    done = update(store, snap.id, **changes)
+    if done is None:
+        done = dataclasses.replace(snap, **changes)
+        store.put_object(KIND, snap.id, done.to_json())
+    return done
+
+
 def mem_dir(cfg: Config) -> Path:
     return cfg.paths.mem
 
@@ -190,13 +208,12 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool, mode: s
             files = tuple(str(f.path) for f in result.files)
             rewrite_ms, mem_bytes = result.duration_ms, result.data_bytes
         _link_memfiles(files, layer)  # copy mode too: nothing the workspace left at /.bunshin/mem stays
-        snap = dataclasses.replace(
-            snap, memfiles=files, dump_ms=run.duration_ms, pause_ms=_pause_ms(images, run.log) or run.duration_ms,
+        taken = dict(
+            memfiles=files, dump_ms=run.duration_ms, pause_ms=_pause_ms(images, run.log) or run.duration_ms,
             rewrite_ms=rewrite_ms, memfile_bytes=mem_bytes, image_bytes=_du(images), layer_bytes=layer_bytes,
             owner_pid=None if keep else snap.owner_pid,  # a fork's snapshot stays owned until `release`
         )
-        store.put_object(KIND, snap_id, snap.to_json())
-        return snap
+        return finish(store, snap, **taken)
     except BaseException:
         _delete(cfg, store, snap)
         raise
@@ -346,14 +363,16 @@ def restore(cfg: Config, store: Store, snap: SnapshotRecord, n: int) -> list[Wor
             futures.append(pool.submit(_restore_one, cfg, store, snap, layout))
         done = [fut.result() for fut in futures]
         with store.transaction():  # the batch is in: the clones are the caller's now
-            done = [rec.replace(owner_pid=None) for rec in done]
-            for rec in done:
-                store.save_workspace(rec)
+            done = [store.update_workspace(rec.id, _unowned) or _unowned(rec) for rec in done]
         pool.shutdown()
         return done
     except BaseException:
         _roll_back(cfg, store, pool, futures)
         raise
+
+
+def _unowned(rec: WorkspaceRecord) -> WorkspaceRecord:
+    return rec.replace(owner_pid=None)
 
 
 def _roll_back(cfg: Config, store: Store, pool: ThreadPoolExecutor, futures: Sequence[Future[WorkspaceRecord]]) -> None:
@@ -480,11 +499,9 @@ def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout
         )
         assert run.pid is not None
         # owner_pid stays set until ``restore`` commits the whole batch
-        rec = rec.replace(state=WorkspaceState.RUNNING, pid=run.pid,
-                          pid_start=psutil.Process(run.pid).create_time(),
-                          extra={"restore_ms": round(run.duration_ms, 2)})
-        store.save_workspace(rec)
-        return rec
+        started = {"state": WorkspaceState.RUNNING, "pid": run.pid, "pid_start": psutil.Process(run.pid).create_time(),
+                   "extra": {"restore_ms": round(run.duration_ms, 2)}}
+        return store.update_workspace(ws_id, lambda r: r.replace(**started)) or rec.replace(**started)
     except BaseException:
         container.destroy(cfg, store, store.get_workspace(ws_id))
         raise
@@ -512,21 +529,13 @@ def fork(cfg: Config, store: Store, rec: WorkspaceRecord, n: int, *, mode: str =
 
 def release(store: Store, snap: SnapshotRecord) -> SnapshotRecord:
     """Clear the snapshot's owner: from now on ``sweep`` may free it when nothing holds it."""
-    data = store.get_object(KIND, snap.id)
-    if data is None:
-        return snap
-    snap = dataclasses.replace(SnapshotRecord.from_json(data), owner_pid=None)
-    store.put_object(KIND, snap.id, snap.to_json())
-    return snap
+    return update(store, snap.id, owner_pid=None) or snap
 
 
 def remove(cfg: Config, store: Store, snap: SnapshotRecord) -> None:
     """Drop an explicit snapshot; its files go once no workspace stacks on it."""
-    data = store.get_object(KIND, snap.id)
-    if data is None:
+    if update(store, snap.id, keep=False) is None:
         raise SnapshotNotFound(f"no snapshot {snap.id!r}", hint="`bunshin tree` lists snapshots")
-    snap = dataclasses.replace(SnapshotRecord.from_json(data), keep=False)
-    store.put_object(KIND, snap.id, snap.to_json())
     sweep(cfg, store)
 
 

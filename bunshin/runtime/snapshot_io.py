@@ -363,11 +363,9 @@ def _pid_max() -> int:
 
 def _load(cfg: Config, store: Store, folder: _Folder) -> rsnap.SnapshotRecord:
     saved = folder.record
-    old = store.get_object(rsnap.KIND, saved.id)
+    old = rsnap.update(store, saved.id, keep=True)
     if old is not None:  # loaded before (or never removed): keep that one
-        rec = dataclasses.replace(rsnap.SnapshotRecord.from_json(old), keep=True)
-        store.put_object(rsnap.KIND, rec.id, rec.to_json())
-        return rec
+        return old
     base = folder.layers[-1]
     if base["role"] == "base" and not Path(base["path"]).is_dir():
         raise ImageNotFound(f"the base image {base['path']} of the saved snapshot is missing",
@@ -383,7 +381,11 @@ def _load(cfg: Config, store: Store, folder: _Folder) -> rsnap.SnapshotRecord:
         saved, images=str(sdir / "images"), layer=paths[0], lowers=tuple(paths[1:]), keep=True,
         memfiles=tuple(str(cfg.paths.mem / m["name"]) for m in own), owner_pid=os.getpid(),
     )
-    store.put_object(rsnap.KIND, rec.id, rec.to_json())  # recorded first, as ``take`` does
+    with store.transaction():  # recorded first, as ``take`` does; unless another load was faster
+        old = rsnap.update(store, saved.id, keep=True)
+        if old is not None:
+            return old
+        store.put_object(rsnap.KIND, rec.id, rec.to_json())
     try:
         (sdir / "images").mkdir(parents=True)
         for rel in sorted(r for r in folder.fds if r.startswith("images/")):
@@ -391,9 +393,7 @@ def _load(cfg: Config, store: Store, folder: _Folder) -> rsnap.SnapshotRecord:
         image_policy.check(sdir / "images", cfg)  # trusted or not: criu restore runs as host root
         for entry in todo:
             _extract(cfg, folder, entry, mems[entry["name"]], sdir)
-        rec = dataclasses.replace(rec, owner_pid=None)
-        store.put_object(rsnap.KIND, rec.id, rec.to_json())
-        return rec
+        return rsnap.finish(store, rec, owner_pid=None)
     except BaseException:
         store.delete_object(rsnap.KIND, rec.id)
         shutil.rmtree(sdir, ignore_errors=True)

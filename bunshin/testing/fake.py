@@ -1,10 +1,11 @@
-"""An in-memory stand-in for ``Workspace``/``Snapshot``, for tests of the layers above.
+"""An in-memory workspace and snapshot that satisfy bunshin's workspace protocols.
 
-It implements the subset those layers use: ``exec``, ``files``, sessions through
-``agent()`` (``session_list/open/run/close``), ``fork``, ``snapshot``,
-``restore``, ``remove``, ``processes``, ``stats``. The state is a dict of files,
-the sessions' variables and cwd, and a list of background processes. Sessions
-understand a tiny shell (statements split on ``;``)::
+For tests of the layers above the runtime (tools, cache, speculation, rollout): no
+root, no containers. ``FakeWorkspace`` and ``FakeSnapshot`` implement
+:class:`~bunshin.workspace.protocol.WorkspaceAPI` and ``SnapshotAPI`` (a test checks
+it); their state is a dict of files, the sessions' variables and cwd, and a list of
+background processes. Commands and sessions understand a tiny shell (statements split
+on ``;``)::
 
     echo WORDS | export K=V | K=V | cd DIR | sleep S | cat P | write P TEXT
     append P TEXT | rm P | ls | inc P (add 1 to the number in P, print it)
@@ -13,11 +14,19 @@ understand a tiny shell (statements split on ``;``)::
 ``$K`` expands variables. Like the real runtime, a ``fork``/``snapshot`` while a
 call is in flight in that workspace fails (the host would hold a connection
 across the dump), and every object is counted in the ``FakeWorld`` so tests can
-check that nothing leaked.
+check that nothing leaked::
+
+    world = FakeWorld()
+    ws = world.create(workdir="/w")
+    sid = ws.sessions.open("bash", cwd="/w")
+    ws.sessions.run(sid, "export X=1; inc n")
+    (clone,) = ws.fork(1)
+    assert world.leftovers(keep=[ws.id, clone.id]) == {}
 """
 
 from __future__ import annotations
 
+import builtins
 import copy
 import itertools
 import json
@@ -26,13 +35,23 @@ import re
 import shlex
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ..errors import AgentError, InvalidArgument, PathNotFound, SnapshotNotFound, StateConflict
-from ..runtime.agent_types import ExecResult, ProcessInfo, SessionInfo, SessionResult
+from ..runtime.agent_types import (
+    ExecResult,
+    FileEntry,
+    FileType,
+    ProcessInfo,
+    SessionInfo,
+    SessionResult,
+)
+from ..runtime.records import SnapshotMode
 from ..runtime.stats import MemoryStats, WorkspaceStats
+
+__all__ = ["FakeSnapshot", "FakeState", "FakeWorkspace", "FakeWorld"]
 
 
 @dataclass
@@ -60,7 +79,7 @@ class FakeWorld:
     live_workspaces: set[str] = field(default_factory=set)
     snapshots: dict[str, FakeSnapshot] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=lambda: {"snapshot": 0, "restore": 0, "fork": 0, "run": 0})
-    _ids: itertools.count = field(default_factory=itertools.count)
+    _ids: itertools.count[int] = field(default_factory=itertools.count)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def new_id(self, prefix: str) -> str:
@@ -117,6 +136,11 @@ class FakeSnapshot:
     def remove(self) -> None:
         self.world.snapshots.pop(self.id, None)
 
+    @property
+    def size_bytes(self) -> int:
+        rec = self.record
+        return rec.memfile_bytes + rec.image_bytes + rec.layer_bytes
+
     def __repr__(self) -> str:
         return f"FakeSnapshot({self.id!r})"
 
@@ -126,7 +150,9 @@ class FakeWorkspace:
         self.world = world
         self.id = world.new_id("fws")
         self.state = state
-        self.files = _Files(self)
+        self.commands = FakeCommands(self)
+        self.files = FakeFiles(self)
+        self.sessions = FakeSessions(self)
         self.alive = True
         self._inflight = 0
         self._lock = threading.Lock()
@@ -140,7 +166,8 @@ class FakeWorkspace:
     # --- lifecycle ------------------------------------------------------------------
 
     @contextmanager
-    def _call(self):
+    def in_call(self) -> Iterator[None]:
+        """Around every call into the workspace: fails if it is gone, counts it in flight."""
         with self._lock:
             if not self.alive:
                 raise AgentError(f"workspace {self.id} is gone")
@@ -161,13 +188,15 @@ class FakeWorkspace:
                 raise AgentError(f"{what} of {self.id} while a call is in flight: the dump would fail")
             return copy.deepcopy(self.state)
 
-    def snapshot(self) -> FakeSnapshot:
+    def snapshot(self, *, mode: SnapshotMode | str = SnapshotMode.COW) -> FakeSnapshot:
+        _check_mode(mode)
         state = self._quiet("snapshot")
         time.sleep(self.world.fork_s)
         self.world.bump("snapshot")
         return FakeSnapshot(self.world, state)
 
-    def fork(self, n: int = 1) -> list[FakeWorkspace]:
+    def fork(self, n: int = 1, *, mode: SnapshotMode | str = SnapshotMode.COW) -> list[FakeWorkspace]:
+        _check_mode(mode)
         state = self._quiet("fork")
         time.sleep(self.world.fork_s * (1 + n))
         self.world.bump("fork")
@@ -180,11 +209,6 @@ class FakeWorkspace:
 
     def is_alive(self) -> bool:
         return self.alive
-
-    def agent(self) -> _Agent:
-        if not self.alive:
-            raise StateConflict(f"workspace {self.id} is not running")
-        return _Agent(self)
 
     def processes(self) -> list[ProcessInfo]:
         procs = ["agent", *(f"bash-{sid}" for sid, s in self.state.sessions.items() if s.alive), *self.state.procs]
@@ -201,20 +225,38 @@ class FakeWorkspace:
 
     def exec(self, command: str | Sequence[str], *, timeout: float | None = None, cwd: str | None = None,
              env: dict[str, str] | None = None, stdin: str | None = None, text: bool = True) -> ExecResult:
-        with self._call():
+        return self.commands.run(command, timeout=timeout, cwd=cwd, env=env, stdin=stdin, text=text)
+
+
+class FakeCommands:
+    def __init__(self, ws: FakeWorkspace) -> None:
+        self._ws = ws
+
+    def run(self, command: str | Sequence[str], *, timeout: float | None = None, cwd: str | None = None,
+            env: dict[str, str] | None = None, stdin: str | None = None, max_output: int | None = None,
+            text: bool = True) -> ExecResult:
+        with self._ws.in_call():
             line = command if isinstance(command, str) else shlex.join(command)
             sess = _Session(env=dict(env or {}), cwd=cwd or "/")
-            out, code = _shell(self, sess, line, timeout)
+            out, code = _shell(self._ws, sess, line, timeout)
         return ExecResult(code, None, out if text else out.encode(), "" if text else b"", False, False,
                           code is None, 0.0)
 
+    def spawn(self, command: str | Sequence[str], *, cwd: str | None = None,
+              env: dict[str, str] | None = None) -> int:
+        """Records the command as a background process (run nothing)."""
+        with self._ws.in_call():
+            line = command if isinstance(command, str) else shlex.join(command)
+            self._ws.state.procs.append(line)
+            return 100 + len(self._ws.state.procs)
 
-class _Files:
+
+class FakeFiles:
     def __init__(self, ws: FakeWorkspace) -> None:
         self._ws = ws
 
     def read(self, path: str) -> bytes:
-        with self._ws._call():
+        with self._ws.in_call():
             files = self._ws.state.files
             if path in files:
                 return files[path]
@@ -226,44 +268,63 @@ class _Files:
         return self.read(path).decode()
 
     def write(self, path: str, data: bytes | str, *, mode: int | None = None) -> int:
-        with self._ws._call():
+        with self._ws.in_call():
             raw = data.encode() if isinstance(data, str) else data
             self._ws.state.files[path] = raw
             return len(raw)
 
+    def list(self, path: str = "/") -> builtins.list[FileEntry]:
+        with self._ws.in_call():
+            prefix = path.rstrip("/") + "/"
+            names = sorted({k[len(prefix):].split("/")[0] for k in self._ws.state.files if k.startswith(prefix)})
+            out = []
+            for name in names:
+                full = prefix + name
+                data = self._ws.state.files.get(full)
+                kind = FileType.FILE if data is not None else FileType.DIR
+                out.append(FileEntry(name, kind, len(data or b""), 0o644, 0.0))
+            return out
+
     def remove(self, path: str, *, recursive: bool = False) -> None:
-        with self._ws._call():
+        with self._ws.in_call():
             if self._ws.state.files.pop(path, None) is None:
                 raise PathNotFound(f"{path}: no such file or directory")
 
 
-class _Agent:
+class FakeSessions:
     def __init__(self, ws: FakeWorkspace) -> None:
         self._ws = ws
 
-    def session_list(self) -> list[SessionInfo]:
-        with self._ws._call():
+    def list(self) -> builtins.list[SessionInfo]:
+        with self._ws.in_call():
             return [SessionInfo(sid, "bash", i + 2, False, s.alive)
                     for i, (sid, s) in enumerate(self._ws.state.sessions.items())]
 
-    def session_open(self, kind: str = "bash", *, cwd: str | None = None, env: dict | None = None) -> str:
-        with self._ws._call():
+    def open(self, kind: str = "bash", *, cwd: str | None = None, env: dict[str, str] | None = None) -> str:
+        with self._ws.in_call():
             sid = f"s{len(self._ws.state.sessions) + 1}"
             self._ws.state.sessions[sid] = _Session(env=dict(env or {}), cwd=cwd or "/")
             return sid
 
-    def session_close(self, session_id: str) -> None:
-        with self._ws._call():
+    def close(self, session_id: str) -> None:
+        with self._ws.in_call():
             self._ws.state.sessions.pop(session_id, None)
 
-    def session_run(self, session_id: str, command: str, *, timeout: float | None = None,
-                    max_output: int | None = None) -> SessionResult:
-        with self._ws._call():
+    def run(self, session_id: str, command: str, *, timeout: float | None = None,
+            max_output: int | None = None) -> SessionResult:
+        with self._ws.in_call():
             self._ws.world.bump("run")
             sess = self._ws.state.sessions[session_id]
             t0 = time.monotonic()
             out, code = _shell(self._ws, sess, command, timeout)
         return SessionResult(out, code, code is None, False, time.monotonic() - t0, sess.alive)
+
+
+def _check_mode(mode: SnapshotMode | str) -> None:
+    try:
+        SnapshotMode(mode)
+    except ValueError:
+        raise InvalidArgument(f"unknown fork mode {mode!r}", hint="use one of cow, copy") from None
 
 
 def _path(sess: _Session, p: str) -> str:

@@ -19,6 +19,7 @@ from ..errors import (
     ToolTimeout,
     WorkspaceNotFound,
 )
+from ..workspace.protocol import WorkspaceAPI
 from .spec import Tool, ToolContext, ToolError, ToolOutput, ToolSpec
 
 #: Largest file ``read_file`` shows; the rest is cut with a note.
@@ -46,23 +47,22 @@ def translate(exc: BunshinError) -> BaseException:
 # --- bash ------------------------------------------------------------------------
 
 
-def session_id(ws: Any, workdir: str) -> str:
+def session_id(ws: WorkspaceAPI, workdir: str) -> str:
     """The workspace's first live bash session, opened (in ``workdir``) if there is none."""
-    agent = ws.agent()
-    for s in agent.session_list():
+    sessions = ws.sessions
+    for s in sessions.list():
         if s.alive and s.kind in ("bash", "sh"):
             return s.session_id
         if not s.alive:
-            agent.session_close(s.session_id)
+            sessions.close(s.session_id)
     try:
-        return agent.session_open("bash", cwd=workdir)
+        return sessions.open("bash", cwd=workdir)
     except PathNotFound:
-        return agent.session_open("bash")
+        return sessions.open("bash")
 
 
-def _bash(ws: Any, args: Mapping[str, Any], ctx: ToolContext) -> ToolOutput:
-    agent = ws.agent()
-    r = agent.session_run(session_id(ws, ctx.workdir), args["command"], timeout=ctx.timeout)
+def _bash(ws: WorkspaceAPI, args: Mapping[str, Any], ctx: ToolContext) -> ToolOutput:
+    r = ws.sessions.run(session_id(ws, ctx.workdir), args["command"], timeout=ctx.timeout)
     out = r.output
     if not r.alive:
         out += "\n(the shell exited; the next command starts a new one)"
@@ -88,7 +88,7 @@ BASH = Tool(
 # --- files -----------------------------------------------------------------------
 
 
-def _read_text(ws: Any, path: str) -> str:
+def _read_text(ws: WorkspaceAPI, path: str) -> str:
     try:
         data = ws.files.read(path)
     except BunshinError as exc:
@@ -96,7 +96,7 @@ def _read_text(ws: Any, path: str) -> str:
     return data.decode("utf-8", errors="replace")
 
 
-def _read_file(ws: Any, args: Mapping[str, Any], ctx: ToolContext) -> ToolOutput:
+def _read_file(ws: WorkspaceAPI, args: Mapping[str, Any], ctx: ToolContext) -> ToolOutput:
     path = resolve(args["path"], ctx)
     text = _read_text(ws, path)
     start, end = args.get("start_line"), args.get("end_line")
@@ -135,14 +135,14 @@ READ_FILE = Tool(
 )
 
 
-def _write(ws: Any, path: str, text: str) -> int:
+def _write(ws: WorkspaceAPI, path: str, text: str) -> int:
     try:
         return int(ws.files.write(path, text.encode()))
     except BunshinError as exc:
         raise translate(exc) from None
 
 
-def _write_file(ws: Any, args: Mapping[str, Any], ctx: ToolContext) -> ToolOutput:
+def _write_file(ws: WorkspaceAPI, args: Mapping[str, Any], ctx: ToolContext) -> ToolOutput:
     path = resolve(args["path"], ctx)
     size = _write(ws, path, args["content"])
     return ToolOutput(f"wrote {size} bytes to {path}")
@@ -164,7 +164,7 @@ WRITE_FILE = Tool(
 )
 
 
-def _edit(ws: Any, args: Mapping[str, Any], ctx: ToolContext) -> ToolOutput:
+def _edit(ws: WorkspaceAPI, args: Mapping[str, Any], ctx: ToolContext) -> ToolOutput:
     path = resolve(args["path"], ctx)
     old, new = args["old_str"], args["new_str"]
     text = _read_text(ws, path)

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import BunshinError, InvalidArgument
+from ..workspace.protocol import WorkspaceAPI
 from .builtin import session_id, translate
 from .spec import Tool, ToolContext, ToolError, ToolOutput, ToolSpec
 
@@ -54,11 +55,11 @@ def command_tool(
             "additionalProperties": False,
         }
 
-    def execute(ws: Any, args: Mapping[str, Any], ctx: ToolContext) -> ToolOutput:
+    def execute(ws: WorkspaceAPI, args: Mapping[str, Any], ctx: ToolContext) -> ToolOutput:
         cmd = template.format(**{f: _quote(args.get(f, "")) for f in fields})
         try:
             if session:
-                r = ws.agent().session_run(session_id(ws, ctx.workdir), cmd, timeout=ctx.timeout)
+                r = ws.sessions.run(session_id(ws, ctx.workdir), cmd, timeout=ctx.timeout)
                 return ToolOutput(r.output, r.exit_code, r.timed_out)
             e = ws.exec(cmd, timeout=ctx.timeout, cwd=ctx.workdir)
         except BunshinError as exc:
@@ -131,7 +132,7 @@ def function_tool(
     params = parameters if parameters is not None else _schema_of(fn)
     doc = description or (inspect.getdoc(fn) or f"Run {fname}").strip()
 
-    def execute(ws: Any, args: Mapping[str, Any], ctx: ToolContext) -> ToolOutput:
+    def execute(ws: WorkspaceAPI, args: Mapping[str, Any], ctx: ToolContext) -> ToolOutput:
         req = json.dumps({"source": source, "name": fname, "args": dict(args)})
         try:
             r = ws.exec(["python3", "-c", _DRIVER], stdin=req, timeout=ctx.timeout, cwd=ctx.workdir)

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..errors import InvalidArgument
 from ..runtime.limits import check_timeout
+from ..workspace.protocol import WorkspaceAPI
 
 
 @dataclass(frozen=True)
@@ -125,8 +126,8 @@ class ToolContext:
     timeout: float
 
 
-#: ``execute(workspace, arguments, context)``; blocking, runs in a worker thread.
-Executor = Callable[[Any, Mapping[str, Any], ToolContext], ToolOutput]
+#: ``execute(workspace, arguments, context)``; blocking, runs in a bridge thread.
+Executor = Callable[[WorkspaceAPI, Mapping[str, Any], ToolContext], ToolOutput]
 
 
 @dataclass(frozen=True)

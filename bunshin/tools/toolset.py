@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from ..errors import BunshinError, InvalidArgument
+from ..workspace.aio import AsyncWorkspace
+from ..workspace.protocol import WorkspaceAPI
 from . import schema
 from .builtin import BASH, EDIT, READ_FILE, WRITE_FILE, translate
 from .custom import command_tool, function_tool
@@ -98,7 +99,7 @@ class ToolSet:
         """The cache key of a (checked) call."""
         return call_key(name, args)
 
-    def run_sync(self, ws: Any, name: str, args: Mapping[str, Any] | str | None) -> Observation:
+    def run_sync(self, ws: WorkspaceAPI, name: str, args: Mapping[str, Any] | str | None) -> Observation:
         """Run one call in ``ws`` (blocking). Bad calls and tool failures come back as
         an observation with ``error``; a broken workspace raises."""
         t0 = time.perf_counter()
@@ -114,6 +115,6 @@ class ToolSet:
             return Observation("", None, err.message, duration_s=time.perf_counter() - t0)
         return Observation(out.output, out.exit_code, None, out.timed_out, time.perf_counter() - t0)
 
-    async def run(self, ws: Any, name: str, args: Mapping[str, Any] | str | None) -> Observation:
-        """Run one call in ``ws`` in a worker thread (the workspace API blocks)."""
-        return await asyncio.to_thread(self.run_sync, ws, name, args)
+    async def run(self, ws: AsyncWorkspace, name: str, args: Mapping[str, Any] | str | None) -> Observation:
+        """Run one call in ``ws``, under its lock, in a bridge thread (tools block)."""
+        return await ws.call(self.run_sync, ws.sync, name, args)

@@ -1,12 +1,15 @@
 """The Workspace object: one isolated, stateful container an agent's tools run in.
 
 Features hang off sub-objects: ``ws.commands`` (one-shot commands), ``ws.files``,
-``ws.shell()`` (a persistent bash on a pty). Creation is a classmethod: constructing
-a ``Workspace`` object does no I/O; ``Workspace.create`` starts a container.
+``ws.sessions`` (persistent shells on a pty; ``ws.shell()`` wraps one in an object).
+Creation is a classmethod: constructing a ``Workspace`` object does no I/O;
+``Workspace.create`` starts a container. ``Workspace`` and ``Snapshot`` are the local
+implementation of the protocols in :mod:`bunshin.workspace.protocol`.
 """
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,10 +20,10 @@ from ..runtime import container, snapshot_io
 from ..runtime import snapshot as rsnap
 from ..runtime import stats as rstats
 from ..runtime.agent_client import AgentClient
-from ..runtime.agent_types import ExecResult, FileEntry, ProcessInfo, SessionResult
+from ..runtime.agent_types import ExecResult, FileEntry, ProcessInfo, SessionInfo, SessionResult
 from ..runtime.cgroups import WorkspaceCgroup
 from ..runtime.limits import check_timeout
-from ..runtime.records import Mount, WorkspaceRecord, WorkspaceState
+from ..runtime.records import Mount, SnapshotMode, WorkspaceRecord, WorkspaceState
 from ..runtime.stats import WorkspaceStats
 from ..runtime.store import Store
 
@@ -56,6 +59,7 @@ class Workspace:
         self._record = record
         self.commands = Commands(self)
         self.files = Files(self)
+        self.sessions = Sessions(self)
         self.last_fork: rsnap.SnapshotRecord | None = None
 
     # lifecycle -------------------------------------------------------------------
@@ -90,7 +94,7 @@ class Workspace:
             return cls(cfg, store.get_workspace(ref))
 
     @classmethod
-    def list(cls, *, config: Config | None = None) -> list[WorkspaceInfo]:
+    def list(cls, *, config: Config | None = None) -> builtins.list[WorkspaceInfo]:
         cfg = config or Config.from_env()
         with Store.open(cfg.db_path) as store:
             return [WorkspaceInfo.of(r) for r in store.list_workspaces()]
@@ -103,12 +107,12 @@ class Workspace:
 
     # fork ------------------------------------------------------------------------
 
-    def snapshot(self, *, mode: str = "cow") -> Snapshot:
+    def snapshot(self, *, mode: SnapshotMode | str = SnapshotMode.COW) -> Snapshot:
         """Capture this running workspace (it keeps running); kept until ``remove()``d."""
         with Store.open(self._config.db_path) as store:
             return Snapshot(self._config, rsnap.take(self._config, store, self._record, keep=True, mode=mode))
 
-    def fork(self, n: int = 1, *, mode: str = "cow") -> list[Workspace]:
+    def fork(self, n: int = 1, *, mode: SnapshotMode | str = SnapshotMode.COW) -> builtins.list[Workspace]:
         """``n`` live clones that continue from this instant; all of them or none.
 
         ``mode="cow"`` shares memory and files copy-on-write; ``"copy"`` is a plain
@@ -156,7 +160,8 @@ class Workspace:
     # using it --------------------------------------------------------------------
 
     def agent(self) -> AgentClient:
-        """The client of the in-workspace agent; raises if the workspace is gone."""
+        """The client of the in-workspace agent (the runtime's; layers above use the
+        protocol's sub-objects instead); raises if the workspace is gone."""
         if not container.is_alive(self._record):
             raise StateConflict(
                 f"workspace {self.id} is not running",
@@ -184,10 +189,9 @@ class Workspace:
 
     def shell(self, *, cwd: str | None = None, env: dict[str, str] | None = None) -> Session:
         """A new persistent bash session (on a pty) inside the workspace."""
-        sid = self.agent().session_open(kind="bash", cwd=cwd, env=env)
-        return Session(self, sid)
+        return Session(self, self.sessions.open("bash", cwd=cwd, env=env))
 
-    def processes(self) -> list[ProcessInfo]:
+    def processes(self) -> builtins.list[ProcessInfo]:
         return self.agent().processes()
 
     def stats(self) -> WorkspaceStats:
@@ -218,6 +222,12 @@ class Snapshot:
     def record(self) -> rsnap.SnapshotRecord:
         return self._record
 
+    @property
+    def size_bytes(self) -> int:
+        """What it holds: memory files, images and its file layer."""
+        rec = self._record
+        return rec.memfile_bytes + rec.image_bytes + rec.layer_bytes
+
     @classmethod
     def get(cls, ref: str, *, config: Config | None = None) -> Snapshot:
         """A snapshot by id or unique id prefix."""
@@ -226,7 +236,7 @@ class Snapshot:
             return cls(cfg, rsnap.get(store, ref))
 
     @classmethod
-    def list(cls, *, config: Config | None = None) -> list[Snapshot]:
+    def list(cls, *, config: Config | None = None) -> builtins.list[Snapshot]:
         cfg = config or Config.from_env()
         with Store.open(cfg.db_path) as store:
             return [cls(cfg, r) for r in rsnap.list_all(store)]
@@ -246,7 +256,7 @@ class Snapshot:
         """Write images, memory files and layers into ``folder`` (new or empty)."""
         return snapshot_io.save(self._config, self._record, Path(folder))
 
-    def restore(self, n: int = 1) -> list[Workspace]:
+    def restore(self, n: int = 1) -> builtins.list[Workspace]:
         """``n`` new running workspaces in this state; all of them or none."""
         with Store.open(self._config.db_path) as store:
             recs = rsnap.restore(self._config, store, self._record, n)
@@ -307,15 +317,42 @@ class Files:
         raw = data.encode() if isinstance(data, str) else data
         return self._ws.agent().write_file(path, raw, mode=mode, mkdirs=True)
 
-    def list(self, path: str = "/") -> list[FileEntry]:
+    def list(self, path: str = "/") -> builtins.list[FileEntry]:
         return self._ws.agent().list_dir(path)
 
     def remove(self, path: str, *, recursive: bool = False) -> None:
         self._ws.agent().remove(path, recursive=recursive)
 
 
+class Sessions:
+    """Persistent shells on a pty: ``sid = ws.sessions.open(); ws.sessions.run(sid, "cd /w")``.
+
+    Sessions are workspace state: a fork's clones have them, as they were at the fork.
+    """
+
+    def __init__(self, ws: Workspace) -> None:
+        self._ws = ws
+
+    def list(self) -> builtins.list[SessionInfo]:
+        return self._ws.agent().session_list()
+
+    def open(self, kind: str = "bash", *, cwd: str | None = None,
+             env: dict[str, str] | None = None) -> str:
+        return self._ws.agent().session_open(kind=kind, cwd=cwd, env=env)
+
+    def run(self, session_id: str, command: str, *, timeout: float | None = None,
+            max_output: int | None = None) -> SessionResult:
+        """Run ``command`` in the session; a timeout interrupts the command, not the session."""
+        return self._ws.agent().session_run(session_id, command, timeout=check_timeout(timeout),
+                                            max_output=max_output)
+
+    def close(self, session_id: str) -> None:
+        self._ws.agent().session_close(session_id)
+
+
 class Session:
-    """A persistent shell: state (cwd, variables, functions, history) carries across runs."""
+    """One persistent shell as an object: state (cwd, variables, functions, history)
+    carries across runs."""
 
     def __init__(self, ws: Workspace, session_id: str) -> None:
         self._ws = ws
@@ -323,10 +360,10 @@ class Session:
 
     def run(self, command: str, *, timeout: float | None = None) -> SessionResult:
         """Run ``command`` in the session; a timeout interrupts the command, not the session."""
-        return self._ws.agent().session_run(self.id, command, timeout=check_timeout(timeout))
+        return self._ws.sessions.run(self.id, command, timeout=timeout)
 
     def close(self) -> None:
-        self._ws.agent().session_close(self.id)
+        self._ws.sessions.close(self.id)
 
     def __enter__(self) -> Session:
         return self

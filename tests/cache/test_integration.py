@@ -32,8 +32,8 @@ def state_of(ws) -> dict:
         f"cd {TASK_DIR} && find . -printf '%p %m %y\\n' | sort && find . -type f -exec sha256sum {{}} + | sort",
         timeout=30,
     ).stdout
-    sid = ws.agent().session_list()[0].session_id
-    shell = ws.agent().session_run(sid, 'echo "$PWD|$V|$N"; jobs', timeout=30).output
+    sid = ws.sessions.list()[0].session_id
+    shell = ws.sessions.run(sid, 'echo "$PWD|$V|$N"; jobs', timeout=30).output
     procs = sorted(" ".join(p.cmdline) for p in ws.processes() if p.pid != 1)
     py = tools().run_sync(ws, "python", {"code": "globals().get('n')"}).output
     return {"files": files, "shell": shell, "procs": procs, "python": py}
@@ -56,7 +56,7 @@ async def cached(cache: PrefixCache, root: Snapshot, calls, think: float = 0.0) 
         for name, args in calls:
             obs.append(await traj.call(name, args))
             await asyncio.sleep(think)
-        ws = await traj.workspace()
+        ws = (await traj.workspace()).sync
         return obs, await asyncio.to_thread(state_of, ws)
     finally:
         await traj.close()

@@ -8,7 +8,7 @@ import pytest
 
 from bunshin.cache import CachePolicy, PrefixCache
 from bunshin.tools import ToolSet, command_tool
-from bunshin.workspace.fake import FakeSnapshot, FakeWorld
+from bunshin.testing import FakeSnapshot, FakeWorld
 from tests.fakes import WORKDIR, fake_root, run, state_of
 
 
@@ -86,7 +86,7 @@ def test_miss_forks_the_deepest_snapshot_and_replays_only_the_rest(world, root):
         assert obs[-1].output == "1\n2\n3\n" and not obs[-1].cached
         # restored from the snapshot after the slow call; replayed "write c" only (read_file needs no replay)
         assert traj.stats.materialisations == 1 and traj.stats.replayed == 1
-        ws = await traj.workspace()
+        ws = (await traj.workspace()).sync
         assert ws.files.read("/w/c") == b"3\n"
         await traj.close()
         await cache.aclose()
@@ -266,7 +266,7 @@ def test_workspace_materialises_and_leaves_the_tree(world, root):
         calls = [bash("write a 1"), bash("export K=v")]
         await walk(cache, root, calls)
         traj, _ = await walk(cache, root, calls, close=False)
-        ws = await traj.workspace()
+        ws = (await traj.workspace()).sync
         assert ws.files.read("/w/a") == b"1\n" and not traj.on_tree
         _, expected = direct(world, root, calls)
         assert state_of(ws) == expected

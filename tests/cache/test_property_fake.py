@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from bunshin.cache import CachePolicy, PrefixCache
 from bunshin.speculate import SpeculationPolicy
 from bunshin.tools import ToolSet
-from bunshin.workspace.fake import FakeWorld
+from bunshin.testing import FakeWorld
 from tests.fakes import WORKDIR, fake_root, run, state_of
 
 NAMES = st.sampled_from(["a", "b", "sub/c"])
@@ -62,7 +62,7 @@ async def cached_run(cache, root, calls, think):
     for name, args in calls:
         obs.append(await traj.call(name, args))
         await asyncio.sleep(think)
-    ws = await traj.workspace()
+    ws = (await traj.workspace()).sync
     state = state_of(ws)
     await traj.close()
     return obs, state

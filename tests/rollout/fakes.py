@@ -22,7 +22,7 @@ class FakeWorkspace:
     alive: bool = True
     removed: bool = False
 
-    def exec(self, command: str, *, timeout: float | None = None) -> ExecResult:
+    async def exec(self, command: str, *, timeout: float | None = None) -> ExecResult:
         if not self.alive:
             raise AgentError(f"workspace {self.id} is not running")
         out = self.files.get("/score", "0") + "\n" if command == "score" else f"ran {command}\n"

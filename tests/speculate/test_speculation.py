@@ -9,7 +9,7 @@ import pytest
 from bunshin.cache import CachePolicy, PrefixCache
 from bunshin.speculate import SpeculationPolicy
 from bunshin.tools import ToolSet
-from bunshin.workspace.fake import FakeWorld
+from bunshin.testing import FakeWorld
 from tests.fakes import WORKDIR, fake_root, run
 
 TEST = ("bash", {"command": "sleep 0.2; cat a; echo tested"})

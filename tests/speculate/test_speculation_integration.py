@@ -56,7 +56,7 @@ def test_speculation_is_used_and_hands_over_its_fork(real_root):
             obs = await traj.call(*TESTS)
             assert obs.output == "v2\npassed\n" and obs.exit_code == 0
             assert obs.cached and obs.speculated and obs.duration_s < 0.3
-            ws = await traj.workspace()  # the speculation's fork, adopted: nothing replayed
+            ws = (await traj.workspace()).sync  # the speculation's fork, adopted: nothing replayed
             assert traj.stats.replayed == 0
             nice = ws.exec("for d in /proc/[0-9]*; do read -r l < $d/stat; set -- ${l##*) }; echo ${17}; done")
             assert set(nice.stdout.split()) == {"0"}  # no process reniced (the cgroup is)

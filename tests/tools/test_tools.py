@@ -8,7 +8,7 @@ import pytest
 
 from bunshin.tools import Observation, ToolSet, call_key, command_tool, function_tool
 from bunshin.tools.schema import errors
-from bunshin.workspace.fake import FakeWorld
+from bunshin.testing import FakeWorld
 from tests.fakes import WORKDIR
 
 
@@ -98,7 +98,7 @@ def test_bash_reuses_the_first_session(ws, tools):
     assert tools.run_sync(ws, "bash", {"command": "export A=5"}).ok
     obs = tools.run_sync(ws, "bash", {"command": "echo $A"})
     assert obs.output == "5\n" and obs.exit_code == 0
-    assert len(ws.agent().session_list()) == 1
+    assert len(ws.sessions.list()) == 1
     assert tools.run_sync(ws, "bash", {"command": "exit 3"}).exit_code == 3
 
 

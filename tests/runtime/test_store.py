@@ -1,0 +1,130 @@
+"""The store's read-modify-write: inside one BEGIN IMMEDIATE transaction, two writers with
+their own connections (as two bunshin processes have) never lose each other's update."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from bunshin.runtime import snapshot as rsnap
+from bunshin.runtime.records import WorkspaceRecord, WorkspaceState
+from bunshin.runtime.store import Store
+
+ROUNDS = 40
+
+
+def _increment(data: str) -> str:
+    time.sleep(0.001)  # between the read and the write: the other writer gets its turn here
+    return json.dumps({"n": json.loads(data)["n"] + 1})
+
+
+def _race(db: Path, one_round: Callable[[Store], None]) -> None:
+    """Two threads, each with its own connection, doing ``ROUNDS`` rounds at once."""
+    start = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        try:
+            with Store.open(db) as store:
+                start.wait()
+                for _ in range(ROUNDS):
+                    one_round(store)
+        except BaseException as e:  # reported by the test, not lost in the thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_two_writers_lose_no_update(tmp_path):
+    db = tmp_path / "state.db"
+    with Store.open(db) as store:
+        store.put_object("counter", "c", json.dumps({"n": 0}))
+    _race(db, lambda s: s.update_object("counter", "c", _increment))
+    with Store.open(db) as store:
+        assert json.loads(store.get_object("counter", "c") or "")["n"] == 2 * ROUNDS
+
+
+def test_without_the_transaction_the_same_race_loses_updates(tmp_path):
+    """The race above is real: read, change and write back without it, and updates are lost."""
+    db = tmp_path / "state.db"
+    with Store.open(db) as store:
+        store.put_object("counter", "c", json.dumps({"n": 0}))
+
+    def unsafe(s: Store) -> None:
+        s.put_object("counter", "c", _increment(s.get_object("counter", "c") or ""))
+
+    _race(db, unsafe)
+    with Store.open(db) as store:
+        assert json.loads(store.get_object("counter", "c") or "")["n"] < 2 * ROUNDS
+
+
+def _snap(snap_id: str) -> rsnap.SnapshotRecord:
+    return rsnap.SnapshotRecord(
+        id=snap_id, source="ws-1", image="host", mode="cow", keep=True, created_at=1.0,
+        images="/i", layer="/l", lowers=(), memfiles=(), memory_limit=None, pids_limit=None, hostname="h",
+        depth=1, dump_ms=0, pause_ms=0, rewrite_ms=0, memfile_bytes=0, image_bytes=0, layer_bytes=0, owner_pid=7,
+    )
+
+
+def test_concurrent_changes_to_different_fields_of_a_snapshot_are_both_kept(tmp_path):
+    """``release`` (owner) in one process and ``remove`` (keep) in another: neither undoes the other."""
+    db = tmp_path / "state.db"
+    with Store.open(db) as store:
+        for i in range(ROUNDS):
+            store.put_object(rsnap.KIND, f"snap-{i}", _snap(f"snap-{i}").to_json())
+    ids = iter(range(2 * ROUNDS))
+    lock = threading.Lock()
+
+    def one_round(store: Store) -> None:
+        with lock:
+            k = next(ids)
+        i, field = k // 2, ("owner_pid", None) if k % 2 else ("keep", False)
+        rsnap.update(store, f"snap-{i}", **{field[0]: field[1]})
+
+    _race(db, one_round)
+    with Store.open(db) as store:
+        assert all(s.owner_pid is None and s.keep is False for s in rsnap.list_all(store))
+        assert rsnap.update(store, "snap-none", keep=False) is None
+
+
+def _ws(ws_id: str) -> WorkspaceRecord:
+    return WorkspaceRecord(id=ws_id, name=None, image="host", state=WorkspaceState.CREATING, created_at=1.0,
+                           root="/r", upper="/u", work="/w", lowers=(), cgroup_version=2, cgroups=(),
+                           memory_limit=None, pids_limit=None, hostname="h")
+
+
+def test_update_workspace_checks_the_stored_state(tmp_path):
+    with Store.open(tmp_path / "state.db") as store:
+        store.add_workspace(_ws("ws-1"))
+        got = store.update_workspace("ws-1", lambda r: r.replace(state=WorkspaceState.REMOVING))
+        assert got is not None and store.get_workspace("ws-1").state == WorkspaceState.REMOVING
+        # a stale copy cannot bring it back: the transition is checked against what is stored
+        from bunshin.errors import StateConflict
+        with pytest.raises(StateConflict):
+            store.update_workspace("ws-1", lambda r: r.replace(state=WorkspaceState.RUNNING))
+        assert store.update_workspace("ws-none", lambda r: r) is None
+
+
+def test_a_transaction_rolls_back_and_nests(tmp_path):
+    with Store.open(tmp_path / "state.db") as store:
+        with pytest.raises(KeyError), store.transaction():
+            store.put_object("k", "a", "1")
+            with store.transaction():  # joins the outer one
+                store.put_object("k", "b", "2")
+            raise KeyError("boom")
+        assert store.list_objects("k") == []
+        with store.transaction():
+            store.put_object("k", "a", "1")
+            with store.transaction():
+                store.put_object("k", "b", "2")
+        assert store.list_objects("k") == [("a", "1"), ("b", "2")]
