@@ -2,8 +2,10 @@
 
 One short-lived unix-socket connection per call, so nothing outside the
 workspace holds a connection across a CRIU dump. Answers become the frozen
-dataclasses of ``agent_types``; wire errors become the ``bunshin.errors`` class
-with the same code (``PathNotFound``, ``InvalidArgument``, ``NotFound``,
+dataclasses of ``agent_types``. The wire (ops, their arguments and answer
+fields, framing, error codes) is ``bunshin.agent.wire``, shared with the agent;
+a request the spec does not allow is refused here. Wire errors become the
+``bunshin.errors`` class with the same code (``PathNotFound``, ``InvalidArgument``, ``NotFound``,
 ``StateConflict``...); an unreachable agent or a broken answer is an
 ``AgentError``. Timeouts of ``exec`` and ``session_run`` are reported in the
 result (``timed_out=True``), not raised.
@@ -14,7 +16,6 @@ from __future__ import annotations
 import base64
 import errno
 import fcntl
-import json
 import os
 import signal as signals
 import socket
@@ -26,6 +27,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
+from ..agent import wire
+from ..agent.wire import JOB_ID, JOB_REQUEST, JOB_RUNNING, JOB_WAIT, OK, RESUMABLE_OPS, SPEC, Op
 from ..errors import AgentError, BunshinError, InvalidArgument, ResourceExhausted
 from .agent_types import (
     AgentInfo,
@@ -41,14 +44,13 @@ from .limits import check_timeout
 PathLike = str | os.PathLike[str]
 
 #: Bytes per ``read_file``/``write_file`` request (the agent caps reads at this).
-CHUNK = 16 * 1024 * 1024
+CHUNK = wire.MAX_CHUNK
 #: How much longer than a command's own timeout to wait for the agent's answer
 #: (the agent kills, drains and, for sessions, re-synchronises the shell).
 ANSWER_GRACE_S = 30.0
 _UNIX_PATH_MAX = 108
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid (SO_PEERCRED)
-#: Ops run as resumable agent jobs, and how long one poll of their answer may hold a connection.
-RESUMABLE_OPS = ("exec", "session_run")
+#: How long one poll of a resumable op's answer (``wire.RESUMABLE_OPS``) may hold a connection.
 POLL_S = 0.25
 
 
@@ -139,16 +141,18 @@ class AgentClient:
     # --- transport ----------------------------------------------------------------
 
     def call(
-        self, op: str, *, answer_timeout: float | None | Literal["default"] = "default", **args: Any
+        self, op: Op | str, *, answer_timeout: float | None | Literal["default"] = "default", **args: Any
     ) -> dict[str, Any]:
         """Send one request; return the answer's fields (without ``ok``).
 
         ``answer_timeout``: seconds to wait for the answer (``None``: forever;
         default: ``call_timeout``). Arguments that are ``None`` are left out.
+        ``InvalidArgument`` for an op or an argument ``wire.SPEC`` does not know.
         """
+        op = str(op)  # an Op's value: messages name 'exec', not <Op.EXEC: 'exec'>
         if op in RESUMABLE_OPS:
             return self._call_resumable(op, None if answer_timeout == "default" else answer_timeout, args)
-        return self._decode(op, self._roundtrip(op, _encode({"op": op, **args}), answer_timeout))
+        return self._decode(op, self._roundtrip(op, _encode(op, args), answer_timeout))
 
     def _roundtrip(self, op: str, line: bytes, answer_timeout: float | None | Literal["default"]) -> bytes:
         """One connection, one request, one answer line, under the workspace's call lock."""
@@ -175,15 +179,16 @@ class AgentClient:
         No connection stays open between polls, so the workspace can be forked while
         the command runs (the clone finishes the job on its own).
         """
-        inner = {k: v for k, v in {"op": op, **args}.items() if v is not None}
-        started = self._decode("job_start", self._roundtrip(op, _encode({"op": "job_start", "request": inner}), "default"))
-        job_id = started["job_id"]
+        inner = {wire.OP: op, **_arguments(op, args)}
+        start = _encode(Op.JOB_START.value, {JOB_REQUEST: inner})
+        started = self._decode(Op.JOB_START.value, self._roundtrip(op, start, "default"))
+        job_id = started[JOB_ID]
         deadline = None if answer_timeout is None else time.monotonic() + answer_timeout
         while True:
             wait = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
             try:
-                answer = self._decode(op, self._roundtrip(op, _encode({"op": "job_wait", "job_id": job_id, "wait": wait}),
-                                                          wait + self.call_timeout))
+                poll = _encode(Op.JOB_WAIT.value, {JOB_ID: job_id, JOB_WAIT: wait})
+                answer = self._decode(op, self._roundtrip(op, poll, wait + self.call_timeout))
             except ResourceExhausted:
                 # The workspace is at its pids limit (threads count too): the agent cannot
                 # take a new connection now. The job itself runs on; ask again shortly.
@@ -191,7 +196,7 @@ class AgentClient:
                     raise
                 time.sleep(0.1)
                 continue
-            if not answer.get("running"):
+            if not answer.get(JOB_RUNNING):
                 return answer
             if deadline is not None and time.monotonic() >= deadline:
                 raise AgentError(f"agent at {self.socket_path} did not answer {op!r} in time")
@@ -269,15 +274,15 @@ class AgentClient:
 
     def _decode(self, op: str, raw: bytes) -> dict[str, Any]:
         try:
-            answer = json.loads(raw)
+            answer = wire.decode(raw)
         except ValueError:
             raise AgentError(
                 f"agent at {self.socket_path} sent a malformed answer to {op!r}"
             ) from None
-        if not isinstance(answer, dict) or not isinstance(answer.get("ok"), bool):
+        if not isinstance(answer, dict) or not isinstance(answer.get(OK), bool):
             raise AgentError(f"agent at {self.socket_path} sent an unexpected answer to {op!r}")
-        if not answer.pop("ok"):
-            error = answer.get("error")
+        if not answer.pop(OK):
+            error = answer.get(wire.ERROR)
             if not isinstance(error, dict):
                 raise AgentError(f"agent at {self.socket_path} failed {op!r} without saying why")
             raise BunshinError.from_dict(error)
@@ -286,7 +291,7 @@ class AgentClient:
     # --- liveness and identity -------------------------------------------------------
 
     def ping(self) -> AgentInfo:
-        a = self.call("ping")
+        a = self.call(Op.PING)
         return AgentInfo(
             pid=a["pid"],
             version=a["version"],
@@ -320,7 +325,7 @@ class AgentClient:
 
     def identify(self, identity: Mapping[str, Any]) -> None:
         """Tell the agent who it is (e.g. after a fork: ``{"fork_id": ...}``)."""
-        self.call("identify", identity=dict(identity))
+        self.call(Op.IDENTIFY, identity=dict(identity))
 
     # --- processes --------------------------------------------------------------------
 
@@ -342,7 +347,7 @@ class AgentClient:
         """
         check_timeout(timeout)
         a = self.call(
-            "exec",
+            Op.EXEC,
             answer_timeout=None if timeout is None else timeout + ANSWER_GRACE_S,
             **_command(argv, cmd),
             cwd=_path(cwd),
@@ -383,7 +388,7 @@ class AgentClient:
     ) -> int:
         """Start a background process in its own session; returns its pid."""
         a = self.call(
-            "spawn",
+            Op.SPAWN,
             **_command(argv, cmd),
             cwd=_path(cwd),
             env=dict(env) if env is not None else None,
@@ -393,7 +398,7 @@ class AgentClient:
 
     def kill(self, pid: int, signal: int = signals.SIGTERM, *, group: bool = False) -> None:
         """Send ``signal`` to a process (or its process group); ``NotFound`` if gone."""
-        self.call("kill", pid=pid, signal=int(signal), group=group)
+        self.call(Op.KILL, pid=pid, signal=int(signal), group=group)
 
     def processes(self) -> list[ProcessInfo]:
         return [
@@ -406,7 +411,7 @@ class AgentClient:
                 name=p["name"],
                 cmdline=tuple(p["cmdline"]),
             )
-            for p in self.call("processes")["processes"]
+            for p in self.call(Op.PROCESSES)["processes"]
         ]
 
     # --- files ------------------------------------------------------------------------
@@ -417,7 +422,7 @@ class AgentClient:
         got = 0
         while length is None or got < length:
             want = CHUNK if length is None else min(CHUNK, length - got)
-            a = self.call("read_file", path=_path(path), offset=offset + got, length=want)
+            a = self.call(Op.READ_FILE, path=_path(path), offset=offset + got, length=want)
             data = base64.b64decode(a["data_b64"])
             chunks.append(data)
             got += len(data)
@@ -440,7 +445,7 @@ class AgentClient:
         for start in range(0, max(len(raw), 1), CHUNK):
             chunk = raw[start : start + CHUNK]
             a = self.call(
-                "write_file",
+                Op.WRITE_FILE,
                 path=_path(path),
                 data_b64=base64.b64encode(chunk).decode(),
                 mode=mode,
@@ -451,13 +456,13 @@ class AgentClient:
         return size
 
     def list_dir(self, path: PathLike) -> list[FileEntry]:
-        return [_entry(e) for e in self.call("list_dir", path=_path(path))["entries"]]
+        return [_entry(e) for e in self.call(Op.LIST_DIR, path=_path(path))["entries"]]
 
     def stat(self, path: PathLike) -> FileEntry:
-        return _entry(self.call("stat", path=_path(path)))
+        return _entry(self.call(Op.STAT, path=_path(path)))
 
     def remove(self, path: PathLike, *, recursive: bool = False) -> None:
-        self.call("remove", path=_path(path), recursive=recursive)
+        self.call(Op.REMOVE, path=_path(path), recursive=recursive)
 
     # --- sessions ---------------------------------------------------------------------
 
@@ -470,7 +475,7 @@ class AgentClient:
     ) -> str:
         """Open a persistent shell (bash, or sh if the image has none); returns its id."""
         a = self.call(
-            "session_open", kind=kind, cwd=_path(cwd), env=dict(env) if env is not None else None
+            Op.SESSION_OPEN, kind=kind, cwd=_path(cwd), env=dict(env) if env is not None else None
         )
         return str(a["session_id"])
 
@@ -484,7 +489,7 @@ class AgentClient:
     ) -> SessionResult:
         """Run ``command`` in the session's shell; state carries over between runs."""
         a = self.call(
-            "session_run",
+            Op.SESSION_RUN,
             answer_timeout=None if timeout is None else timeout + ANSWER_GRACE_S,
             session_id=session_id,
             command=command,
@@ -501,7 +506,7 @@ class AgentClient:
         )
 
     def session_close(self, session_id: str) -> None:
-        self.call("session_close", session_id=session_id)
+        self.call(Op.SESSION_CLOSE, session_id=session_id)
 
     def session_list(self) -> list[SessionInfo]:
         return [
@@ -512,7 +517,7 @@ class AgentClient:
                 busy=s["busy"],
                 alive=s.get("alive", True),
             )
-            for s in self.call("session_list")["sessions"]
+            for s in self.call(Op.SESSION_LIST)["sessions"]
         ]
 
     def attach(
@@ -529,30 +534,31 @@ class AgentClient:
         After the agent's ``ok`` the socket is a raw byte pipe to the pty, both
         ways, until either side closes it. The caller owns (and closes) it.
         """
+        op = Op.ATTACH.value
         line = _encode(
+            op,
             {
-                "op": "attach",
                 "kind": kind,
                 "rows": rows,
                 "cols": cols,
                 "cwd": _path(cwd),
                 "env": dict(env) if env is not None else None,
-            }
+            },
         )
-        with self._translate("attach"):
+        with self._translate(op):
             sock = self._connect()
             try:
                 sock.settimeout(self.call_timeout)
                 sock.sendall(line)
-                raw = bytearray()
-                while not raw.endswith(b"\n"):  # byte by byte: what follows is the pty's
-                    byte = sock.recv(1)
-                    if not byte:
-                        raise AgentError(
-                            f"agent at {self.socket_path} closed the attach connection"
-                        )
-                    raw += byte
-                self._decode("attach", bytes(raw))
+                # byte by byte: what follows the answer is the pty's
+                reader = wire.LineReader(lambda _n: sock.recv(1), limit=None)
+                try:
+                    raw = reader.readline()
+                except wire.LineCut:
+                    raw = None
+                if raw is None:
+                    raise AgentError(f"agent at {self.socket_path} closed the attach connection")
+                self._decode(op, raw)
                 sock.settimeout(None)
                 return sock
             except BaseException:
@@ -568,6 +574,10 @@ class _Answer(dict[str, Any]):
         self.op = op
 
     def __missing__(self, key: str) -> Any:
+        spec = SPEC.get(Op(self.op)) if self.op in SPEC else None
+        if spec is not None and key not in spec.answer:
+            raise AgentError(f"the client reads {key!r}, which the answer to {self.op!r} does not "
+                             "declare (bunshin/agent/wire.py)")
         raise AgentError(f"the agent's answer to {self.op!r} lacks {key!r}")
 
 
@@ -595,26 +605,35 @@ def _open_socket_beneath(top: Path, parts: Sequence[str], where: Path) -> int:
     return sfd
 
 
-def _encode(request: dict[str, Any]) -> bytes:
-    request = {k: v for k, v in request.items() if v is not None}
+def _arguments(op: str, args: Mapping[str, Any]) -> dict[str, Any]:
+    """``args`` without the ``None`` ones, each one ``op`` takes (``InvalidArgument`` if not)."""
+    if op not in SPEC:
+        raise InvalidArgument(f"unknown op {op!r}")
+    given = {k: v for k, v in args.items() if v is not None}
+    unknown = given.keys() - SPEC[Op(op)].request
+    if unknown:
+        raise InvalidArgument(f"{op!r} takes no argument {', '.join(map(repr, sorted(unknown)))}")
+    return given
+
+
+def _encode(op: str, args: Mapping[str, Any]) -> bytes:
     try:
-        return json.dumps(request, separators=(",", ":")).encode() + b"\n"
+        return wire.request_line(op, _arguments(op, args))
     except (TypeError, ValueError) as exc:
-        raise InvalidArgument(f"cannot send {request.get('op')!r}: {exc}") from None
+        if isinstance(exc, InvalidArgument):
+            raise
+        raise InvalidArgument(f"cannot send {op!r}: {exc}") from None
 
 
 def _read_line(sock: socket.socket) -> bytes:
-    buf = bytearray()
-    start = 0
-    while True:
-        chunk = sock.recv(1 << 20)
-        if not chunk:
-            raise ConnectionResetError("the agent closed the connection without answering")
-        buf += chunk
-        end = buf.find(b"\n", start)
-        if end >= 0:
-            return bytes(buf[:end])
-        start = len(buf)
+    """One answer line (any length); ``ConnectionResetError`` if the agent closes first."""
+    try:
+        line = wire.LineReader(sock.recv, limit=None).readline()
+    except wire.LineCut:
+        line = None
+    if line is None:
+        raise ConnectionResetError("the agent closed the connection without answering")
+    return line
 
 
 def _command(argv: Sequence[str] | None, cmd: str | None) -> dict[str, Any]:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
+
+from ..agent.wire import FileType as FileType  # the wire's entry types: file, dir, symlink, other
 
 
 @dataclass(frozen=True)
@@ -65,13 +66,6 @@ class SessionInfo:
     pid: int
     busy: bool
     alive: bool
-
-
-class FileType(StrEnum):
-    FILE = "file"
-    DIR = "dir"
-    SYMLINK = "symlink"
-    OTHER = "other"
 
 
 @dataclass(frozen=True)
