@@ -54,12 +54,12 @@ from .agent_client import quiesced
 from .cgroups import Layout, WorkspaceCgroup
 from .idmap import share as share_view
 from .memfile import criu_images
-from .records import Mount, WorkspaceRecord, WorkspaceState, mounts_from_json
+from .records import Mount, SnapshotMode, WorkspaceRecord, WorkspaceState, mounts_from_json
 from .store import Store
 
 KIND = "snapshot"
 MEM_VIEW = "/.bunshin/mem"
-MODES = ("cow", "copy")
+MODES = tuple(SnapshotMode)  # the values a caller may give, "cow" first
 RESTORE_CONCURRENCY = 2
 # CRIU runs inside the workspace's network namespace (``criu.Placement``), so the
 # namespace itself is not dumped and no network lock is needed: every peer of a
@@ -90,7 +90,7 @@ class SnapshotRecord:
     id: str
     source: str
     image: str
-    mode: str
+    mode: SnapshotMode
     keep: bool
     created_at: float
     images: str
@@ -117,6 +117,7 @@ class SnapshotRecord:
     def from_json(cls, text: str) -> SnapshotRecord:
         d = json.loads(text)
         d["lowers"], d["memfiles"] = tuple(d["lowers"]), tuple(d["memfiles"])
+        d["mode"] = SnapshotMode(d["mode"])
         d["mounts"] = mounts_from_json(d.get("mounts", []))
         return cls(**d)
 
@@ -159,7 +160,8 @@ def mem_dir(cfg: Config) -> Path:
 # ------------------------------------------------------------------------- take
 
 
-def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool, mode: str = "cow") -> SnapshotRecord:
+def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
+         mode: SnapshotMode | str = SnapshotMode.COW) -> SnapshotRecord:
     """Dump a running workspace (it keeps running) into a new snapshot.
 
     A ``keep=False`` snapshot stays owned by this process (``sweep`` leaves it
@@ -167,6 +169,7 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool, mode: s
     """
     if mode not in MODES:
         raise InvalidArgument(f"unknown fork mode {mode!r}", hint=f"use one of {', '.join(MODES)}")
+    mode = SnapshotMode(mode)
     if rec.state != WorkspaceState.RUNNING or not container.is_alive(rec):
         raise StateConflict(f"workspace {rec.id} is not running", hint="only a running workspace can be forked")
     snap_id = "snap-" + secrets.token_hex(6)
@@ -197,7 +200,7 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool, mode: s
         if not layer.is_dir():
             raise BunshinError(f"the upper layer of {rec.id} was not frozen", hint="see the dump log")
         rewrite_ms, files, mem_bytes, layer_bytes = 0.0, (), 0, _du(layer)
-        if mode == "cow":
+        if mode is SnapshotMode.COW:
             result = memfile.rewrite_images(
                 images, cfg.paths.mem, memfile_view=MEM_VIEW, root=Path(rec.root), tag=snap_id,
                 # [heap] too: Python (the agent, most tools) keeps most objects there; left
@@ -510,7 +513,7 @@ def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout
 # ----------------------------------------------------------------- lifetime
 
 
-def fork(cfg: Config, store: Store, rec: WorkspaceRecord, n: int, *, mode: str = "cow"
+def fork(cfg: Config, store: Store, rec: WorkspaceRecord, n: int, *, mode: SnapshotMode | str = SnapshotMode.COW
          ) -> tuple[SnapshotRecord, list[WorkspaceRecord]]:
     """One dump of ``rec`` and ``n`` restores from it; all clones or none.
 

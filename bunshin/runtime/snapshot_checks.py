@@ -26,6 +26,7 @@ from ..errors import InvalidArgument, RuntimeFailure
 from . import agent_bundle, images, memfile
 from . import snapshot as rsnap
 from .cgroups import parse_size
+from .records import SnapshotMode
 
 FORMAT = "bunshin-snapshot/2"
 _UNSIGNED_FORMATS = ("bunshin-snapshot/1",)  # older folders: no hashes, no MAC (load with trust)
@@ -122,8 +123,11 @@ def rel_parts(rel: Any, what: str) -> list[str]:
 
 def check_record(data: Any, *, memory_total: int, pid_max: int) -> rsnap.SnapshotRecord:
     """The saved record, its fields checked; host-dependent ones are recomputed by ``load``."""
+    # an unknown mode is reported below with the other bad fields, not as damage
+    unknown_mode = isinstance(data, dict) and "mode" in data and data["mode"] not in rsnap.MODES
+    shown = {"mode": data["mode"]} if unknown_mode else {}
     try:
-        rec = rsnap.SnapshotRecord.from_json(json.dumps(data))
+        rec = rsnap.SnapshotRecord.from_json(json.dumps({**data, "mode": SnapshotMode.COW} if unknown_mode else data))
     except (TypeError, ValueError, KeyError, AttributeError) as e:
         raise InvalidArgument(f"the saved record is damaged ({e})") from e
     bad = [f for f, ok in (
@@ -131,13 +135,13 @@ def check_record(data: Any, *, memory_total: int, pid_max: int) -> rsnap.Snapsho
         ("source", isinstance(rec.source, str) and _WORD.fullmatch(rec.source)),
         ("hostname", isinstance(rec.hostname, str) and _WORD.fullmatch(rec.hostname)),
         ("image", isinstance(rec.image, str) and 0 < len(rec.image) < 4096 and "\0" not in rec.image),
-        ("mode", rec.mode in rsnap.MODES),
+        ("mode", not unknown_mode),
         ("depth", type(rec.depth) is int and 1 <= rec.depth <= 1 << 20),
         ("keep", isinstance(rec.keep, bool)),
         *((n, type(getattr(rec, n)) in (int, float) and getattr(rec, n) >= 0) for n in _NUMBERS),
     ) if not ok]
     if bad:
-        raise InvalidArgument(f"the saved record has bad {', '.join(bad)}: {', '.join(repr(getattr(rec, f)) for f in bad)}",
+        raise InvalidArgument(f"the saved record has bad {', '.join(bad)}: {', '.join(repr(shown.get(f, getattr(rec, f))) for f in bad)}",
                               hint="snapshot ids look like snap-<12 hex digits>")
     memory, pids = check_limits(rec.memory_limit, rec.pids_limit, memory_total=memory_total, pid_max=pid_max)
     return dataclasses.replace(rec, memory_limit=memory, pids_limit=pids)
