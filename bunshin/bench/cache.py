@@ -27,7 +27,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,8 @@ from ..errors import BunshinError
 from ..speculate import SpeculationPolicy
 from ..tools import Observation, ToolSet
 from ..workspace import Snapshot, Workspace
+from ..workspace.aio import AsyncSnapshot, AsyncWorkspace
+from ..workspace.protocol import WorkspaceAPI
 from .stats import percentile, summary
 
 PACKAGE, VERSION = "more-itertools", "8.8.0"
@@ -111,7 +112,7 @@ def think_times(plan: list[list[list[Call]]], scale: float, seed: int) -> list[l
 
 def fetch_sdist(cfg: Config) -> Path:
     """The project's sdist, downloaded once with pip into bunshin's home."""
-    dest = cfg.home / "bench" / f"{PACKAGE}-{VERSION}.tar.gz"
+    dest = cfg.paths.bench / f"{PACKAGE}-{VERSION}.tar.gz"
     if dest.is_file():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -142,15 +143,15 @@ def make_root(cfg: Config, sdist: Path) -> Snapshot:
         ws.remove()
 
 
-def end_state(ws: Any) -> str:
+def end_state(ws: WorkspaceAPI) -> str:
     """A hash of what the trajectory left: files, installed packages, shell, processes."""
     procs = sorted(" ".join(p.cmdline) for p in ws.processes() if p.pid != 1)
     files = ws.exec(
         f"cd {TASK} && find . -name __pycache__ -prune -o -type f -print0 | sort -z | xargs -0 sha256sum"
         " && find . -name __pycache__ -prune -o -printf '%p %m\\n' | sort"
         " && ls /usr/local/lib/python3*/dist-packages | sort", timeout=120).stdout
-    sid = ws.agent().session_list()[0].session_id
-    shell = ws.agent().session_run(sid, "echo $PWD; env | grep -v '^_=' | sort", timeout=60).output
+    sid = ws.sessions.list()[0].session_id
+    shell = ws.sessions.run(sid, "echo $PWD; env | grep -v '^_=' | sort", timeout=60).output
     return hashlib.sha256("\0".join([files, shell, *procs]).encode()).hexdigest()
 
 
@@ -169,20 +170,21 @@ class ModeRun:
 class _Fresh:
     """The no-cache baseline: a fresh fork of the root, every call run in it."""
 
-    def __init__(self, root: Snapshot, tools: ToolSet, pool: ThreadPoolExecutor) -> None:
-        self._tools, self._pool = tools, pool
-        self._ws = asyncio.get_running_loop().run_in_executor(pool, lambda: root.restore(1)[0])
+    def __init__(self, root: AsyncSnapshot, tools: ToolSet) -> None:
+        self._tools = tools
+        self._ws = asyncio.ensure_future(root.restore(1))
 
     async def call(self, name: str, args: dict[str, Any]) -> Observation:
-        ws = await self._ws
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._tools.run_sync, ws, name, args)
+        (ws,) = await self._ws
+        return await self._tools.run(ws, name, args)
 
-    async def workspace(self) -> Any:
-        return await self._ws
+    async def workspace(self) -> AsyncWorkspace:
+        (ws,) = await self._ws
+        return ws
 
     async def close(self) -> None:
-        ws = await self._ws
-        await asyncio.get_running_loop().run_in_executor(self._pool, ws.remove)
+        (ws,) = await self._ws
+        await ws.remove()
 
 
 def _result(o: Observation) -> tuple:
@@ -190,7 +192,7 @@ def _result(o: Observation) -> tuple:
 
 
 async def _trajectory(traj: Any, calls: list[Call], thinks: list[float], run: ModeRun, key: tuple[int, int],
-                      pool: ThreadPoolExecutor, tick: Any) -> None:
+                      tick: Any) -> None:
     results = []
     try:
         for (name, args), think in zip(calls, thinks, strict=True):
@@ -200,8 +202,8 @@ async def _trajectory(traj: Any, calls: list[Call], thinks: list[float], run: Mo
             run.tool_s.append(time.perf_counter() - t0)
             results.append(_result(obs))
             tick()
-        ws = (await traj.workspace()).sync
-        run.states[key] = await asyncio.get_running_loop().run_in_executor(pool, end_state, ws)
+        ws = await traj.workspace()
+        run.states[key] = await ws.call(end_state, ws.sync)
         run.results[key] = results
     finally:
         await traj.close()
@@ -218,27 +220,27 @@ async def run_mode(mode: str, root: Snapshot, plan: list[list[list[Call]]], thin
         spec = SpeculationPolicy() if mode == "speculate" else None
         cache = PrefixCache(tools, policy=CachePolicy(snapshot_min_s=0.5), speculation=spec)
     held = 0
-    with ThreadPoolExecutor(64, thread_name_prefix=f"bench-{mode}") as pool:
-        try:
-            for it, group in enumerate(plan):
-                if cache is not None and it:
-                    cache.new_iteration()
-                t0 = time.perf_counter()
-                trajs = [_Fresh(root, tools, pool) if cache is None else cache.start(root) for _ in group]
-                await asyncio.gather(*(
-                    _trajectory(t, calls, thinks[it][i], run, (it, i), pool, lambda: progress.advance(task))
-                    for i, (t, calls) in enumerate(zip(trajs, group, strict=True))))
-                run.makespan_s.append(time.perf_counter() - t0)
-                if cache is not None:
-                    held = max(held, cache.stats().bytes_held)
-        finally:
+    aroot = AsyncSnapshot(root)
+    try:
+        for it, group in enumerate(plan):
+            if cache is not None and it:
+                cache.new_iteration()
+            t0 = time.perf_counter()
+            trajs = [_Fresh(aroot, tools) if cache is None else cache.start(root) for _ in group]
+            await asyncio.gather(*(
+                _trajectory(t, calls, thinks[it][i], run, (it, i), lambda: progress.advance(task))
+                for i, (t, calls) in enumerate(zip(trajs, group, strict=True))))
+            run.makespan_s.append(time.perf_counter() - t0)
             if cache is not None:
-                st = cache.stats()
-                run.cache = {"hit_rate": st.hit_rate, "hits": st.hits, "misses": st.misses,
-                             "seconds_saved": st.seconds_saved, "bytes_held": held, "snapshots": st.snapshots,
-                             "materialisations": st.materialisations, "replayed_calls": st.replayed_calls,
-                             "divergences": st.divergences, "speculation": st.speculation}
-                await cache.aclose()
+                held = max(held, cache.stats().bytes_held)
+    finally:
+        if cache is not None:
+            st = cache.stats()
+            run.cache = {"hit_rate": st.hit_rate, "hits": st.hits, "misses": st.misses,
+                         "seconds_saved": st.seconds_saved, "bytes_held": held, "snapshots": st.snapshots,
+                         "materialisations": st.materialisations, "replayed_calls": st.replayed_calls,
+                         "divergences": st.divergences, "speculation": st.speculation}
+            await cache.aclose()
     return run
 
 
