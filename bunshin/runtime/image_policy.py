@@ -70,10 +70,10 @@ def _check_mounts(images: Path) -> None:
     for f in sorted(images.glob("mountpoints-*.img")):
         entries = _entries(f)
         roots = [e for e in entries if e.get("mountpoint") == "/"]
-        if len(roots) != 1 or criu_images.num(roots[0]["fstype"]) != FS_OVERLAY:
+        if len(roots) != 1 or roots[0]["fstype"] != FS_OVERLAY:
             raise _refuse(images, "do not have the workspace's overlay as their root")
         for e in entries:
-            fstype, point = criu_images.num(e["fstype"]), e.get("mountpoint", "")
+            fstype, point = e["fstype"], e.get("mountpoint", "")
             if fstype == FS_OVERLAY and e.get("options") == roots[0].get("options"):
                 continue  # the root, and binds of paths inside it (masks)
             if fstype in (FS_PROC, FS_DEVPTS):

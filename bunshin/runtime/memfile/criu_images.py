@@ -1,7 +1,8 @@
 """CRIU images as the rewrite sees them: loading, saving, and page maps cut at VMA boundaries.
 
 Images are read and written with pycriu (``python3-pycriu``) as dicts, fields by
-name. The constants are CRIU's and the kernel's (``criu/include/image.h``,
+name. They are loaded as pycriu does by default (not ``pretty``): numbers stay
+integers, enums are their names. The constants are CRIU's and the kernel's (``criu/include/image.h``,
 ``linux/mman.h``).
 """
 
@@ -35,7 +36,7 @@ PE_PARENT, PE_LAZY, PE_PRESENT = 0x1, 0x2, 0x4
 
 def _pycriu_images() -> Any:
     try:
-        import pycriu.images as images  # type: ignore[import-not-found]
+        import pycriu.images as images
     except ImportError as exc:  # pragma: no cover - depends on the host
         raise HostUnsupported(
             "pycriu is not importable", hint="install python3-pycriu with protobuf<6"
@@ -45,7 +46,8 @@ def _pycriu_images() -> Any:
 
 def load(path: Path) -> dict[str, Any]:
     with open(path, "rb") as f:
-        return _pycriu_images().load(f)
+        img: dict[str, Any] = _pycriu_images().load(f)  # pretty=False: integers as integers
+    return img
 
 
 def save(img: dict[str, Any], path: Path) -> None:
@@ -54,10 +56,13 @@ def save(img: dict[str, Any], path: Path) -> None:
 
 
 def num(value: Any) -> int:
-    """An integer field; pycriu renders some as strings ("0x22", "MAP_PRIVATE | MAP_ANON")."""
+    """An integer from pycriu's ``pretty`` rendering ("0x22", "MAP_PRIVATE | MAP_ANON").
+
+    Nothing in bunshin asks for that rendering (``load`` gives integers); this stays for
+    reading images dumped with ``crit decode --pretty``."""
     if isinstance(value, int):
         return value
-    from pycriu.images import pb2dict  # type: ignore[import-not-found]
+    from pycriu.images import pb2dict
 
     names: dict[str, int] = {}
     for table in pb2dict.flags_maps.values():
@@ -71,12 +76,12 @@ def num(value: Any) -> int:
 
 def pids(images_dir: Path) -> list[int]:
     """The dumped processes (pids inside the dump), parents first."""
-    return [num(e["pid"]) for e in load(images_dir / "pstree.img")["entries"]]
+    return [e["pid"] for e in load(images_dir / "pstree.img")["entries"]]
 
 
 def regular_files(entries: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """files.img entries of regular files, by id."""
-    return {num(e["id"]): e for e in entries if e.get("type") in ("REG", 1)}
+    return {e["id"]: e for e in entries if e.get("type") in ("REG", 1)}
 
 
 def is_memfile_name(name: str) -> bool:
@@ -94,9 +99,9 @@ def referenced_memfiles(images_dir: Path) -> set[str]:
 
 def pages_present(entry: dict[str, Any]) -> tuple[int, bool]:
     """(number of pages, whether they are stored in the pages image)."""
-    n = num(entry.get("nr_pages", entry.get("compat_nr_pages", 0)))
+    n = entry.get("nr_pages", entry.get("compat_nr_pages", 0))
     if "flags" in entry:
-        return n, bool(num(entry["flags"]) & PE_PRESENT)
+        return n, bool(entry["flags"] & PE_PRESENT)
     return n, not entry.get("in_parent", False)
 
 
@@ -121,16 +126,16 @@ class Piece:
 
 def split(entries: list[dict[str, Any]], vmas: list[dict[str, Any]]) -> list[Piece]:
     """Cut page-map entries at VMA boundaries (entries can span several VMAs)."""
-    starts = [num(v["start"]) for v in vmas]
+    starts = [v["start"] for v in vmas]
     pieces, src = [], 0
     for entry in entries:
         n, present = pages_present(entry)
-        pos, end = num(entry["vaddr"]), num(entry["vaddr"]) + n * PAGE
+        pos, end = entry["vaddr"], entry["vaddr"] + n * PAGE
         base_src, base_pos = src, pos
         while pos < end:
             i = bisect.bisect_right(starts, pos) - 1
-            if i >= 0 and pos < num(vmas[i]["end"]):
-                cut, idx = min(end, num(vmas[i]["end"])), i
+            if i >= 0 and pos < vmas[i]["end"]:
+                cut, idx = min(end, vmas[i]["end"]), i
             else:
                 nxt = starts[i + 1] if i + 1 < len(starts) else end
                 cut, idx = min(end, nxt), None
@@ -150,7 +155,7 @@ def append_entry(entries: list[dict[str, Any]], p: Piece) -> None:
         last = entries[-1]
         n_last, present_last = pages_present(last)
         if (
-            num(last["vaddr"]) + n_last * PAGE == p.start
+            last["vaddr"] + n_last * PAGE == p.start
             and last.get("flags") == flags
             and last.get("in_parent") == p.entry.get("in_parent")
             and present_last == (p.src is not None)

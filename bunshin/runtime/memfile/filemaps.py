@@ -51,7 +51,6 @@ from .criu_images import (
     VMA_FILE_PRIVATE,
     is_memfile_name,
     load,
-    num,
 )
 from .fileio import open_in_root
 
@@ -61,14 +60,14 @@ _ANY_MOUNT = -1
 
 def convertible_file_map(vma: dict[str, Any]) -> bool:
     """A plain, non-executable private mapping of a regular file (whitelists)."""
-    flags, status = num(vma["flags"]), num(vma["status"])
+    flags, status = vma["flags"], vma["status"]
     if status != VMA_AREA_REGULAR | VMA_FILE_PRIVATE:
         return False
     if not flags & MAP_PRIVATE or flags & ~(MAP_PRIVATE | MAP_NORESERVE):
         return False
-    if num(vma["prot"]) & PROT_EXEC:
+    if vma["prot"] & PROT_EXEC:
         return False
-    return not num(vma.get("madv", 0)) & (1 << MADV_WIPEONFORK)
+    return not vma.get("madv", 0) & (1 << MADV_WIPEONFORK)
 
 
 def file_ranges(
@@ -141,12 +140,12 @@ class FileSources:
         if reg is None or "size" not in reg or is_memfile_name(str(reg.get("name", ""))):
             return None
         mount = self._root_mount(pid)
-        if mount is None or (mount != _ANY_MOUNT and num(reg.get("mnt_id", -2)) != mount):
+        if mount is None or (mount != _ANY_MOUNT and reg.get("mnt_id", -2) != mount):
             return None
         if file_id in self._remapped_ids():
             return None
         if file_id not in self._opened:
-            self._opened[file_id] = self._open(str(reg["name"]), num(reg["size"]))
+            self._opened[file_id] = self._open(str(reg["name"]), reg["size"])
         return self._opened[file_id]
 
     def _open(self, name: str, size: int) -> tuple[int, int] | None:
@@ -169,22 +168,22 @@ class FileSources:
             ids = load(self._images / f"ids-{pid}.img")["entries"][0]
         except (OSError, IndexError, KeyError):
             return None
-        mounts = self._images / f"mountpoints-{num(ids.get('mnt_ns_id', 0))}.img"
+        mounts = self._images / f"mountpoints-{ids.get('mnt_ns_id', 0)}.img"
         if not mounts.exists():
             # the task shares CRIU's mount namespace: its names are this host's paths
             return _ANY_MOUNT if self._root.resolve() == Path("/") else None
         roots = [e for e in load(mounts)["entries"] if e.get("mountpoint") == "/"]
-        return num(roots[0]["mnt_id"]) if len(roots) == 1 else None
+        return roots[0]["mnt_id"] if len(roots) == 1 else None
 
     def _remapped_ids(self) -> set[int]:
         """Files CRIU found deleted or replaced (their name no longer leads to them)."""
         if self._remapped is None:
             path = self._images / "remap-fpath.img"
             entries = load(path)["entries"] if path.exists() else []
-            self._remapped = {num(e["orig_id"]) for e in entries}
+            self._remapped = {e["orig_id"] for e in entries}
         return self._remapped
 
 
 def in_file_end(vma: dict[str, Any], size: int) -> int:
     """The address where the mapped file ends, rounded up to a page."""
-    return num(vma["start"]) + -(-size // PAGE) * PAGE - num(vma["pgoff"])
+    return int(vma["start"] + -(-size // PAGE) * PAGE - vma["pgoff"])

@@ -32,7 +32,6 @@ from .criu_images import (
     Piece,
     is_memfile_name,
     load,
-    num,
     split,
     stored_bytes,
 )
@@ -68,7 +67,8 @@ class Proc:
 
     @property
     def vmas(self) -> list[dict[str, Any]]:
-        return self.mm_img["entries"][0]["vmas"]
+        vmas: list[dict[str, Any]] = self.mm_img["entries"][0]["vmas"]
+        return vmas
 
     def count(self, *kinds: Kind) -> int:
         return sum(k in kinds for k in self.kinds)
@@ -76,13 +76,13 @@ class Proc:
 
 def convertible(vma: dict[str, Any], convert_heap: bool) -> bool:
     """A plain private anonymous area (whitelists: anything unusual stays as it is)."""
-    flags, status = num(vma["flags"]), num(vma["status"])
+    flags, status = vma["flags"], vma["status"]
     if flags & ~_CONVERTIBLE_FLAGS or not flags & MAP_ANONYMOUS or not flags & MAP_PRIVATE:
         return False
     allowed = VMA_AREA_REGULAR | VMA_ANON_PRIVATE | (VMA_AREA_HEAP if convert_heap else 0)
     if status & ~allowed or not status & VMA_ANON_PRIVATE:
         return False
-    return not num(vma.get("madv", 0)) & (1 << MADV_WIPEONFORK)
+    return not vma.get("madv", 0) & (1 << MADV_WIPEONFORK)
 
 
 def host_path(name: str, memfile_dir: Path, view: str) -> Path | None:
@@ -123,14 +123,14 @@ def plan(
         pid,
         mm_img,
         pm_img,
-        images_dir / f"pages-{num(head['pages_id'])}.img",
+        images_dir / f"pages-{head['pages_id']}.img",
         [Kind.KEEP] * len(vmas),
         split(pm_img["entries"][1:], vmas),
     )
     stored, missing = stored_bytes(proc.pieces)
     for i, v in enumerate(vmas):
-        if num(v["status"]) & VMA_FILE_PRIVATE and not num(v["flags"]) & MAP_ANONYMOUS:
-            shmid = num(v["shmid"])
+        if v["status"] & VMA_FILE_PRIVATE and not v["flags"] & MAP_ANONYMOUS:
+            shmid = v["shmid"]
             name = str(files.get(shmid, {}).get("reg", {}).get("name", ""))
             if is_memfile_name(name):
                 proc.kinds[i] = Kind.SHARED
@@ -154,7 +154,7 @@ def plan(
         stored, missing = stored_bytes(proc.pieces)
         by_file: dict[int, list[int]] = {}
         for i, kind in enumerate(proc.kinds):
-            shmid = num(proc.vmas[i]["shmid"])
+            shmid = proc.vmas[i]["shmid"]
             if kind is Kind.SHARED and shmid in proc.base_paths and i not in missing:
                 by_file.setdefault(shmid, []).append(i)
         for i in choose_rebase(proc.vmas, by_file, proc.base_paths, stored, rebase_ratio):
@@ -172,11 +172,11 @@ def _reshape(
     for i, (v, kind) in enumerate(zip(proc.vmas, proc.kinds, strict=True)):
         parts = cut(i, v, kind)
         changed = changed or len(parts) > 1 or parts[0][2] is not kind
-        start, file_backed = num(v["start"]), not num(v["flags"]) & MAP_ANONYMOUS
+        start, file_backed = v["start"], not v["flags"] & MAP_ANONYMOUS
         for a, b, k in parts:
             part = {**v, "start": a, "end": b}
             if file_backed:
-                part["pgoff"] = num(v["pgoff"]) + a - start
+                part["pgoff"] = v["pgoff"] + a - start
             new_vmas.append(part)
             new_kinds.append(k)
     if changed:
@@ -194,10 +194,10 @@ def _cut_file_maps(proc: Proc) -> bool:
             dirty.setdefault(p.vma, []).append((p.start, p.end))
 
     def cut(i: int, v: dict[str, Any], kind: Kind) -> list[tuple[int, int, Kind]]:
-        start, end = num(v["start"]), num(v["end"])
+        start, end = v["start"], v["end"]
         if kind is not Kind.FILE:
             return [(start, end, kind)]
-        size = proc.sources[num(v["shmid"])][1]
+        size = proc.sources[v["shmid"]][1]
         ranges = file_ranges(start, end, in_file_end(v, size), dirty.get(i, []))
         return [(a, b, Kind.FILE if conv else Kind.KEEP) for a, b, conv in ranges]
 
@@ -224,7 +224,7 @@ def _cut_mmapped_chunks(proc: Proc) -> bool:
         return struct.unpack("<QQ", raw) if len(raw) == 16 else None
 
     def cut(i: int, v: dict[str, Any], kind: Kind) -> list[tuple[int, int, Kind]]:
-        start, end = num(v["start"]), num(v["end"])
+        start, end = v["start"], v["end"]
         if kind is not Kind.CONVERT:
             return [(start, end, kind)]
         return [(a, b, kind) for a, b in glibc_chunks(header, start, end)]

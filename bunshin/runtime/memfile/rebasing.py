@@ -13,13 +13,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .criu_images import num
 from .fileio import data_extents, write_data
 
 
 def _mapped_data(fd: int, vma: dict[str, Any]) -> int:
-    off = num(vma["pgoff"])
-    end = off + num(vma["end"]) - num(vma["start"])
+    off = vma["pgoff"]
+    end = off + vma["end"] - vma["start"]
     return sum(n for _, n in data_extents(fd, off, end))
 
 
@@ -60,7 +59,7 @@ def copy_base(
 
     ``gaps``: the address ranges the delta does not cover. Returns bytes written.
     """
-    start, pgoff = num(vma["start"]), num(vma["pgoff"])
+    start, pgoff = vma["start"], vma["pgoff"]
     fd = os.open(base, os.O_RDONLY | os.O_CLOEXEC)
     written = 0
     try:

@@ -20,7 +20,6 @@ from .criu_images import (
     VMA_FILE_PRIVATE,
     append_entry,
     load,
-    num,
     pids,
     regular_files,
     save,
@@ -128,15 +127,15 @@ def _fill_base(proc: Proc, offsets: dict[int, int], mem_fd: int, totals: _Totals
             covered.setdefault(p.vma, []).append((p.start, p.end))
     for i, slot in offsets.items():
         v, kind = proc.vmas[i], proc.kinds[i]
-        start, end = num(v["start"]), num(v["end"])
+        start, end = v["start"], v["end"]
         gaps = _gaps(start, end, covered.get(i, []))
         if kind is Kind.REBASE:
-            copy_base(proc.base_paths[num(v["shmid"])], v, gaps, mem_fd, slot)
+            copy_base(proc.base_paths[v["shmid"]], v, gaps, mem_fd, slot)
         elif kind is Kind.FILE:
-            fd, size = proc.sources[num(v["shmid"])]
+            fd, size = proc.sources[v["shmid"]]
             for a, b in gaps:
                 totals.file_bytes += write_data(
-                    fd, num(v["pgoff"]) + a - start, mem_fd, slot + a - start, b - a, src_end=size
+                    fd, v["pgoff"] + a - start, mem_fd, slot + a - start, b - a, src_end=size
                 )
 
 
@@ -157,7 +156,7 @@ def _execute(
     for i, kind in enumerate(proc.kinds):
         if kind in NEW_SLOT:
             v = proc.vmas[i]
-            offsets[i] = slots.place(num(v["start"]), num(v["end"]) - num(v["start"]))
+            offsets[i] = slots.place(v["start"], v["end"] - v["start"])
     if not offsets:
         for p in proc.pieces:
             if p.src is not None:
@@ -186,7 +185,7 @@ def _execute(
         for p in proc.pieces:
             n = p.end - p.start
             if p.src is not None and p.vma in offsets:
-                slot = offsets[p.vma] + p.start - num(proc.vmas[p.vma]["start"])  # type: ignore[index]
+                slot = offsets[p.vma] + p.start - proc.vmas[p.vma]["start"]
                 if moves and moves[-1][0] + moves[-1][2] == p.src and moves[-1][1] + moves[-1][2] == slot:
                     moves[-1][2] += n
                 else:
@@ -217,7 +216,7 @@ def _execute(
         totals.converted += kind is Kind.CONVERT
         totals.rebased += kind is Kind.REBASE
         totals.file += kind is Kind.FILE
-        v["flags"] = num(v["flags"]) & ~MAP_ANONYMOUS
+        v["flags"] = v["flags"] & ~MAP_ANONYMOUS
         v["status"] = VMA_AREA_REGULAR | VMA_FILE_PRIVATE
         v["shmid"] = file_id
         v["pgoff"] = slot
@@ -283,7 +282,7 @@ def rewrite_images(
     tag = tag or uuid.uuid4().hex[:12]
     files_img = load(images_dir / "files.img")
     files = regular_files(files_img["entries"])
-    next_id = max((num(e["id"]) for e in files_img["entries"]), default=0) + 1
+    next_id = max((e["id"] for e in files_img["entries"]), default=0) + 1
 
     risks = {} if zero_fill is ZeroFillPolicy.CONVERT else zero_fill_risks(images_dir, root=root)
     if risks and zero_fill is ZeroFillPolicy.REFUSE:
@@ -316,8 +315,8 @@ def rewrite_images(
                 if proc is None:
                     continue
                 name = f"{tag}-{pid}{SUFFIX}"
-                exe = files.get(num(proc.mm_img["entries"][0].get("exe_file_id", 0)), {})
-                mnt_id = num(exe["reg"]["mnt_id"]) if "mnt_id" in exe.get("reg", {}) else None
+                exe = files.get(proc.mm_img["entries"][0].get("exe_file_id", 0), {})
+                mnt_id = exe["reg"]["mnt_id"] if "mnt_id" in exe.get("reg", {}) else None
                 memfile, entry, stats = _execute(
                     proc,
                     memfile_dir / name,

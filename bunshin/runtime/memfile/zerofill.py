@@ -24,7 +24,6 @@ from .criu_images import (
     VMA_FILE_SHARED,
     is_memfile_name,
     load,
-    num,
     pids,
     regular_files,
 )
@@ -86,12 +85,12 @@ def mapped_names(
     mm: dict[str, Any], files: dict[int, dict[str, Any]], *, exec_only: bool = False
 ) -> set[str]:
     """Names of the files a process maps (its executable included)."""
-    ids = {num(mm.get("exe_file_id", 0))}
+    ids = {mm.get("exe_file_id", 0)}
     for v in mm.get("vmas", []):
-        if num(v["status"]) & (VMA_FILE_PRIVATE | VMA_FILE_SHARED) and (
-            not exec_only or num(v["prot"]) & PROT_EXEC
+        if v["status"] & (VMA_FILE_PRIVATE | VMA_FILE_SHARED) and (
+            not exec_only or v["prot"] & PROT_EXEC
         ):
-            ids.add(num(v["shmid"]))
+            ids.add(v["shmid"])
     return {files[i]["reg"]["name"] for i in ids if i in files and "reg" in files[i]}
 
 
