@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -45,23 +46,28 @@ THREADS = 64
 
 def default_tools() -> ToolRunner:
     """``bunshin.tools.ToolSet.default()``: bash session, files, edit, python."""
-    try:
-        from ..tools import ToolSet
-    except ImportError:
-        raise BunshinError("bunshin.tools is not installed in this tree",
-                           hint="pass tools= explicitly (any object with openai_tools() and async run())") from None
+    from ..tools import ToolSet  # imported when first needed, as rollout.envs does
+
     return ToolSet.default()
+
+
+#: The pool ``ensure_threads`` gave each running loop (at most one per loop, for its life).
+_POOLS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, ThreadPoolExecutor] = weakref.WeakKeyDictionary()
 
 
 def ensure_threads(n: int = THREADS) -> None:
     """Give the running loop a default executor wide enough for ``n`` blocking calls at once.
 
     Workspace calls block; asyncio's default pool (``cpu + 4`` threads) would queue a
-    group's tool calls behind each other on a small machine.
+    group's tool calls behind each other on a small machine. The first call on a loop
+    makes the pool (and it stays the loop's until the loop closes, which shuts it
+    down: ``asyncio.run`` does); later calls on that loop leave it as it is.
     """
     loop = asyncio.get_running_loop()
-    if getattr(loop, "_default_executor", None) is None:
-        loop.set_default_executor(ThreadPoolExecutor(max_workers=n, thread_name_prefix="bunshin-rollout"))
+    if loop not in _POOLS:
+        pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="bunshin-rollout")
+        loop.set_default_executor(pool)
+        _POOLS[loop] = pool
 
 
 def tool_schemas(tools: ToolRunner, task: TaskSpec) -> list[dict[str, Any]]:
@@ -144,9 +150,10 @@ class Episode:
         if r.timed_out:
             raise BunshinError(f"reward command timed out after {spec.timeout:g}s")
         try:
-            return parse_reward(r.stdout)
+            return parse_reward(_text(r.stdout))
         except ValueError as e:
-            raise BunshinError(f"reward command exited {r.exit_code}: {e}", hint=r.stderr[-300:] or None) from None
+            raise BunshinError(f"reward command exited {r.exit_code}: {e}",
+                               hint=_text(r.stderr)[-300:] or None) from None
 
     async def finish(self, status: Status, error: str | None = None) -> TrajectoryResult:
         """Score (if it ended well), close the workspace, and build the result."""
@@ -177,6 +184,11 @@ class Episode:
                 await asyncio.shield(traj.close())
             except Exception as e:
                 log.warning("closing trajectory %s failed: %s", self.trajectory_id, e)
+
+
+def _text(stream: str | bytes) -> str:
+    """A text-mode exec stream (``bytes`` only come from ``text=False``)."""
+    return stream if isinstance(stream, str) else stream.decode("utf-8", "replace")
 
 
 def describe(e: BaseException) -> str:
