@@ -28,7 +28,7 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -38,7 +38,7 @@ from ..runtime.limits import MAX_TIMEOUT_S
 from ..runtime.records import check_mounts
 
 #: A timeout field: finite seconds, > 0 and at most 7 days (``MAX_TIMEOUT_S``).
-_TIMEOUT = {"gt": 0, "le": MAX_TIMEOUT_S, "allow_inf_nan": False}
+TimeoutSeconds = Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)]
 
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?(?:inf|nan)\b", re.I)
 
@@ -57,7 +57,7 @@ class SetupStep(BaseModel):
     tool: str | None = Field(default=None, min_length=1)
     arguments: dict[str, Any] = Field(default_factory=dict)
     background: bool = False
-    timeout: float = Field(default=600.0, **_TIMEOUT)
+    timeout: TimeoutSeconds = 600.0
 
     @model_validator(mode="after")
     def _one_kind(self) -> SetupStep:
@@ -77,7 +77,7 @@ class RewardSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     command: str = Field(min_length=1)
-    timeout: float = Field(default=120.0, **_TIMEOUT)
+    timeout: TimeoutSeconds = 120.0
 
 
 class TaskSpec(BaseModel):
@@ -98,8 +98,8 @@ class TaskSpec(BaseModel):
     prompt: str = ""
     max_turns: int = Field(default=20, ge=1)
     reward: RewardSpec | None = None
-    call_timeout: float = Field(default=60.0, **_TIMEOUT)
-    trajectory_timeout: float = Field(default=600.0, **_TIMEOUT)
+    call_timeout: TimeoutSeconds = 60.0
+    trajectory_timeout: TimeoutSeconds = 600.0
     metadata: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("setup", mode="before")
