@@ -1,3 +1,104 @@
-"""bunshin: live-forkable, isolated workspaces for RL of tool-using agents."""
+"""bunshin: live-forkable, isolated workspaces for RL of tool-using agents.
+
+The public API, importable from here::
+
+    from bunshin import Workspace, AsyncWorkspace, ToolSet, PrefixCache
+
+    with Workspace.create("host", memory="1G") as ws:
+        ws.exec("echo hi > /tmp/x")
+        clones = ws.fork(4)                  # 4 live copy-on-write clones
+
+Names are loaded on first use (``import bunshin`` stays cheap; ``bunshin.errors``
+and ``bunshin.config`` do not pull in the runtime). What is exported is pinned by
+``tests/test_exports.py``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from .cache import CachePolicy, CacheStats, PrefixCache, Trajectory
+    from .config import Config
+    from .errors import (
+        AgentError,
+        BunshinError,
+        CriuError,
+        HostUnsupported,
+        ImageNotFound,
+        InvalidArgument,
+        NotForkable,
+        NotFound,
+        PathNotFound,
+        PolicyError,
+        ResourceExhausted,
+        RuntimeFailure,
+        SetupFailed,
+        SnapshotNotFound,
+        StateConflict,
+        ToolTimeout,
+        WorkspaceNotFound,
+    )
+    from .runtime.agent_types import (
+        ExecResult,
+        FileEntry,
+        FileType,
+        ProcessInfo,
+        SessionInfo,
+        SessionResult,
+    )
+    from .runtime.records import Mount, SnapshotMode, WorkspaceState
+    from .runtime.stats import MemoryStats, WorkspaceStats
+    from .speculate import SpeculationPolicy, SpeculationStats
+    from .tools import Observation, Tool, ToolSet, ToolSpec, command_tool, function_tool
+    from .workspace import Session, Snapshot, Workspace, WorkspaceInfo
+    from .workspace.aio import AsyncSnapshot, AsyncWorkspace, ThreadBridge
+    from .workspace.protocol import CommandsAPI, FilesAPI, SessionsAPI, SnapshotAPI, WorkspaceAPI
+
+_WHERE = {
+    # workspaces and snapshots: the local implementation, the async adapter, the protocols
+    "Workspace": "workspace", "Snapshot": "workspace", "Session": "workspace",
+    "WorkspaceInfo": "workspace",
+    "AsyncWorkspace": "workspace.aio", "AsyncSnapshot": "workspace.aio",
+    "ThreadBridge": "workspace.aio",
+    "WorkspaceAPI": "workspace.protocol", "SnapshotAPI": "workspace.protocol",
+    "CommandsAPI": "workspace.protocol", "FilesAPI": "workspace.protocol",
+    "SessionsAPI": "workspace.protocol",
+    # records
+    "ExecResult": "runtime.agent_types", "SessionResult": "runtime.agent_types",
+    "SessionInfo": "runtime.agent_types", "FileEntry": "runtime.agent_types",
+    "FileType": "runtime.agent_types", "ProcessInfo": "runtime.agent_types",
+    "WorkspaceStats": "runtime.stats", "MemoryStats": "runtime.stats",
+    "Mount": "runtime.records", "SnapshotMode": "runtime.records",
+    "WorkspaceState": "runtime.records",
+    "Config": "config",
+    # tools, the prefix cache, speculation
+    "ToolSet": "tools", "Tool": "tools", "ToolSpec": "tools", "Observation": "tools",
+    "command_tool": "tools", "function_tool": "tools",
+    "PrefixCache": "cache", "CachePolicy": "cache", "CacheStats": "cache", "Trajectory": "cache",
+    "SpeculationPolicy": "speculate", "SpeculationStats": "speculate",
+    # the error tree (see bunshin.errors)
+    **{name: "errors" for name in (
+        "BunshinError", "InvalidArgument", "NotFound", "WorkspaceNotFound", "SnapshotNotFound",
+        "ImageNotFound", "PathNotFound", "StateConflict", "NotForkable", "ToolTimeout",
+        "ResourceExhausted", "AgentError", "PolicyError", "HostUnsupported", "RuntimeFailure",
+        "CriuError", "SetupFailed")},
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'bunshin' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{where}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

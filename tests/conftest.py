@@ -17,6 +17,34 @@ from bunshin.runtime.cgroups import Layout
 from bunshin.runtime.store import Store
 
 
+# --- what a test needs of the machine --------------------------------------------------
+
+#: Fixtures that run the real runtime: a test using one is an integration test.
+_RUNTIME_FIXTURES = {"family", "no_leaks"}
+
+
+def _criu_missing() -> str | None:
+    criu = Config.from_env().criu
+    if not os.access(criu, os.X_OK):
+        return f"needs CRIU >= 4.2 at {criu}: run `make install` (or set BUNSHIN_CRIU)"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Integration tests (marked, or using a runtime fixture) skip with the reason when
+    this machine cannot run them: not root, or no CRIU for the ``criu`` ones."""
+    not_root = None if os.geteuid() == 0 else (
+        "needs root (user and mount namespaces, overlayfs, cgroups): run the tests as root")
+    no_criu = _criu_missing()
+    for item in items:
+        if _RUNTIME_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
+        if not_root and (item.get_closest_marker("integration") or item.get_closest_marker("criu")):
+            item.add_marker(pytest.mark.skip(reason=not_root))
+        elif no_criu and item.get_closest_marker("criu"):
+            item.add_marker(pytest.mark.skip(reason=no_criu))
+
+
 @pytest.fixture(scope="session")
 def cfg(tmp_path_factory: pytest.TempPathFactory) -> Config:
     """A bunshin config private to this test session (its own tmpfs folder and cgroup names)."""

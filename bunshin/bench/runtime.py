@@ -40,10 +40,9 @@ def run(cfg: Config, n: int = 20) -> dict[str, Any]:
             stats = [ws.stats() for ws in created]
             task = progress.add_task("exec round trips", total=n)
             for ws in created:
-                client = ws.agent()
                 for _ in range(EXECS_PER_WORKSPACE):
                     t0 = time.perf_counter()
-                    res = client.exec(argv=["true"])
+                    res = ws.commands.run(["true"])
                     agent_ms.append((time.perf_counter() - t0) * 1000)
                     assert res.exit_code == 0, res
                     t0 = time.perf_counter()

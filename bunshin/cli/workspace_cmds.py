@@ -97,7 +97,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
 
 def cmd_sh(args: argparse.Namespace) -> int:
     ws = Workspace.get(args.workspace)
-    sock = ws.agent().attach()
+    sock = ws.sessions.attach()
     stdin = sys.stdin.fileno()
     is_tty = os.isatty(stdin)
     saved = termios.tcgetattr(stdin) if is_tty else None

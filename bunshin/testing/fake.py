@@ -50,6 +50,7 @@ from ..runtime.agent_types import (
 )
 from ..runtime.records import SnapshotMode
 from ..runtime.stats import MemoryStats, WorkspaceStats
+from ..workspace.protocol import SnapshotAPI, WorkspaceAPI
 
 __all__ = ["FakeSnapshot", "FakeState", "FakeWorkspace", "FakeWorld"]
 
@@ -400,3 +401,8 @@ def _shell(ws: FakeWorkspace, sess: _Session, line: str, timeout: float | None) 
             out.append(f"fake: {cmd}: command not found\n")
             code = 127
     return "".join(out), code
+
+
+def _conforms(ws: FakeWorkspace, snap: FakeSnapshot) -> tuple[WorkspaceAPI, SnapshotAPI]:
+    """Never called: mypy checks here that the fakes satisfy the protocols."""
+    return ws, snap

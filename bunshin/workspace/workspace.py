@@ -10,6 +10,7 @@ implementation of the protocols in :mod:`bunshin.workspace.protocol`.
 from __future__ import annotations
 
 import builtins
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from ..runtime.limits import check_timeout
 from ..runtime.records import Mount, SnapshotMode, WorkspaceRecord, WorkspaceState
 from ..runtime.stats import WorkspaceStats
 from ..runtime.store import Store
+from .protocol import SnapshotAPI, WorkspaceAPI
 
 
 @dataclass(frozen=True)
@@ -349,6 +351,13 @@ class Sessions:
     def close(self, session_id: str) -> None:
         self._ws.agent().session_close(session_id)
 
+    def attach(self, kind: str = "bash", *, rows: int | None = None, cols: int | None = None,
+               cwd: str | None = None, env: dict[str, str] | None = None) -> socket.socket:
+        """An interactive shell on a new pty, as a connected socket: after the agent's
+        answer a raw byte pipe to the pty both ways (``bunshin sh``). The caller closes it.
+        Local workspaces only: the socket is the agent's."""
+        return self._ws.agent().attach(kind, rows=rows, cols=cols, cwd=cwd, env=env)
+
 
 class Session:
     """One persistent shell as an object: state (cwd, variables, functions, history)
@@ -370,3 +379,8 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _conforms(ws: Workspace, snap: Snapshot) -> tuple[WorkspaceAPI, SnapshotAPI]:
+    """Never called: mypy checks here that the local classes satisfy the protocols."""
+    return ws, snap

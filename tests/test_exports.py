@@ -1,0 +1,51 @@
+"""The public API: what ``from bunshin import ...`` offers is pinned here."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import bunshin
+
+PUBLIC = [
+    "AgentError", "AsyncSnapshot", "AsyncWorkspace", "BunshinError", "CachePolicy", "CacheStats",
+    "CommandsAPI", "Config", "CriuError", "ExecResult", "FileEntry", "FileType", "FilesAPI",
+    "HostUnsupported", "ImageNotFound", "InvalidArgument", "MemoryStats", "Mount", "NotForkable",
+    "NotFound", "Observation", "PathNotFound", "PolicyError", "PrefixCache", "ProcessInfo",
+    "ResourceExhausted", "RuntimeFailure", "Session", "SessionInfo", "SessionResult", "SessionsAPI",
+    "SetupFailed", "Snapshot", "SnapshotAPI", "SnapshotMode", "SnapshotNotFound", "SpeculationPolicy",
+    "SpeculationStats", "StateConflict", "ThreadBridge", "Tool", "ToolSet", "ToolSpec", "ToolTimeout",
+    "Trajectory", "Workspace", "WorkspaceAPI", "WorkspaceInfo", "WorkspaceNotFound", "WorkspaceState",
+    "WorkspaceStats", "command_tool", "function_tool",
+]
+
+
+def test_all_is_pinned():
+    assert sorted(bunshin.__all__) == sorted(PUBLIC)
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+def test_every_export_resolves(name):
+    obj = getattr(bunshin, name)
+    assert getattr(obj, "__name__", name) == name
+    assert name in dir(bunshin)
+
+
+def test_star_import_gives_exactly_all():
+    ns: dict[str, object] = {}
+    exec("from bunshin import *", ns)
+    assert sorted(k for k in ns if k != "__builtins__") == sorted(PUBLIC)
+
+
+def test_unknown_name_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'Workspaces'"):
+        bunshin.Workspaces  # noqa: B018
+
+
+def test_errors_and_config_import_without_the_runtime():
+    code = ("import sys, bunshin.errors, bunshin.config; "
+            "print(sorted(m for m in sys.modules if m.startswith('bunshin.runtime')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
