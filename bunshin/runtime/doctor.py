@@ -96,8 +96,7 @@ def _fstype(path: Path) -> str:
     best, fstype = "", "?"
     real = os.path.realpath(path)
     for m in mountinfo.read():
-        if (real == m.mount_point or real.startswith(m.mount_point.rstrip("/") + "/")) \
-                and len(m.mount_point) >= len(best):
+        if m.holds(real) and len(m.mount_point) >= len(best):
             best, fstype = m.mount_point, m.fs_type
     return fstype
 

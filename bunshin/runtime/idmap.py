@@ -107,14 +107,6 @@ def release(cfg: Config) -> None:
             pass
 
 
-def _syscall(nr: int, *args: object) -> int:
-    ret = sc._libc.syscall(ctypes.c_long(nr), *args)
-    if ret < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return ret
-
-
 def probe(cfg: Config, layer: Path = Path("/")) -> None:
     """Make a view of ``layer`` without attaching it anywhere (``doctor``); raises
     HostUnsupported if this host cannot."""
@@ -131,15 +123,15 @@ def _mount_view(layer: Path, target: Path | None, base: int, count: int, *,
             src = sc.open_dir_beneath("/", layer.relative_to("/").parts, path_only=True)
         if idmapped:
             userns = _userns_fd(base, count)
-        tree = _syscall(_SYS_OPEN_TREE, ctypes.c_int(src if walk else _AT_FDCWD), b"" if walk else str(layer).encode(),
+        tree = sc.syscall(_SYS_OPEN_TREE, ctypes.c_int(src if walk else _AT_FDCWD), b"" if walk else str(layer).encode(),
                         ctypes.c_uint(_OPEN_TREE_CLONE | os.O_CLOEXEC | (_AT_EMPTY_PATH if walk else 0)))
         flags = _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV
         attr = (_MountAttr(flags | _MOUNT_ATTR_IDMAP | _MOUNT_ATTR_RDONLY, 0, 0, userns) if idmapped
                 else _MountAttr(flags, 0, 0, 0))
-        _syscall(_SYS_MOUNT_SETATTR, ctypes.c_int(tree), b"", ctypes.c_uint(_AT_EMPTY_PATH),
+        sc.syscall(_SYS_MOUNT_SETATTR, ctypes.c_int(tree), b"", ctypes.c_uint(_AT_EMPTY_PATH),
                  ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)))
         if target is not None:
-            _syscall(_SYS_MOVE_MOUNT, ctypes.c_int(tree), b"", ctypes.c_int(_AT_FDCWD),
+            sc.syscall(_SYS_MOVE_MOUNT, ctypes.c_int(tree), b"", ctypes.c_int(_AT_FDCWD),
                      str(target).encode(), ctypes.c_uint(_MOVE_MOUNT_F_EMPTY_PATH))
     except OSError as e:
         if walk and e.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):

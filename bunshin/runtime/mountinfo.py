@@ -51,9 +51,9 @@ class MountEntry:
             optional=tuple(optional), fs_type=fs_type, source=unescape(source), super_options=super_options,
         )
 
-    def is_at_or_below(self, folder: str) -> bool:
-        """Whether the mount point is ``folder`` or inside it (both absolute)."""
-        return self.mount_point == folder or self.mount_point.startswith(folder.rstrip("/") + "/")
+    def holds(self, path: str) -> bool:
+        """Whether the absolute, resolved ``path`` is the mount point or beneath it."""
+        return path == self.mount_point or path.startswith(self.mount_point.rstrip("/") + "/")
 
 
 def unescape(text: str) -> str:

@@ -103,6 +103,15 @@ def prctl(option: int, a2: int = 0, a3: int = 0, a4: int = 0, a5: int = 0) -> in
     if ret < 0:
         err = ctypes.get_errno()
         raise OSError(err, f"prctl({option}): {os.strerror(err)}")
+    return int(ret)
+
+
+def syscall(nr: int, *args: object) -> int:
+    """``syscall(2)`` by number (ctypes arguments); its result, or ``OSError`` from errno."""
+    ret = int(_libc.syscall(ctypes.c_long(nr), *args))
+    if ret < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
     return ret
 
 

@@ -44,10 +44,11 @@ def test_malformed_lines_are_refused(line):
         mountinfo.MountEntry.parse(line)
 
 
-def test_is_at_or_below():
+def test_holds():
     m = mountinfo.MountEntry.parse(SHM)
-    assert m.is_at_or_below("/dev") and m.is_at_or_below("/dev/shm") and m.is_at_or_below("/")
-    assert not m.is_at_or_below("/dev/sh")
+    assert m.holds("/dev/shm") and m.holds("/dev/shm/bunshin/x")
+    assert not m.holds("/dev") and not m.holds("/dev/shmx")
+    assert mountinfo.MountEntry.parse(ROOT).holds("/anything")
 
 
 def test_this_process_mounts_parse():
