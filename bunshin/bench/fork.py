@@ -71,7 +71,7 @@ def start_heap(cfg: Config, heap_mib: int) -> Workspace:
         ws.commands.spawn(["python3", "/root/heap.py", str(heap_mib)])
         r = ws.exec(["sh", "-c", "while [ ! -s /tmp/heap.ready ]; do sleep 0.02; done"], timeout=300)
         if r.exit_code != 0:
-            raise RuntimeFailure(f"the heap program did not start: {r.stdout}{r.stderr}")
+            raise RuntimeFailure(f"the heap program did not start: {r.stdout!s}{r.stderr!s}")
     except BaseException:
         ws.remove()
         raise

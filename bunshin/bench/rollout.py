@@ -181,15 +181,17 @@ def warm_up(cfg: Config) -> None:
 
 
 def _build(cfg: Config, name: str, plan: Plan) -> wl.Workload:
-    kw = {"tasks": plan.tasks, "traces": max(plan.group_sizes), "seed": plan.seed,
-          "think_scale": plan.think_scale, "rows": plan.rows, "config": cfg}
+    def build(workload: str) -> wl.Workload:
+        return wl.build(workload, tasks=plan.tasks, traces=max(plan.group_sizes), seed=plan.seed,
+                        think_scale=plan.think_scale, rows=plan.rows, config=cfg)
+
     try:
-        return wl.build(name, **kw)
+        return build(name)
     except BunshinError as e:
         if name != "coding":
             raise
         output.err.print(f"[yellow]coding workload unavailable ({e.message}); using coding-lite instead[/]")
-        return wl.build("coding-lite", **kw)
+        return build("coding-lite")
 
 
 def run(cfg: Config, plan: Plan) -> dict[str, Any]:
@@ -233,7 +235,7 @@ def summarize(plan: Plan, phases: list[Phase], loads: dict[str, wl.Workload], wa
             "failed": sum(sum(not t.ok for t in p.trajectories) for p in mine),
             "options": mine[0].options if mine else {},
         }
-    rewards = {p.mode: {} for p in phases}
+    rewards: dict[str, dict[str, float | None]] = {p.mode: {} for p in phases}
     for p in phases:
         rewards[p.mode].update(p.rewards())
     ref = rewards.get(plan.modes[0], {})
@@ -277,7 +279,7 @@ def _pct(x: float | None) -> str:
 
 def print_report(r: dict[str, Any]) -> None:
     hb = output.human_bytes
-    rows = []
+    rows: list[tuple[Any, ...]] = []
     for p in r["phases"]:
         rows.append((p["mode"], p["workload"], hb(p["peak_bytes"]), f"{p['gb_s']:.1f}", hb(p["ws_peak_bytes"]),
                      f"{p['makespan_s']:.1f}",

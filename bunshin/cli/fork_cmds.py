@@ -68,15 +68,16 @@ def cmd_fork(args: argparse.Namespace) -> int:
     clones = ws.fork(args.n, mode=args.mode)
     snap = ws.last_fork
     assert snap is not None
+    rows = _clones(clones)
     result = {"parent": ws.id, "snapshot": snap.id, "mode": snap.mode, "pause_ms": round(snap.pause_ms, 2),
               "dump_ms": round(snap.dump_ms, 2), "rewrite_ms": round(snap.rewrite_ms, 2),
-              "memfile_bytes": snap.memfile_bytes, "clones": _clones(clones)}
+              "memfile_bytes": snap.memfile_bytes, "clones": rows}
     if args.json:
         output.print_json(result)
     else:
         output.out.print(f"fork of {ws.id} ({snap.mode}, snapshot {snap.id}): parent paused {snap.pause_ms:.0f} ms, "
                          f"dump {snap.dump_ms:.0f} ms, rewrite {snap.rewrite_ms:.0f} ms")
-        output.print_table(None, ["CLONE", "RESTORE MS"], [(c["id"], c["restore_ms"]) for c in result["clones"]])
+        output.print_table(None, ["CLONE", "RESTORE MS"], [(c["id"], c["restore_ms"]) for c in rows])
     return 0
 
 

@@ -46,9 +46,9 @@ class GroupProgress:
                     self.progress.update(bar, note="preparing task root")
         elif kind == "trajectory_end":
             r: TrajectoryResult = info["result"]
-            bar = self._bars.get(r.group_id)
-            if bar is None:
+            if r.group_id not in self._bars:
                 return
+            bar = self._bars[r.group_id]
             if not r.ok:
                 self._failed[r.group_id] = self._failed.get(r.group_id, 0) + 1
             failed = self._failed.get(r.group_id, 0)
