@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,7 +51,7 @@ class Series:
         return {"t": [round(x, 2) for x in self.t[::step]], "used": self.used[::step], "ws": self.ws[::step]}
 
 
-def integral(t: list[float], y: list[float]) -> float:
+def integral(t: Sequence[float], y: Sequence[float]) -> float:
     """Trapezoid rule; negative values (below idle) count as zero."""
     total = 0.0
     for i in range(1, len(t)):

@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -81,7 +82,7 @@ def agent(rec: WorkspaceRecord) -> AgentClient:
                        expect_pid=rec.pid)
 
 
-def publish_identity(rec: WorkspaceRecord, identity: dict) -> None:
+def publish_identity(rec: WorkspaceRecord, identity: dict[str, Any]) -> None:
     """Write who the workspace is (``identity.json``, ``fork-id``) where its agent and
     processes read it, through the mounted root: a clone gets it before it is
     restored, without a call into its agent (a first call costs a Python agent

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from . import criu, idmap, init, mountinfo, seccomp, statefs
 from .cgroups import Layout
 
 MIN_CRIU = (4, 2)
+# What a check finds: passed, what it saw, how to fix it (None when it passed).
+Result = tuple[bool, str, str | None]
 
 
 @dataclass(frozen=True)
@@ -24,7 +27,7 @@ class Check:
     required: bool = True  # a failed required check means workspaces cannot work
 
 
-def _check(name: str, fn, *, required: bool = True) -> Check:
+def _check(name: str, fn: Callable[[], Result], *, required: bool = True) -> Check:
     try:
         ok, detail, fix = fn()
     except Exception as e:  # a check must never crash doctor
@@ -32,24 +35,24 @@ def _check(name: str, fn, *, required: bool = True) -> Check:
     return Check(name, ok, detail, fix, required)
 
 
-def _root():
+def _root() -> Result:
     ok = os.geteuid() == 0
     return ok, f"euid {os.geteuid()}", None if ok else "run bunshin as root (sudo)"
 
 
-def _kernel():
+def _kernel() -> Result:
     rel = platform.release()
     major, minor = (int(x) for x in rel.split(".")[:2])
     ok = (major, minor) >= (5, 10)
     return ok, rel, None if ok else "use a Linux kernel >= 5.10"
 
 
-def _overlay():
+def _overlay() -> Result:
     ok = "overlay" in Path("/proc/filesystems").read_text()
     return ok, "overlay in /proc/filesystems" if ok else "overlayfs missing", None if ok else "modprobe overlay"
 
 
-def _namespaces():
+def _namespaces() -> Result:
     kinds = ["pid", "mnt", "uts", "ipc", "net"]
     missing = [k for k in kinds if not Path(f"/proc/self/ns/{k}").exists()]
     return not missing, "pid, mnt, uts, ipc, net" if not missing else f"missing: {missing}", (
@@ -57,7 +60,7 @@ def _namespaces():
     )
 
 
-def _cgroups():
+def _cgroups() -> Result:
     layout = Layout.discover()
     ctrls = sorted({c for h in layout.hierarchies for c in h.controllers})
     need = {"memory", "pids"}
@@ -66,7 +69,7 @@ def _cgroups():
     return ok, f"v{layout.version}: {base}", None if ok else "enable the memory and pids controllers"
 
 
-def _tmpfs(cfg: Config):
+def _tmpfs(cfg: Config) -> Result:
     cfg.tmpfs.mkdir(parents=True, exist_ok=True)
     fstype = _fstype(cfg.tmpfs)
     st = os.statvfs(cfg.tmpfs)
@@ -77,7 +80,7 @@ def _tmpfs(cfg: Config):
     )
 
 
-def _huge_pages(cfg: Config):
+def _huge_pages(cfg: Config) -> Result:
     """bunshin's tmpfs has (or will get) huge pages: short fork pauses, small page tables."""
     opts, images = statefs.options(cfg.tmpfs), statefs.options(statefs.images_root(cfg))
     if opts is not None:
@@ -101,7 +104,7 @@ def _fstype(path: Path) -> str:
     return fstype
 
 
-def _criu(cfg: Config):
+def _criu(cfg: Config) -> Result:
     fix = "run `make install` (installs CRIU >= 4.2 into /opt/bunshin/criu) or set BUNSHIN_CRIU"
     if not cfg.criu.exists() and not shutil.which(str(cfg.criu)):
         return False, f"{cfg.criu} not found", fix
@@ -115,13 +118,13 @@ def _criu(cfg: Config):
     return ok, f"{cfg.criu} {text}; criu check: {tail}", None if ok else fix
 
 
-def _pycriu():
+def _pycriu() -> Result:
     import pycriu  # noqa: F401
 
     return True, f"pycriu from {Path(pycriu.__file__).parent}", None
 
 
-def _isolation(cfg: Config):
+def _isolation(cfg: Config) -> Result:
     """The isolation every workspace runs under, and whether this host can give it."""
     idmap.probe(cfg)
     actions = Path("/proc/sys/kernel/seccomp/actions_avail").read_text().split()

@@ -25,6 +25,7 @@ import json
 import os
 import socket
 import sys
+from typing import Any
 
 from bunshin.agent.children import DROPPED_CAPS, PID1_ONLY_CAP
 
@@ -100,7 +101,7 @@ def _lock_down() -> None:
     seccomp.install()
 
 
-def _become_pid1(spec: dict) -> None:
+def _become_pid1(spec: dict[str, Any]) -> None:
     """Runs as pid 1 of the new namespaces; never returns."""
     _build_mounts(spec["root"])
     socket.sethostname(spec["hostname"])
@@ -115,7 +116,7 @@ def _become_pid1(spec: dict) -> None:
     os.execve(spec["argv"][0], spec["argv"], spec["env"])
 
 
-def _in_user_namespace(spec: dict, unshared: int, mapped: int) -> None:
+def _in_user_namespace(spec: dict[str, Any], unshared: int, mapped: int) -> None:
     """The child: a new user namespace, mapped by the launcher; then the rest."""
     sc.unshare(sc.CLONE_NEWUSER)
     os.write(unshared, b"u")
@@ -159,7 +160,7 @@ def _mount_sysfs(root: str, owner: int) -> None:
     _mount_at(root, "/sys", "sysfs", sc.MS_RDONLY | _PROC_FLAGS, owner=owner)
 
 
-def _bind_shared(root: str, mounts: list[dict], owner: int) -> None:
+def _bind_shared(root: str, mounts: list[dict[str, Any]], owner: int) -> None:
     """Host folders shared on purpose: the host's views of them (``idmap.share``) bound
     at their paths, in this mount namespace only (the workspace's is copied from it)."""
     for m in mounts:

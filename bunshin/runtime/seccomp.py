@@ -66,10 +66,10 @@ class _Program:
     """A tiny assembler: jumps name labels, resolved to relative offsets at the end."""
 
     def __init__(self) -> None:
-        self.code: list[tuple[int, object, object, int]] = []
+        self.code: list[tuple[int, int | str, int | str, int]] = []
         self.labels: dict[str, int] = {}
 
-    def op(self, code: int, k: int, jt: object = 0, jf: object = 0) -> None:
+    def op(self, code: int, k: int, jt: int | str = 0, jf: int | str = 0) -> None:
         self.code.append((code, jt, jf, k))
 
     def label(self, name: str) -> None:
@@ -78,13 +78,13 @@ class _Program:
     def assemble(self) -> bytes:
         out = b""
         for i, (code, jt, jf, k) in enumerate(self.code):
-            def rel(j: object, i: int = i) -> int:
+            def rel(j: int | str, i: int = i) -> int:
                 if isinstance(j, str):
                     off = self.labels[j] - i - 1
                     if not 0 <= off < 256:
                         raise ValueError(f"seccomp jump to {j} out of range")
                     return off
-                return int(j)  # type: ignore[call-overload]
+                return j
             out += struct.pack("HBBI", code, rel(jt), rel(jf), k)
         return out
 

@@ -79,7 +79,12 @@ def mount_externals(mounts: Sequence[Mount], *, dump: bool, cfg: Config | None =
     out: list[str] = []
     for i, m in enumerate(mounts):
         key = f"bunshin-mnt-{i}"
-        out += ["--external", f"mnt[{m.path}]:{key}" if dump else f"mnt[{key}]:{share_view(cfg, m)}"]
+        if dump:
+            out += ["--external", f"mnt[{m.path}]:{key}"]
+        elif cfg is None:
+            raise TypeError("the restore side of mount_externals needs cfg")
+        else:
+            out += ["--external", f"mnt[{key}]:{share_view(cfg, m)}"]
     return out
 
 
@@ -199,7 +204,8 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
             run = criu.dump(cfg.criu, rec.pid or 0, images, leave_running=True, extra=extra, placement=inside)
         if not layer.is_dir():
             raise BunshinError(f"the upper layer of {rec.id} was not frozen", hint="see the dump log")
-        rewrite_ms, files, mem_bytes, layer_bytes = 0.0, (), 0, _du(layer)
+        files: tuple[str, ...] = ()
+        rewrite_ms, mem_bytes, layer_bytes = 0.0, 0, _du(layer)
         if mode is SnapshotMode.COW:
             result = memfile.rewrite_images(
                 images, cfg.paths.mem, memfile_view=MEM_VIEW, root=Path(rec.root), tag=snap_id,
@@ -245,11 +251,12 @@ def _check_space(cfg: Config, rec: WorkspaceRecord) -> None:
             f"tmpfs {cfg.tmpfs} has {free >> 20} MiB free, the snapshot of {rec.id} needs about {need >> 20} MiB",
             hint="remove snapshots or workspaces, or point BUNSHIN_TMPFS at a larger tmpfs",
         )
-    left = None if rec.memory_limit is None else rec.memory_limit - WorkspaceCgroup.of_record(rec).memory_bytes()
-    if left is not None and upper > left:
+    limit = rec.memory_limit
+    left = None if limit is None else limit - WorkspaceCgroup.of_record(rec).memory_bytes()
+    if limit is not None and left is not None and upper > left:
         raise ResourceExhausted(
             f"the frozen copy of {rec.id}'s files ({upper >> 20} MiB) is charged to it, and its memory limit "
-            f"({rec.memory_limit >> 20} MiB) has {max(left, 0) >> 20} MiB left",
+            f"({limit >> 20} MiB) has {max(left, 0) >> 20} MiB left",
             hint="delete files in the workspace (/tmp, build output) or give it a larger --memory",
         )
 

@@ -213,6 +213,7 @@ def check_memfiles(entries: Any, snapshot_layers: Iterable[str]) -> list[dict[st
         if not match or name in seen or m.get("layer") != match.group(1) or m["layer"] not in layers:
             raise InvalidArgument(f"saved memory file {name!r} is not named <layer>-<pid>{memfile.SUFFIX} "
                                   f"for one of the snapshot layers {sorted(layers)}")
+        name = match.group(0)  # the name, checked
         seen.add(name)
         rel_parts(m.get("data"), f"memory file {name}")
         check_extents(m.get("extents"), m.get("size"), name)

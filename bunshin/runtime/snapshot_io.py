@@ -58,7 +58,7 @@ from ..errors import (
     RuntimeFailure,
     SnapshotNotFound,
 )
-from . import agent_bundle, image_policy, images, memfile, statefs
+from . import agent_bundle, container, image_policy, images, memfile, statefs
 from . import snapshot as rsnap
 from . import syscalls as sc
 from .snapshot_checks import (
@@ -288,7 +288,7 @@ def _open_folder(cfg: Config, src: Path, dfd: int, trust: bool, fds: dict[str, i
     if rec.mounts:  # host folders to share (--mount): named only by a folder the caller trusts
         if not trust:
             raise InvalidArgument(f"{src} shares host folders: {', '.join(map(str, rec.mounts))}", hint=_TRUST_HINT)
-        rec = dataclasses.replace(rec, mounts=rsnap.container.check_shared(cfg, rec.mounts))
+        rec = dataclasses.replace(rec, mounts=container.check_shared(cfg, rec.mounts))
     layers = check_layers(cfg, manifest.get("layers"), rec)
     snaps = [e for e in layers if e["role"] == "snapshot"]
     mems = check_memfiles(manifest.get("memfiles"), (e["name"] for e in snaps))
