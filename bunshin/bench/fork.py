@@ -36,6 +36,7 @@ import statistics
 import time
 from typing import Any
 
+import psutil
 from rich.progress import Progress
 
 from .. import console as output
@@ -80,7 +81,7 @@ def start_heap(cfg: Config, heap_mib: int) -> Workspace:
 
 def copy_cap(heap_mib: int) -> int:
     """How many copy-mode clones fit in ``COPY_MEMORY_SHARE`` of the available memory."""
-    avail = _meminfo()["MemAvailable"]
+    avail = psutil.virtual_memory().available  # MemAvailable
     return max(1, int(avail * COPY_MEMORY_SHARE) // ((heap_mib + 64) << 20))
 
 
@@ -214,7 +215,7 @@ def run(cfg: Config, *, sizes: tuple[int, ...] = (1, 8, 32, 64), heap_mib: int =
         raise InvalidArgument("sizes and the heap size must be positive", hint="e.g. --sizes 1,8 --heap-mib 64")
     cap = copy_cap(heap_mib)
     result: dict[str, Any] = {"heap_mib": heap_mib, "copy_cap": cap, "cpus": os.cpu_count(),
-                              "mem_total_bytes": _meminfo()["MemTotal"], "sizes": []}
+                              "mem_total_bytes": psutil.virtual_memory().total, "sizes": []}
     with Progress(console=output.err, transient=True) as progress:
         top = progress.add_task("bench fork", total=len(sizes) * 2 + 2)
         parent = start_heap(cfg, heap_mib)
@@ -238,15 +239,6 @@ def run(cfg: Config, *, sizes: tuple[int, ...] = (1, 8, 32, 64), heap_mib: int =
     result["bunshin"], result["copy"] = last["bunshin"], last["copy"]
     result["parent_pause_ms"] = round(percentile([r["bunshin"]["parent_pause_ms"] for r in result["sizes"]], 50), 2)
     return result
-
-
-def _meminfo() -> dict[str, int]:
-    out = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            k, v = line.split(":", 1)
-            out[k] = int(v.split()[0]) * 1024
-    return out
 
 
 def print_report(r: dict[str, Any]) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
+import psutil
+
 
 def percentile(values: Sequence[float], q: float) -> float:
     """The q-th percentile (0..100), linear interpolation; nan for no values."""
@@ -27,10 +29,9 @@ def summary(values: Sequence[float]) -> dict[str, float]:
 
 
 def system_used_bytes() -> int:
-    """System-wide used memory as `free` computes it (total - available), tmpfs included."""
-    info = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            k, v = line.split(":", 1)
-            info[k] = int(v.split()[0]) * 1024
-    return info["MemTotal"] - info["MemAvailable"]
+    """System-wide used memory as `free` computes it (total - available), tmpfs included.
+
+    psutil's ``total`` and ``available`` are /proc/meminfo's MemTotal and MemAvailable.
+    """
+    vm = psutil.virtual_memory()
+    return vm.total - vm.available
