@@ -113,8 +113,8 @@ class Phase:
                             for k in ("queued_s", "env_s", "think_s", "tools_s", "reward_s", "total_s")},
             "trajectories": len(ts), "failed": sum(not t.ok for t in ts),
             "errors": sorted({t.error for t in ts if t.error})[:5],
-            "cached_calls": sum(s.observation.cached for s in steps),
-            "speculated_calls": sum(s.observation.speculated for s in steps),
+            "cached_calls": sum(s.observation is not None and s.observation.cached for s in steps),
+            "speculated_calls": sum(s.observation is not None and s.observation.speculated for s in steps),
             "calls": len(steps), "groups": self.groups, "cache": self.cache,
             "series": self.series.downsampled(),
         }
