@@ -79,15 +79,15 @@ def cmd_exec(args: argparse.Namespace) -> int:
     check_timeout(args.timeout, "--timeout")
     ws = Workspace.get(args.workspace)
     # Streamed output is passed through as the exact bytes the command wrote.
-    res = ws.exec(argv, timeout=args.timeout, cwd=args.cwd, env=parse_env(args.env), text=args.json)
     if args.json:
-        output.print_json(res)
+        output.print_json(ws.exec(argv, timeout=args.timeout, cwd=args.cwd, env=parse_env(args.env)))
         return 0
+    res = ws.exec(argv, timeout=args.timeout, cwd=args.cwd, env=parse_env(args.env), text=False)
     sys.stdout.flush()
-    sys.stdout.buffer.write(res.stdout)  # type: ignore[arg-type]  (bytes: text=False)
+    sys.stdout.buffer.write(res.stdout)
     sys.stdout.buffer.flush()
     sys.stderr.flush()
-    sys.stderr.buffer.write(res.stderr)  # type: ignore[arg-type]
+    sys.stderr.buffer.write(res.stderr)
     sys.stderr.buffer.flush()
     if res.timed_out:
         sys.stderr.write(f"bunshin: command timed out after {args.timeout} s and was killed\n")

@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 from ..agent import wire
 from ..agent.wire import JOB_ID, JOB_REQUEST, JOB_RUNNING, JOB_WAIT, OK, RESUMABLE_OPS, SPEC, Op
@@ -329,6 +329,35 @@ class AgentClient:
 
     # --- processes --------------------------------------------------------------------
 
+    @overload
+    def exec(
+        self,
+        argv: Sequence[str] | None = None,
+        *,
+        cmd: str | None = None,
+        cwd: PathLike | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        max_output: int | None = None,
+        stdin: str | None = None,
+        text: Literal[True] = True,
+    ) -> ExecResult[str]: ...
+
+    @overload
+    def exec(
+        self,
+        argv: Sequence[str] | None = None,
+        *,
+        cmd: str | None = None,
+        cwd: PathLike | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        max_output: int | None = None,
+        stdin: str | None = None,
+        text: Literal[False],
+    ) -> ExecResult[bytes]: ...
+
+    @overload
     def exec(
         self,
         argv: Sequence[str] | None = None,
@@ -340,7 +369,20 @@ class AgentClient:
         max_output: int | None = None,
         stdin: str | None = None,
         text: bool = True,
-    ) -> ExecResult:
+    ) -> ExecResult[str] | ExecResult[bytes]: ...
+
+    def exec(
+        self,
+        argv: Sequence[str] | None = None,
+        *,
+        cmd: str | None = None,
+        cwd: PathLike | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        max_output: int | None = None,
+        stdin: str | None = None,
+        text: bool = True,
+    ) -> ExecResult[str] | ExecResult[bytes]:
         """Run ``argv`` (or ``cmd`` via ``/bin/sh -c``) to completion and capture its output.
 
         ``text=False``: ``stdout``/``stderr`` are the exact bytes written (base64 on the wire).
@@ -357,25 +399,15 @@ class AgentClient:
             stdin=stdin,
             binary=None if text else True,  # left out in text mode: older agents understand it
         )
-        out: str | bytes
-        err: str | bytes
+        status = (a["exit_code"], a["signal"])
+        flags = (a["stdout_truncated"], a["stderr_truncated"], a["timed_out"], a["duration_s"])
         if text:
-            out, err = a["stdout"], a["stderr"]
-        else:
-            try:
-                out, err = base64.b64decode(a["stdout_b64"]), base64.b64decode(a["stderr_b64"])
-            except (TypeError, ValueError):
-                raise AgentError(f"agent at {self.socket_path} sent malformed base64 output") from None
-        return ExecResult(
-            exit_code=a["exit_code"],
-            signal=a["signal"],
-            stdout=out,
-            stderr=err,
-            stdout_truncated=a["stdout_truncated"],
-            stderr_truncated=a["stderr_truncated"],
-            timed_out=a["timed_out"],
-            duration_s=a["duration_s"],
-        )
+            return ExecResult[str](*status, a["stdout"], a["stderr"], *flags)
+        try:
+            out, err = base64.b64decode(a["stdout_b64"]), base64.b64decode(a["stderr_b64"])
+        except (TypeError, ValueError):
+            raise AgentError(f"agent at {self.socket_path} sent malformed base64 output") from None
+        return ExecResult[bytes](*status, out, err, *flags)
 
     def spawn(
         self,

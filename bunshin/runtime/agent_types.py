@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, AnyStr, Generic
 
 from ..agent.wire import FileType as FileType  # the wire's entry types: file, dir, symlink, other
 
@@ -19,19 +19,19 @@ class AgentInfo:
 
 
 @dataclass(frozen=True)
-class ExecResult:
+class ExecResult(Generic[AnyStr]):
     """A finished command. On timeout the whole process group was SIGKILLed.
 
     ``exit_code`` is the exit status, or minus the signal number that killed it
     (``signal`` then holds that number). Truncated streams end with a note
     saying how many bytes were dropped. With ``text=False`` the streams are the
-    exact bytes (no note: the ``*_truncated`` flags say it).
+    exact bytes (no note: the ``*_truncated`` flags say it): ``ExecResult[bytes]``.
     """
 
     exit_code: int
     signal: int | None
-    stdout: str | bytes
-    stderr: str | bytes
+    stdout: AnyStr
+    stderr: AnyStr
     stdout_truncated: bool
     stderr_truncated: bool
     timed_out: bool

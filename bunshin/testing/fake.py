@@ -38,6 +38,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Literal, overload
 
 from ..errors import AgentError, InvalidArgument, PathNotFound, SnapshotNotFound, StateConflict
 from ..runtime.agent_types import (
@@ -224,8 +225,20 @@ class FakeWorkspace:
         size = self.state.size()
         return WorkspaceStats(self.id, MemoryStats(size, size, size, size), len(self.processes()))
 
+    @overload
     def exec(self, command: str | Sequence[str], *, timeout: float | None = None, cwd: str | None = None,
-             env: dict[str, str] | None = None, stdin: str | None = None, text: bool = True) -> ExecResult:
+             env: dict[str, str] | None = None, stdin: str | None = None, text: Literal[True] = True) -> ExecResult[str]: ...
+
+    @overload
+    def exec(self, command: str | Sequence[str], *, timeout: float | None = None, cwd: str | None = None,
+             env: dict[str, str] | None = None, stdin: str | None = None, text: Literal[False]) -> ExecResult[bytes]: ...
+
+    @overload
+    def exec(self, command: str | Sequence[str], *, timeout: float | None = None, cwd: str | None = None,
+             env: dict[str, str] | None = None, stdin: str | None = None, text: bool = True) -> ExecResult[str] | ExecResult[bytes]: ...
+
+    def exec(self, command: str | Sequence[str], *, timeout: float | None = None, cwd: str | None = None,
+             env: dict[str, str] | None = None, stdin: str | None = None, text: bool = True) -> ExecResult[str] | ExecResult[bytes]:
         return self.commands.run(command, timeout=timeout, cwd=cwd, env=env, stdin=stdin, text=text)
 
 
@@ -233,15 +246,33 @@ class FakeCommands:
     def __init__(self, ws: FakeWorkspace) -> None:
         self._ws = ws
 
+    @overload
     def run(self, command: str | Sequence[str], *, timeout: float | None = None, cwd: str | None = None,
             env: dict[str, str] | None = None, stdin: str | None = None, max_output: int | None = None,
-            text: bool = True) -> ExecResult:
+            text: Literal[True] = True) -> ExecResult[str]: ...
+
+    @overload
+    def run(self, command: str | Sequence[str], *, timeout: float | None = None, cwd: str | None = None,
+            env: dict[str, str] | None = None, stdin: str | None = None, max_output: int | None = None,
+            text: Literal[False]) -> ExecResult[bytes]: ...
+
+    @overload
+    def run(self, command: str | Sequence[str], *, timeout: float | None = None, cwd: str | None = None,
+            env: dict[str, str] | None = None, stdin: str | None = None, max_output: int | None = None,
+            text: bool = True) -> ExecResult[str] | ExecResult[bytes]: ...
+
+    def run(self, command: str | Sequence[str], *, timeout: float | None = None, cwd: str | None = None,
+            env: dict[str, str] | None = None, stdin: str | None = None, max_output: int | None = None,
+            text: bool = True) -> ExecResult[str] | ExecResult[bytes]:
         with self._ws.in_call():
             line = command if isinstance(command, str) else shlex.join(command)
             sess = _Session(env=dict(env or {}), cwd=cwd or "/")
             out, code = _shell(self._ws, sess, line, timeout)
-        return ExecResult(code, None, out if text else out.encode(), "" if text else b"", False, False,
-                          code is None, 0.0)
+        # like the runtime: a timed-out command was SIGKILLed (exit code -9)
+        status, signal = (-9, 9) if code is None else (code, None)
+        if text:
+            return ExecResult[str](status, signal, out, "", False, False, code is None, 0.0)
+        return ExecResult[bytes](status, signal, out.encode(), b"", False, False, code is None, 0.0)
 
     def spawn(self, command: str | Sequence[str], *, cwd: str | None = None,
               env: dict[str, str] | None = None) -> int:
@@ -382,13 +413,13 @@ def _shell(ws: FakeWorkspace, sess: _Session, line: str, timeout: float | None) 
             out.append("".join(n + "\n" for n in names if not n.startswith(".")))
         elif cmd == "inc":
             p = _path(sess, args[0])
-            text = files.get(p, b"0").decode().strip() or "0"
-            if not text.isdigit():
+            number = files.get(p, b"0").decode().strip() or "0"
+            if not number.isdigit():
                 out.append(f"inc: {args[0]}: not a number\n")
                 code = 1
                 continue
-            files[p] = str(int(text) + 1).encode()
-            out.append(f"{int(text) + 1}\n")
+            files[p] = str(int(number) + 1).encode()
+            out.append(f"{int(number) + 1}\n")
         elif cmd == "random":
             out.append(f"{random.random()}\n")
         elif cmd == "bg":

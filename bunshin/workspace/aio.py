@@ -24,7 +24,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 from ..runtime.agent_types import ExecResult, FileEntry, ProcessInfo, SessionInfo, SessionResult
 from ..runtime.records import SnapshotMode
@@ -174,9 +174,24 @@ class AsyncWorkspace:
         fut.add_done_callback(lambda _: _release_from_thread(loop, self._lock))
         return await wait(fut, undo=undo)
 
+    @overload
     async def exec(self, command: Command, *, timeout: float | None = None, cwd: str | None = None,
                    env: dict[str, str] | None = None, stdin: str | None = None,
-                   text: bool = True) -> ExecResult:
+                   text: Literal[True] = True) -> ExecResult[str]: ...
+
+    @overload
+    async def exec(self, command: Command, *, timeout: float | None = None, cwd: str | None = None,
+                   env: dict[str, str] | None = None, stdin: str | None = None,
+                   text: Literal[False]) -> ExecResult[bytes]: ...
+
+    @overload
+    async def exec(self, command: Command, *, timeout: float | None = None, cwd: str | None = None,
+                   env: dict[str, str] | None = None, stdin: str | None = None,
+                   text: bool = True) -> ExecResult[str] | ExecResult[bytes]: ...
+
+    async def exec(self, command: Command, *, timeout: float | None = None, cwd: str | None = None,
+                   env: dict[str, str] | None = None, stdin: str | None = None,
+                   text: bool = True) -> ExecResult[str] | ExecResult[bytes]:
         return await self.call(self._ws.exec, command, timeout=timeout, cwd=cwd, env=env,
                                stdin=stdin, text=text)
 
@@ -248,9 +263,24 @@ class AsyncCommands:
     def __init__(self, aws: AsyncWorkspace) -> None:
         self._aws = aws
 
+    @overload
     async def run(self, command: Command, *, timeout: float | None = None, cwd: str | None = None,
                   env: dict[str, str] | None = None, stdin: str | None = None,
-                  max_output: int | None = None, text: bool = True) -> ExecResult:
+                  max_output: int | None = None, text: Literal[True] = True) -> ExecResult[str]: ...
+
+    @overload
+    async def run(self, command: Command, *, timeout: float | None = None, cwd: str | None = None,
+                  env: dict[str, str] | None = None, stdin: str | None = None,
+                  max_output: int | None = None, text: Literal[False]) -> ExecResult[bytes]: ...
+
+    @overload
+    async def run(self, command: Command, *, timeout: float | None = None, cwd: str | None = None,
+                  env: dict[str, str] | None = None, stdin: str | None = None,
+                  max_output: int | None = None, text: bool = True) -> ExecResult[str] | ExecResult[bytes]: ...
+
+    async def run(self, command: Command, *, timeout: float | None = None, cwd: str | None = None,
+                  env: dict[str, str] | None = None, stdin: str | None = None,
+                  max_output: int | None = None, text: bool = True) -> ExecResult[str] | ExecResult[bytes]:
         return await self._aws.call(self._aws.sync.commands.run, command, timeout=timeout, cwd=cwd,
                                     env=env, stdin=stdin, max_output=max_output, text=text)
 

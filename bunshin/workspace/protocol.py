@@ -19,7 +19,7 @@ over any of them. Features hang off sub-objects (``ws.commands``, ``ws.files``,
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, overload, runtime_checkable
 
 from ..runtime.agent_types import ExecResult, FileEntry, ProcessInfo, SessionInfo, SessionResult
 from ..runtime.records import SnapshotMode
@@ -33,6 +33,33 @@ Command = str | Sequence[str]
 class CommandsAPI(Protocol):
     """One-shot commands: ``ws.commands.run("make test", timeout=60)``."""
 
+    @overload
+    def run(
+        self,
+        command: Command,
+        *,
+        timeout: float | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: str | None = None,
+        max_output: int | None = None,
+        text: Literal[True] = True,
+    ) -> ExecResult[str]: ...
+
+    @overload
+    def run(
+        self,
+        command: Command,
+        *,
+        timeout: float | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: str | None = None,
+        max_output: int | None = None,
+        text: Literal[False],
+    ) -> ExecResult[bytes]: ...
+
+    @overload
     def run(
         self,
         command: Command,
@@ -43,7 +70,19 @@ class CommandsAPI(Protocol):
         stdin: str | None = None,
         max_output: int | None = None,
         text: bool = True,
-    ) -> ExecResult:
+    ) -> ExecResult[str] | ExecResult[bytes]: ...
+
+    def run(
+        self,
+        command: Command,
+        *,
+        timeout: float | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: str | None = None,
+        max_output: int | None = None,
+        text: bool = True,
+    ) -> ExecResult[str] | ExecResult[bytes]:
         """Run and wait. ``text=False``: ``stdout``/``stderr`` as the exact bytes written."""
         ...
 
@@ -128,6 +167,31 @@ class WorkspaceAPI(Protocol):
     @property
     def sessions(self) -> SessionsAPI: ...
 
+    @overload
+    def exec(
+        self,
+        command: Command,
+        *,
+        timeout: float | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: str | None = None,
+        text: Literal[True] = True,
+    ) -> ExecResult[str]: ...
+
+    @overload
+    def exec(
+        self,
+        command: Command,
+        *,
+        timeout: float | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: str | None = None,
+        text: Literal[False],
+    ) -> ExecResult[bytes]: ...
+
+    @overload
     def exec(
         self,
         command: Command,
@@ -137,7 +201,18 @@ class WorkspaceAPI(Protocol):
         env: dict[str, str] | None = None,
         stdin: str | None = None,
         text: bool = True,
-    ) -> ExecResult:
+    ) -> ExecResult[str] | ExecResult[bytes]: ...
+
+    def exec(
+        self,
+        command: Command,
+        *,
+        timeout: float | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: str | None = None,
+        text: bool = True,
+    ) -> ExecResult[str] | ExecResult[bytes]:
         """``commands.run`` without ``max_output``."""
         ...
 

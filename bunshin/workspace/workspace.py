@@ -14,6 +14,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, overload
 
 from ..config import Config
 from ..errors import StateConflict
@@ -171,6 +172,31 @@ class Workspace:
             )
         return container.agent(self._record)
 
+    @overload
+    def exec(
+        self,
+        command: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: str | None = None,
+        text: Literal[True] = True,
+    ) -> ExecResult[str]: ...
+
+    @overload
+    def exec(
+        self,
+        command: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: str | None = None,
+        text: Literal[False],
+    ) -> ExecResult[bytes]: ...
+
+    @overload
     def exec(
         self,
         command: str | Sequence[str],
@@ -180,7 +206,18 @@ class Workspace:
         env: dict[str, str] | None = None,
         stdin: str | None = None,
         text: bool = True,
-    ) -> ExecResult:
+    ) -> ExecResult[str] | ExecResult[bytes]: ...
+
+    def exec(
+        self,
+        command: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: str | None = None,
+        text: bool = True,
+    ) -> ExecResult[str] | ExecResult[bytes]:
         """Run one command (a shell string or an argv list) and wait for it.
 
         ``timeout``: seconds, finite and at most ``limits.MAX_TIMEOUT_S`` (7 days). ``text=False``
@@ -279,6 +316,33 @@ class Commands:
     def __init__(self, ws: Workspace) -> None:
         self._ws = ws
 
+    @overload
+    def run(
+        self,
+        command: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: str | None = None,
+        max_output: int | None = None,
+        text: Literal[True] = True,
+    ) -> ExecResult[str]: ...
+
+    @overload
+    def run(
+        self,
+        command: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: str | None = None,
+        max_output: int | None = None,
+        text: Literal[False],
+    ) -> ExecResult[bytes]: ...
+
+    @overload
     def run(
         self,
         command: str | Sequence[str],
@@ -289,7 +353,19 @@ class Commands:
         stdin: str | None = None,
         max_output: int | None = None,
         text: bool = True,
-    ) -> ExecResult:
+    ) -> ExecResult[str] | ExecResult[bytes]: ...
+
+    def run(
+        self,
+        command: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: str | None = None,
+        max_output: int | None = None,
+        text: bool = True,
+    ) -> ExecResult[str] | ExecResult[bytes]:
         """Run and wait; ``text=False``: output as exact bytes (see :meth:`Workspace.exec`)."""
         timeout = check_timeout(timeout)
         argv, cmd = (None, command) if isinstance(command, str) else (list(command), None)
