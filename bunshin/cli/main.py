@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 from .. import console as output
-from ..errors import BunshinError, InvalidArgument
+from ..errors import BunshinError
 from .workspace_cmds import register as register_workspace
 
 
@@ -67,20 +66,6 @@ def release_idle_tmpfs() -> None:
         statefs.release(Config.from_env())
     except (OSError, BunshinError):
         pass  # best effort: `bunshin gc` does the same
-
-
-def parse_env(pairs: list[str] | None) -> dict[str, str]:
-    env = {}
-    for pair in pairs or []:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise InvalidArgument(f"malformed -e {pair!r}", hint="use -e KEY=VALUE")
-        env[key] = value
-    return env
-
-
-def now_ms(t0: float) -> float:
-    return round((time.perf_counter() - t0) * 1000, 2)
 
 
 if __name__ == "__main__":

@@ -71,7 +71,6 @@ def cmd_create(args: argparse.Namespace) -> int:
 
 
 def cmd_exec(args: argparse.Namespace) -> int:
-    from .main import parse_env
 
     argv = args.cmd
     if not argv:
@@ -174,3 +173,14 @@ def cmd_rm(args: argparse.Namespace) -> int:
     elif removed:
         print("\n".join(removed))
     return 1 if failed else 0
+
+
+def parse_env(pairs: list[str] | None) -> dict[str, str]:
+    """``-e KEY=VALUE`` options as a dict."""
+    env = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise InvalidArgument(f"malformed -e {pair!r}", hint="use -e KEY=VALUE")
+        env[key] = value
+    return env
