@@ -1,170 +1,162 @@
-"""Workspaces the cache drives, one call at a time each.
+"""What the cache does to its workspaces and snapshots, through the async adapter.
 
-The workspace API blocks, so every operation runs in the cache's thread pool.
-A ``WsHandle``'s lock serialises what the host does to one workspace: no tool
-call may be in flight while that workspace is snapshotted or forked (the dump
-would meet the open connection). ``kill`` is the one exception: it removes the
-workspace under a running call, which is how a speculation is cancelled.
+Every call goes through the handle's :class:`~bunshin.workspace.aio.AsyncWorkspace`:
+one bridge thread pool, one call at a time per workspace (its lock), so no tool call
+is in flight while that workspace is snapshotted or forked (the dump would meet the
+open connection). ``kill`` is the one exception: it removes the workspace under a
+running call, which is how a speculation is cancelled.
+
+``fork_if``/``snapshot_if`` check a condition on the tree when their turn in the
+workspace's queue comes, in the bridge thread: the event loop changes what they read
+only between calls into that workspace, so it holds for the whole dump.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import functools
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..errors import BunshinError
-from ..speculate import Call
-from ..tools import Observation, ToolSet
-from .tree import Node
+from ..tools import Observation, ToolCall, ToolSet
+from ..workspace.aio import AsyncSnapshot, AsyncWorkspace
+from ..workspace.protocol import SnapshotAPI, WorkspaceAPI
+from .tree import WsHandle
 
 log = logging.getLogger("bunshin.cache")
 T = TypeVar("T")
 
 
-class WsHandle:
-    """A live workspace and the tree state (a state node) it is in."""
-
-    def __init__(self, ws: Any, node: Node | None) -> None:
-        self.ws = ws
-        self.node = node  # None: in a state no node describes (a replay diverged)
-        self.lock = asyncio.Lock()
-        self.dead = False
-        self.removed = False
-        self.bytes = 0  # its own memory, when measured
-
-    def __repr__(self) -> str:
-        return f"WsHandle({getattr(self.ws, 'id', '?')!r} at {self.node!r})"
+async def _in(h: WsHandle, fn: Callable[..., T], /, *args: Any,
+              undo: Callable[[T], object] | None = None, **kw: Any) -> T:
+    """``fn(*args, **kw)`` under the workspace's lock, counted in ``h.busy``."""
+    h.busy += 1
+    try:
+        return await h.ws.call(fn, *args, undo=undo, **kw)
+    finally:
+        h.busy -= 1
 
 
-def snapshot_bytes(snap: Any) -> int:
-    rec = getattr(snap, "record", None)
-    return sum(int(getattr(rec, f, 0) or 0) for f in ("memfile_bytes", "image_bytes", "layer_bytes"))
+async def run_tool(tools: ToolSet, h: WsHandle, call: ToolCall) -> Observation:
+    return await _in(h, tools.run_sync, h.ws.sync, call.name, call.arguments)
 
 
-# The CPU seconds of every process of a workspace but this shell (pid 1's too: it
-# reaps the others' children): "T ticks hz".
-_CPU_TICKS = r"""
-T=0
-for d in /proc/[0-9]*; do
-  [ "${d#/proc/}" = "$$" ] && continue
-  read -r l < "$d/stat" 2>/dev/null || continue
-  set -- ${l##*) }
-  T=$((T + $12 + $13 + $14 + $15))
-done
-echo "T $T $(getconf CLK_TCK 2>/dev/null || echo 100)"
-"""
+def _remove_made(obj: WorkspaceAPI | SnapshotAPI | None) -> None:
+    if obj is not None:
+        obj.remove()
+
+
+async def fork_if(h: WsHandle, still: Callable[[], bool]) -> AsyncWorkspace | None:
+    """A live clone of ``h``'s workspace, if ``still()`` holds when its turn comes."""
+    ws = h.ws.sync
+
+    def fork() -> WorkspaceAPI | None:
+        if not still():
+            return None
+        (clone,) = ws.fork(1)
+        return clone
+
+    clone = await _in(h, fork, undo=_remove_made)
+    return None if clone is None else AsyncWorkspace(clone, bridge=h.ws.bridge)
+
+
+async def snapshot_if(h: WsHandle, still: Callable[[], bool]) -> AsyncSnapshot | None:
+    """A snapshot of ``h``'s workspace, if ``still()`` holds when its turn comes."""
+    ws = h.ws.sync
+
+    def snapshot() -> SnapshotAPI | None:
+        return ws.snapshot() if still() else None
+
+    snap = await _in(h, snapshot, undo=_remove_made)
+    return None if snap is None else AsyncSnapshot(snap, bridge=h.ws.bridge)
+
+
+def _nothing() -> None:
+    return None
+
+
+async def settled(h: WsHandle) -> None:
+    """Wait until what was queued in the workspace before now is done."""
+    await _in(h, _nothing)
+
+
+async def restore(snap: AsyncSnapshot) -> tuple[AsyncWorkspace, float]:
+    """A new workspace in the snapshot's state, and the seconds that took."""
+    t0 = time.perf_counter()
+    (ws,) = await snap.restore(1)
+    return ws, time.perf_counter() - t0
+
+
+async def measure(h: WsHandle) -> int:
+    """The workspace's own memory (USS), kept in ``h.bytes``; the last value if unknown."""
+    with contextlib.suppress(BunshinError, OSError):
+        st = await h.ws.stats()
+        h.bytes = int(st.memory.uss_bytes)
+    return h.bytes
 
 
 @dataclass(frozen=True)
 class Niceness:
-    """What ``nice_all`` changed, to put it back; ``cpu_s`` at that moment."""
+    """What ``lower_priority`` changed, to put it back; the workspace's CPU seconds then."""
 
     nice: int
     cpu_s: float | None
 
 
-def _cpu_seconds(out: str) -> float | None:
-    for line in out.splitlines():
-        f = line.split()
-        if len(f) == 3 and f[0] == "T":
-            with contextlib.suppress(ValueError, ZeroDivisionError):
-                return int(f[1]) / int(f[2])
-    return None
+async def _cpu_s(h: WsHandle) -> float | None:
+    try:
+        return (await h.ws.stats()).cpu_s
+    except (BunshinError, OSError):
+        return None
 
 
-class Host:
-    """Async, serialised access to workspaces and snapshots."""
+async def lower_priority(h: WsHandle, nice: int) -> Niceness | None:
+    """Lower the CPU priority of the whole workspace (its cgroup's CPU weight: nothing
+    inside its user namespace could raise a process's priority back)."""
+    try:
+        await _in(h, h.ws.sync.set_cpu_priority, nice)
+    except BunshinError:
+        return None
+    return Niceness(nice, await _cpu_s(h))
 
-    def __init__(self, tools: ToolSet, workers: int) -> None:
-        self.tools = tools
-        self._workers = workers
-        self._pool: ThreadPoolExecutor | None = None
 
-    async def call(self, fn: Any, *args: Any, **kw: Any) -> Any:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="bunshin-cache")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kw))
+async def restore_priority(h: WsHandle, n: Niceness) -> float | None:
+    """Put the priority back; the CPU seconds the workspace used since ``lower_priority``."""
+    try:
+        await _in(h, h.ws.sync.set_cpu_priority, 0)
+    except BunshinError:
+        return None
+    cpu = await _cpu_s(h)
+    return None if cpu is None or n.cpu_s is None else max(cpu - n.cpu_s, 0.0)
 
-    def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
 
-    async def run_tool(self, h: WsHandle, call: Call) -> Observation:
-        async with h.lock:
-            return await self.call(self.tools.run_sync, h.ws, call.name, call.args)
+async def discard(h: WsHandle) -> None:
+    """Remove the workspace once whatever runs in it is done."""
+    h.dead = True
+    await _remove(h, wait=True)
 
-    async def fork(self, h: WsHandle) -> Any:
-        async with h.lock:
-            (ws,) = await self.call(h.ws.fork, 1)
-            return ws
 
-    async def snapshot(self, h: WsHandle) -> Any:
-        async with h.lock:
-            return await self.call(h.ws.snapshot)
+async def kill(h: WsHandle) -> None:
+    """Remove the workspace now, even under a running call (which then fails)."""
+    h.dead = True
+    await _remove(h, wait=False)
 
-    async def restore(self, snap: Any) -> tuple[Any, float]:
-        t0 = time.perf_counter()
-        (ws,) = await self.call(snap.restore, 1)
-        return ws, time.perf_counter() - t0
 
-    async def measure(self, h: WsHandle) -> int:
-        with contextlib.suppress(BunshinError, OSError, AttributeError):
-            st = await self.call(h.ws.stats)
-            h.bytes = int(st.memory.uss_bytes)
-        return h.bytes
+async def _remove(h: WsHandle, *, wait: bool) -> None:
+    if h.removed:
+        return
+    h.removed = True
+    try:
+        await h.ws.remove(wait=wait)
+    except Exception as exc:  # cleanup must go on; gc finds what is left
+        log.warning("could not remove workspace %s: %s", h.ws.id, exc)
 
-    async def nice_all(self, h: WsHandle, nice: int) -> Niceness | None:
-        """Lower the CPU priority of the whole workspace (its cgroup's CPU weight: nothing
-        inside its user namespace could raise a process's priority back)."""
-        async with h.lock:
-            try:
-                await self.call(h.ws.set_cpu_priority, nice)
-                r = await self.call(h.ws.exec, ["/bin/sh", "-c", _CPU_TICKS], timeout=30)
-            except BunshinError:
-                return None
-        return Niceness(nice, _cpu_seconds(r.stdout) if r.exit_code == 0 else None)
 
-    async def unnice(self, h: WsHandle, n: Niceness) -> float | None:
-        """Put the priority back; the CPU seconds used since ``nice_all``."""
-        async with h.lock:
-            try:
-                await self.call(h.ws.set_cpu_priority, 0)
-                r = await self.call(h.ws.exec, ["/bin/sh", "-c", _CPU_TICKS], timeout=30)
-            except BunshinError:
-                return None
-        cpu = _cpu_seconds(r.stdout) if r.exit_code == 0 else None
-        return None if cpu is None or n.cpu_s is None else max(cpu - n.cpu_s, 0.0)
-
-    async def discard(self, h: WsHandle) -> None:
-        """Remove the workspace once whatever runs in it is done."""
-        h.dead = True
-        async with h.lock:
-            await self._remove(h)
-
-    async def kill(self, h: WsHandle) -> None:
-        """Remove the workspace now, even under a running call (which then fails)."""
-        h.dead = True
-        await self._remove(h)
-
-    async def _remove(self, h: WsHandle) -> None:
-        if h.removed:
-            return
-        h.removed = True
-        try:
-            await self.call(h.ws.remove)
-        except Exception as exc:  # cleanup must go on; gc finds what is left
-            log.warning("could not remove workspace %s: %s", getattr(h.ws, "id", "?"), exc)
-
-    async def remove_snapshot(self, snap: Any) -> None:
-        try:
-            await self.call(snap.remove)
-        except Exception as exc:
-            log.warning("could not remove snapshot %s: %s", getattr(snap, "id", "?"), exc)
+async def remove_snapshot(snap: AsyncSnapshot) -> None:
+    try:
+        await snap.remove()
+    except Exception as exc:
+        log.warning("could not remove snapshot %s: %s", snap.id, exc)

@@ -14,18 +14,17 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, runtime_checkable
 
 from ..config import Config
 from ..errors import BunshinError, InvalidArgument, NotFound
-from ..speculate import Call
-from ..tools import Observation
+from ..speculate import Predictor
+from ..tools import Observation, ToolCall
+from ..workspace.aio import AsyncSnapshot
+from ..workspace.protocol import SnapshotAPI
 from .tree import Node, Tree
-
-if TYPE_CHECKING:
-    from .prefix import PrefixCache
 
 log = logging.getLogger("bunshin.cache")
 FORMAT = "bunshin-prefix-cache"
@@ -33,9 +32,19 @@ VERSION = 1
 FILE = "tree.json"
 SNAPSHOTS = "snapshots"
 
+Resolve = Callable[[str], SnapshotAPI]
+"""A snapshot id -> the snapshot (``NotFound`` if there is none)."""
 
-def store_resolver(config: Config | None, directory: Path, *, trust: bool = False) -> Callable[[str], Any]:
-    def resolve(snap_id: str) -> Any:
+
+@runtime_checkable
+class Savable(Protocol):
+    """A snapshot that can be written to a folder (the local ``Snapshot``)."""
+
+    def save(self, folder: Path) -> object: ...
+
+
+def store_resolver(config: Config | None, directory: Path, *, trust: bool = False) -> Resolve:
+    def resolve(snap_id: str) -> SnapshotAPI:
         from ..workspace import Snapshot
 
         cfg = config or Config.from_env()
@@ -53,7 +62,8 @@ def store_resolver(config: Config | None, directory: Path, *, trust: bool = Fals
 def _node_dict(node: Node) -> dict[str, Any]:
     taken_now, taken_before = node.taken()
     return {
-        "call": None if node.call is None else {"name": node.call.name, "args": node.call.args, "key": node.call.key},
+        "call": None if node.call is None else {"name": node.call.name, "args": node.call.arguments,
+                                                "key": node.call.key},
         "read_only": node.read_only,
         "obs": None if node.obs is None else node.obs.to_dict(),
         "speculated": node.speculated,
@@ -66,22 +76,26 @@ def _node_dict(node: Node) -> dict[str, Any]:
     }
 
 
-def save(cache: PrefixCache, directory: Path, *, snapshots: bool) -> Path:
+def save(trees: Iterable[Tree], directory: Path, *, snapshots: bool) -> Path:
+    trees = list(trees)
     directory.mkdir(parents=True, exist_ok=True)
     if snapshots:
-        for tree in cache._trees.values():
+        for tree in trees:
             for node in tree.nodes():
-                snap = node.snapshot
-                folder = directory / SNAPSHOTS / str(getattr(snap, "id", ""))
-                if snap is not None and hasattr(snap, "save") and not (folder / "snapshot.json").is_file():
+                snap = node.snapshot.sync if node.snapshot is not None else None
+                if not isinstance(snap, Savable):
+                    continue
+                folder = directory / SNAPSHOTS / snap.id
+                if not (folder / "snapshot.json").is_file():
                     shutil.rmtree(folder, ignore_errors=True)  # a save cut short
                     snap.save(folder)
     doc = {
         "format": FORMAT,
         "version": VERSION,
         "trees": [
-            {"key": t.key, "root_snapshot": getattr(t.root.snapshot, "id", None), "root": _node_dict(t.root)}
-            for t in cache._trees.values()
+            {"key": t.key, "root_snapshot": t.root.snapshot.id if t.root.snapshot is not None else None,
+             "root": _node_dict(t.root)}
+            for t in trees
         ],
     }
     path = directory / FILE
@@ -91,11 +105,11 @@ def save(cache: PrefixCache, directory: Path, *, snapshots: bool) -> Path:
     return path
 
 
-def _lookup(resolve: Callable[[str], Any], snap_id: str | None) -> Any:
+def _lookup(resolve: Resolve, snap_id: str | None) -> AsyncSnapshot | None:
     if snap_id is None:
         return None
     try:
-        return resolve(snap_id)
+        return AsyncSnapshot(resolve(snap_id))
     except NotFound:
         return None
     except BunshinError as exc:
@@ -103,30 +117,31 @@ def _lookup(resolve: Callable[[str], Any], snap_id: str | None) -> Any:
         return None
 
 
-def _load_node(tree: Tree, parent: Node | None, d: dict[str, Any], resolve: Callable[[str], Any],
-               cache: PrefixCache) -> Node:
+def _load_node(tree: Tree, parent: Node | None, d: dict[str, Any], resolve: Resolve,
+               predictor: Predictor | None) -> Node:
     c = d["call"]
-    call = None if c is None else Call(c["name"], c["args"], c["key"])
+    call = None if c is None else ToolCall(c["name"], c["args"], key=c["key"])
     node = tree.root if parent is None else Node(tree, parent, call, bool(d["read_only"]))
     if parent is not None:
+        assert call is not None
         node.obs = Observation.from_dict(d["obs"])
         node.speculated = bool(d.get("speculated"))
         node.snapshot = _lookup(resolve, d.get("snapshot"))
         node.snapshot_bytes = int(d.get("snapshot_bytes", 0)) if node.snapshot is not None else 0
-        parent.children[call.key] = node  # type: ignore[union-attr]
+        parent.children[call.key] = node
     node.snapshot_uses = int(d.get("snapshot_uses", 0))
     node.reached = int(d.get("reached", 0))
     node.taken_before = int(d.get("taken", 0))
-    if cache.speculation is not None and call is not None and node.obs is not None:
+    if predictor is not None and call is not None and node.obs is not None:
         prev = parent.call if parent is not None else None
-        cache.speculation.predictor.observe(prev, call, node.obs.duration_s,
-                                            weight=max(node.taken_before, 1), earlier=True)
+        predictor.observe(prev, call, node.obs.duration_s, weight=max(node.taken_before, 1), earlier=True)
     for child in d.get("children", []):
-        _load_node(tree, node, child, resolve, cache)
+        _load_node(tree, node, child, resolve, predictor)
     return node
 
 
-def load(cache: PrefixCache, directory: Path, resolve: Callable[[str], Any]) -> None:
+def load(directory: Path, resolve: Resolve, predictor: Predictor | None = None) -> list[Tree]:
+    """The trees saved in ``directory``; the ``predictor`` (if any) learns their calls."""
     path = directory / FILE
     try:
         doc = json.loads(path.read_text())
@@ -134,7 +149,9 @@ def load(cache: PrefixCache, directory: Path, resolve: Callable[[str], Any]) -> 
         raise InvalidArgument(f"no saved cache in {directory}", hint=f"expected {path}") from None
     if doc.get("format") != FORMAT or doc.get("version") != VERSION:
         raise InvalidArgument(f"{path} is not a bunshin prefix cache (version {VERSION})")
+    trees = []
     for t in doc["trees"]:
         tree = Tree(t["key"], _lookup(resolve, t.get("root_snapshot")))
-        _load_node(tree, None, t["root"], resolve, cache)
-        cache._trees[tree.key] = tree
+        _load_node(tree, None, t["root"], resolve, predictor)
+        trees.append(tree)
+    return trees

@@ -26,6 +26,20 @@ class CachePolicy:
 
 
 @dataclass
+class Counters:
+    """The cache's running totals (``CacheStats`` reports them)."""
+
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    materialisations: int = 0
+    replayed: int = 0
+    divergences: int = 0
+    seconds_saved: float = 0.0
+    replay_s: float = 0.0
+
+
+@dataclass
 class TrajectoryStats:
     calls: int = 0
     hits: int = 0

@@ -4,38 +4,54 @@ A node holds its call, the call's observation once known (``done`` is pending
 while someone runs it), and maybe a snapshot of the state after it. A read-only
 call leaves the state unchanged, so its node's *state node* is its parent's:
 snapshots hang only on state nodes, and replays skip read-only calls.
+A ``WsHandle`` is a live workspace and the state node it is in. Nothing here does I/O.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
 
-from ..speculate import Call
-from ..tools import Observation
+from ..tools import Observation, ToolCall
+from ..workspace.aio import AsyncSnapshot, AsyncWorkspace
 
-if TYPE_CHECKING:
-    from .handles import WsHandle
+
+class WsHandle:
+    """A live workspace the cache drives, and the tree state (a state node) it is in.
+
+    Calls into it go through :mod:`.handles`, one at a time (the workspace's lock);
+    ``busy`` counts those queued or running.
+    """
+
+    def __init__(self, ws: AsyncWorkspace, node: Node | None) -> None:
+        self.ws = ws
+        self.node = node  # None: in a state no node describes (a replay diverged)
+        self.busy = 0
+        self.dead = False
+        self.removed = False
+        self.speculative = False  # held by a speculation (running, or parked at its result)
+        self.bytes = 0  # its own memory, when measured
+
+    def __repr__(self) -> str:
+        return f"WsHandle({self.ws.id!r} at {self.node!r})"
 
 
 class Node:
     """One call sequence since the root (the root node has no call)."""
 
-    def __init__(self, tree: Tree, parent: Node | None, call: Call | None, read_only: bool = False) -> None:
+    def __init__(self, tree: Tree, parent: Node | None, call: ToolCall | None, read_only: bool = False) -> None:
         self.tree = tree
         self.parent = parent
         self.call = call
         self.read_only = read_only
-        self.depth = 0 if parent is None else parent.depth + 1
+        self.depth: int = 0 if parent is None else parent.depth + 1
         self.children: dict[str, Node] = {}
         self.obs: Observation | None = None
         self.done: asyncio.Future[None] | None = None  # set while the call is running
         self.waiters = 0  # trajectories waiting on ``done``
         self.speculated = False  # the observation came from a speculation
-        self.speculation: Any = None  # the running ``Speculation`` that fills this node
         # state (only meaningful on state nodes)
-        self.snapshot: Any = None  # a Snapshot (the tree's root snapshot on the root node)
+        self.snapshot: AsyncSnapshot | None = None  # the tree's root snapshot on the root node
         self.snapshot_bytes = 0
         self.snapshot_busy = 0  # restores from it in progress: not evictable
         self.snapshot_uses = 0
@@ -132,7 +148,7 @@ class Node:
 class Tree:
     """The prefix tree of one task root."""
 
-    def __init__(self, key: str, root_snapshot: Any) -> None:
+    def __init__(self, key: str, root_snapshot: AsyncSnapshot | None) -> None:
         self.key = key
         self.epoch = 0
         self.root = Node(self, None, None)

@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from ..errors import InvalidArgument
-from .records import Action, ToolCall
+from ..tools.spec import Step, ToolCall
+from ..workspace.aio import default_bridge
+from .records import Action
 from .task import TaskSpec
 
 
@@ -61,24 +63,17 @@ MAX_THINK_S = 24 * 3600.0
 
 
 @dataclass(frozen=True)
-class TraceStep:
-    name: str
-    arguments: dict[str, Any]
-    think_s: float = 0.0
-
-
-@dataclass(frozen=True)
 class Trace:
-    """A recorded trajectory: calls in order, each with the think time before it."""
+    """A recorded trajectory: its steps (calls, each with the think time before it) in order."""
 
     id: str
-    steps: tuple[TraceStep, ...]
+    steps: tuple[Step, ...]
     task: str | None = None
     final_content: str = ""
     final_think_s: float = 0.0
 
 
-def _step(obj: Any, where: str) -> TraceStep:
+def _step(obj: Any, where: str, turn: int) -> Step:
     if not isinstance(obj, dict):
         raise InvalidArgument(f"{where}: a step must be an object, got {type(obj).__name__}",
                               hint='write each step as {"name": ..., "arguments": {...}}')
@@ -99,13 +94,13 @@ def _step(obj: Any, where: str) -> TraceStep:
     think = obj.get("think_s", 0.0)
     if isinstance(think, bool) or not isinstance(think, int | float) or not 0 <= think <= MAX_THINK_S:
         raise InvalidArgument(f"{where}: field 'think_s' must be a number of seconds from 0 to {MAX_THINK_S:g}")
-    return TraceStep(name, args, float(think))
+    return Step(turn, float(think), ToolCall(name, args))
 
 
 def parse_traces(lines: Iterable[str], *, source: str = "traces") -> list[Trace]:
     """Traces from JSONL lines (whole traces, or step lines grouped by ``trace``)."""
     whole: list[Trace] = []
-    grouped: dict[str, list[TraceStep]] = {}
+    grouped: dict[str, list[Step]] = {}
     tasks: dict[str, str | None] = {}
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -137,14 +132,15 @@ def parse_traces(lines: Iterable[str], *, source: str = "traces") -> list[Trace]
                                       f"from 0 to {MAX_THINK_S:g}")
             whole.append(Trace(
                 id=str(obj.get("id") or obj.get("trajectory_id") or f"trace-{len(whole)}"),
-                steps=tuple(_step(s, f"{where} step {i}") for i, s in enumerate(obj["steps"])),
+                steps=tuple(_step(s, f"{where} step {i}", i + 1) for i, s in enumerate(obj["steps"])),
                 task=task,
                 final_content=str(final.get("content") or ""),
                 final_think_s=float(final_think),
             ))
         else:
             key = str(obj.get("trace", "trace"))
-            grouped.setdefault(key, []).append(_step(obj, where))
+            group = grouped.setdefault(key, [])
+            group.append(_step(obj, where, len(group) + 1))
             tasks.setdefault(key, obj.get("task") or None)
     traces = whole + [Trace(k, tuple(v), tasks.get(k)) for k, v in grouped.items()]
     if not traces:
@@ -245,7 +241,7 @@ class CallablePolicy:
         if inspect.iscoroutinefunction(self.fn):
             value = await self.fn(ctx)
         else:
-            value = await asyncio.to_thread(self.fn, ctx)
+            value = await default_bridge().run_sync(self.fn, ctx)
             if inspect.isawaitable(value):
                 value = await value
         return as_action(value)

@@ -1,5 +1,8 @@
-"""Typed records of a rollout: actions a policy takes, what each tool call saw, trajectories and groups.
+"""Typed records of a rollout: actions a policy takes, trajectories and groups.
 
+A tool call, what it returned and the step recording both are the tools layer's
+(:class:`~bunshin.tools.ToolCall`, :class:`~bunshin.tools.Observation`,
+:class:`~bunshin.tools.Step`), shared with the prefix cache and speculation.
 Every record turns into plain JSON with :func:`bunshin.console.to_jsonable`; one
 trajectory is one JSONL row (:meth:`TrajectoryResult.to_row`).
 """
@@ -7,30 +10,19 @@ trajectory is one JSONL row (:meth:`TrajectoryResult.to_row`).
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 from ..console import to_jsonable
+from ..tools.spec import Observation, Step, ToolCall
+
+__all__ = ["Action", "GroupResult", "Observation", "Status", "Step", "StepObservation", "Timings", "ToolCall",
+           "TrajectoryResult", "new_id"]
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(4)}"
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """One call the policy asked for; ``id`` ties it to its tool message."""
-
-    name: str
-    arguments: dict[str, Any]
-    id: str = field(default_factory=lambda: new_id("call"))
-
-    def openai(self) -> dict[str, Any]:
-        import json
-
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": json.dumps(self.arguments)}}
 
 
 @dataclass(frozen=True)
@@ -59,47 +51,8 @@ class Action:
         return msg
 
 
-@dataclass(frozen=True)
-class StepObservation:
-    """What one tool call returned (the fields of ``bunshin.tools.Observation``)."""
-
-    output: str
-    exit_code: int | None = None
-    error: str | None = None
-    timed_out: bool = False
-    duration_s: float = 0.0
-    cached: bool = False
-    speculated: bool = False
-
-    @classmethod
-    def of(cls, obs: Any) -> StepObservation:
-        """Copy any observation-like object (duck-typed on the field names)."""
-        return cls(output=str(getattr(obs, "output", "")), exit_code=getattr(obs, "exit_code", None),
-                   error=getattr(obs, "error", None), timed_out=bool(getattr(obs, "timed_out", False)),
-                   duration_s=float(getattr(obs, "duration_s", 0.0)), cached=bool(getattr(obs, "cached", False)),
-                   speculated=bool(getattr(obs, "speculated", False)))
-
-    def text(self) -> str:
-        """The tool message a model reads."""
-        parts = [self.output]
-        if self.timed_out:
-            parts.append("[timed out]")
-        elif self.exit_code not in (None, 0):
-            parts.append(f"[exit code {self.exit_code}]")
-        if self.error:
-            parts.append(f"[error: {self.error}]")
-        return "\n".join(p for p in parts if p)
-
-
-@dataclass(frozen=True)
-class Step:
-    """One tool call of a trajectory: when the policy asked, what came back, how long it took."""
-
-    turn: int
-    think_s: float
-    tool_call: ToolCall
-    observation: StepObservation
-    latency_s: float
+StepObservation = Observation
+"""The old name of :class:`bunshin.tools.Observation` (tests import it)."""
 
 
 class Status(StrEnum):
@@ -149,6 +102,8 @@ class TrajectoryResult:
 
     def to_row(self) -> dict[str, Any]:
         row = to_jsonable(self)
+        for step in row["steps"]:  # a row's calls in the wire form: the cache key is the cache's
+            del step["tool_call"]["key"]
         row["turns"] = len({s.turn for s in self.steps})
         return row
 

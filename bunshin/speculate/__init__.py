@@ -6,10 +6,9 @@ in its tree.
 """
 
 from .policy import SpeculationPolicy, SpeculationStats
-from .predictor import Call, Candidate, ChildStat, FrequencyPredictor, PredictContext, Predictor
+from .predictor import Candidate, ChildStat, FrequencyPredictor, PredictContext, Predictor
 
 __all__ = [
-    "Call",
     "Candidate",
     "ChildStat",
     "FrequencyPredictor",

@@ -1,6 +1,7 @@
 """Predicting a trajectory's next tool calls.
 
-The cache asks a ``Predictor`` for candidates while a trajectory waits for its
+Calls are checked :class:`bunshin.tools.ToolCall` records (their ``key`` set). The
+cache asks a ``Predictor`` for candidates while a trajectory waits for its
 policy, and tells it about every call taken (``observe``) and every new training
 iteration. ``FrequencyPredictor`` ranks:
 
@@ -18,38 +19,31 @@ the second source that finds work to do ahead of time.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-
-@dataclass(frozen=True)
-class Call:
-    """A (checked) tool call and its canonical key."""
-
-    name: str
-    args: Mapping[str, Any]
-    key: str
+from ..tools.spec import ToolCall
 
 
 @dataclass(frozen=True)
 class ChildStat:
     """A child of the trajectory's node and how often it was taken."""
 
-    call: Call
+    call: ToolCall
     taken_now: int
     taken_before: int
 
 
 @dataclass(frozen=True)
 class PredictContext:
-    history: Sequence[Call]  # the trajectory's calls since the root, oldest first
+    history: Sequence[ToolCall]  # the trajectory's calls since the root, oldest first
     children: Sequence[ChildStat]  # the children of its node in the tree
 
 
 @dataclass(frozen=True)
 class Candidate:
-    call: Call
+    call: ToolCall
     score: float
     expected_s: float | None = None  # mean duration seen for this call, if any
 
@@ -58,7 +52,7 @@ class Candidate:
 class Predictor(Protocol):
     def predict(self, ctx: PredictContext, k: int) -> list[Candidate]: ...
 
-    def observe(self, prev: Call | None, call: Call, duration_s: float, *, weight: int = 1,
+    def observe(self, prev: ToolCall | None, call: ToolCall, duration_s: float, *, weight: int = 1,
                 earlier: bool = False) -> None: ...
 
     def new_iteration(self) -> None: ...
@@ -90,12 +84,12 @@ class FrequencyPredictor:
 
     def __init__(self, *, follow_ups: bool = True) -> None:
         self.follow_ups = follow_ups
-        self._calls: dict[str, Call] = {}
+        self._calls: dict[str, ToolCall] = {}
         self._by_key: dict[str, _Counts] = defaultdict(_Counts)
         self._by_tool: dict[str, _Counts] = defaultdict(_Counts)
         self._time: dict[str, tuple[float, int]] = {}
 
-    def observe(self, prev: Call | None, call: Call, duration_s: float, *, weight: int = 1,
+    def observe(self, prev: ToolCall | None, call: ToolCall, duration_s: float, *, weight: int = 1,
                 earlier: bool = False) -> None:
         self._calls.setdefault(call.key, call)
         total, n = self._time.get(call.key, (0.0, 0))
@@ -116,7 +110,7 @@ class FrequencyPredictor:
         out: list[Candidate] = []
         seen: set[str] = set()
 
-        def push(call: Call, now: int, before: int, tier: int) -> None:
+        def push(call: ToolCall, now: int, before: int, tier: int) -> None:
             if call.key not in seen:
                 seen.add(call.key)
                 out.append(Candidate(call, tier * 1e6 + now * 1e3 + before, self.expected_s(call.key)))

@@ -1,4 +1,9 @@
-"""Tool records: what a tool is (``ToolSpec``), what a call returns (``Observation``).
+"""Tool records: what a tool is (``ToolSpec``), a call of it (``ToolCall``), what the call
+returns (``Observation``) and one step of a trajectory (``Step``).
+
+These are the one vocabulary of the layers above: the prefix cache keys its tree by
+``ToolCall.key``, speculation predicts ``ToolCall``s, and a rollout records ``Step``s
+and shows the model ``Observation.text()``.
 
 A tool is a spec (name, JSON schema of its arguments, flags) plus a blocking
 executor that runs inside a workspace. Executors return a ``ToolOutput`` or
@@ -11,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -51,9 +57,34 @@ class ToolSpec:
         }
 
 
+def _call_id() -> str:
+    return f"call-{secrets.token_hex(4)}"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call of a tool: asked for by a policy, keyed by the cache, recorded in a trace.
+
+    ``id`` ties it to its tool message in a chat (it takes no part in equality: the
+    same tool with the same arguments is the same call). ``key`` is its canonical form
+    (``call_key``) once its arguments are checked and their defaults filled in
+    (``ToolSet.check``, ``ToolSet.key``); empty on a call nobody checked yet.
+    """
+
+    name: str
+    arguments: dict[str, Any]
+    id: str = field(default_factory=_call_id, compare=False)
+    key: str = ""
+
+    def openai(self) -> dict[str, Any]:
+        """The call in the OpenAI chat format (an assistant message's ``tool_calls`` item)."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": json.dumps(self.arguments)}}
+
+
 @dataclass(frozen=True)
 class Observation:
-    """The result of one tool call, as the model will see it.
+    """The result of one tool call, as the model will see it (``text()``).
 
     ``error`` is a tool-level failure (bad arguments, file not found, edit text
     not unique...); ``exit_code`` is ``None`` when there is no exit status (an
@@ -62,7 +93,7 @@ class Observation:
     """
 
     output: str
-    exit_code: int | None = 0
+    exit_code: int | None = None
     error: str | None = None
     timed_out: bool = False
     duration_s: float = 0.0
@@ -74,15 +105,15 @@ class Observation:
         return self.error is None and not self.timed_out and self.exit_code == 0
 
     def text(self) -> str:
-        """The observation as one string for a chat transcript."""
-        parts = [self.output] if self.output else []
-        if self.error:
-            parts.append(f"error: {self.error}")
+        """The tool message a model reads."""
+        parts = [self.output]
         if self.timed_out:
-            parts.append("(timed out)")
-        elif self.exit_code not in (0, None):
-            parts.append(f"(exit code {self.exit_code})")
-        return "\n".join(parts)
+            parts.append("[timed out]")
+        elif self.exit_code not in (None, 0):
+            parts.append(f"[exit code {self.exit_code}]")
+        if self.error:
+            parts.append(f"[error: {self.error}]")
+        return "\n".join(p for p in parts if p)
 
     def same_result(self, other: Observation) -> bool:
         """True when both calls produced the same result (timing and provenance aside)."""
@@ -101,6 +132,27 @@ class Observation:
     def from_dict(cls, d: Mapping[str, Any]) -> Observation:
         return cls(output=d["output"], exit_code=d.get("exit_code"), error=d.get("error"),
                    timed_out=bool(d.get("timed_out")), duration_s=float(d.get("duration_s", 0.0)))
+
+
+@dataclass(frozen=True)
+class Step:
+    """One tool call of a trajectory: its turn (from 1), the policy's think time before
+    it, the call, what came back and how long that took. A recorded trace's steps (calls
+    to replay) have no observation."""
+
+    turn: int
+    think_s: float
+    tool_call: ToolCall
+    observation: Observation | None = None
+    latency_s: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.tool_call.name
+
+    @property
+    def arguments(self) -> dict[str, Any]:
+        return self.tool_call.arguments
 
 
 @dataclass(frozen=True)

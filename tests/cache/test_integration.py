@@ -158,7 +158,7 @@ def test_save_and_load_across_caches(real_root, tmp_path):
     async def go():
         cache = PrefixCache(tools(), policy=CachePolicy(snapshot_min_s=0.5))
         await cached(cache, root, calls)
-        (node_snap,) = [n.snapshot for t in cache._trees.values() for n in t.nodes() if n.parent and n.snapshot]
+        (node_snap,) = [n.snapshot for t in cache.engine.trees.values() for n in t.nodes() if n.parent and n.snapshot]
         cache.save(tmp_path)
         assert (tmp_path / "tree.json").is_file() and (tmp_path / "snapshots" / node_snap.id).is_dir()
         await cache.aclose()  # removes the cache's snapshots from the store

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from bunshin.cache import CachePolicy, PrefixCache
-from bunshin.tools import ToolSet, command_tool
 from bunshin.testing import FakeSnapshot, FakeWorld
+from bunshin.tools import ToolSet, command_tool
 from tests.fakes import WORKDIR, fake_root, run, state_of
 
 

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from bunshin.cache import CachePolicy, PrefixCache
 from bunshin.speculate import SpeculationPolicy
-from bunshin.tools import ToolSet
 from bunshin.testing import FakeWorld
+from bunshin.tools import ToolSet
 from tests.fakes import WORKDIR, fake_root, run, state_of
 
 NAMES = st.sampled_from(["a", "b", "sub/c"])

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from bunshin.speculate import Call, ChildStat, FrequencyPredictor, PredictContext, Predictor
+from bunshin.speculate import ChildStat, FrequencyPredictor, PredictContext, Predictor
+from bunshin.tools import ToolCall
 
 
-def c(name: str, arg: str = "") -> Call:
-    return Call(name, {"a": arg}, f"{name}:{arg}")
+def c(name: str, arg: str = "") -> ToolCall:
+    return ToolCall(name, {"a": arg}, key=f"{name}:{arg}")
 
 
 def keys(cands):

@@ -8,8 +8,8 @@ import pytest
 
 from bunshin.cache import CachePolicy, PrefixCache
 from bunshin.speculate import SpeculationPolicy
-from bunshin.tools import ToolSet
 from bunshin.testing import FakeWorld
+from bunshin.tools import ToolSet
 from tests.fakes import WORKDIR, fake_root, run
 
 TEST = ("bash", {"command": "sleep 0.2; cat a; echo tested"})
@@ -96,7 +96,7 @@ def test_a_speculation_nobody_needs_is_cancelled(world, root):
         # its fork is gone: only the trajectory's own workspace is alive
         assert len(world.live_workspaces) == 1
         node = traj.node.parent
-        assert TEST not in [(c.call.name, c.call.args) for c in node.children.values()]
+        assert TEST not in [(c.call.name, c.call.arguments) for c in node.children.values()]
         await traj.close()
         await cache.aclose()
 
