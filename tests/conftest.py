@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 
 from bunshin.config import DEFAULT_TMPFS, Config
-from bunshin.runtime import statefs
+from bunshin.runtime import mountinfo, statefs
 from bunshin.runtime.cgroups import Layout
 from bunshin.runtime.store import Store
-
 
 # --- what a test needs of the machine --------------------------------------------------
 
@@ -85,14 +84,13 @@ def leftovers(config: Config) -> dict[str, list]:
         out["records"] = [r.id for r in store.list_workspaces()]
     out["mounts"] = _mounts_under(config)
     out["cgroups"] = [str(p) for p in Layout.discover().find(config.cgroup_prefix)]
-    ws_dir = config.tmpfs / "workspaces"
+    ws_dir = config.paths.workspaces
     out["folders"] = sorted(p.name for p in ws_dir.iterdir()) if ws_dir.is_dir() else []
     with Store.open(config.db_path) as store:
         out["snapshot_records"] = [i for i, _ in store.list_objects("snapshot")]
-    for sub in ("snapshots", "mem"):
-        d = config.tmpfs / sub
+    for sub, d in (("snapshots", config.paths.snapshots), ("mem", config.paths.mem)):
         out[sub] = sorted(p.name for p in d.iterdir()) if d.is_dir() else []
-    layers = config.tmpfs / "layers"
+    layers = config.paths.layers
     # the agent and mask layers are shared, built once per session; anything else is a leak
     out["layers"] = sorted(
         p.name for p in (layers.iterdir() if layers.is_dir() else [])
@@ -127,11 +125,8 @@ def no_leaks(cfg: Config):
 def _machine_state() -> set[str]:
     """Every mount, cgroup folder and criu process on the machine that names bunshin."""
     found = set()
-    with open("/proc/self/mountinfo") as f:
-        found.update(
-            f"mount {ln.split()[4]}" for ln in f
-            if "bunshin" in ln.lower() and not _STATE_TMPFS.fullmatch(ln.split()[4])
-        )
+    found.update(f"mount {mp}" for mp in mountinfo.mount_points()
+                 if "bunshin" in mp.lower() and not _STATE_TMPFS.fullmatch(mp))
     for root in Path("/sys/fs/cgroup").iterdir():
         for dirpath, dirnames, _ in os.walk(root):
             for d in list(dirnames):

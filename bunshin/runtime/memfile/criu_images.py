@@ -55,25 +55,6 @@ def save(img: dict[str, Any], path: Path) -> None:
         _pycriu_images().dump(img, f)
 
 
-def num(value: Any) -> int:
-    """An integer from pycriu's ``pretty`` rendering ("0x22", "MAP_PRIVATE | MAP_ANON").
-
-    Nothing in bunshin asks for that rendering (``load`` gives integers); this stays for
-    reading images dumped with ``crit decode --pretty``."""
-    if isinstance(value, int):
-        return value
-    from pycriu.images import pb2dict
-
-    names: dict[str, int] = {}
-    for table in pb2dict.flags_maps.values():
-        names.update(dict(table))
-    return sum(
-        names[p] if p in names else int(p, 0)
-        for p in (s.strip() for s in str(value).split("|"))
-        if p
-    )
-
-
 def pids(images_dir: Path) -> list[int]:
     """The dumped processes (pids inside the dump), parents first."""
     return [e["pid"] for e in load(images_dir / "pstree.img")["entries"]]
