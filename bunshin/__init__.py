@@ -39,6 +39,7 @@ if TYPE_CHECKING:
         SetupFailed,
         SnapshotNotFound,
         StateConflict,
+        ToolError,
         ToolTimeout,
         WorkspaceNotFound,
     )
@@ -84,7 +85,7 @@ _WHERE = {
     **{name: "errors" for name in (
         "BunshinError", "InvalidArgument", "NotFound", "WorkspaceNotFound", "SnapshotNotFound",
         "ImageNotFound", "PathNotFound", "StateConflict", "NotForkable", "ToolTimeout",
-        "ResourceExhausted", "AgentError", "PolicyError", "HostUnsupported", "RuntimeFailure",
+        "ResourceExhausted", "AgentError", "PolicyError", "HostUnsupported", "RuntimeFailure", "ToolError",
         "CriuError", "SetupFailed")},
 }
 

@@ -9,6 +9,7 @@ tree below is checked against the classes by ``tests/test_errors.py``::
 
     BunshinError
     ├── InvalidArgument (ValueError)            400 bad input: size, count, name, spec
+    │   └── ToolError                           a tool-level failure: the call's observation, not a crash
     ├── NotFound (LookupError)                  404
     │   ├── WorkspaceNotFound
     │   ├── SnapshotNotFound
@@ -62,6 +63,13 @@ class BunshinError(Exception):
 class InvalidArgument(BunshinError, ValueError):
     code = "invalid_argument"
     http_status = 400
+
+
+class ToolError(InvalidArgument):
+    """A tool-level failure (bad arguments, no such file, edit text not unique): it
+    becomes the call's observation, never a crash."""
+
+    code = "tool_error"
 
 
 class NotFound(BunshinError, LookupError):

@@ -16,7 +16,7 @@ PUBLIC = [
     "NotFound", "Observation", "PathNotFound", "PolicyError", "PrefixCache", "ProcessInfo",
     "ResourceExhausted", "RuntimeFailure", "Session", "SessionInfo", "SessionResult", "SessionsAPI",
     "SetupFailed", "Snapshot", "SnapshotAPI", "SnapshotMode", "SnapshotNotFound", "SpeculationPolicy",
-    "SpeculationStats", "StateConflict", "ThreadBridge", "Tool", "ToolSet", "ToolSpec", "ToolTimeout",
+    "SpeculationStats", "StateConflict", "ThreadBridge", "Tool", "ToolError", "ToolSet", "ToolSpec", "ToolTimeout",
     "Trajectory", "Workspace", "WorkspaceAPI", "WorkspaceInfo", "WorkspaceNotFound", "WorkspaceState",
     "WorkspaceStats", "command_tool", "function_tool",
 ]
