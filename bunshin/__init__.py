@@ -89,7 +89,18 @@ _WHERE = {
         "CriuError", "SetupFailed")},
 }
 
-__all__ = sorted(_WHERE)
+__all__ = [  # every key of _WHERE (tests/test_exports.py pins both)
+    "AgentError", "AsyncSnapshot", "AsyncWorkspace", "BunshinError", "CachePolicy", "CacheStats",
+    "CommandsAPI", "Config", "CriuError", "ExecResult", "FileEntry", "FileType", "FilesAPI",
+    "HostUnsupported", "ImageNotFound", "InvalidArgument", "MemoryStats", "Mount", "NotForkable",
+    "NotFound", "Observation", "PathNotFound", "PolicyError", "PrefixCache", "ProcessInfo",
+    "ResourceExhausted", "RuntimeFailure", "Session", "SessionInfo", "SessionResult",
+    "SessionsAPI", "SetupFailed", "Snapshot", "SnapshotAPI", "SnapshotMode", "SnapshotNotFound",
+    "SpeculationPolicy", "SpeculationStats", "StateConflict", "ThreadBridge", "Tool", "ToolError",
+    "ToolSet", "ToolSpec", "ToolTimeout", "Trajectory", "Workspace", "WorkspaceAPI",
+    "WorkspaceInfo", "WorkspaceNotFound", "WorkspaceState", "WorkspaceStats", "command_tool",
+    "function_tool",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -49,3 +49,7 @@ def test_errors_and_config_import_without_the_runtime():
             "print(sorted(m for m in sys.modules if m.startswith('bunshin.runtime')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_every_export_says_where_it_lives():
+    assert sorted(bunshin._WHERE) == sorted(bunshin.__all__)

@@ -20,7 +20,6 @@ from .. import console as output
 from ..config import Config
 from ..errors import BunshinError
 from ..rollout import ModeOptions, RolloutEngine, TraceReplayPolicy
-from ..rollout.envs import cache_available
 from ..rollout.progress import GroupProgress
 from ..rollout.records import TrajectoryResult
 from ..workspace import Workspace
@@ -60,7 +59,7 @@ class Plan:
              group_sizes: tuple[int, ...] | None = None, tasks: int | None = None) -> Plan:
         if modes is None:
             modes = ("baseline", "copy", "bunshin")
-            if not quick and cache_available():
+            if not quick:
                 modes += ("bunshin:no-spec", "bunshin:no-cache")
         for m in modes:
             if m not in MODES:
@@ -264,7 +263,7 @@ def summarize(plan: Plan, phases: list[Phase], loads: dict[str, wl.Workload], wa
         "plan": {"modes": list(plan.modes), "workloads": {loads[n].name: loads[n].description for n in plan.workloads},
                  "group_sizes": list(plan.group_sizes), "tasks_per_workload": plan.tasks,
                  "think_scale": plan.think_scale, "concurrency": plan.concurrency,
-                 "cache_available": cache_available()},
+                 "cache_available": True},  # the cache is part of bunshin
         "modes": modes, "vs_baseline": vs, "goals": goals,
         "same_rewards": same, "rewards_compared": len(ref), "reward_mismatches": mismatches[:20],
         "missing_rewards": nones[:20],

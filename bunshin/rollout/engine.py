@@ -17,21 +17,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..config import Config
 from ..errors import BunshinError, InvalidArgument
+from ..workspace.aio import default_bridge
 from .envs import Mode, ModeOptions, TaskEnv, ToolRunner, TrajectoryEnv, make_env
 from .policies import Policy, PolicyContext
 from .records import (
     Action,
     GroupResult,
+    Observation,
     Status,
     Step,
-    StepObservation,
     Timings,
     ToolCall,
     TrajectoryResult,
@@ -49,25 +48,6 @@ def default_tools() -> ToolRunner:
     from ..tools import ToolSet  # imported when first needed, as rollout.envs does
 
     return ToolSet.default()
-
-
-#: The pool ``ensure_threads`` gave each running loop (at most one per loop, for its life).
-_POOLS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, ThreadPoolExecutor] = weakref.WeakKeyDictionary()
-
-
-def ensure_threads(n: int = THREADS) -> None:
-    """Give the running loop a default executor wide enough for ``n`` blocking calls at once.
-
-    Workspace calls block; asyncio's default pool (``cpu + 4`` threads) would queue a
-    group's tool calls behind each other on a small machine. The first call on a loop
-    makes the pool (and it stays the loop's until the loop closes, which shuts it
-    down: ``asyncio.run`` does); later calls on that loop leave it as it is.
-    """
-    loop = asyncio.get_running_loop()
-    if loop not in _POOLS:
-        pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="bunshin-rollout")
-        loop.set_default_executor(pool)
-        _POOLS[loop] = pool
 
 
 def tool_schemas(tools: ToolRunner, task: TaskSpec) -> list[dict[str, Any]]:
@@ -123,9 +103,9 @@ class Episode:
         for i, call in enumerate(action.tool_calls):
             t0 = time.perf_counter()
             if self.allowed is not None and call.name not in self.allowed:
-                obs = StepObservation(output="", error=f"unknown tool {call.name!r}; tools: {sorted(self.allowed)}")
+                obs = Observation(output="", error=f"unknown tool {call.name!r}; tools: {sorted(self.allowed)}")
             else:
-                obs = StepObservation.of(await self.traj.call(call.name, call.arguments))
+                obs = await self.traj.call(call.name, call.arguments)
             latency = time.perf_counter() - t0
             self.tools_s += latency
             step = Step(self.turn, think_s if i == 0 else 0.0, call, obs, latency)
@@ -225,7 +205,9 @@ class RolloutEngine:
         return self._tools
 
     async def __aenter__(self) -> RolloutEngine:
-        ensure_threads(max(THREADS, 2 * (self.concurrency or 0)))
+        # Blocking work (workspace calls, callable policies) runs in the one thread bridge:
+        # wide enough that a group's calls never queue behind each other on a small machine.
+        default_bridge().resize(max(THREADS, 2 * (self.concurrency or 0)))
         return self
 
     async def __aexit__(self, *exc: object) -> None:

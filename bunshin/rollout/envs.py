@@ -25,12 +25,15 @@ from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 from typing import Any, Protocol, TypeVar
 
+from ..cache import PrefixCache
 from ..config import Config
 from ..errors import InvalidArgument, SetupFailed
 from ..runtime.records import SnapshotMode
+from ..speculate import SpeculationPolicy
+from ..tools import Tool, ToolSet
 from ..workspace import Workspace
 from ..workspace.aio import AsyncSnapshot, AsyncWorkspace, default_bridge
-from .records import StepObservation
+from .records import Observation
 from .task import TaskSpec
 
 log = logging.getLogger(__name__)
@@ -96,8 +99,7 @@ async def setup_workspace(ws: AsyncWorkspace, task: TaskSpec, tools: ToolRunner)
     for i, step in enumerate(task.setup):
         what = f"task {task.id}: setup step {i} ({step.describe()!r})"
         if step.tool is not None:
-            obs = StepObservation.of(await asyncio.wait_for(tools.run(ws, step.tool, dict(step.arguments)),
-                                                            step.timeout))
+            obs = await asyncio.wait_for(tools.run(ws, step.tool, dict(step.arguments)), step.timeout)
             if obs.error or obs.timed_out or obs.exit_code not in (0, None):
                 why = obs.error or ("timed out" if obs.timed_out else f"exit code {obs.exit_code}")
                 raise SetupFailed(f"{what} failed: {why}", hint=obs.output[-500:] or None, step=i)
@@ -118,10 +120,6 @@ def scope_tools(tools: ToolRunner, task: TaskSpec) -> ToolRunner:
 
     Any other tool runner is used as it is.
     """
-    try:
-        from ..tools import Tool, ToolSet
-    except ImportError:
-        return tools
     if not isinstance(tools, ToolSet):
         return tools
     picked = [t for t in tools if task.tools is None or t.name in task.tools]
@@ -142,8 +140,8 @@ class DirectTrajectory:
         try:
             return await asyncio.wait_for(self._tools.run(self._ws, name, args), self._timeout + CALL_GRACE_S)
         except TimeoutError:
-            return StepObservation(output="", timed_out=True, duration_s=time.perf_counter() - t0,
-                                   error=f"no answer within {self._timeout:g}s")
+            return Observation(output="", timed_out=True, duration_s=time.perf_counter() - t0,
+                               error=f"no answer within {self._timeout:g}s")
 
     async def workspace(self) -> AsyncWorkspace:
         return self._ws
@@ -179,10 +177,11 @@ class TaskEnv:
 
     async def _create_and_setup(self) -> AsyncWorkspace:
         task = self.task
-        ws = AsyncWorkspace(await in_thread(
+        local = await in_thread(
             lambda: Workspace.create(task.image, memory=task.memory, pids=task.pids,
                                      config=self.config, mounts=task.mounts),
-            undo=Workspace.remove))
+            undo=Workspace.remove)
+        ws = AsyncWorkspace(local)
         try:
             await setup_workspace(ws, task, self.tools)
         except BaseException:
@@ -235,16 +234,13 @@ class CacheEnv(SnapshotEnv):
                  snapshot_mode: SnapshotMode, speculation: bool) -> None:
         super().__init__(task, tools, config, snapshot_mode=snapshot_mode)
         self.speculation = speculation
-        self.cache: Any = None
+        self.cache: PrefixCache | None = None
 
     async def prepare(self) -> None:
-        from ..cache import PrefixCache
-
-        spec = None
-        if self.speculation:
-            from ..speculate import SpeculationPolicy
-
-            spec = SpeculationPolicy()
+        if not isinstance(self.tools, ToolSet):
+            raise InvalidArgument(f"the prefix cache runs a bunshin ToolSet, not {type(self.tools).__name__}",
+                                  hint="pass a ToolSet, or run with cache=False")
+        spec = SpeculationPolicy() if self.speculation else None
         await super().prepare()
         self.cache = PrefixCache(self.tools, speculation=spec)
 
@@ -268,19 +264,7 @@ class CacheEnv(SnapshotEnv):
     def stats(self) -> dict[str, Any]:
         if self.cache is None:
             return {}
-        s = self.cache.stats()
-        if hasattr(s, "__dataclass_fields__"):
-            return asdict(s)
-        return dict(s) if isinstance(s, dict) else {"stats": str(s)}
-
-
-def cache_available() -> bool:
-    """Whether ``bunshin.cache`` (the tool prefix cache) is installed in this tree."""
-    try:
-        from ..cache import PrefixCache  # noqa: F401
-    except ImportError:
-        return False
-    return True
+        return asdict(self.cache.stats())
 
 
 def make_env(mode: Mode | str, task: TaskSpec, tools: ToolRunner, config: Config,
@@ -291,9 +275,6 @@ def make_env(mode: Mode | str, task: TaskSpec, tools: ToolRunner, config: Config
     except ValueError:
         raise InvalidArgument(f"unknown mode {mode!r}", hint="one of: baseline, copy, bunshin") from None
     eff = (options or ModeOptions()).effective(mode)
-    if eff["cache"] and not cache_available():
-        log.warning("bunshin.cache is not installed: bunshin mode runs without the prefix cache")
-        eff = {**eff, "cache": False, "speculation": False}
     env: TaskEnv
     snapshot_mode = SnapshotMode.COW if eff["fork"] else SnapshotMode.COPY
     if mode == Mode.BASELINE:

@@ -160,6 +160,7 @@ class FakeWorkspace:
         self._lock = threading.Lock()
         self._sids = itertools.count(1)
         self.cpu_nice = 0
+        self.cpu_s = 0.0  # the wall time of its calls, counted as CPU time
         world.live_workspaces.add(self.id)
 
     def __repr__(self) -> str:
@@ -169,16 +170,19 @@ class FakeWorkspace:
 
     @contextmanager
     def in_call(self) -> Iterator[None]:
-        """Around every call into the workspace: fails if it is gone, counts it in flight."""
+        """Around every call into the workspace: fails if it is gone, counts it in flight
+        (and its time in ``cpu_s``)."""
         with self._lock:
             if not self.alive:
                 raise AgentError(f"workspace {self.id} is gone")
             self._inflight += 1
+        t0 = time.perf_counter()
         try:
             yield
         finally:
             with self._lock:
                 self._inflight -= 1
+                self.cpu_s += time.perf_counter() - t0
         if not self.alive:
             raise AgentError(f"workspace {self.id} was removed during the call")
 
@@ -223,7 +227,7 @@ class FakeWorkspace:
 
     def stats(self) -> WorkspaceStats:
         size = self.state.size()
-        return WorkspaceStats(self.id, MemoryStats(size, size, size, size), len(self.processes()))
+        return WorkspaceStats(self.id, MemoryStats(size, size, size, size), len(self.processes()), self.cpu_s)
 
     @overload
     def exec(self, command: str | Sequence[str], *, timeout: float | None = None, cwd: str | None = None,

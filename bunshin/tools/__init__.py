@@ -7,12 +7,24 @@ tools. Invalid calls come back as an ``Observation`` with ``error`` set.
 """
 
 from .custom import command_tool, function_tool
-from .spec import Observation, Tool, ToolContext, ToolError, ToolOutput, ToolSpec, call_key
+from .spec import (
+    Observation,
+    Step,
+    Tool,
+    ToolCall,
+    ToolContext,
+    ToolError,
+    ToolOutput,
+    ToolSpec,
+    call_key,
+)
 from .toolset import ToolSet
 
 __all__ = [
     "Observation",
+    "Step",
     "Tool",
+    "ToolCall",
     "ToolContext",
     "ToolError",
     "ToolOutput",

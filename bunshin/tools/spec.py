@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import InvalidArgument
+from ..errors import ToolError as ToolError  # part of the tools API; defined in the one error tree
 from ..runtime.limits import check_timeout
 from ..workspace.protocol import WorkspaceAPI
 
@@ -162,12 +163,6 @@ class ToolOutput:
     output: str
     exit_code: int | None = 0
     timed_out: bool = False
-
-
-class ToolError(InvalidArgument):
-    """A tool-level failure; it becomes the call's observation, never a crash."""
-
-    code = "tool_error"
 
 
 @dataclass(frozen=True)

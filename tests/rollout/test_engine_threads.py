@@ -1,33 +1,36 @@
-"""The engine gives its loop one wide default executor for the blocking workspace calls."""
+"""The engine runs its blocking work in the one thread bridge, widened for its concurrency."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 
-from bunshin.rollout.engine import ensure_threads
+from bunshin.rollout.engine import THREADS, RolloutEngine
+from bunshin.rollout.policies import CallablePolicy
+from bunshin.workspace.aio import default_bridge
 
 
-def test_one_pool_per_loop_kept_for_the_loop():
+def test_entering_an_engine_widens_the_bridge():
+    bridge = default_bridge()
+
     async def go():
-        ensure_threads(3)
-        first = await asyncio.to_thread(lambda: threading.current_thread().name)
-        ensure_threads(50)  # a later call leaves the loop's pool as it is
-        names = set(await asyncio.gather(*(asyncio.to_thread(_slow_name) for _ in range(6))))
-        return first, names
+        async with RolloutEngine(concurrency=THREADS + 8):
+            pass
 
-    first, names = asyncio.run(go())
-    assert first.startswith("bunshin-rollout") and all(n.startswith("bunshin-rollout") for n in names)
-    assert len(names) <= 3
-    # a new loop gets its own pool (the old one was shut down with its loop)
-    assert asyncio.run(_name_after_ensure()).startswith("bunshin-rollout")
+    asyncio.run(go())
+    assert bridge.max_threads >= 2 * (THREADS + 8)
 
 
-def _slow_name() -> str:
-    threading.Event().wait(0.05)
-    return threading.current_thread().name
+def test_a_blocking_policy_runs_in_a_bridge_thread():
+    seen: list[str] = []
 
+    def policy(ctx):
+        seen.append(threading.current_thread().name)
+        return None
 
-async def _name_after_ensure() -> str:
-    ensure_threads(2)
-    return await asyncio.to_thread(lambda: threading.current_thread().name)
+    async def go():
+        return await CallablePolicy(policy).act(None)
+
+    asyncio.run(go())
+    assert seen and seen[0].startswith("bunshin")
+    assert seen[0] != threading.main_thread().name

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from bunshin.testing import FakeWorld
 from bunshin.tools import Observation, ToolSet, call_key, command_tool, function_tool
 from bunshin.tools.schema import errors
-from bunshin.testing import FakeWorld
 from tests.fakes import WORKDIR
 
 

@@ -15,8 +15,9 @@ import base64
 import random
 
 from ...config import Config
-from ...rollout.policies import Trace, TraceStep
+from ...rollout.policies import Trace
 from ...rollout.task import TaskSpec, parse_task
+from ...tools import Step, ToolCall
 from .. import cache as cache_bench
 from .common import think
 
@@ -65,7 +66,8 @@ def traces(t: TaskSpec, n: int, *, seed: int, think_scale: float) -> list[Trace]
     out = []
     for j, calls in enumerate(group):
         rng = random.Random(f"{seed}:{t.id}:{j}")
-        steps = tuple(TraceStep(name, dict(args), think(rng, think_scale)) for name, args in calls)
+        steps = tuple(Step(i + 1, think(rng, think_scale), ToolCall(name, dict(args)))
+                      for i, (name, args) in enumerate(calls))
         out.append(Trace(f"{t.id}-trace-{j}", steps, task=t.id, final_content="done",
                          final_think_s=think(rng, think_scale) / 2))
     return out

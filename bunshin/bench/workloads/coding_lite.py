@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import random
 
-from ...rollout.policies import Trace, TraceStep
+from ...rollout.policies import Trace
 from ...rollout.task import TaskSpec, parse_task
+from ...tools import Step, ToolCall
 from .common import think
 
 SLUG = '''"""Slugs for titles."""
@@ -163,7 +164,8 @@ def traces(t: TaskSpec, n: int, *, seed: int, think_scale: float) -> list[Trace]
         calls.append(("bash", {"command": TEST_CMD}))
         if rng.random() < 0.3:
             calls.append(("bash", {"command": "git status 2>/dev/null || ls textkit"}))
-        steps = tuple(TraceStep(name, args, think(rng, think_scale)) for name, args in calls)
+        steps = tuple(Step(i + 1, think(rng, think_scale), ToolCall(name, args))
+                      for i, (name, args) in enumerate(calls))
         out.append(Trace(f"{t.id}-trace-{j}", steps, task=t.id, final_content="fixed",
                          final_think_s=think(rng, think_scale) / 2))
     return out

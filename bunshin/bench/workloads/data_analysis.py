@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import random
 
-from ...rollout.policies import Trace, TraceStep
+from ...rollout.policies import Trace
 from ...rollout.task import TaskSpec, parse_task
+from ...tools import Step, ToolCall
 from .common import think
 
 MAKE_STORES = r'''
@@ -144,7 +145,7 @@ def traces(t: TaskSpec, n: int, *, seed: int, think_scale: float) -> list[Trace]
         if rng.random() < 0.3:
             cells.append("ans, sum(tot.values())")
         cells.append(WRITE)
-        steps = tuple(TraceStep("python", {"code": c}, think(rng, think_scale)) for c in cells)
+        steps = tuple(Step(i + 1, think(rng, think_scale), ToolCall("python", {"code": c})) for i, c in enumerate(cells))
         out.append(Trace(f"{t.id}-trace-{j}", steps, task=t.id, final_content=f"done ({approach})",
                          final_think_s=think(rng, think_scale) / 2))
     return out
