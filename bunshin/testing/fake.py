@@ -11,7 +11,7 @@ on ``;``)::
     append P TEXT | rm P | ls | inc P (add 1 to the number in P, print it)
     random | bg NAME (start a background process) | exit N (status N)
 
-``$K`` expands variables. Like the real runtime, a ``fork``/``snapshot`` while a
+plus the test's own (``FakeWorld(commands={"score": fn})``). ``$K`` expands variables. Like the real runtime, a ``fork``/``snapshot`` while a
 call is in flight in that workspace fails (the host would hold a connection
 across the dump), and every object is counted in the ``FakeWorld`` so tests can
 check that nothing leaked::
@@ -35,7 +35,7 @@ import re
 import shlex
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal, overload
@@ -81,6 +81,9 @@ class FakeWorld:
     live_workspaces: set[str] = field(default_factory=set)
     snapshots: dict[str, FakeSnapshot] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=lambda: {"snapshot": 0, "restore": 0, "fork": 0, "run": 0})
+    #: Extra shell commands for a test: name -> ``fn(workspace, args) -> (output, status)``.
+    commands: dict[str, Callable[[FakeWorkspace, builtins.list[str]], tuple[str, int]]] = field(
+        default_factory=dict)
     _ids: itertools.count[int] = field(default_factory=itertools.count)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -432,6 +435,9 @@ def _shell(ws: FakeWorkspace, sess: _Session, line: str, timeout: float | None) 
             out.append(json.dumps(sess.env, sort_keys=True) + "\n")
         elif cmd == "exit":
             return "".join(out), int(args[0]) if args else 0
+        elif cmd in ws.world.commands:
+            text, code = ws.world.commands[cmd](ws, args)
+            out.append(text)
         else:
             out.append(f"fake: {cmd}: command not found\n")
             code = 127

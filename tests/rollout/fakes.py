@@ -1,32 +1,24 @@
-"""Fakes for rollout unit tests: a tool set, workspaces and a task env without any container."""
+"""Fakes for rollout unit tests: a tool set and a task env over ``bunshin.testing``'s workspaces."""
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
 from typing import Any
 
+from bunshin import AsyncWorkspace
 from bunshin.errors import AgentError
 from bunshin.rollout.envs import TaskEnv
 from bunshin.rollout.records import StepObservation
 from bunshin.rollout.task import TaskSpec
-from bunshin.runtime.agent_types import ExecResult
+from bunshin.testing import FakeWorkspace, FakeWorld
 
 
-@dataclass
-class FakeWorkspace:
-    """A dict of 'files'; ``exec`` understands the reward command ``score``."""
+def _score(ws: FakeWorkspace, args: list[str]) -> tuple[str, int]:
+    """The reward command ``score``: the number in /score (0 without one)."""
+    return ws.state.files.get("/score", b"0").decode() + "\n", 0
 
-    id: str
-    files: dict[str, str] = field(default_factory=dict)
-    alive: bool = True
-    removed: bool = False
 
-    async def exec(self, command: str, *, timeout: float | None = None) -> ExecResult:
-        if not self.alive:
-            raise AgentError(f"workspace {self.id} is not running")
-        out = self.files.get("/score", "0") + "\n" if command == "score" else f"ran {command}\n"
-        return ExecResult(0, None, out, "", False, False, False, 0.001)
+WORLD = FakeWorld(commands={"score": _score})
 
 
 class FakeTools:
@@ -39,36 +31,38 @@ class FakeTools:
         return [{"type": "function", "function": {"name": n, "description": n, "parameters": {"type": "object"}}}
                 for n in ("echo", "write", "sleep", "crash")]
 
-    async def run(self, ws: FakeWorkspace, name: str, args: dict[str, Any]) -> StepObservation:
+    async def run(self, ws: AsyncWorkspace, name: str, args: dict[str, Any]) -> StepObservation:
         self.calls.append((ws.id, name, args))
-        if not ws.alive:
+        fake = ws.sync
+        assert isinstance(fake, FakeWorkspace)
+        if not fake.alive:
             raise AgentError(f"workspace {ws.id} is not running")
         if name == "echo":
             return StepObservation(output=str(args.get("text", "")), exit_code=0)
         if name == "write":
-            ws.files[args["path"]] = args["content"]
+            await ws.files.write(args["path"], args["content"])
             return StepObservation(output="ok", exit_code=0)
         if name == "sleep":
             await asyncio.sleep(float(args["s"]))
             return StepObservation(output="slept", exit_code=0)
         if name == "crash":
-            ws.alive = False
+            fake.alive = False
             raise AgentError(f"workspace {ws.id}: agent vanished")
         return StepObservation(output="", exit_code=None, error=f"no tool {name}")
 
 
 class FakeTrajectory:
-    def __init__(self, env: FakeEnv, ws: FakeWorkspace) -> None:
+    def __init__(self, env: FakeEnv, ws: AsyncWorkspace) -> None:
         self.env, self.ws = env, ws
 
     async def call(self, name: str, args: dict[str, Any]) -> Any:
         return await self.env.tools.run(self.ws, name, args)
 
-    async def workspace(self) -> FakeWorkspace:
+    async def workspace(self) -> AsyncWorkspace:
         return self.ws
 
     async def close(self) -> None:
-        self.ws.removed = True
+        await self.ws.remove()
         self.env.in_flight -= 1
         self.env.closed.append(self.ws.id)
 
@@ -97,7 +91,7 @@ class FakeEnv(TaskEnv):
         await asyncio.sleep(self.open_delay)
         if index in self.fail_open:
             raise AgentError(f"could not start workspace {index}")
-        ws = FakeWorkspace(f"ws{index}-{len(self.opened)}")
+        ws = AsyncWorkspace(WORLD.create())
         self.opened.append(ws.id)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
