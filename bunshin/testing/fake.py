@@ -436,8 +436,8 @@ def _shell(ws: FakeWorkspace, sess: _Session, line: str, timeout: float | None) 
         elif cmd == "exit":
             return "".join(out), int(args[0]) if args else 0
         elif cmd in ws.world.commands:
-            text, code = ws.world.commands[cmd](ws, args)
-            out.append(text)
+            extra, code = ws.world.commands[cmd](ws, args)
+            out.append(extra)
         else:
             out.append(f"fake: {cmd}: command not found\n")
             code = 127
