@@ -59,6 +59,9 @@ class AgentBundle:
     SOCKET = "/.bunshin/run/agent.sock"
     LOG = "/.bunshin/run/agent.log"
     RUN_DIR = "/run/bunshin"  # the agent's default --run-dir: identity.json, fork-id
+    #: Where ``bunshin/agent/*.py`` lands inside every workspace; the tools run some of
+    #: its stdlib-only modules by path under the image's own python3 (pyrepl, fndriver).
+    PACKAGE_DIR = "/.bunshin/agent/bunshin_agent"
 
     @property
     def argv(self) -> list[str]:

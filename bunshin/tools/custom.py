@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import BunshinError, InvalidArgument
+from ..runtime.agent_bundle import AgentBundle
 from ..workspace.protocol import WorkspaceAPI
 from .builtin import session_id, translate
 from .spec import Tool, ToolContext, ToolError, ToolOutput, ToolSpec
@@ -70,19 +71,8 @@ def command_tool(
     return Tool(spec, execute)
 
 
-_DRIVER = r'''
-import json, sys, traceback
-req = json.loads(sys.stdin.read())
-ns = {"__name__": "bunshin_tool"}
-try:
-    exec(compile(req["source"], "<tool %s>" % req["name"], "exec"), ns)
-    result = ns[req["name"]](**req["args"])
-except BaseException:
-    traceback.print_exc()
-    sys.exit(1)
-if result is not None:
-    sys.stdout.write(result if isinstance(result, str) else json.dumps(result, default=repr))
-'''
+#: ``bunshin/agent/fndriver.py`` as the agent layer ships it: runs one function call.
+DRIVER = f"{AgentBundle.PACKAGE_DIR}/fndriver.py"
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array",
                dict: "object", tuple: "array"}
@@ -135,7 +125,7 @@ def function_tool(
     def execute(ws: WorkspaceAPI, args: Mapping[str, Any], ctx: ToolContext) -> ToolOutput:
         req = json.dumps({"source": source, "name": fname, "args": dict(args)})
         try:
-            r = ws.exec(["python3", "-c", _DRIVER], stdin=req, timeout=ctx.timeout, cwd=ctx.workdir)
+            r = ws.exec(["python3", DRIVER], stdin=req, timeout=ctx.timeout, cwd=ctx.workdir)
         except BunshinError as exc:
             raise translate(exc) from None
         if r.exit_code == 127:

@@ -19,15 +19,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import BunshinError
+from ..runtime.agent_bundle import AgentBundle
+from ..workspace.protocol import WorkspaceAPI
 from .builtin import translate
 from .spec import Tool, ToolContext, ToolError, ToolOutput, ToolSpec
 
 TOOL_DIR = "/run/bunshin-tools"
 #: ``bunshin/agent/pyrepl.py`` as the agent layer ships it into every workspace.
-REPL = "/.bunshin/agent/bunshin_agent/pyrepl.py"
+REPL = f"{AgentBundle.PACKAGE_DIR}/pyrepl.py"
 
 
-def _python(ws: Any, args: Mapping[str, Any], ctx: ToolContext) -> ToolOutput:
+def _python(ws: WorkspaceAPI, args: Mapping[str, Any], ctx: ToolContext) -> ToolOutput:
     req = json.dumps({"code": args["code"], "timeout": ctx.timeout})
     try:
         r = ws.exec(["python3", REPL, "call", TOOL_DIR, ctx.workdir], stdin=req, timeout=ctx.timeout + 15)

@@ -40,13 +40,25 @@ def _checked(canonical: str) -> Validator:
     return _ToolArgsValidator(schema)
 
 
-def _validator(schema: Mapping[str, Any]) -> Validator:
-    """A validator of ``schema``, which is checked once (tool schemas are few)."""
+#: Validators by the identity of the schema object (a tool's spec keeps its schema for life),
+#: with the schema's canonical text: a call on the cache's hit path re-serialises no schema.
+_BY_ID: dict[int, tuple[Mapping[str, Any], Validator, str]] = {}
+
+
+def _validator(schema: Mapping[str, Any]) -> tuple[Validator, str]:
+    """A validator of ``schema`` (checked once: tool schemas are few) and its canonical text."""
+    known = _BY_ID.get(id(schema))
+    if known is not None and known[0] is schema:
+        return known[1], known[2]
     try:
         canonical = json.dumps(schema, sort_keys=True)
     except (TypeError, ValueError) as exc:
         raise InvalidArgument(f"invalid JSON schema for tool arguments: not JSON ({exc})") from None
-    return _checked(canonical)
+    validator = _checked(canonical)
+    if len(_BY_ID) >= 1024:
+        _BY_ID.clear()
+    _BY_ID[id(schema)] = (schema, validator, canonical)  # holding the schema keeps its id unused
+    return validator, canonical
 
 
 def _path(root: str, parts: Iterable[str | int]) -> str:
@@ -97,9 +109,32 @@ def _messages(err: ValidationError, path: str) -> list[str]:
     return [f"{path}: {text}"]
 
 
+#: Arguments already found valid, by validator and content: agents repeat calls (that is
+#: what the prefix cache serves), and jsonschema takes ~10 us for even a small object.
+_VALID: set[tuple[str, str]] = set()
+_VALID_MAX = 65536
+
+
+def _content_key(schema: str, value: Any) -> tuple[str, str] | None:
+    try:
+        return schema, json.dumps(value, sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError):  # not plain JSON (a Mapping subclass...): check it every time
+        return None
+
+
 def errors(schema: Mapping[str, Any], value: Any, path: str = "arguments") -> list[str]:
     """Everything wrong with ``value`` against ``schema`` (empty when it conforms)."""
-    found = list(_validator(schema).iter_errors(value))
+    validator, canonical = _validator(schema)
+    key = _content_key(canonical, value)
+    if key is not None and key in _VALID:
+        return []
+    if validator.is_valid(value):  # the common case: no error objects made
+        if key is not None:
+            if len(_VALID) >= _VALID_MAX:
+                _VALID.clear()
+            _VALID.add(key)
+        return []
+    found = list(validator.iter_errors(value))
     mistyped = {tuple(e.absolute_path) for e in found if e.validator == "type"}
     out: list[str] = []
     for err in found:
