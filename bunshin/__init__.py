@@ -41,6 +41,8 @@ if TYPE_CHECKING:
         StateConflict,
         ToolError,
         ToolTimeout,
+        Unauthorized,
+        Unreachable,
         WorkspaceNotFound,
     )
     from .runtime.agent_types import (
@@ -86,7 +88,7 @@ _WHERE = {
         "BunshinError", "InvalidArgument", "NotFound", "WorkspaceNotFound", "SnapshotNotFound",
         "ImageNotFound", "PathNotFound", "StateConflict", "NotForkable", "ToolTimeout",
         "ResourceExhausted", "AgentError", "PolicyError", "HostUnsupported", "RuntimeFailure", "ToolError",
-        "CriuError", "SetupFailed")},
+        "CriuError", "SetupFailed", "Unauthorized", "Unreachable")},
 }
 
 __all__ = [  # every key of _WHERE (tests/test_exports.py pins both)
@@ -97,7 +99,7 @@ __all__ = [  # every key of _WHERE (tests/test_exports.py pins both)
     "ResourceExhausted", "RuntimeFailure", "Session", "SessionInfo", "SessionResult",
     "SessionsAPI", "SetupFailed", "Snapshot", "SnapshotAPI", "SnapshotMode", "SnapshotNotFound",
     "SpeculationPolicy", "SpeculationStats", "StateConflict", "ThreadBridge", "Tool", "ToolError",
-    "ToolSet", "ToolSpec", "ToolTimeout", "Trajectory", "Workspace", "WorkspaceAPI",
+    "ToolSet", "ToolSpec", "ToolTimeout", "Trajectory", "Unauthorized", "Unreachable", "Workspace", "WorkspaceAPI",
     "WorkspaceInfo", "WorkspaceNotFound", "WorkspaceState", "WorkspaceStats", "command_tool",
     "function_tool",
 ]

@@ -95,6 +95,11 @@ class Paths:
         return self.home / "snapshot.key"
 
     @property
+    def server_token(self) -> Path:
+        """The API token of ``bunshin serve`` (made on first start, mode 0600)."""
+        return self.home / "server.token"
+
+    @property
     def bench(self) -> Path:
         """Downloads of the benchmarks."""
         return self.home / "bench"

@@ -15,11 +15,13 @@ tree below is checked against the classes by ``tests/test_errors.py``::
     │   ├── SnapshotNotFound
     │   ├── ImageNotFound
     │   └── PathNotFound (FileNotFoundError)    a path inside a workspace
+    ├── Unauthorized (PermissionError)          401 no or a wrong API token
     ├── StateConflict                           409 e.g. exec into a stopped workspace
     │   └── NotForkable                         the workspace holds something that cannot be forked safely
     ├── ToolTimeout (TimeoutError)              504 a command ran past its timeout
     ├── ResourceExhausted                       507 tmpfs full, limits hit
     ├── AgentError                              502 the in-workspace agent failed or vanished
+    ├── Unreachable (ConnectionError)           503 the bunshin server did not answer
     ├── PolicyError                             502 a policy (model endpoint, trace) failed
     ├── HostUnsupported                         500 the machine cannot run workspaces (see doctor)
     └── RuntimeFailure                          500 a kernel/CRIU/cgroup step failed
@@ -93,6 +95,11 @@ class PathNotFound(NotFound, FileNotFoundError):
     code = "path_not_found"
 
 
+class Unauthorized(BunshinError, PermissionError):
+    code = "unauthorized"
+    http_status = 401
+
+
 class StateConflict(BunshinError):
     code = "state_conflict"
     http_status = 409
@@ -117,6 +124,11 @@ class ResourceExhausted(BunshinError):
 class AgentError(BunshinError):
     code = "agent_error"
     http_status = 502
+
+
+class Unreachable(BunshinError, ConnectionError):
+    code = "unreachable"
+    http_status = 503
 
 
 class PolicyError(BunshinError):

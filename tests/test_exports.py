@@ -17,7 +17,7 @@ PUBLIC = [
     "ResourceExhausted", "RuntimeFailure", "Session", "SessionInfo", "SessionResult", "SessionsAPI",
     "SetupFailed", "Snapshot", "SnapshotAPI", "SnapshotMode", "SnapshotNotFound", "SpeculationPolicy",
     "SpeculationStats", "StateConflict", "ThreadBridge", "Tool", "ToolError", "ToolSet", "ToolSpec", "ToolTimeout",
-    "Trajectory", "Workspace", "WorkspaceAPI", "WorkspaceInfo", "WorkspaceNotFound", "WorkspaceState",
+    "Trajectory", "Unauthorized", "Unreachable", "Workspace", "WorkspaceAPI", "WorkspaceInfo", "WorkspaceNotFound", "WorkspaceState",
     "WorkspaceStats", "command_tool", "function_tool",
 ]
 

@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .rollout_cmds import register as register_rollout
 
     register_rollout(sub)
+    from .serve_cmds import register as register_serve
+
+    register_serve(sub)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""The local and the fake workspaces satisfy the workspace protocols, signature by signature.
+"""The local, remote and fake workspaces satisfy the workspace protocols, signature by signature.
 
 mypy checks the same statically (``_conforms`` in workspace.py and testing/fake.py);
 this holds it at run time too, parameter names and kinds included, so a remote
@@ -21,6 +21,13 @@ from bunshin import (
     Workspace,
     WorkspaceAPI,
 )
+from bunshin.client.remote import (
+    RemoteCommands,
+    RemoteFiles,
+    RemoteSessions,
+    RemoteSnapshot,
+    RemoteWorkspace,
+)
 from bunshin.testing import FakeSnapshot, FakeWorld
 from bunshin.testing.fake import FakeCommands, FakeFiles, FakeSessions
 from bunshin.workspace.workspace import Commands, Files, Sessions
@@ -31,6 +38,8 @@ PAIRS = [
     (CommandsAPI, Commands), (CommandsAPI, FakeCommands),
     (FilesAPI, Files), (FilesAPI, FakeFiles),
     (SessionsAPI, Sessions), (SessionsAPI, FakeSessions),
+    (WorkspaceAPI, RemoteWorkspace), (SnapshotAPI, RemoteSnapshot), (CommandsAPI, RemoteCommands),
+    (FilesAPI, RemoteFiles), (SessionsAPI, RemoteSessions),
 ]
 
 

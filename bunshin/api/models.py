@@ -1,0 +1,293 @@
+"""Typed requests and responses of the HTTP API (pydantic), shared by server and client.
+
+Records of the layers below (``ExecResult``, ``SessionResult``, ``FileEntry``...) cross
+the wire as these models and are rebuilt as the same records on the client, so a
+remote workspace answers exactly what a local one does. Bytes travel as base64
+(``ExecOut.encoding``); errors as :class:`ErrorOut` (bunshin's code, message, hint and
+details, rebuilt as the same exception class by ``BunshinError.from_dict``).
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..errors import InvalidArgument
+from ..runtime.agent_types import (
+    ExecResult,
+    FileEntry,
+    FileType,
+    ProcessInfo,
+    SessionInfo,
+    SessionResult,
+)
+from ..runtime.limits import MAX_TIMEOUT_S
+from ..runtime.records import SnapshotMode
+from ..runtime.stats import MemoryStats, WorkspaceStats
+
+API_VERSION = "v1"
+#: Most workspaces one create or restore call makes (the runtime's own batch cap).
+MAX_COUNT = 1024
+
+
+class Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+M = TypeVar("M", bound=Model)
+
+
+def build(model: type[M], **fields: Any) -> M:
+    """A request made on the client, checked as the server will check it: bad input is
+    :class:`InvalidArgument` before anything is sent."""
+    try:
+        return model.model_validate(fields)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'request'}: {e['msg']}"
+                             for e in exc.errors())
+        raise InvalidArgument(f"invalid {model.__name__}: {problems}") from None
+
+
+class ErrorOut(Model):
+    code: str
+    message: str
+    hint: str | None = None
+    details: dict[str, Any] = Field(default_factory=dict)
+
+
+class Health(Model):
+    ok: bool
+    version: str
+    api: str = API_VERSION
+
+
+# --- workspaces ----------------------------------------------------------------------
+
+
+class CreateWorkspace(Model):
+    """``image``: only ``host`` over HTTP (a host folder as an image is a local choice)."""
+
+    image: Literal["host"] = "host"
+    name: str | None = Field(default=None, max_length=64)
+    memory: str | int | None = "2G"
+    pids: int | None = Field(default=512, ge=1)
+    count: int = Field(default=1, ge=1, le=MAX_COUNT)
+
+
+class WorkspaceOut(Model):
+    id: str
+    name: str | None
+    image: str
+    state: str
+    pid: int | None
+    created_at: float
+    parent: str | None
+    memory_limit: int | None
+    pids_limit: int | None
+
+
+class ForkRequest(Model):
+    count: int = Field(default=1, ge=1, le=MAX_COUNT)
+    mode: SnapshotMode = SnapshotMode.COW
+
+
+class ForkOut(Model):
+    """One entry per fork: all of them or none (a failed fork is an error, nothing made)."""
+
+    parent: str
+    snapshot: str | None
+    pause_ms: float | None
+    forks: list[WorkspaceOut]
+
+
+class Priority(Model):
+    nice: int = Field(ge=0, le=19)
+
+
+# --- commands and sessions -----------------------------------------------------------
+
+
+class ExecRequest(Model):
+    command: str | list[str] = Field(min_length=1)
+    timeout: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)
+    cwd: str | None = None
+    env: dict[str, str] | None = None
+    stdin: str | None = None
+    max_output: int | None = Field(default=None, ge=0)
+    text: bool = True
+
+
+class ExecOut(Model):
+    exit_code: int
+    signal: int | None
+    stdout: str
+    stderr: str
+    encoding: Literal["utf-8", "base64"] = "utf-8"
+    stdout_truncated: bool
+    stderr_truncated: bool
+    timed_out: bool
+    duration_s: float
+
+    @classmethod
+    def of(cls, r: ExecResult[str] | ExecResult[bytes]) -> ExecOut:
+        if isinstance(r.stdout, bytes) and isinstance(r.stderr, bytes):
+            out, err, encoding = base64.b64encode(r.stdout).decode(), base64.b64encode(r.stderr).decode(), "base64"
+        else:
+            assert isinstance(r.stdout, str) and isinstance(r.stderr, str)
+            out, err, encoding = r.stdout, r.stderr, "utf-8"
+        return cls(exit_code=r.exit_code, signal=r.signal, stdout=out, stderr=err,
+                   encoding="base64" if encoding == "base64" else "utf-8",
+                   stdout_truncated=r.stdout_truncated, stderr_truncated=r.stderr_truncated,
+                   timed_out=r.timed_out, duration_s=r.duration_s)
+
+    def text_result(self) -> ExecResult[str]:
+        return ExecResult[str](self.exit_code, self.signal, self.stdout, self.stderr, self.stdout_truncated,
+                               self.stderr_truncated, self.timed_out, self.duration_s)
+
+    def bytes_result(self) -> ExecResult[bytes]:
+        return ExecResult[bytes](self.exit_code, self.signal, base64.b64decode(self.stdout),
+                                 base64.b64decode(self.stderr), self.stdout_truncated,
+                                 self.stderr_truncated, self.timed_out, self.duration_s)
+
+
+class SpawnRequest(Model):
+    command: str | list[str] = Field(min_length=1)
+    cwd: str | None = None
+    env: dict[str, str] | None = None
+
+
+class SpawnOut(Model):
+    pid: int
+
+
+class OpenSession(Model):
+    kind: Literal["bash", "sh"] = "bash"
+    cwd: str | None = None
+    env: dict[str, str] | None = None
+
+
+class SessionOut(Model):
+    session_id: str
+    kind: str
+    pid: int
+    busy: bool
+    alive: bool
+
+    @classmethod
+    def of(cls, s: SessionInfo) -> SessionOut:
+        return cls(session_id=s.session_id, kind=s.kind, pid=s.pid, busy=s.busy, alive=s.alive)
+
+    def record(self) -> SessionInfo:
+        return SessionInfo(self.session_id, self.kind, self.pid, self.busy, self.alive)
+
+
+class OpenedSession(Model):
+    session_id: str
+
+
+class RunInSession(Model):
+    command: str
+    timeout: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)
+    max_output: int | None = Field(default=None, ge=0)
+
+
+class SessionRunOut(Model):
+    output: str
+    exit_code: int | None
+    timed_out: bool
+    truncated: bool
+    duration_s: float
+    alive: bool
+
+    @classmethod
+    def of(cls, r: SessionResult) -> SessionRunOut:
+        return cls(output=r.output, exit_code=r.exit_code, timed_out=r.timed_out, truncated=r.truncated,
+                   duration_s=r.duration_s, alive=r.alive)
+
+    def record(self) -> SessionResult:
+        return SessionResult(self.output, self.exit_code, self.timed_out, self.truncated, self.duration_s,
+                             self.alive)
+
+
+# --- files, processes, stats ---------------------------------------------------------
+
+
+class FileOut(Model):
+    name: str
+    type: FileType
+    size: int
+    mode: int
+    mtime: float
+    link_target: str | None = None
+
+    @classmethod
+    def of(cls, e: FileEntry) -> FileOut:
+        return cls(name=e.name, type=e.type, size=e.size, mode=e.mode, mtime=e.mtime, link_target=e.link_target)
+
+    def record(self) -> FileEntry:
+        return FileEntry(self.name, self.type, self.size, self.mode, self.mtime, self.link_target)
+
+
+class Written(Model):
+    bytes: int
+
+
+class ProcessOut(Model):
+    pid: int
+    ppid: int
+    pgid: int
+    sid: int
+    state: str
+    name: str
+    cmdline: list[str]
+
+    @classmethod
+    def of(cls, p: ProcessInfo) -> ProcessOut:
+        return cls(pid=p.pid, ppid=p.ppid, pgid=p.pgid, sid=p.sid, state=p.state, name=p.name,
+                   cmdline=list(p.cmdline))
+
+    def record(self) -> ProcessInfo:
+        return ProcessInfo(self.pid, self.ppid, self.pgid, self.sid, self.state, self.name, tuple(self.cmdline))
+
+
+class StatsOut(Model):
+    id: str
+    cgroup_bytes: int
+    pss_bytes: int
+    uss_bytes: int
+    anon_bytes: int
+    processes: int
+    cpu_s: float
+
+    @classmethod
+    def of(cls, s: WorkspaceStats) -> StatsOut:
+        m = s.memory
+        return cls(id=s.id, cgroup_bytes=m.cgroup_bytes, pss_bytes=m.pss_bytes, uss_bytes=m.uss_bytes,
+                   anon_bytes=m.anon_bytes, processes=s.processes, cpu_s=s.cpu_s)
+
+    def record(self) -> WorkspaceStats:
+        return WorkspaceStats(self.id, MemoryStats(self.cgroup_bytes, self.pss_bytes, self.uss_bytes,
+                                                   self.anon_bytes), self.processes, self.cpu_s)
+
+
+# --- snapshots -----------------------------------------------------------------------
+
+
+class TakeSnapshot(Model):
+    mode: SnapshotMode = SnapshotMode.COW
+
+
+class SnapshotOut(Model):
+    id: str
+    source: str
+    mode: SnapshotMode
+    created_at: float
+    depth: int
+    pause_ms: float
+    size_bytes: int
+
+
+class RestoreRequest(Model):
+    count: int = Field(default=1, ge=1, le=MAX_COUNT)

@@ -1,0 +1,46 @@
+"""``bunshin serve``: the workspace API over HTTP."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+from pathlib import Path
+
+from .. import console as output
+from ..config import Config
+
+DEFAULT_PORT = 8770
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve this host's workspaces over HTTP (bearer token)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--token-file", type=Path, default=None,
+                   help="the API token (made, mode 0600, if missing; default BUNSHIN_HOME/server.token)")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ..server import create_app, ensure_token
+
+    cfg = Config.from_env()
+    token_file = args.token_file or cfg.paths.server_token
+    token = ensure_token(token_file)
+    if not _loopback(args.host):
+        output.err.print(f"[yellow]listening on {args.host}: anyone who reaches it and holds the token "
+                         "drives this host's workspaces; put TLS in front of it[/yellow]")
+    output.err.print(f"bunshin serve: http://{args.host}:{args.port}  (token: {token_file}; docs: /docs)")
+    uvicorn.run(create_app(cfg, token), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

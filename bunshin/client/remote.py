@@ -1,0 +1,248 @@
+"""Workspaces and snapshots on a served host: the third implementation of the protocols.
+
+Every call is one HTTP request; the records that come back are the same types a local
+workspace returns (``ExecResult``, ``SessionResult``, ``FileEntry``...), and errors are
+the same classes. Constructing these objects does no I/O.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol, overload
+
+import httpx
+
+from ..api import models as m
+from ..runtime.agent_types import ExecResult, FileEntry, ProcessInfo, SessionInfo, SessionResult
+from ..runtime.limits import check_timeout
+from ..runtime.records import SnapshotMode
+from ..runtime.stats import WorkspaceStats
+from ..workspace.protocol import SnapshotAPI, WorkspaceAPI
+
+
+class Client(Protocol):
+    """What remote objects need of :class:`bunshin.client.Client`: its URL and one call."""
+
+    @property
+    def url(self) -> str: ...
+
+    def request(self, method: str, path: str, *, json: Any = None, content: bytes | None = None,
+                params: dict[str, Any] | None = None, wait_s: float | None = None,
+                default_wait: bool = True) -> httpx.Response: ...
+
+GRACE_S = 30.0  # past a command's own timeout, the client stops waiting for the server
+
+
+def _wait(timeout: float | None) -> float | None:
+    return None if timeout is None else timeout + GRACE_S
+
+
+class RemoteWorkspace:
+    """A workspace on a ``bunshin serve`` host (get one from :class:`~bunshin.client.Client`)."""
+
+    def __init__(self, client: Client, out: m.WorkspaceOut) -> None:
+        self._client = client
+        self._out = out
+        self._path = f"/v1/workspaces/{out.id}"
+        self.commands = RemoteCommands(self)
+        self.files = RemoteFiles(self)
+        self.sessions = RemoteSessions(self)
+
+    @property
+    def id(self) -> str:
+        return self._out.id
+
+    @property
+    def info(self) -> m.WorkspaceOut:
+        """What the server said of it when this object was made."""
+        return self._out
+
+    @property
+    def client(self) -> Client:
+        return self._client
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    def __repr__(self) -> str:
+        return f"RemoteWorkspace({self.id!r} on {self._client.url})"
+
+    def __enter__(self) -> RemoteWorkspace:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    @overload
+    def exec(self, command: str | Sequence[str], *, timeout: float | None = None, cwd: str | None = None,
+             env: dict[str, str] | None = None, stdin: str | None = None,
+             text: Literal[True] = True) -> ExecResult[str]: ...
+
+    @overload
+    def exec(self, command: str | Sequence[str], *, timeout: float | None = None, cwd: str | None = None,
+             env: dict[str, str] | None = None, stdin: str | None = None,
+             text: Literal[False]) -> ExecResult[bytes]: ...
+
+    @overload
+    def exec(self, command: str | Sequence[str], *, timeout: float | None = None, cwd: str | None = None,
+             env: dict[str, str] | None = None, stdin: str | None = None,
+             text: bool = True) -> ExecResult[str] | ExecResult[bytes]: ...
+
+    def exec(self, command: str | Sequence[str], *, timeout: float | None = None, cwd: str | None = None,
+             env: dict[str, str] | None = None, stdin: str | None = None,
+             text: bool = True) -> ExecResult[str] | ExecResult[bytes]:
+        return self.commands.run(command, timeout=timeout, cwd=cwd, env=env, stdin=stdin, text=text)
+
+    def processes(self) -> builtins.list[ProcessInfo]:
+        r = self._client.request("GET", f"{self._path}/processes")
+        return [m.ProcessOut.model_validate(p).record() for p in r.json()]
+
+    def stats(self) -> WorkspaceStats:
+        return m.StatsOut.model_validate(self._client.request("GET", f"{self._path}/stats").json()).record()
+
+    def set_cpu_priority(self, nice: int) -> None:
+        self._client.request("PUT", f"{self._path}/cpu-priority", json=m.build(m.Priority, nice=nice).model_dump())
+
+    def is_alive(self) -> bool:
+        out = m.WorkspaceOut.model_validate(self._client.request("GET", self._path).json())
+        return out.state == "running"
+
+    def snapshot(self, *, mode: SnapshotMode | str = SnapshotMode.COW) -> RemoteSnapshot:
+        r = self._client.request("POST", f"{self._path}/snapshots", default_wait=False,
+                                 json=m.build(m.TakeSnapshot, mode=mode).model_dump(mode="json"))
+        return RemoteSnapshot(self._client, m.SnapshotOut.model_validate(r.json()))
+
+    def fork(self, n: int = 1, *, mode: SnapshotMode | str = SnapshotMode.COW) -> builtins.list[RemoteWorkspace]:
+        r = self._client.request("POST", f"{self._path}/fork", default_wait=False,
+                                 json=m.build(m.ForkRequest, count=n, mode=mode).model_dump(mode="json"))
+        out = m.ForkOut.model_validate(r.json())
+        return [RemoteWorkspace(self._client, w) for w in out.forks]
+
+    def remove(self) -> None:
+        self._client.request("DELETE", self._path)
+
+
+class RemoteSnapshot:
+    """A snapshot on a ``bunshin serve`` host."""
+
+    def __init__(self, client: Client, out: m.SnapshotOut) -> None:
+        self._client = client
+        self._out = out
+
+    @property
+    def id(self) -> str:
+        return self._out.id
+
+    @property
+    def size_bytes(self) -> int:
+        return self._out.size_bytes
+
+    @property
+    def info(self) -> m.SnapshotOut:
+        return self._out
+
+    def __repr__(self) -> str:
+        return f"RemoteSnapshot({self.id!r} on {self._client.url})"
+
+    def restore(self, n: int = 1) -> builtins.list[RemoteWorkspace]:
+        r = self._client.request("POST", f"/v1/snapshots/{self.id}/restore", default_wait=False,
+                                 json=m.build(m.RestoreRequest, count=n).model_dump())
+        return [RemoteWorkspace(self._client, m.WorkspaceOut.model_validate(w)) for w in r.json()]
+
+    def remove(self) -> None:
+        self._client.request("DELETE", f"/v1/snapshots/{self.id}")
+
+
+class RemoteCommands:
+    def __init__(self, ws: RemoteWorkspace) -> None:
+        self._ws = ws
+
+    @overload
+    def run(self, command: str | Sequence[str], *, timeout: float | None = None, cwd: str | None = None,
+            env: dict[str, str] | None = None, stdin: str | None = None, max_output: int | None = None,
+            text: Literal[True] = True) -> ExecResult[str]: ...
+
+    @overload
+    def run(self, command: str | Sequence[str], *, timeout: float | None = None, cwd: str | None = None,
+            env: dict[str, str] | None = None, stdin: str | None = None, max_output: int | None = None,
+            text: Literal[False]) -> ExecResult[bytes]: ...
+
+    @overload
+    def run(self, command: str | Sequence[str], *, timeout: float | None = None, cwd: str | None = None,
+            env: dict[str, str] | None = None, stdin: str | None = None, max_output: int | None = None,
+            text: bool = True) -> ExecResult[str] | ExecResult[bytes]: ...
+
+    def run(self, command: str | Sequence[str], *, timeout: float | None = None, cwd: str | None = None,
+            env: dict[str, str] | None = None, stdin: str | None = None, max_output: int | None = None,
+            text: bool = True) -> ExecResult[str] | ExecResult[bytes]:
+        timeout = check_timeout(timeout)
+        req = m.build(m.ExecRequest, command=command if isinstance(command, str) else list(command),
+                      timeout=timeout, cwd=cwd, env=env, stdin=stdin, max_output=max_output, text=text)
+        r = self._ws.client.request("POST", f"{self._ws.path}/exec", json=req.model_dump(),
+                                    wait_s=_wait(timeout), default_wait=False)
+        out = m.ExecOut.model_validate(r.json())
+        return out.text_result() if text else out.bytes_result()
+
+    def spawn(self, command: str | Sequence[str], *, cwd: str | None = None,
+              env: dict[str, str] | None = None) -> int:
+        req = m.build(m.SpawnRequest, command=command if isinstance(command, str) else list(command),
+                      cwd=cwd, env=env)
+        r = self._ws.client.request("POST", f"{self._ws.path}/spawn", json=req.model_dump())
+        return m.SpawnOut.model_validate(r.json()).pid
+
+
+class RemoteFiles:
+    def __init__(self, ws: RemoteWorkspace) -> None:
+        self._ws = ws
+
+    def read(self, path: str) -> bytes:
+        return self._ws.client.request("GET", f"{self._ws.path}/files/content", params={"path": path}).content
+
+    def read_text(self, path: str) -> str:
+        return self.read(path).decode()
+
+    def write(self, path: str, data: bytes | str, *, mode: int | None = None) -> int:
+        raw = data.encode() if isinstance(data, str) else data
+        r = self._ws.client.request("PUT", f"{self._ws.path}/files/content", content=raw,
+                                    params={"path": path, "mode": mode})
+        return m.Written.model_validate(r.json()).bytes
+
+    def list(self, path: str = "/") -> builtins.list[FileEntry]:
+        r = self._ws.client.request("GET", f"{self._ws.path}/files", params={"path": path})
+        return [m.FileOut.model_validate(e).record() for e in r.json()]
+
+    def remove(self, path: str, *, recursive: bool = False) -> None:
+        self._ws.client.request("DELETE", f"{self._ws.path}/files",
+                                params={"path": path, "recursive": str(recursive).lower()})
+
+
+class RemoteSessions:
+    def __init__(self, ws: RemoteWorkspace) -> None:
+        self._ws = ws
+
+    def list(self) -> builtins.list[SessionInfo]:
+        r = self._ws.client.request("GET", f"{self._ws.path}/sessions")
+        return [m.SessionOut.model_validate(s).record() for s in r.json()]
+
+    def open(self, kind: str = "bash", *, cwd: str | None = None, env: dict[str, str] | None = None) -> str:
+        r = self._ws.client.request("POST", f"{self._ws.path}/sessions",
+                                    json=m.build(m.OpenSession, kind=kind, cwd=cwd, env=env).model_dump())
+        return m.OpenedSession.model_validate(r.json()).session_id
+
+    def run(self, session_id: str, command: str, *, timeout: float | None = None,
+            max_output: int | None = None) -> SessionResult:
+        timeout = check_timeout(timeout)
+        req = m.build(m.RunInSession, command=command, timeout=timeout, max_output=max_output)
+        r = self._ws.client.request("POST", f"{self._ws.path}/sessions/{session_id}/run", json=req.model_dump(),
+                                    wait_s=_wait(timeout), default_wait=False)
+        return m.SessionRunOut.model_validate(r.json()).record()
+
+    def close(self, session_id: str) -> None:
+        self._ws.client.request("DELETE", f"{self._ws.path}/sessions/{session_id}")
+
+
+def _conforms(ws: RemoteWorkspace, snap: RemoteSnapshot) -> tuple[WorkspaceAPI, SnapshotAPI]:
+    """Never called: mypy checks here that the remote classes satisfy the protocols."""
+    return ws, snap
