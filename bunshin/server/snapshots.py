@@ -1,0 +1,35 @@
+"""Routes of snapshots: list, get, restore, remove."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+
+from ..api import models as m
+from ..workspace import Snapshot
+from .context import ServerContext, snapshot_out, workspace_out
+
+
+def router(ctx: ServerContext) -> APIRouter:
+    r = APIRouter(prefix="/v1")
+    config = ctx.config
+
+    # --- snapshots ------------------------------------------------------------------------
+
+    @r.get("/snapshots")
+    def list_snapshots() -> list[m.SnapshotOut]:
+        return [snapshot_out(s) for s in Snapshot.list(config=config)]
+
+    @r.get("/snapshots/{snap_id}")
+    def get_snapshot(snap_id: str) -> m.SnapshotOut:
+        return snapshot_out(Snapshot.get(snap_id, config=config))
+
+    @r.post("/snapshots/{snap_id}/restore", status_code=201)
+    def restore(snap_id: str, req: m.RestoreRequest) -> list[m.WorkspaceOut]:
+        return [workspace_out(w) for w in Snapshot.get(snap_id, config=config).restore(req.count)]
+
+    @r.delete("/snapshots/{snap_id}", status_code=204)
+    def remove_snapshot(snap_id: str) -> Response:
+        Snapshot.get(snap_id, config=config).remove()
+        return Response(status_code=204)
+
+    return r
