@@ -1,0 +1,37 @@
+"""A ``bunshin serve`` in a thread of this process, on a free loopback port (tests, benchmarks)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import uvicorn
+
+from ..config import Config
+from ..errors import RuntimeFailure
+from .app import create_app
+
+
+@contextmanager
+def serve_in_thread(config: Config, token: str, *, start_timeout: float = 10.0) -> Iterator[str]:
+    """Serve ``config`` until the block ends; yields the base URL (``http://127.0.0.1:PORT``)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(config, token), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="bunshin-serve", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + start_timeout
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeFailure("the in-process server did not start", hint="see the log above")
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
