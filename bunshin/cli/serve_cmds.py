@@ -25,6 +25,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..server import create_app, ensure_token
+    from ..server.thread import listening_socket
 
     cfg = Config.from_env()
     token_file = args.token_file or cfg.paths.server_token
@@ -33,7 +34,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         output.err.print(f"[yellow]listening on {args.host}: anyone who reaches it and holds the token "
                          "drives this host's workspaces; put TLS in front of it[/yellow]")
     output.err.print(f"bunshin serve: http://{args.host}:{args.port}  (token: {token_file}; docs: /docs)")
-    uvicorn.run(create_app(cfg, token), host=args.host, port=args.port, log_level="warning")
+    sock = listening_socket(args.host, args.port)
+    try:
+        uvicorn.Server(uvicorn.Config(create_app(cfg, token), log_level="warning")).run(sockets=[sock])
+    finally:
+        sock.close()
     return 0
 
 

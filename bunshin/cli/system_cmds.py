@@ -41,6 +41,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_fork, release_tmpfs=True)
 
+    b = bsub.add_parser("serve", help="the HTTP API against in-process calls: latency, exec throughput")
+    b.add_argument("--rounds", type=int, default=30, help="calls per kind (default 30)")
+    b.add_argument("--forks", type=int, default=8, help="forks per side (default 8)")
+    b.add_argument("--seconds", type=float, default=5.0, help="per throughput row (default 5)")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_serve, release_tmpfs=True)
+
     b = bsub.add_parser("rollout", help="rollouts in every mode side by side: memory, latency, rewards "
                         "(full: ~30 min; --quick: ~4 min)")
     b.add_argument("--quick", action="store_true", help="groups of 8 only, 2 tasks per workload, shorter think times")
@@ -68,6 +75,17 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         rows = [(("ok" if c.ok else ("FAIL" if c.required else "warn")), c.name, c.detail, c.fix or "") for c in checks]
         output.print_table("bunshin doctor", ["", "CHECK", "DETAIL", "FIX"], rows)
     return 1 if fatal else 0
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from ..bench import serve as bench_serve
+
+    r = bench_serve.run(Config.from_env(), rounds=args.rounds, forks=args.forks, seconds=args.seconds)
+    if args.json:
+        output.print_json(r)
+    else:
+        bench_serve.print_report(r)
+    return 0
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
