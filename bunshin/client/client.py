@@ -12,6 +12,7 @@ import httpx
 
 from ..api import models as m
 from ..errors import BunshinError, InvalidArgument, Unreachable
+from .groups import RemoteGroup, TaskLike, join
 from .remote import RemoteSnapshot, RemoteWorkspace
 
 DEFAULT_URL = "http://127.0.0.1:8770"
@@ -100,6 +101,15 @@ class Client:
     def snapshots(self) -> builtins.list[RemoteSnapshot]:
         return [RemoteSnapshot(self, m.SnapshotOut.model_validate(s))
                 for s in self.request("GET", "/v1/snapshots").json()]
+
+    def group(self, *, key: str, n: int = 1, image: str | None = None, snapshot: str | None = None,
+              task: TaskLike | None = None, tools: builtins.list[str] | None = None,
+              speculation: bool = True) -> RemoteGroup:
+        """``n`` new trajectories of the group ``key``, on the host's shared prefix cache; the
+        first caller of the key (from any process) builds its root from exactly one of
+        ``image``, ``snapshot`` or ``task`` (see :mod:`bunshin.client.groups`)."""
+        return join(self, key=key, n=n, image=image, snapshot=snapshot, task=task, tools=tools,
+                    speculation=speculation)
 
     # --- lifecycle ------------------------------------------------------------------------
 
