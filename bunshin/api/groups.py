@@ -66,12 +66,14 @@ class TrajectoryOut(Model):
 
 class GroupOut(Model):
     """``created``: this call built the root. ``trajectories``: the ones this call made
-    (``GET /v1/groups/{key}``: every open one)."""
+    (``GET /v1/groups/{key}``: every open one). ``speculation``: the cache runs likely
+    next calls ahead of time."""
 
     key: str
     root: str
     task: str | None = None
     tools: list[str]
+    speculation: bool
     created: bool = False
     trajectories: list[TrajectoryOut]
 

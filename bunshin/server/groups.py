@@ -56,6 +56,25 @@ RECORD_KIND = "group"
 REWARD_OUTPUT_CHARS = 2000
 
 
+@dataclass(frozen=True)
+class GroupRecord:
+    """What the store keeps of a group (kind ``group``, id its key): enough to find its
+    root again and to check a later caller's request against it."""
+
+    key: str
+    root: str
+    owns_root: bool
+    source: dict[str, Any]
+    created_at: float
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, data: str) -> GroupRecord:
+        return cls(**json.loads(data))
+
+
 @dataclass
 class Group:
     """One key's root, cache and open trajectories (``owns_root``: the server built it)."""
@@ -71,7 +90,8 @@ class Group:
 
     def out(self, made: list[str], *, created: bool = False) -> g.GroupOut:
         return g.GroupOut(key=self.key, root=self.root.id, task=self.task.id if self.task else None,
-                          tools=[t.name for t in self.tools], created=created,
+                          tools=[t.name for t in self.tools], speculation=self.cache.speculation is not None,
+                          created=created,
                           trajectories=[trajectory_out(self.key, tid, self.trajectories[tid]) for tid in made])
 
 
@@ -187,8 +207,7 @@ class Groups:
             root, owns = env.root, True
             assert isinstance(env.tools, ToolSet)
             tools = env.tools
-        record = {"key": req.key, "root": root.id, "owns_root": owns, "source": source,
-                  "created_at": time.time()}
+        record = GroupRecord(req.key, root.id, owns, source, time.time())
         try:
             await in_thread(lambda: self._put_record(req.key, record))
         except BaseException:
@@ -199,19 +218,17 @@ class Groups:
 
     async def _load(self, key: str) -> Group | None:
         """The group a previous server made (from its record), or None."""
-        data = await in_thread(lambda: self._get_record(key))
-        if data is None:
+        rec = await in_thread(lambda: self._get_record(key))
+        if rec is None:
             return None
-        rec = json.loads(data)
         try:
-            snap = await in_thread(lambda: Snapshot.get(rec["root"], config=self.config))
+            snap = await in_thread(lambda: Snapshot.get(rec.root, config=self.config))
         except SnapshotNotFound:  # its root went: the record is stale, the key free again
-            log.warning("group %r: root snapshot %s is gone; forgetting the group", key, rec["root"])
+            log.warning("group %r: root snapshot %s is gone; forgetting the group", key, rec.root)
             await in_thread(lambda: self._delete_record(key))
             return None
-        source: dict[str, Any] = rec["source"]
-        task, _ = _plan(g.CreateGroup.model_validate({**source, "n": 1}))
-        return self._adopt(key, AsyncSnapshot(snap), bool(rec["owns_root"]), source, task, _tools_of(task))
+        task, _ = _plan(g.CreateGroup.model_validate({**rec.source, "n": 1}))
+        return self._adopt(key, AsyncSnapshot(snap), rec.owns_root, rec.source, task, _tools_of(task))
 
     def _adopt(self, key: str, root: AsyncSnapshot, owns: bool, source: dict[str, Any], task: TaskSpec,
                tools: ToolSet) -> Group:
@@ -221,13 +238,14 @@ class Groups:
         self._groups[key] = grp
         return grp
 
-    def _put_record(self, key: str, record: dict[str, Any]) -> None:
+    def _put_record(self, key: str, record: GroupRecord) -> None:
         with Store.open(self.config.db_path) as store:
-            store.put_object(RECORD_KIND, key, json.dumps(record))
+            store.put_object(RECORD_KIND, key, record.to_json())
 
-    def _get_record(self, key: str) -> str | None:
+    def _get_record(self, key: str) -> GroupRecord | None:
         with Store.open(self.config.db_path) as store:
-            return store.get_object(RECORD_KIND, key)
+            data = store.get_object(RECORD_KIND, key)
+        return GroupRecord.from_json(data) if data is not None else None
 
     def _delete_record(self, key: str) -> None:
         with Store.open(self.config.db_path) as store:

@@ -7,6 +7,7 @@ freeing a group, bad input, and a server restart that finds the root again.
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 
 import httpx
@@ -27,9 +28,19 @@ COUNT_SETUP = TaskSpec(id="count", workdir="/tmp", setup=("echo once >> /tmp/set
                        reward="sh /tmp/score.sh")
 
 
+_barrier = None
+
+
+def _set_barrier(barrier) -> None:
+    global _barrier
+    _barrier = barrier
+
+
 def _join_and_fork(url: str, key: str, n: int) -> dict:
-    """In another process: join ``key``, make each trajectory a workspace of its own."""
+    """In another process: join ``key`` when the others do, make each trajectory a workspace."""
     with Client(url, token=TOKEN) as c:
+        c.health()
+        _barrier.wait(60)  # every process connected: the joins race
         grp = c.group(key=key, n=n, image="host")
         out = {"root": grp.root, "created": grp.created, "trajectories": [], "workspaces": []}
         for t in grp:
@@ -42,7 +53,8 @@ def _join_and_fork(url: str, key: str, n: int) -> dict:
 
 
 def test_one_key_from_several_processes_gives_one_root_and_distinct_forks(served):
-    with multiprocessing.get_context("spawn").Pool(3) as pool:
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(3, initializer=_set_barrier, initargs=(ctx.Barrier(3),)) as pool:
         outs = pool.starmap(_join_and_fork, [(served.url, "many", 2)] * 3)
     try:
         assert len({o["root"] for o in outs}) == 1
@@ -62,6 +74,7 @@ def test_calls_go_through_the_one_cache_of_the_key(served):
         a = c1.group(key="shared", n=2, image="host", tools=["bash", "read_file"])
         try:
             assert a.created and a.info.tools == ["bash", "read_file"] and len(a) == 2
+            assert a.info.speculation  # on by default
             cmd = {"command": "echo hi > /tmp/f; cat /tmp/f"}
             first = a[0].call("bash", cmd)
             assert (first.output, first.exit_code, first.cached) == ("hi\n", 0, False)
@@ -69,7 +82,7 @@ def test_calls_go_through_the_one_cache_of_the_key(served):
             assert again.cached and again.output == "hi\n"
             b = c2.group(key="shared", n=1, image="host", tools=["bash", "read_file"])
             assert not b.created and b.root == a.root
-            other = b[0].call("bash", cmd)  # another caller, the same cache
+            other = b[0].call("bash", json.dumps(cmd))  # another caller, the same cache; JSON text too
             assert other.cached and other.output == "hi\n"
             assert "hi" in b[0].call("read_file", {"path": "/tmp/f"}).output
             assert {t.id for t in a} | {t.id for t in b} == {t.id for t in a.status().trajectories}
