@@ -148,7 +148,6 @@ class Groups:
                 except SnapshotNotFound:
                     pass
             await in_thread(lambda: self._delete_record(key))  # after the root: a record may outlive it
-        self._key_locks.pop(key, None)
 
     async def aclose(self) -> None:
         """Close every group (server shutdown): roots and records stay for the next start."""
@@ -176,6 +175,8 @@ class Groups:
     # --- inside -----------------------------------------------------------------------------
 
     def _lock(self, key: str) -> asyncio.Lock:
+        """The key's lock, kept for the server's life: dropping it while a caller waits on
+        it would let a newcomer build a second root beside that caller's."""
         return self._key_locks.setdefault(key, asyncio.Lock())
 
     def _start(self, grp: Group) -> str:
