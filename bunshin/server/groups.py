@@ -39,7 +39,7 @@ from ..cache import PrefixCache, Trajectory
 from ..config import Config
 from ..errors import InvalidArgument, NotFound, SnapshotNotFound, StateConflict
 from ..rollout.envs import SnapshotEnv, in_thread, scope_tools
-from ..rollout.task import TaskSpec, parse_reward, parse_task
+from ..rollout.task import TaskSpec, parse_reward
 from ..runtime.records import SnapshotMode
 from ..runtime.store import Store
 from ..speculate import SpeculationPolicy
@@ -47,6 +47,7 @@ from ..tools import ToolSet
 from ..workspace import Snapshot, Workspace
 from ..workspace.aio import AsyncSnapshot
 from .context import ServerContext, workspace_out
+from .tasks import http_task
 
 log = logging.getLogger("bunshin.server")
 
@@ -259,13 +260,7 @@ def _plan(req: g.CreateGroup) -> tuple[TaskSpec, dict[str, Any]]:
     what a later caller of the key must ask for too (the task in its checked form)."""
     source = req.source()
     if req.task is not None:
-        task = parse_task(req.task, source="task")
-        if task.image != "host":
-            raise InvalidArgument("task: field 'image': only 'host' over HTTP", field="image",
-                                  hint="a host folder as an image is a local choice (bunshin rollout)")
-        if task.mounts:
-            raise InvalidArgument("task: field 'mounts': host folders are not shared over HTTP", field="mounts",
-                                  hint="put the files in the task's 'files' or its setup")
+        task = http_task(req.task)
         source["task"] = task.model_dump(mode="json")
     else:
         task = TaskSpec(id=req.key, memory=req.memory, pids=req.pids)
