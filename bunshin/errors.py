@@ -9,7 +9,8 @@ tree below is checked against the classes by ``tests/test_errors.py``::
 
     BunshinError
     ├── InvalidArgument (ValueError)            400 bad input: size, count, name, spec
-    │   └── ToolError                           a tool-level failure: the call's observation, not a crash
+    │   ├── ToolError                           a tool-level failure: the call's observation, not a crash
+    │   └── IdempotencyKeyReused                422 an Idempotency-Key sent again with another request
     ├── NotFound (LookupError)                  404
     │   ├── WorkspaceNotFound
     │   ├── SnapshotNotFound
@@ -17,9 +18,11 @@ tree below is checked against the classes by ``tests/test_errors.py``::
     │   └── PathNotFound (FileNotFoundError)    a path inside a workspace
     ├── Unauthorized (PermissionError)          401 no or a wrong API token
     ├── StateConflict                           409 e.g. exec into a stopped workspace
-    │   └── NotForkable                         the workspace holds something that cannot be forked safely
+    │   ├── NotForkable                         the workspace holds something that cannot be forked safely
+    │   └── RequestInProgress                   the first call with this Idempotency-Key is still running
     ├── ToolTimeout (TimeoutError)              504 a command ran past its timeout
     ├── ResourceExhausted                       507 tmpfs full, limits hit
+    │   └── RateLimited                         429 a host cap or the create/fork rate: retry after retry_after s
     ├── AgentError                              502 the in-workspace agent failed or vanished
     ├── Unreachable (ConnectionError)           503 the bunshin server did not answer
     ├── PolicyError                             502 a policy (model endpoint, trace) failed
@@ -74,6 +77,13 @@ class ToolError(InvalidArgument):
     code = "tool_error"
 
 
+class IdempotencyKeyReused(InvalidArgument):
+    """An ``Idempotency-Key`` already used for a different request (method, path or body)."""
+
+    code = "idempotency_key_reused"
+    http_status = 422
+
+
 class NotFound(BunshinError, LookupError):
     code = "not_found"
     http_status = 404
@@ -111,6 +121,13 @@ class NotForkable(StateConflict):
     code = "not_forkable"
 
 
+class RequestInProgress(StateConflict):
+    """The first call with this ``Idempotency-Key`` has not answered yet: retry after
+    ``retry_after`` seconds to get its answer."""
+
+    code = "request_in_progress"
+
+
 class ToolTimeout(BunshinError, TimeoutError):
     code = "timeout"
     http_status = 504
@@ -119,6 +136,14 @@ class ToolTimeout(BunshinError, TimeoutError):
 class ResourceExhausted(BunshinError):
     code = "resource_exhausted"
     http_status = 507
+
+
+class RateLimited(ResourceExhausted):
+    """Admission control said not now: a host cap (workspaces, memory) or the create/fork
+    rate. ``retry_after``: seconds to wait (also the answer's ``Retry-After``)."""
+
+    code = "rate_limited"
+    http_status = 429
 
 
 class AgentError(BunshinError):

@@ -12,9 +12,9 @@ import bunshin
 PUBLIC = [
     "AgentError", "AsyncSnapshot", "AsyncWorkspace", "BunshinError", "CachePolicy", "CacheStats",
     "CommandsAPI", "Config", "CriuError", "ExecResult", "FileEntry", "FileType", "FilesAPI",
-    "HostUnsupported", "ImageNotFound", "InvalidArgument", "MemoryStats", "Mount", "NotForkable",
+    "HostUnsupported", "IdempotencyKeyReused", "ImageNotFound", "InvalidArgument", "MemoryStats", "Mount", "NotForkable",
     "NotFound", "Observation", "PathNotFound", "PolicyError", "PrefixCache", "ProcessInfo",
-    "ResourceExhausted", "RuntimeFailure", "Session", "SessionInfo", "SessionResult", "SessionsAPI",
+    "RateLimited", "RequestInProgress", "ResourceExhausted", "RuntimeFailure", "Session", "SessionInfo", "SessionResult", "SessionsAPI",
     "SetupFailed", "Snapshot", "SnapshotAPI", "SnapshotMode", "SnapshotNotFound", "SpeculationPolicy",
     "SpeculationStats", "StateConflict", "ThreadBridge", "Tool", "ToolError", "ToolSet", "ToolSpec", "ToolTimeout",
     "Trajectory", "Unauthorized", "Unreachable", "Workspace", "WorkspaceAPI", "WorkspaceInfo", "WorkspaceNotFound", "WorkspaceState",

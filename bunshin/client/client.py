@@ -1,9 +1,14 @@
-"""The HTTP client of ``bunshin serve``: one connection pool, errors rebuilt as bunshin's own."""
+"""The HTTP client of ``bunshin serve``: one connection pool, errors rebuilt as bunshin's own,
+calls refused by admission control resent after Retry-After, mutations idempotent."""
 
 from __future__ import annotations
 
 import builtins
+import functools
 import os
+import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -11,7 +16,7 @@ from typing import Any
 import httpx
 
 from ..api import models as m
-from ..errors import BunshinError, InvalidArgument, Unreachable
+from ..errors import BunshinError, InvalidArgument, RateLimited, RequestInProgress, Unreachable
 from .groups import RemoteGroup, TaskLike, join
 from .remote import RemoteSnapshot, RemoteWorkspace
 
@@ -20,16 +25,35 @@ DEFAULT_URL = "http://127.0.0.1:8770"
 ANSWER_GRACE_S = 30.0
 
 
+@dataclass(frozen=True)
+class Retry:
+    """How long a call is sent again: at most ``attempts`` sends within ``total_s``
+    seconds, each wait the server's Retry-After (capped at ``max_wait_s``), or for an
+    idempotent call that could not connect ``backoff_s`` doubled each time.
+    ``Retry(attempts=1)`` sends every call once."""
+
+    attempts: int = 10
+    total_s: float = 120.0
+    max_wait_s: float = 30.0
+    backoff_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1 or self.total_s < 0 or self.max_wait_s < 0 or self.backoff_s < 0:
+            raise InvalidArgument(f"bad {self!r}", hint="attempts >= 1 and times >= 0")
+
+
 class Client:
     """A ``bunshin serve`` host. ``token`` (or ``token_file``, or ``BUNSHIN_TOKEN``) is required.
 
     ``timeout``: seconds for calls without a timeout of their own (forks, restores,
-    file transfers); ``None`` waits as long as the server works.
+    file transfers); ``None`` waits as long as the server works. ``retry``: how calls
+    refused with 429 (and idempotent mutations that failed to connect) are resent.
+    Creates, forks, snapshots and restores carry an ``Idempotency-Key``, one per call.
     """
 
     def __init__(self, url: str = DEFAULT_URL, *, token: str | None = None,
                  token_file: str | Path | None = None, timeout: float | None = 300.0,
-                 transport: httpx.BaseTransport | None = None) -> None:
+                 retry: Retry | None = None, transport: httpx.BaseTransport | None = None) -> None:
         if token is None and token_file is not None:
             token = Path(token_file).read_text().strip()
         token = token or os.environ.get("BUNSHIN_TOKEN")
@@ -38,6 +62,7 @@ class Client:
                                                        "(the server's BUNSHIN_HOME/server.token)")
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self.retry = retry or Retry()
         self._http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"},
                                   timeout=timeout, transport=transport)
 
@@ -50,25 +75,40 @@ class Client:
 
     def request(self, method: str, path: str, *, json: Any = None, content: bytes | None = None,
                 params: dict[str, Any] | None = None, wait_s: float | None = None,
-                default_wait: bool = True) -> httpx.Response:
-        """One call; a bunshin error answered by the server is raised as its own class.
+                default_wait: bool = True, idempotent: bool = False) -> httpx.Response:
+        """One logical call; a bunshin error answered by the server is raised as its own class.
 
         ``wait_s``: how long the server may take (a command's timeout plus a grace);
-        with ``default_wait`` off and no ``wait_s``, no limit."""
+        with ``default_wait`` off and no ``wait_s``, no limit. Refused by admission
+        control (429), the call is sent again after the answer's Retry-After, within
+        ``self.retry``. ``idempotent``: a mutation made safe to resend: one
+        ``Idempotency-Key`` for all its attempts, and resent also when it could not
+        connect or the first attempt with the key still runs (409 ``request_in_progress``).
+        A connection lost mid-call is never resent (the server may have died in it)."""
         timeout: float | None = self.timeout if default_wait and wait_s is None else wait_s
-        try:
-            r = self._http.request(method, path, json=json, content=content,
-                                   params={k: v for k, v in (params or {}).items() if v is not None},
-                                   timeout=httpx.Timeout(timeout, connect=10.0))
-        except httpx.TimeoutException as exc:
-            raise Unreachable(f"{method} {self.url}{path}: no answer within {timeout} s ({exc})",
-                              hint="the call may still be running on the server") from None
-        except httpx.TransportError as exc:
-            raise Unreachable(f"{method} {self.url}{path}: {exc}",
-                              hint="is `bunshin serve` running there? (GET /v1/health needs no token)") from None
-        if r.status_code >= 400:
-            raise _error_of(r)
-        return r
+        headers = {"Idempotency-Key": uuid.uuid4().hex} if idempotent else None
+        send = functools.partial(self._http.request, method, path, json=json, content=content, headers=headers,
+                                 params={k: v for k, v in (params or {}).items() if v is not None},
+                                 timeout=httpx.Timeout(timeout, connect=10.0))
+        deadline = time.monotonic() + self.retry.total_s
+        for attempt in range(1, self.retry.attempts + 1):
+            try:
+                r = send()
+            except httpx.TransportError as exc:
+                err: BunshinError = _unreachable(method, f"{self.url}{path}", timeout, exc)
+                # never sent (connect failed): safe to resend a keyed call. A connection lost
+                # mid-call is not resent: the server may have died in it (``bunshin gc``)
+                sent = not isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
+                wait = None if sent or not idempotent else self.retry.backoff_s * 2 ** (attempt - 1)
+            else:
+                if r.status_code < 400:
+                    return r
+                err = _error_of(r)
+                wait = _retry_after(r, err, idempotent)
+            if wait is None or attempt == self.retry.attempts or time.monotonic() + wait > deadline:
+                raise err
+            time.sleep(min(wait, self.retry.max_wait_s))
+        raise AssertionError("unreachable: the last attempt raises")
 
     def health(self) -> m.Health:
         return m.Health.model_validate(self.request("GET", "/v1/health").json())
@@ -85,7 +125,8 @@ class Client:
                     memory: str | int | None = "2G", pids: int | None = 512) -> builtins.list[RemoteWorkspace]:
         """``count`` new workspaces: all of them or none."""
         req = m.build(m.CreateWorkspace, image=image, name=name, memory=memory, pids=pids, count=count)
-        r = self.request("POST", "/v1/workspaces", json=req.model_dump(mode="json"), default_wait=False)
+        r = self.request("POST", "/v1/workspaces", json=req.model_dump(mode="json"), default_wait=False,
+                         idempotent=True)
         return [RemoteWorkspace(self, m.WorkspaceOut.model_validate(w)) for w in r.json()]
 
     def get(self, ref: str) -> RemoteWorkspace:
@@ -124,6 +165,25 @@ class Client:
 
     def __repr__(self) -> str:
         return f"Client({self.url!r})"
+
+
+def _unreachable(method: str, url: str, timeout: float | None, exc: httpx.TransportError) -> Unreachable:
+    if isinstance(exc, httpx.TimeoutException):
+        return Unreachable(f"{method} {url}: no answer within {timeout} s ({exc})",
+                           hint="the call may still be running on the server")
+    return Unreachable(f"{method} {url}: {exc}",
+                       hint="is `bunshin serve` running there? (GET /v1/health needs no token)")
+
+
+def _retry_after(r: httpx.Response, err: BunshinError, idempotent: bool) -> float | None:
+    """Seconds to wait before sending ``r``'s call again, or None: do not."""
+    if not (isinstance(err, RateLimited) or (idempotent and isinstance(err, RequestInProgress))):
+        return None
+    given = err.details.get("retry_after", r.headers.get("retry-after"))
+    try:
+        return max(0.0, float(given))
+    except (TypeError, ValueError):
+        return 1.0
 
 
 def _error_of(r: httpx.Response) -> BunshinError:

@@ -29,7 +29,7 @@ class Client(Protocol):
 
     def request(self, method: str, path: str, *, json: Any = None, content: bytes | None = None,
                 params: dict[str, Any] | None = None, wait_s: float | None = None,
-                default_wait: bool = True) -> httpx.Response: ...
+                default_wait: bool = True, idempotent: bool = False) -> httpx.Response: ...
 
 GRACE_S = 30.0  # past a command's own timeout, the client stops waiting for the server
 
@@ -110,12 +110,12 @@ class RemoteWorkspace:
         return out.state == "running"
 
     def snapshot(self, *, mode: SnapshotMode | str = SnapshotMode.COW) -> RemoteSnapshot:
-        r = self._client.request("POST", f"{self._path}/snapshots", default_wait=False,
+        r = self._client.request("POST", f"{self._path}/snapshots", default_wait=False, idempotent=True,
                                  json=m.build(m.TakeSnapshot, mode=mode).model_dump(mode="json"))
         return RemoteSnapshot(self._client, m.SnapshotOut.model_validate(r.json()))
 
     def fork(self, n: int = 1, *, mode: SnapshotMode | str = SnapshotMode.COW) -> builtins.list[RemoteWorkspace]:
-        r = self._client.request("POST", f"{self._path}/fork", default_wait=False,
+        r = self._client.request("POST", f"{self._path}/fork", default_wait=False, idempotent=True,
                                  json=m.build(m.ForkRequest, count=n, mode=mode).model_dump(mode="json"))
         out = m.ForkOut.model_validate(r.json())
         return [RemoteWorkspace(self._client, w) for w in out.forks]
@@ -147,7 +147,7 @@ class RemoteSnapshot:
         return f"RemoteSnapshot({self.id!r} on {self._client.url})"
 
     def restore(self, n: int = 1) -> builtins.list[RemoteWorkspace]:
-        r = self._client.request("POST", f"/v1/snapshots/{self.id}/restore", default_wait=False,
+        r = self._client.request("POST", f"/v1/snapshots/{self.id}/restore", default_wait=False, idempotent=True,
                                  json=m.build(m.RestoreRequest, count=n).model_dump())
         return [RemoteWorkspace(self._client, m.WorkspaceOut.model_validate(w)) for w in r.json()]
 

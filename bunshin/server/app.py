@@ -11,6 +11,7 @@ code, message, hint and details and its HTTP status; bad requests are
 from __future__ import annotations
 
 import hmac
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -23,7 +24,8 @@ from .. import __version__
 from ..api import models as m
 from ..config import Config
 from ..errors import BunshinError, InvalidArgument, Unauthorized
-from . import snapshots, workspaces
+from . import groups, rollouts, snapshots, workspaces
+from .admission import Limits
 from .context import ServerContext
 
 #: Threads for blocking routes: each command, fork or session run in flight holds one.
@@ -32,13 +34,16 @@ THREADS = 256
 
 def _error(exc: BunshinError) -> JSONResponse:
     body = m.ErrorOut(code=exc.code, message=exc.message, hint=exc.hint, details=exc.details)
-    headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthorized) else None
+    headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthorized) else {}
+    if isinstance(exc.details.get("retry_after"), int | float):  # RateLimited, RequestInProgress
+        headers["Retry-After"] = str(max(1, math.ceil(exc.details["retry_after"])))
     return JSONResponse(body.model_dump(), status_code=exc.http_status, headers=headers)
 
 
-def create_app(config: Config, token: str) -> FastAPI:
-    """The app serving ``config``'s workspaces to callers holding ``token``."""
-    ctx = ServerContext(config, token)
+def create_app(config: Config, token: str, *, limits: Limits | None = None) -> FastAPI:
+    """The app serving ``config``'s workspaces to callers holding ``token``, within
+    ``limits`` (admission control: caps and the create/fork rate; none by default)."""
+    ctx = ServerContext(config, token, limits or Limits())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -72,4 +77,6 @@ def create_app(config: Config, token: str) -> FastAPI:
     auth = [Depends(authorized)]
     app.include_router(workspaces.router(ctx), dependencies=auth)
     app.include_router(snapshots.router(ctx), dependencies=auth)
+    app.include_router(groups.router(ctx), dependencies=auth)
+    app.include_router(rollouts.router(ctx), dependencies=auth)
     return app

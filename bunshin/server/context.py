@@ -1,4 +1,5 @@
-"""What every route of the server shares: the config, the token, a lock per workspace."""
+"""What every route of the server shares: the config, the token, a lock per workspace,
+admission control and the idempotency keys."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from fastapi import Query
 from ..api import models as m
 from ..config import Config
 from ..workspace import Snapshot, Workspace
+from .admission import Admission, Limits
+from .idempotency import Idempotency
 
 T = TypeVar("T")
 #: Largest file body a PUT takes.
@@ -45,7 +48,14 @@ class Locks:
 class ServerContext:
     config: Config
     token: str
+    limits: Limits = field(default_factory=Limits)
     locks: Locks = field(default_factory=Locks)
+    admission: Admission = field(init=False)
+    idempotency: Idempotency = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.admission = Admission(self.config, self.limits)
+        self.idempotency = Idempotency(self.config)
 
     def ws_of(self, ws_id: str) -> Workspace:
         return Workspace.get(ws_id, config=self.config)

@@ -1,4 +1,4 @@
-"""Routes of snapshots: list, get, restore, remove."""
+"""Routes of snapshots: list, get, restore (idempotent, admitted like a create), remove."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from fastapi import APIRouter, Response
 from ..api import models as m
 from ..workspace import Snapshot
 from .context import ServerContext, snapshot_out, workspace_out
+from .idempotency import IdemKey
 
 
 def router(ctx: ServerContext) -> APIRouter:
@@ -23,9 +24,13 @@ def router(ctx: ServerContext) -> APIRouter:
     def get_snapshot(snap_id: str) -> m.SnapshotOut:
         return snapshot_out(Snapshot.get(snap_id, config=config))
 
-    @r.post("/snapshots/{snap_id}/restore", status_code=201)
-    def restore(snap_id: str, req: m.RestoreRequest) -> list[m.WorkspaceOut]:
-        return [workspace_out(w) for w in Snapshot.get(snap_id, config=config).restore(req.count)]
+    @r.post("/snapshots/{snap_id}/restore", status_code=201, response_model=list[m.WorkspaceOut])
+    def restore(snap_id: str, req: m.RestoreRequest, key: IdemKey) -> Response:
+        def go() -> list[m.WorkspaceOut]:
+            snap = Snapshot.get(snap_id, config=config)
+            with ctx.admission.admit(req.count, snap.record.memory_limit):
+                return [workspace_out(w) for w in snap.restore(req.count)]
+        return ctx.idempotency.run(key, "POST", f"/v1/snapshots/{snap_id}/restore", req, 201, go)
 
     @r.delete("/snapshots/{snap_id}", status_code=204)
     def remove_snapshot(snap_id: str) -> Response:

@@ -13,6 +13,7 @@ import uvicorn
 
 from ..config import Config
 from ..errors import RuntimeFailure
+from .admission import Limits
 from .app import create_app
 
 
@@ -29,11 +30,13 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 @contextmanager
-def serve_in_thread(config: Config, token: str, *, start_timeout: float = 10.0) -> Iterator[str]:
-    """Serve ``config`` until the block ends; yields the base URL (``http://127.0.0.1:PORT``)."""
+def serve_in_thread(config: Config, token: str, *, start_timeout: float = 10.0,
+                    limits: Limits | None = None) -> Iterator[str]:
+    """Serve ``config`` (within ``limits``) until the block ends; yields the base URL
+    (``http://127.0.0.1:PORT``)."""
     sock = listening_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(config, token), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(config, token, limits=limits), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="bunshin-serve", daemon=True)
     thread.start()
     try:

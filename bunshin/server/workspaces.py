@@ -1,4 +1,7 @@
-"""Routes of workspaces: create, list, get, remove, fork, snapshot, commands, sessions, files."""
+"""Routes of workspaces: create, list, get, remove, fork, snapshot, commands, sessions, files.
+
+Create, fork and snapshot take an ``Idempotency-Key`` (:mod:`.idempotency`); create and
+fork pass admission control first (:mod:`.admission`)."""
 
 from __future__ import annotations
 
@@ -9,29 +12,35 @@ from fastapi import APIRouter, Request, Response
 
 from ..api import models as m
 from ..errors import InvalidArgument
+from ..runtime.cgroups import parse_size
 from ..workspace import Workspace
 from .context import MAX_FILE_BYTES, ModeQ, PathQ, ServerContext, snapshot_out, workspace_out
+from .idempotency import IdemKey
 
 
 def router(ctx: ServerContext) -> APIRouter:
     r = APIRouter(prefix="/v1")
     config, locks, ws_of, locked = ctx.config, ctx.locks, ctx.ws_of, ctx.locked
+    admission, once = ctx.admission, ctx.idempotency.run
 
     # --- workspaces -------------------------------------------------------------------
 
-    @r.post("/workspaces", status_code=201)
-    def create(req: m.CreateWorkspace) -> list[m.WorkspaceOut]:
-        made: list[Workspace] = []
-        try:
-            for i in range(req.count):
-                name = req.name if req.count == 1 or req.name is None else f"{req.name}-{i}"
-                made.append(Workspace.create(req.image, name=name, memory=req.memory, pids=req.pids,
-                                             config=config))
-        except BaseException:
-            for ws in made:  # all or none
-                ws.remove()
-            raise
-        return [workspace_out(ws) for ws in made]
+    @r.post("/workspaces", status_code=201, response_model=list[m.WorkspaceOut])
+    def create(req: m.CreateWorkspace, key: IdemKey) -> Response:
+        def go() -> list[m.WorkspaceOut]:
+            made: list[Workspace] = []
+            with admission.admit(req.count, parse_size(req.memory)):
+                try:
+                    for i in range(req.count):
+                        name = req.name if req.count == 1 or req.name is None else f"{req.name}-{i}"
+                        made.append(Workspace.create(req.image, name=name, memory=req.memory, pids=req.pids,
+                                                     config=config))
+                except BaseException:
+                    for ws in made:  # all or none
+                        ws.remove()
+                    raise
+            return [workspace_out(ws) for ws in made]
+        return once(key, "POST", "/v1/workspaces", req, 201, go)
 
     @r.get("/workspaces")
     def list_workspaces() -> list[m.WorkspaceOut]:
@@ -50,19 +59,21 @@ def router(ctx: ServerContext) -> APIRouter:
         locks.drop(ws.id)
         return Response(status_code=204)
 
-    @r.post("/workspaces/{ws_id}/fork")
-    def fork(ws_id: str, req: m.ForkRequest) -> m.ForkOut:
+    @r.post("/workspaces/{ws_id}/fork", response_model=m.ForkOut)
+    def fork(ws_id: str, req: m.ForkRequest, key: IdemKey) -> Response:
         def go(ws: Workspace) -> m.ForkOut:
-            clones = ws.fork(req.count, mode=req.mode)
+            with admission.admit(req.count, ws.info().memory_limit):
+                clones = ws.fork(req.count, mode=req.mode)
             snap = ws.last_fork
             return m.ForkOut(parent=ws.id, snapshot=snap.id if snap else None,
                              pause_ms=snap.pause_ms if snap else None,
                              forks=[workspace_out(c) for c in clones])
-        return locked(ws_id, go)
+        return once(key, "POST", f"/v1/workspaces/{ws_id}/fork", req, 200, lambda: locked(ws_id, go))
 
-    @r.post("/workspaces/{ws_id}/snapshots", status_code=201)
-    def take_snapshot(ws_id: str, req: m.TakeSnapshot) -> m.SnapshotOut:
-        return locked(ws_id, lambda ws: snapshot_out(ws.snapshot(mode=req.mode)))
+    @r.post("/workspaces/{ws_id}/snapshots", status_code=201, response_model=m.SnapshotOut)
+    def take_snapshot(ws_id: str, req: m.TakeSnapshot, key: IdemKey) -> Response:
+        return once(key, "POST", f"/v1/workspaces/{ws_id}/snapshots", req, 201,
+                    lambda: locked(ws_id, lambda ws: snapshot_out(ws.snapshot(mode=req.mode))))
 
     @r.put("/workspaces/{ws_id}/cpu-priority", status_code=204)
     def cpu_priority(ws_id: str, req: m.Priority) -> Response:

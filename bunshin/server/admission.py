@@ -1,0 +1,134 @@
+"""Admission control: per-host caps and a create/fork rate, so a trainer cannot OOM the host.
+
+Every call that makes workspaces (create, fork, restore) asks :meth:`Admission.admit`
+first. Refused calls did nothing and answer :class:`~bunshin.errors.RateLimited`
+(429, ``Retry-After``); :class:`bunshin.client.Client` waits and retries.
+
+- ``max_workspaces``: live workspaces on the host (the store's records that are not
+  dead) plus those being made by calls in flight;
+- ``max_memory``: the sum of their memory limits (a workspace's cgroup ``memory.max``
+  is the most it can take, so the sum bounds what they can take together). Under a
+  memory cap a workspace without a limit is refused: it could take the whole host;
+- ``rate`` / ``burst``: a token bucket of workspaces made per second, ``burst``
+  at once; a batch larger than the bucket waits for a full bucket and takes it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from ..config import Config
+from ..errors import InvalidArgument, RateLimited
+from ..runtime.records import WorkspaceState
+from ..workspace import Workspace
+
+#: What a caller refused by a cap is told to wait: capacity frees when someone removes a workspace.
+CAP_RETRY_S = 1.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    """``None``: no limit. ``max_memory`` in bytes; ``rate`` in workspaces per second."""
+
+    max_workspaces: int | None = None
+    max_memory: int | None = None
+    rate: float | None = None
+    burst: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("max_workspaces", "max_memory"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise InvalidArgument(f"{name} must be >= 1, not {v}")
+        if self.rate is not None and not (self.rate > 0 and math.isfinite(self.rate)):
+            raise InvalidArgument(f"rate must be a positive number, not {self.rate}")
+        if self.burst < 1:
+            raise InvalidArgument(f"burst must be >= 1, not {self.burst}")
+
+
+class TokenBucket:
+    """``rate`` tokens a second, at most ``burst`` saved. Thread-safe."""
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self._rate = rate
+        self._burst = float(burst)
+        self._tokens = float(burst)
+        self._at = time.monotonic()
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> float:
+        """Take ``min(n, burst)`` tokens: 0.0 if taken, else the seconds until they are there."""
+        want = min(float(n), self._burst)
+        with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self._burst, self._tokens + (now - self._at) * self._rate)
+            self._at = now
+            if self._tokens >= want:
+                self._tokens -= want
+                return 0.0
+            return (want - self._tokens) / self._rate
+
+
+class Admission:
+    """The caps and the bucket of one server."""
+
+    def __init__(self, config: Config, limits: Limits) -> None:
+        self._config = config
+        self.limits = limits
+        self._bucket = TokenBucket(limits.rate, limits.burst) if limits.rate is not None else None
+        self._lock = threading.Lock()
+        self._pending_n = 0
+        self._pending_mem = 0
+
+    @contextmanager
+    def admit(self, count: int, memory_each: int | None) -> Iterator[None]:
+        """Run the block if ``count`` more workspaces of ``memory_each`` bytes fit, else
+        raise :class:`RateLimited`. They count as pending until the block ends (by then
+        they are in the store, or were never made)."""
+        lim = self.limits
+        if lim.max_workspaces is None and lim.max_memory is None and self._bucket is None:
+            yield
+            return
+        if lim.max_memory is not None and memory_each is None:
+            raise InvalidArgument("this host caps the workspaces' total memory: a workspace needs a memory limit",
+                                  hint="pass memory=, e.g. '1G'")
+        mem = (memory_each or 0) * count
+        if (lim.max_workspaces is not None and count > lim.max_workspaces) or \
+                (lim.max_memory is not None and mem > lim.max_memory):
+            raise InvalidArgument(f"{count} workspaces of {(memory_each or 0) >> 20} MiB never fit this host's caps "
+                                  f"({lim.max_workspaces} workspaces, {(lim.max_memory or 0) >> 20} MiB)",
+                                  hint="ask for fewer or smaller ones")
+        with self._lock:
+            self._check_caps(count, mem)
+            if self._bucket is not None and (wait := self._bucket.take(count)) > 0:
+                raise RateLimited(f"over the create/fork rate ({lim.rate:g} workspaces/s, burst {lim.burst})",
+                                  hint=f"retry in {wait:.2f} s", retry_after=math.ceil(wait * 100) / 100)
+            self._pending_n += count
+            self._pending_mem += mem
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._pending_n -= count
+                self._pending_mem -= mem
+
+    def _check_caps(self, count: int, mem: int) -> None:
+        lim = self.limits
+        live = [i for i in Workspace.list(config=self._config) if i.state != WorkspaceState.DEAD.value]
+        n = len(live) + self._pending_n
+        if lim.max_workspaces is not None and n + count > lim.max_workspaces:
+            raise RateLimited(f"{n} workspaces on this host; {count} more would pass its cap of "
+                              f"{lim.max_workspaces}", hint="retry once some are removed",
+                              retry_after=CAP_RETRY_S, cap="workspaces")
+        if lim.max_memory is not None:
+            used = sum(i.memory_limit or 0 for i in live) + self._pending_mem
+            if used + mem > lim.max_memory:
+                raise RateLimited(f"the workspaces' memory limits add up to {used >> 20} MiB; {mem >> 20} MiB "
+                                  f"more would pass this host's cap of {lim.max_memory >> 20} MiB",
+                                  hint="retry once some are removed, or ask for less memory",
+                                  retry_after=CAP_RETRY_S, cap="memory")
