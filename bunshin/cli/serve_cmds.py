@@ -18,16 +18,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--token-file", type=Path, default=None,
                    help="the API token (made, mode 0600, if missing; default BUNSHIN_HOME/server.token)")
+    p.add_argument("--max-workspaces", type=int, default=None, metavar="N",
+                   help="refuse (429) creates and forks past N live workspaces on this host")
+    p.add_argument("--max-memory", default=None, metavar="SIZE",
+                   help="refuse (429) creates and forks past this sum of memory limits, e.g. 48G")
+    p.add_argument("--rate", type=float, default=None, metavar="PER_S",
+                   help="workspaces made per second (creates, forks, restores; token bucket)")
+    p.add_argument("--burst", type=int, default=8, help="workspaces made at once under --rate (default 8)")
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from ..runtime.cgroups import parse_size
     from ..server import create_app, ensure_token
+    from ..server.admission import Limits
     from ..server.thread import listening_socket
 
     cfg = Config.from_env()
+    limits = Limits(max_workspaces=args.max_workspaces, max_memory=parse_size(args.max_memory),
+                    rate=args.rate, burst=args.burst)
     token_file = args.token_file or cfg.paths.server_token
     token = ensure_token(token_file)
     if not _loopback(args.host):
@@ -36,7 +47,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     output.err.print(f"bunshin serve: http://{args.host}:{args.port}  (token: {token_file}; docs: /docs)")
     sock = listening_socket(args.host, args.port)
     try:
-        uvicorn.Server(uvicorn.Config(create_app(cfg, token), log_level="warning")).run(sockets=[sock])
+        uvicorn.Server(uvicorn.Config(create_app(cfg, token, limits=limits), log_level="warning")).run(sockets=[sock])
     finally:
         sock.close()
     return 0

@@ -1,0 +1,110 @@
+"""Admission control over real HTTP: caps and the create/fork rate answer 429 + Retry-After,
+and the client waits, resends (with the same Idempotency-Key) and gets through."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from bunshin import InvalidArgument, RateLimited
+from bunshin.client import Client, Retry
+from bunshin.server.admission import Limits
+from bunshin.server.thread import serve_in_thread
+
+from .conftest import TOKEN
+
+pytestmark = [pytest.mark.integration, pytest.mark.criu]
+ONCE = Retry(attempts=1)
+
+
+class Recording(httpx.HTTPTransport):
+    """Keeps every request's method, path, Idempotency-Key and answer status."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, str, str | None, int]] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        r = super().handle_request(request)
+        self.seen.append((request.method, request.url.path, request.headers.get("idempotency-key"), r.status_code))
+        return r
+
+
+@pytest.fixture
+def limited(no_leaks, request) -> Iterator[str]:
+    with serve_in_thread(no_leaks, TOKEN, limits=request.param) as url:
+        yield url
+
+
+@pytest.mark.parametrize("limited", [Limits(max_workspaces=1)], indirect=True)
+def test_the_workspace_cap_answers_429_and_the_retry_gets_in_once_one_is_removed(limited):
+    rec = Recording()
+    with Client(limited, token=TOKEN, transport=rec) as c:
+        first = c.create(memory="1G")
+        r = httpx.post(f"{limited}/v1/workspaces", json={"memory": "1G"},
+                       headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 429 and r.json()["code"] == "rate_limited" and int(r.headers["retry-after"]) >= 1
+        with Client(limited, token=TOKEN, retry=ONCE) as impatient, pytest.raises(RateLimited, match="cap of 1"):
+            impatient.create(memory="1G")
+        with pytest.raises(RateLimited):  # forks are admitted like creates
+            first.fork(1)
+        timer = threading.Timer(1.5, first.remove)  # another caller frees the slot
+        timer.start()
+        t0 = time.monotonic()
+        second = c.create(memory="1G")
+        assert time.monotonic() - t0 >= 1.0
+        timer.join()
+        assert [w.id for w in c.list()] == [second.id]
+        creates = [s for s in rec.seen if s[:2] == ("POST", "/v1/workspaces")]
+        assert [s[3] for s in creates][-1] == 201 and 429 in [s[3] for s in creates]
+        keys = {s[2] for s in creates[1:]}  # every attempt of the second create: one key
+        assert len(keys) == 1 and None not in keys and creates[0][2] not in keys
+        second.remove()
+
+
+@pytest.mark.parametrize("limited", [Limits(max_memory=1536 << 20)], indirect=True)
+def test_the_memory_cap_counts_memory_limits(limited):
+    with Client(limited, token=TOKEN, retry=ONCE) as c:
+        ws = c.create(memory="1G")
+        try:
+            with pytest.raises(RateLimited, match="memory limits add up to 1024 MiB"):
+                ws.fork(1)
+            with pytest.raises(RateLimited):
+                c.create(memory="1G")
+            small = c.create(memory="256M")  # still fits
+            small.remove()
+            with pytest.raises(InvalidArgument, match="never fit"):
+                c.create(memory="2G")
+            with pytest.raises(InvalidArgument, match="needs a memory limit"):
+                c.create(memory=None)
+        finally:
+            ws.remove()
+
+
+@pytest.mark.parametrize("limited", [Limits(rate=1.0, burst=1)], indirect=True)
+def test_the_rate_limit_refuses_a_burst_and_the_client_waits_it_out(limited):
+    with Client(limited, token=TOKEN, retry=ONCE) as impatient, Client(limited, token=TOKEN) as patient:
+        a = patient.create(memory="512M")
+        try:
+            with pytest.raises(RateLimited, match="rate") as info:
+                impatient.create(memory="512M")
+            assert 0 < info.value.details["retry_after"] <= 1.0
+            t0 = time.monotonic()
+            b = patient.create(memory="512M")  # waits Retry-After, then gets in
+            waited = time.monotonic() - t0
+            b.remove()
+            assert waited > 0.2
+        finally:
+            a.remove()
+
+
+def test_limits_refuse_nonsense():
+    for bad in ({"max_workspaces": 0}, {"rate": 0.0}, {"rate": float("inf")}, {"burst": 0}):
+        with pytest.raises(InvalidArgument):
+            Limits(**bad)
+    with pytest.raises(InvalidArgument):
+        Retry(attempts=0)
