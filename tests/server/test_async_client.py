@@ -7,7 +7,14 @@ import asyncio
 
 import pytest
 
-from bunshin import AsyncSnapshot, AsyncWorkspace, PrefixCache, RateLimited, ToolSet, WorkspaceNotFound
+from bunshin import (
+    AsyncSnapshot,
+    AsyncWorkspace,
+    PrefixCache,
+    RateLimited,
+    ToolSet,
+    WorkspaceNotFound,
+)
 from bunshin.client import AsyncClient, RemoteWorkspace, Retry
 from bunshin.server.admission import Limits
 from bunshin.server.thread import serve_in_thread
