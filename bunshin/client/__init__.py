@@ -10,6 +10,8 @@ creates, forks, snapshots and restores carry one ``Idempotency-Key`` per call.
 
 from .aio import AsyncClient
 from .client import Client, Retry
+from .groups import RemoteGroup, RemoteTrajectory
 from .remote import RemoteSnapshot, RemoteWorkspace
 
-__all__ = ["AsyncClient", "Client", "RemoteSnapshot", "RemoteWorkspace", "Retry"]
+__all__ = ["AsyncClient", "Client", "RemoteGroup", "RemoteSnapshot", "RemoteTrajectory", "RemoteWorkspace",
+           "Retry"]

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from ..api import models as m
+from ..api import rollouts as r
 from ..errors import BunshinError, InvalidArgument, RateLimited, RequestInProgress, Unreachable
 from .groups import RemoteGroup, TaskLike, join
 from .remote import RemoteSnapshot, RemoteWorkspace
@@ -151,6 +152,16 @@ class Client:
         ``image``, ``snapshot`` or ``task`` (see :mod:`bunshin.client.groups`)."""
         return join(self, key=key, n=n, image=image, snapshot=snapshot, task=task, tools=tools,
                     speculation=speculation)
+
+    def rollouts(self, task: TaskLike, n: int, *, base_url: str, model: str, api_key: str | None = None,
+                 mode: str = "bunshin", speculation: bool = True, **policy: Any) -> r.RolloutsOut:
+        """A whole group of ``n`` trajectories of ``task`` run on the host against the
+        OpenAI-compatible endpoint ``base_url`` (called from the host); its rows."""
+        task_json = task.model_dump(mode="json") if hasattr(task, "model_dump") else dict(task)
+        req = m.build(r.RunRollouts, task=task_json, n=n, mode=mode, speculation=speculation,
+                      policy={"base_url": base_url, "model": model, "api_key": api_key, **policy})
+        resp = self.request("POST", "/v1/rollouts", json=req.model_dump(mode="json"), default_wait=False)
+        return r.RolloutsOut.model_validate(resp.json())
 
     # --- lifecycle ------------------------------------------------------------------------
 

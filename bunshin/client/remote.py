@@ -18,6 +18,7 @@ from ..runtime.agent_types import ExecResult, FileEntry, ProcessInfo, SessionInf
 from ..runtime.limits import check_timeout
 from ..runtime.records import SnapshotMode
 from ..runtime.stats import WorkspaceStats
+from ..tools.spec import Observation
 from ..workspace.protocol import SnapshotAPI, WorkspaceAPI
 
 
@@ -122,6 +123,13 @@ class RemoteWorkspace:
 
     def remove(self) -> None:
         self._client.request("DELETE", self._path)
+
+    def run_tool(self, name: str, arguments: dict[str, Any] | str | None = None, *,
+                 workdir: str = "/") -> Observation:
+        """One call of the server's built-in tool set in this workspace (no cache)."""
+        r = self._client.request("POST", f"{self._path}/tools/{name}", default_wait=False,
+                                 json={"arguments": arguments or {}, "workdir": workdir})
+        return Observation(**r.json())
 
 
 class RemoteSnapshot:

@@ -173,3 +173,15 @@ def test_remote_objects_do_no_io_when_made():
     with pytest.raises(Unreachable, match="is `bunshin serve` running"):
         ws.exec("true")
     c.close()
+
+
+def test_tool_calls_over_http(served):
+    with served.client() as c, c.create(memory="1G") as ws:
+        names = [t["function"]["name"] for t in httpx.get(
+            f"{served.url}/v1/tools", headers={"Authorization": f"Bearer {served.token}"}).json()]
+        assert {"bash", "read_file", "write_file", "edit", "python"} <= set(names)
+        assert ws.run_tool("write_file", {"path": "n.txt", "content": "1\n"}, workdir="/tmp").ok
+        assert ws.run_tool("bash", '{"command": "cat /tmp/n.txt"}').output == "1\n"
+        bad = ws.run_tool("read_file", {"path": "/nope"})
+        assert bad.error and "no such file" in bad.error
+        assert "unknown tool" in (ws.run_tool("nope").error or "")

@@ -41,3 +41,11 @@ def test_a_remote_task_may_not_name_a_host_folder(served):
     assert r.status_code == 400 and r.json()["code"] == "invalid_argument" and "image" in r.json()["message"]
     r = _post(served, {"task": TASK, "n": 0, "policy": {"base_url": "http://127.0.0.1:9", "model": "m"}})
     assert r.status_code == 422
+
+
+def test_the_client_runs_a_group_on_the_host(served):
+    with FakeChatServer(SCRIPT) as chat, served.client() as c:
+        out = c.rollouts(TASK, 2, base_url=chat.base_url, model="fake")
+        left = c.list()
+    assert out.rewards == [42.0, 42.0] and len(out.rows) == 2
+    assert left == []  # the group's root and trajectories were freed by the server
