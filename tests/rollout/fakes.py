@@ -62,9 +62,9 @@ class FakeTrajectory:
         return self.ws
 
     async def close(self) -> None:
-        await self.ws.remove()
         self.env.in_flight -= 1
-        self.env.closed.append(self.ws.id)
+        self.env.closed.append(self.ws.id)  # the engine closed it; the removal may outlive a cancel
+        await asyncio.shield(self.ws.remove())
 
 
 class FakeEnv(TaskEnv):
