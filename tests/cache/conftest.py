@@ -1,4 +1,6 @@
-"""A real task root for the integration tests of the cache and speculation."""
+"""A real task root for the integration tests of the cache and speculation, on this host
+or (``any_root``) also through ``bunshin serve``: the cache runs unchanged on remote
+workspaces, and the same tests must pass there."""
 
 from __future__ import annotations
 
@@ -7,8 +9,11 @@ from dataclasses import dataclass
 
 import pytest
 
+from bunshin.client import Client
 from bunshin.config import Config
+from bunshin.server.thread import serve_in_thread
 from bunshin.workspace import Snapshot, Workspace
+from bunshin.workspace.protocol import SnapshotAPI
 
 TASK_DIR = "/work/t"
 
@@ -16,7 +21,7 @@ TASK_DIR = "/work/t"
 @dataclass
 class RealRoot:
     cfg: Config
-    snapshot: Snapshot
+    snapshot: SnapshotAPI
 
 
 def make_root(cfg: Config) -> Snapshot:
@@ -35,3 +40,18 @@ def real_root(no_leaks: Config) -> Iterator[RealRoot]:
     snap = make_root(no_leaks)
     yield RealRoot(no_leaks, snap)
     snap.remove()
+
+
+@pytest.fixture(params=["local", "http"])
+def any_root(request: pytest.FixtureRequest, no_leaks: Config) -> Iterator[RealRoot]:
+    """The task root as a local snapshot, or as a remote one behind a server in this process."""
+    snap = make_root(no_leaks)
+    try:
+        if request.param == "local":
+            yield RealRoot(no_leaks, snap)
+            return
+        token = "cache-test-token-0123456789"
+        with serve_in_thread(no_leaks, token) as url, Client(url, token=token) as client:
+            yield RealRoot(no_leaks, client.snapshot(snap.id))
+    finally:
+        snap.remove()

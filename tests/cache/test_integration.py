@@ -13,6 +13,7 @@ from bunshin.errors import NotFound
 from bunshin.speculate import SpeculationPolicy
 from bunshin.tools import ToolSet
 from bunshin.workspace import Snapshot
+from bunshin.workspace.protocol import SnapshotAPI
 from tests.cache.conftest import TASK_DIR
 
 pytestmark = [pytest.mark.integration, pytest.mark.criu]
@@ -39,7 +40,7 @@ def state_of(ws) -> dict:
     return {"files": files, "shell": shell, "procs": procs, "python": py}
 
 
-def direct(root: Snapshot, calls) -> tuple[list, dict]:
+def direct(root: SnapshotAPI, calls) -> tuple[list, dict]:
     """The calls without a cache: a fresh fork of the root, every call run."""
     ts = tools()
     (ws,) = root.restore(1)
@@ -49,7 +50,7 @@ def direct(root: Snapshot, calls) -> tuple[list, dict]:
         ws.remove()
 
 
-async def cached(cache: PrefixCache, root: Snapshot, calls, think: float = 0.0) -> tuple[list, dict]:
+async def cached(cache: PrefixCache, root: SnapshotAPI, calls, think: float = 0.0) -> tuple[list, dict]:
     traj = cache.start(root)
     try:
         obs = []
@@ -94,10 +95,10 @@ def groups(draw):
             for _ in range(draw(st.integers(2, 3)))]
 
 
-def test_property_cached_paths_match_reexecution(real_root):
+def test_property_cached_paths_match_reexecution(any_root):
     """Random groups of call sequences (files, shell state, a background process, the
     interpreter): with the cache (and speculation) and without, same outputs, same end state."""
-    root = real_root.snapshot
+    root = any_root.snapshot
 
     @settings(max_examples=8, deadline=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -127,8 +128,8 @@ def test_property_cached_paths_match_reexecution(real_root):
     check()
 
 
-def test_miss_materialises_from_the_snapshot_after_a_slow_call(real_root):
-    root = real_root.snapshot
+def test_miss_materialises_from_the_snapshot_after_a_slow_call(any_root):
+    root = any_root.snapshot
     prefix = [bash("export V=1; echo one > a.txt"), bash("sleep 0.6; echo two >> a.txt"), bash("cd sub 2>/dev/null; pwd")]
 
     async def go():
@@ -181,8 +182,8 @@ def test_save_and_load_across_caches(real_root, tmp_path):
     asyncio.run(go())
 
 
-def test_eviction_under_a_memory_budget(real_root):
-    root = real_root.snapshot
+def test_eviction_under_a_memory_budget(any_root):
+    root = any_root.snapshot
 
     async def go():
         cache = PrefixCache(tools(), policy=CachePolicy(snapshot_min_s=0.0, memory_budget_bytes=1))
