@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import builtins
 import functools
+import json as _json
 import os
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -110,6 +112,20 @@ class Client:
                 raise err
             time.sleep(min(wait, self.retry.max_wait_s))
         raise AssertionError("unreachable: the last attempt raises")
+
+    def stream_lines(self, method: str, path: str, *, json: Any = None,
+                     wait_s: float | None = None) -> Iterator[dict[str, Any]]:
+        """An NDJSON answer, one parsed line at a time as the server sends it (not resent)."""
+        try:
+            with self._http.stream(method, path, json=json, timeout=httpx.Timeout(wait_s, connect=10.0)) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    raise _error_of(r)
+                for line in r.iter_lines():
+                    if line.strip():
+                        yield _json.loads(line)
+        except httpx.TransportError as exc:
+            raise _unreachable(method, f"{self.url}{path}", wait_s, exc) from None
 
     def health(self) -> m.Health:
         return m.Health.model_validate(self.request("GET", "/v1/health").json())

@@ -8,7 +8,7 @@ the same classes. Constructing these objects does no I/O.
 from __future__ import annotations
 
 import builtins
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal, Protocol, overload
 
 import httpx
@@ -23,7 +23,7 @@ from ..workspace.protocol import SnapshotAPI, WorkspaceAPI
 
 
 class Client(Protocol):
-    """What remote objects need of :class:`bunshin.client.Client`: its URL and one call."""
+    """What remote objects need of :class:`bunshin.client.Client`: its URL and its calls."""
 
     @property
     def url(self) -> str: ...
@@ -31,6 +31,10 @@ class Client(Protocol):
     def request(self, method: str, path: str, *, json: Any = None, content: bytes | None = None,
                 params: dict[str, Any] | None = None, wait_s: float | None = None,
                 default_wait: bool = True, idempotent: bool = False) -> httpx.Response: ...
+
+    def stream_lines(self, method: str, path: str, *, json: Any = None,
+                     wait_s: float | None = None) -> Iterator[dict[str, Any]]: ...
+
 
 GRACE_S = 30.0  # past a command's own timeout, the client stops waiting for the server
 
@@ -192,6 +196,16 @@ class RemoteCommands:
                                     wait_s=_wait(timeout), default_wait=False)
         out = m.ExecOut.model_validate(r.json())
         return out.text_result() if text else out.bytes_result()
+
+    def stream(self, command: str | Sequence[str], *, timeout: float | None = None, cwd: str | None = None,
+               env: dict[str, str] | None = None) -> Iterator[dict[str, Any]]:
+        """Run and follow: ``{"stream": "stdout"|"stderr", "data": str}`` as output comes, then
+        one ``{"exit_code", "timed_out", "duration_s"}``. Leaving the loop early kills the command."""
+        timeout = check_timeout(timeout)
+        req = m.build(m.ExecRequest, command=command if isinstance(command, str) else list(command),
+                      timeout=timeout, cwd=cwd, env=env)
+        yield from self._ws.client.stream_lines("POST", f"{self._ws.path}/exec/stream", json=req.model_dump(),
+                                                wait_s=_wait(timeout))
 
     def spawn(self, command: str | Sequence[str], *, cwd: str | None = None,
               env: dict[str, str] | None = None) -> int:

@@ -39,6 +39,11 @@ class Locks:
         with lock:
             yield
 
+    def lock_of(self, ws_id: str) -> threading.Lock:
+        """The lock itself, for holders that are not one thread (a streamed answer)."""
+        with self._guard:
+            return self._locks.setdefault(ws_id, threading.Lock())
+
     def drop(self, ws_id: str) -> None:
         with self._guard:
             self._locks.pop(ws_id, None)

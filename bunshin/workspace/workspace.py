@@ -378,6 +378,11 @@ class Commands:
         argv, cmd = (None, command) if isinstance(command, str) else (list(command), None)
         return self._ws.agent().spawn(argv=argv, cmd=cmd, cwd=cwd, env=env)
 
+    def kill(self, pid: int, signal: int = 15, *, group: bool = False) -> None:
+        """Send ``signal`` to a process inside (``group``: to its process group; a spawned
+        process leads its own)."""
+        self._ws.agent().kill(pid, signal, group=group)
+
 
 class Files:
     """Files inside the workspace: ``ws.files.write("/x", b"...")``."""
@@ -385,8 +390,10 @@ class Files:
     def __init__(self, ws: Workspace) -> None:
         self._ws = ws
 
-    def read(self, path: str) -> bytes:
-        return self._ws.agent().read_file(path)
+    def read(self, path: str, *, offset: int = 0, length: int | None = None) -> bytes:
+        """The file's bytes (from ``offset``, at most ``length``: a local extra, used to
+        follow a growing file)."""
+        return self._ws.agent().read_file(path, offset=offset, length=length)
 
     def read_text(self, path: str) -> str:
         return self.read(path).decode()
