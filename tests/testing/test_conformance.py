@@ -52,6 +52,12 @@ def _params(fn: Any) -> list[tuple[str, Any, bool]]:
     return [(p.name, p.kind, p.default is not p.empty) for p in sig.parameters.values() if p.name != "self"]
 
 
+def _substitutes(want: list[tuple[str, Any, bool]], have: list[tuple[str, Any, bool]]) -> bool:
+    """The protocol's parameters, in order, with the same kinds and defaults; anything more
+    the implementation takes must be optional (``Files.read(path, *, offset=0)`` is fine)."""
+    return have[: len(want)] == want and all(has_default for _, _, has_default in have[len(want):])
+
+
 def _impl(cls: type | str) -> type:
     if cls == "fake-ws":
         return type(FakeWorld().create())
@@ -73,8 +79,8 @@ def test_every_protocol_member_is_implemented_with_the_same_parameters(proto, cl
         have = getattr(impl, name, None)
         if have is None:
             wrong.append(f"{name}: missing")
-        elif _params(want) != _params(have):
-            wrong.append(f"{name}: {_params(have)} != protocol {_params(want)}")
+        elif not _substitutes(_params(want), _params(have)):
+            wrong.append(f"{name}: {_params(have)} does not take protocol {_params(want)}")
     assert not wrong, wrong
 
 
@@ -93,3 +99,13 @@ def test_a_real_workspace_is_a_protocol_instance(family):
     ws = family.create()
     assert isinstance(ws, WorkspaceAPI)
     assert isinstance(ws.sessions, SessionsAPI) and isinstance(ws.files, FilesAPI)
+
+
+def test_the_check_refuses_what_would_not_substitute():
+    """The rule above can fail: a missing, renamed or newly required parameter is refused."""
+    want = [("path", inspect.Parameter.POSITIONAL_OR_KEYWORD, False)]
+    kw = inspect.Parameter.KEYWORD_ONLY
+    assert _substitutes(want, want + [("offset", kw, True)])
+    assert not _substitutes(want, [])
+    assert not _substitutes(want, [("where", inspect.Parameter.POSITIONAL_OR_KEYWORD, False)])
+    assert not _substitutes(want, want + [("offset", kw, False)])
