@@ -106,8 +106,11 @@ def test_a_finished_fork_commits_its_clones(no_leaks):
 def _fork_and_stop(cfg, ws: Workspace, sig: int) -> subprocess.Popen:
     """Start ``bunshin fork WS -n 12``; send ``sig`` once the first clone runs (more are pending:
     with 4 the batch could commit before the signal landed, and the fork then rightly succeeds)."""
+    # SIGINT as a terminal gives it, even when the suite itself runs in the background
+    # (a shell starts background jobs with SIGINT ignored, and Python keeps that)
     proc = subprocess.Popen([str(BUNSHIN), "fork", ws.id, "-n", "12"], env=_env(cfg),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     try:
         while True:
