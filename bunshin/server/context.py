@@ -13,7 +13,7 @@ from fastapi import Query
 
 from ..api import models as m
 from ..config import Config
-from ..workspace import Snapshot, Workspace
+from ..workspace import Snapshot, Workspace, WorkspaceInfo
 from .admission import Admission, Limits
 from .idempotency import Idempotency
 
@@ -72,7 +72,11 @@ class ServerContext:
 
 
 def workspace_out(ws: Workspace) -> m.WorkspaceOut:
-    i = ws.info()
+    return info_out(ws.info())
+
+
+def info_out(i: WorkspaceInfo) -> m.WorkspaceOut:
+    """What ``bunshin ls`` shows of a workspace, on the wire."""
     return m.WorkspaceOut(id=i.id, name=i.name, image=i.image, state=i.state, pid=i.pid,
                           created_at=i.created_at, parent=i.parent, memory_limit=i.memory_limit,
                           pids_limit=i.pids_limit)

@@ -14,7 +14,15 @@ from ..api import models as m
 from ..errors import InvalidArgument
 from ..runtime.cgroups import parse_size
 from ..workspace import Workspace
-from .context import MAX_FILE_BYTES, ModeQ, PathQ, ServerContext, snapshot_out, workspace_out
+from .context import (
+    MAX_FILE_BYTES,
+    ModeQ,
+    PathQ,
+    ServerContext,
+    info_out,
+    snapshot_out,
+    workspace_out,
+)
 from .idempotency import IdemKey
 
 
@@ -44,9 +52,7 @@ def router(ctx: ServerContext) -> APIRouter:
 
     @r.get("/workspaces")
     def list_workspaces() -> list[m.WorkspaceOut]:
-        return [m.WorkspaceOut(id=i.id, name=i.name, image=i.image, state=i.state, pid=i.pid,
-                               created_at=i.created_at, parent=i.parent, memory_limit=i.memory_limit,
-                               pids_limit=i.pids_limit) for i in Workspace.list(config=config)]
+        return [info_out(i) for i in Workspace.list(config=config)]
 
     @r.get("/workspaces/{ws_id}")
     def get_workspace(ws_id: str) -> m.WorkspaceOut:
