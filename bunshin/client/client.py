@@ -20,6 +20,7 @@ import httpx
 from ..api import models as m
 from ..api import rollouts as r
 from ..errors import BunshinError, InvalidArgument, RateLimited, RequestInProgress, Unreachable
+from ..workspace.protocol import HostAPI
 from .groups import RemoteGroup, TaskLike, join
 from .remote import RemoteSnapshot, RemoteWorkspace
 
@@ -192,6 +193,11 @@ class Client:
 
     def __repr__(self) -> str:
         return f"Client({self.url!r})"
+
+
+def _conforms(client: Client) -> HostAPI:
+    """Never called: mypy checks here that a server is a host workspaces are made on."""
+    return client
 
 
 def _unreachable(method: str, url: str, timeout: float | None, exc: httpx.TransportError) -> Unreachable:

@@ -23,6 +23,7 @@ from typing import Any
 from ..config import Config
 from ..errors import BunshinError, InvalidArgument
 from ..workspace.aio import default_bridge
+from ..workspace.protocol import HostAPI
 from .envs import Mode, ModeOptions, TaskEnv, ToolRunner, TrajectoryEnv, make_env
 from .policies import Policy, PolicyContext
 from .records import (
@@ -181,8 +182,11 @@ class RolloutEngine:
     def __init__(self, mode: Mode | str = Mode.BUNSHIN, *, tools: ToolRunner | None = None,
                  options: ModeOptions | None = None, concurrency: int | None = None,
                  config: Config | None = None, on_event: EventFn | None = None,
-                 env_factory: Callable[[TaskSpec], TaskEnv] | None = None) -> None:
-        """``env_factory`` replaces the mode's :class:`TaskEnv` (tests, other backends)."""
+                 env_factory: Callable[[TaskSpec], TaskEnv] | None = None,
+                 host: HostAPI | None = None) -> None:
+        """``host``: where workspaces are made: this machine under ``config`` (the default) or
+        a ``bunshin serve`` host (a :class:`bunshin.client.Client`).
+        ``env_factory`` replaces the mode's :class:`TaskEnv` (tests, other backends)."""
         try:
             self.mode = Mode(mode)
         except ValueError:
@@ -194,6 +198,7 @@ class RolloutEngine:
         self.on_event = on_event
         self.run_id = new_id("run")
         self._env_factory = env_factory
+        self.host = host
         self._sem = asyncio.Semaphore(concurrency) if concurrency else None
         self._envs: dict[str, TaskEnv] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -244,7 +249,7 @@ class RolloutEngine:
                 raise InvalidArgument(f"two different tasks share the id {task.id!r}")
             if env is None:
                 env = (self._env_factory(task) if self._env_factory is not None
-                       else make_env(self.mode, task, self.tools, self.config, self.options))
+                       else make_env(self.mode, task, self.tools, self.config, self.options, host=self.host))
                 self._emit("prepare_start", task=task.id)
                 await env.prepare()
                 self._envs[task.id] = env
@@ -335,10 +340,11 @@ class RolloutEngine:
 async def rollout(task: TaskSpec, policy: Policy, n: int, *, mode: Mode | str = Mode.BUNSHIN,
                   options: ModeOptions | None = None, tools: ToolRunner | None = None,
                   concurrency: int | None = None, config: Config | None = None,
-                  on_event: EventFn | None = None) -> GroupResult:
-    """One group of ``n`` trajectories of ``task``; the task root is freed afterwards."""
+                  on_event: EventFn | None = None, host: HostAPI | None = None) -> GroupResult:
+    """One group of ``n`` trajectories of ``task`` (its workspaces on ``host``, default this
+    machine); the task root is freed afterwards."""
     async with RolloutEngine(mode, tools=tools, options=options, concurrency=concurrency, config=config,
-                             on_event=on_event) as engine:
+                             on_event=on_event, host=host) as engine:
         return await engine.run_group(task, policy, n)
 
 

@@ -31,8 +31,9 @@ from ..errors import InvalidArgument, SetupFailed
 from ..runtime.records import SnapshotMode
 from ..speculate import SpeculationPolicy
 from ..tools import Tool, ToolSet
-from ..workspace import Workspace
+from ..workspace import LocalHost
 from ..workspace.aio import AsyncSnapshot, AsyncWorkspace, default_bridge
+from ..workspace.protocol import HostAPI, WorkspaceAPI
 from .records import Observation
 from .task import TaskSpec
 
@@ -153,10 +154,12 @@ class DirectTrajectory:
 class TaskEnv:
     """Trajectories of one task in one mode. ``prepare`` once, ``open`` per trajectory."""
 
-    def __init__(self, task: TaskSpec, tools: ToolRunner, config: Config) -> None:
+    def __init__(self, task: TaskSpec, tools: ToolRunner, config: Config, *, host: HostAPI | None = None) -> None:
+        """``host``: where workspaces are made (default this machine under ``config``)."""
         self.task = task
         self.tools = scope_tools(tools, task)
         self.config = config
+        self.host: HostAPI = host if host is not None else LocalHost(config)
         self.prepare_s = 0.0
         self.options: dict[str, bool] = {}  # the effective ablation switches (set by make_env)
 
@@ -176,12 +179,17 @@ class TaskEnv:
         return {}
 
     async def _create_and_setup(self) -> AsyncWorkspace:
-        task = self.task
-        local = await in_thread(
-            lambda: Workspace.create(task.image, memory=task.memory, pids=task.pids,
-                                     config=self.config, mounts=task.mounts),
-            undo=Workspace.remove)
-        ws = AsyncWorkspace(local)
+        task, host = self.task, self.host
+        if task.mounts and not isinstance(host, LocalHost):
+            raise InvalidArgument(f"task {task.id}: host folder mounts need workspaces on this machine",
+                                  hint="drop 'mounts' from the task, or run it with the local host")
+
+        def create() -> WorkspaceAPI:
+            if isinstance(host, LocalHost):
+                return host.create(task.image, memory=task.memory, pids=task.pids, mounts=task.mounts)
+            return host.create(task.image, memory=task.memory, pids=task.pids)
+
+        ws = AsyncWorkspace(await in_thread(create, undo=lambda w: w.remove()))
         try:
             await setup_workspace(ws, task, self.tools)
         except BaseException:
@@ -202,8 +210,8 @@ class SnapshotEnv(TaskEnv):
     """Setup once, snapshot (``cow`` or ``copy``), one restore per trajectory."""
 
     def __init__(self, task: TaskSpec, tools: ToolRunner, config: Config, *,
-                 snapshot_mode: SnapshotMode) -> None:
-        super().__init__(task, tools, config)
+                 snapshot_mode: SnapshotMode, host: HostAPI | None = None) -> None:
+        super().__init__(task, tools, config, host=host)
         self.snapshot_mode = snapshot_mode
         self.root: AsyncSnapshot | None = None
 
@@ -231,8 +239,8 @@ class CacheEnv(SnapshotEnv):
     """The task root behind a tool prefix cache (``bunshin.cache``), with optional speculation."""
 
     def __init__(self, task: TaskSpec, tools: ToolRunner, config: Config, *,
-                 snapshot_mode: SnapshotMode, speculation: bool) -> None:
-        super().__init__(task, tools, config, snapshot_mode=snapshot_mode)
+                 snapshot_mode: SnapshotMode, speculation: bool, host: HostAPI | None = None) -> None:
+        super().__init__(task, tools, config, snapshot_mode=snapshot_mode, host=host)
         self.speculation = speculation
         self.cache: PrefixCache | None = None
 
@@ -268,8 +276,8 @@ class CacheEnv(SnapshotEnv):
 
 
 def make_env(mode: Mode | str, task: TaskSpec, tools: ToolRunner, config: Config,
-             options: ModeOptions | None = None) -> TaskEnv:
-    """The :class:`TaskEnv` for ``mode`` with ``options``."""
+             options: ModeOptions | None = None, *, host: HostAPI | None = None) -> TaskEnv:
+    """The :class:`TaskEnv` for ``mode`` with ``options``, its workspaces made on ``host``."""
     try:
         mode = Mode(mode)
     except ValueError:
@@ -278,10 +286,11 @@ def make_env(mode: Mode | str, task: TaskSpec, tools: ToolRunner, config: Config
     env: TaskEnv
     snapshot_mode = SnapshotMode.COW if eff["fork"] else SnapshotMode.COPY
     if mode == Mode.BASELINE:
-        env = BaselineEnv(task, tools, config)
+        env = BaselineEnv(task, tools, config, host=host)
     elif eff["cache"]:
-        env = CacheEnv(task, tools, config, snapshot_mode=snapshot_mode, speculation=eff["speculation"])
+        env = CacheEnv(task, tools, config, snapshot_mode=snapshot_mode, speculation=eff["speculation"],
+                       host=host)
     else:
-        env = SnapshotEnv(task, tools, config, snapshot_mode=snapshot_mode)
+        env = SnapshotEnv(task, tools, config, snapshot_mode=snapshot_mode, host=host)
     env.options = eff
     return env

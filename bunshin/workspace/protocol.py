@@ -237,3 +237,14 @@ class WorkspaceAPI(Protocol):
     def remove(self) -> None:
         """Kill every process and free everything it holds."""
         ...
+
+
+@runtime_checkable
+class HostAPI(Protocol):
+    """Where workspaces are made: this machine (:class:`bunshin.workspace.LocalHost`) or a
+    ``bunshin serve`` host (:class:`bunshin.client.Client`)."""
+
+    def create(self, image: str = "host", *, name: str | None = None, memory: str | int | None = "2G",
+               pids: int | None = 512) -> WorkspaceAPI:
+        """A new workspace from ``image``, with a memory and a process limit."""
+        ...

@@ -21,6 +21,7 @@ from bunshin.rollout import (
 )
 from bunshin.rollout.task import parse_task
 from bunshin.tools import Tool, ToolOutput, ToolSet, ToolSpec
+from bunshin.workspace import Workspace
 
 from .fake_openai import FakeChatServer
 
@@ -61,8 +62,8 @@ def check_group(g, n: int) -> None:
     ("baseline", None), ("copy", None), ("bunshin", ModeOptions(cache=False)),
     ("bunshin", ModeOptions(fork=False, cache=False)), ("bunshin", None),
 ])
-def test_every_mode_gives_the_same_rewards(no_leaks, mode, options):
-    g = asyncio.run(rollout(TASK, traces(3), 3, mode=mode, options=options, config=no_leaks))
+def test_every_mode_gives_the_same_rewards(no_leaks, host, mode, options):
+    g = asyncio.run(rollout(TASK, traces(3), 3, mode=mode, options=options, config=no_leaks, host=host))
     check_group(g, 3)
     assert all(t.mode == mode for t in g.trajectories)
     if mode != "baseline":
@@ -70,7 +71,10 @@ def test_every_mode_gives_the_same_rewards(no_leaks, mode, options):
 
 
 def _kill_workspace(ws, args, ctx) -> ToolOutput:
-    os.kill(ws.record.pid, signal.SIGKILL)  # from the host: the workspace's init dies with everything in it
+    if isinstance(ws, Workspace):  # from the host: the workspace's init dies with everything in it
+        os.kill(ws.record.pid, signal.SIGKILL)
+    else:  # a remote one: gone from under the engine
+        ws.remove()
     return ToolOutput("killed")
 
 
@@ -78,7 +82,7 @@ KILL = Tool(ToolSpec("die", "kill the workspace", {"type": "object", "properties
 
 
 @pytest.mark.parametrize("mode, cache", [("baseline", False), ("copy", False), ("bunshin", False), ("bunshin", True)])
-def test_failures_are_isolated(no_leaks, mode, cache):
+def test_failures_are_isolated(no_leaks, host, mode, cache):
     """Trajectory 1's call times out (reported, not fatal), 2 runs past its time, 3's workspace is killed."""
     task = TASK.model_copy(update={"call_timeout": 1.0, "trajectory_timeout": 8.0})
     steps = {
@@ -90,7 +94,7 @@ def test_failures_are_isolated(no_leaks, mode, cache):
     pol = TraceReplayPolicy(parse_traces([json.dumps({"id": f"t{i}", "steps": steps.get(i, []) + [done]})
                                           for i in range(4)]))
     tools = ToolSet.default().add(KILL)
-    g = asyncio.run(rollout(task, pol, 4, mode=mode, tools=tools, config=no_leaks,
+    g = asyncio.run(rollout(task, pol, 4, mode=mode, tools=tools, config=no_leaks, host=host,
                             options=ModeOptions(cache=cache)))
     st = [t.status for t in g.trajectories]
     assert st == [Status.COMPLETED, Status.COMPLETED, Status.TIMEOUT, Status.ERROR], [t.error for t in g.trajectories]
@@ -99,10 +103,10 @@ def test_failures_are_isolated(no_leaks, mode, cache):
     assert g.rewards[0] == 1.0 and g.rewards[3] is None
 
 
-def test_bad_setup_fails_the_group_cleanly(no_leaks):
+def test_bad_setup_fails_the_group_cleanly(no_leaks, host):
     task = TASK.model_copy(update={"setup": parse_task({"id": "x", "setup": ["echo oops >&2; exit 3"]}).setup})
     for mode in ("baseline", "bunshin"):
-        g = asyncio.run(rollout(task, traces(2), 2, mode=mode, config=no_leaks))
+        g = asyncio.run(rollout(task, traces(2), 2, mode=mode, config=no_leaks, host=host))
         assert [t.status for t in g.trajectories] == [Status.ERROR] * 2
         assert "setup step 0" in g.trajectories[0].error and "exited 3" in g.trajectories[0].error
 
@@ -133,9 +137,9 @@ def test_openai_policy_drives_real_workspaces(no_leaks):
     assert {t["function"]["name"] for t in tools} == {"bash", "read_file", "write_file", "edit", "python"}
 
 
-def test_engine_keeps_the_task_root_for_later_groups(no_leaks):
+def test_engine_keeps_the_task_root_for_later_groups(no_leaks, host):
     async def go():
-        async with RolloutEngine("copy", config=no_leaks) as engine:
+        async with RolloutEngine("copy", config=no_leaks, host=host) as engine:
             a = await engine.run_group(TASK, traces(2), 2)
             b = await engine.run_group(TASK, traces(2), 2)
             return a, b
@@ -167,3 +171,16 @@ def test_cli_rollout(no_leaks, tmp_path, monkeypatch, capsys):
     assert main(["rollout", str(task), "--policy", f"trace:{out}", "--group", "2", "--mode", "copy",
                  "--out", str(replay)]) == 0
     assert [json.loads(x)["reward"] for x in replay.read_text().splitlines()] == [40.0, 41.0]
+
+
+def test_host_folder_mounts_need_the_local_host(no_leaks, tmp_path):
+    """A task sharing a host folder cannot run on a remote host: a clear error, nothing made."""
+    from bunshin.client import Client
+    from bunshin.errors import InvalidArgument
+    from bunshin.rollout.envs import make_env
+
+    task = TASK.model_copy(update={"mounts": (f"{tmp_path}:/data:ro",)})
+    env = make_env("baseline", task, ToolSet.default(), no_leaks,
+                   host=Client("http://127.0.0.1:9", token="t"))  # never called: refused before
+    with pytest.raises(InvalidArgument, match="mounts need workspaces on this machine"):
+        asyncio.run(env.open(0))

@@ -21,6 +21,7 @@ from bunshin import (
     Workspace,
     WorkspaceAPI,
 )
+from bunshin.client import Client
 from bunshin.client.remote import (
     RemoteCommands,
     RemoteFiles,
@@ -30,6 +31,8 @@ from bunshin.client.remote import (
 )
 from bunshin.testing import FakeSnapshot, FakeWorld
 from bunshin.testing.fake import FakeCommands, FakeFiles, FakeSessions
+from bunshin.workspace import LocalHost
+from bunshin.workspace.protocol import HostAPI
 from bunshin.workspace.workspace import Commands, Files, Sessions
 
 PAIRS = [
@@ -40,6 +43,7 @@ PAIRS = [
     (SessionsAPI, Sessions), (SessionsAPI, FakeSessions),
     (WorkspaceAPI, RemoteWorkspace), (SnapshotAPI, RemoteSnapshot), (CommandsAPI, RemoteCommands),
     (FilesAPI, RemoteFiles), (SessionsAPI, RemoteSessions),
+    (HostAPI, LocalHost), (HostAPI, Client),
 ]
 
 
