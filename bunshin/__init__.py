@@ -60,19 +60,19 @@ if TYPE_CHECKING:
     from .runtime.stats import MemoryStats, WorkspaceStats
     from .speculate import SpeculationPolicy, SpeculationStats
     from .tools import Observation, Tool, ToolSet, ToolSpec, command_tool, function_tool
-    from .workspace import Session, Snapshot, Workspace, WorkspaceInfo
+    from .workspace import LocalHost, Session, Snapshot, Workspace, WorkspaceInfo
     from .workspace.aio import AsyncSnapshot, AsyncWorkspace, ThreadBridge
-    from .workspace.protocol import CommandsAPI, FilesAPI, SessionsAPI, SnapshotAPI, WorkspaceAPI
+    from .workspace.protocol import CommandsAPI, FilesAPI, HostAPI, SessionsAPI, SnapshotAPI, WorkspaceAPI
 
 _WHERE = {
     # workspaces and snapshots: the local implementation, the async adapter, the protocols
     "Workspace": "workspace", "Snapshot": "workspace", "Session": "workspace",
-    "WorkspaceInfo": "workspace",
+    "WorkspaceInfo": "workspace", "LocalHost": "workspace",
     "AsyncWorkspace": "workspace.aio", "AsyncSnapshot": "workspace.aio",
     "ThreadBridge": "workspace.aio",
     "WorkspaceAPI": "workspace.protocol", "SnapshotAPI": "workspace.protocol",
     "CommandsAPI": "workspace.protocol", "FilesAPI": "workspace.protocol",
-    "SessionsAPI": "workspace.protocol",
+    "SessionsAPI": "workspace.protocol", "HostAPI": "workspace.protocol",
     # records
     "ExecResult": "runtime.agent_types", "SessionResult": "runtime.agent_types",
     "SessionInfo": "runtime.agent_types", "FileEntry": "runtime.agent_types",
@@ -98,7 +98,7 @@ _WHERE = {
 __all__ = [  # every key of _WHERE (tests/test_exports.py pins both)
     "AgentError", "AsyncSnapshot", "AsyncWorkspace", "BunshinError", "CachePolicy", "CacheStats",
     "CommandsAPI", "Config", "CriuError", "ExecResult", "FileEntry", "FileType", "FilesAPI",
-    "HostUnsupported", "IdempotencyKeyReused", "ImageNotFound", "InvalidArgument", "MemoryStats", "Mount", "NotForkable",
+    "HostAPI", "HostUnsupported", "IdempotencyKeyReused", "ImageNotFound", "InvalidArgument", "LocalHost", "MemoryStats", "Mount", "NotForkable",
     "NotFound", "Observation", "PathNotFound", "PolicyError", "PrefixCache", "ProcessInfo",
     "RateLimited", "RequestInProgress", "ResourceExhausted", "RuntimeFailure", "Session", "SessionInfo", "SessionResult",
     "SessionsAPI", "SetupFailed", "Snapshot", "SnapshotAPI", "SnapshotMode", "SnapshotNotFound",

@@ -12,7 +12,7 @@ import bunshin
 PUBLIC = [
     "AgentError", "AsyncSnapshot", "AsyncWorkspace", "BunshinError", "CachePolicy", "CacheStats",
     "CommandsAPI", "Config", "CriuError", "ExecResult", "FileEntry", "FileType", "FilesAPI",
-    "HostUnsupported", "IdempotencyKeyReused", "ImageNotFound", "InvalidArgument", "MemoryStats", "Mount", "NotForkable",
+    "HostAPI", "HostUnsupported", "IdempotencyKeyReused", "ImageNotFound", "InvalidArgument", "LocalHost", "MemoryStats", "Mount", "NotForkable",
     "NotFound", "Observation", "PathNotFound", "PolicyError", "PrefixCache", "ProcessInfo",
     "RateLimited", "RequestInProgress", "ResourceExhausted", "RuntimeFailure", "Session", "SessionInfo", "SessionResult", "SessionsAPI",
     "SetupFailed", "Snapshot", "SnapshotAPI", "SnapshotMode", "SnapshotNotFound", "SpeculationPolicy",
