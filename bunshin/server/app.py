@@ -24,7 +24,7 @@ from .. import __version__
 from ..api import models as m
 from ..config import Config
 from ..errors import BunshinError, InvalidArgument, Unauthorized
-from . import groups, rollouts, snapshots, streaming, tools, workspaces
+from . import groups, rollouts, snapshots, streaming, swerex, tools, workspaces
 from .admission import Limits
 from .context import ServerContext
 
@@ -81,4 +81,5 @@ def create_app(config: Config, token: str, *, limits: Limits | None = None) -> F
     app.include_router(rollouts.router(ctx), dependencies=auth)
     app.include_router(tools.router(ctx), dependencies=auth)
     app.include_router(streaming.router(ctx), dependencies=auth)
+    app.include_router(swerex.router(ctx))  # SWE-ReX's runtime API: its own X-API-Key check
     return app
