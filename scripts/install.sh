@@ -56,6 +56,10 @@ WANT=(
     busybox-static
     libjemalloc2
     procps
+    skopeo           # image pulls (and the image tests' format conversions)
+    docker-registry  # the image tests' loopback registry
+    zstd             # the image tests' .tar.zst archives
+    python3          # the image tests copy Debian's python into a layer
 )
 # The python needs a working venv module (Debian's python3 splits it out).
 need_venv_pkg=0
