@@ -10,7 +10,7 @@ details, rebuilt as the same exception class by ``BunshinError.from_dict``).
 from __future__ import annotations
 
 import base64
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -30,6 +30,10 @@ from ..runtime.stats import MemoryStats, WorkspaceStats
 API_VERSION = "v1"
 #: Most workspaces one create or restore call makes (the runtime's own batch cap).
 MAX_COUNT = 1024
+#: Longest workspace lease: 30 days.
+MAX_TTL_S = 30 * 24 * 3600.0
+TTL = Annotated[float | None, Field(gt=0, le=MAX_TTL_S,
+                                    description="seconds until the server removes the workspace, unless renewed")]
 
 
 class Model(BaseModel):
@@ -74,6 +78,7 @@ class CreateWorkspace(Model):
     memory: str | int | None = "2G"
     pids: int | None = Field(default=512, ge=1)
     count: int = Field(default=1, ge=1, le=MAX_COUNT)
+    ttl: TTL = None
 
 
 class WorkspaceOut(Model):
@@ -86,11 +91,21 @@ class WorkspaceOut(Model):
     parent: str | None
     memory_limit: int | None
     pids_limit: int | None
+    expires_at: float | None = None  # its lease: the server removes it then, unless renewed
 
 
 class ForkRequest(Model):
+    """``ttl``: the clones' lease; none given, each clone gets its parent's (if it has one)."""
+
     count: int = Field(default=1, ge=1, le=MAX_COUNT)
     mode: SnapshotMode = SnapshotMode.COW
+    ttl: TTL = None
+
+
+class SetTTL(Model):
+    """A new lease from now (``null``: none, the workspace lives until removed)."""
+
+    ttl: TTL
 
 
 class ForkOut(Model):
@@ -291,3 +306,4 @@ class SnapshotOut(Model):
 
 class RestoreRequest(Model):
     count: int = Field(default=1, ge=1, le=MAX_COUNT)
+    ttl: TTL = None

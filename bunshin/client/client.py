@@ -134,15 +134,17 @@ class Client:
     # --- workspaces and snapshots ---------------------------------------------------------
 
     def create(self, image: str = "host", *, name: str | None = None, memory: str | int | None = "2G",
-               pids: int | None = 512) -> RemoteWorkspace:
-        """A new workspace on the host (``image``: ``host``)."""
-        (ws,) = self.create_many(1, image=image, name=name, memory=memory, pids=pids)
+               pids: int | None = 512, ttl: float | None = None) -> RemoteWorkspace:
+        """A new workspace on the host (``image``: ``host``). ``ttl``: its lease in seconds:
+        the server removes it then unless renewed (:meth:`RemoteWorkspace.set_ttl`)."""
+        (ws,) = self.create_many(1, image=image, name=name, memory=memory, pids=pids, ttl=ttl)
         return ws
 
     def create_many(self, count: int, *, image: str = "host", name: str | None = None,
-                    memory: str | int | None = "2G", pids: int | None = 512) -> builtins.list[RemoteWorkspace]:
+                    memory: str | int | None = "2G", pids: int | None = 512,
+                    ttl: float | None = None) -> builtins.list[RemoteWorkspace]:
         """``count`` new workspaces: all of them or none."""
-        req = m.build(m.CreateWorkspace, image=image, name=name, memory=memory, pids=pids, count=count)
+        req = m.build(m.CreateWorkspace, image=image, name=name, memory=memory, pids=pids, count=count, ttl=ttl)
         r = self.request("POST", "/v1/workspaces", json=req.model_dump(mode="json"), default_wait=False,
                          idempotent=True)
         return [RemoteWorkspace(self, m.WorkspaceOut.model_validate(w)) for w in r.json()]

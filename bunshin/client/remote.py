@@ -119,14 +119,22 @@ class RemoteWorkspace:
                                  json=m.build(m.TakeSnapshot, mode=mode).model_dump(mode="json"))
         return RemoteSnapshot(self._client, m.SnapshotOut.model_validate(r.json()))
 
-    def fork(self, n: int = 1, *, mode: SnapshotMode | str = SnapshotMode.COW) -> builtins.list[RemoteWorkspace]:
+    def fork(self, n: int = 1, *, mode: SnapshotMode | str = SnapshotMode.COW,
+             ttl: float | None = None) -> builtins.list[RemoteWorkspace]:
+        """``n`` clones; ``ttl``: their lease (default their parent's, if it has one)."""
         r = self._client.request("POST", f"{self._path}/fork", default_wait=False, idempotent=True,
-                                 json=m.build(m.ForkRequest, count=n, mode=mode).model_dump(mode="json"))
+                                 json=m.build(m.ForkRequest, count=n, mode=mode, ttl=ttl).model_dump(mode="json"))
         out = m.ForkOut.model_validate(r.json())
         return [RemoteWorkspace(self._client, w) for w in out.forks]
 
     def remove(self) -> None:
         self._client.request("DELETE", self._path)
+
+    def set_ttl(self, ttl: float | None) -> float | None:
+        """Lease it for ``ttl`` more seconds from now (``None``: until removed); when it ends."""
+        r = self._client.request("PUT", f"{self._path}/ttl", json=m.build(m.SetTTL, ttl=ttl).model_dump())
+        self._out = m.WorkspaceOut.model_validate(r.json())
+        return self._out.expires_at
 
     def run_tool(self, name: str, arguments: dict[str, Any] | str | None = None, *,
                  workdir: str = "/") -> Observation:
@@ -158,9 +166,10 @@ class RemoteSnapshot:
     def __repr__(self) -> str:
         return f"RemoteSnapshot({self.id!r} on {self._client.url})"
 
-    def restore(self, n: int = 1) -> builtins.list[RemoteWorkspace]:
+    def restore(self, n: int = 1, *, ttl: float | None = None) -> builtins.list[RemoteWorkspace]:
+        """``n`` new workspaces; ``ttl``: their lease (seconds; the server removes them then)."""
         r = self._client.request("POST", f"/v1/snapshots/{self.id}/restore", default_wait=False, idempotent=True,
-                                 json=m.build(m.RestoreRequest, count=n).model_dump())
+                                 json=m.build(m.RestoreRequest, count=n, ttl=ttl).model_dump())
         return [RemoteWorkspace(self._client, m.WorkspaceOut.model_validate(w)) for w in r.json()]
 
     def remove(self) -> None:

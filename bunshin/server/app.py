@@ -11,6 +11,7 @@ code, message, hint and details and its HTTP status; bad requests are
 from __future__ import annotations
 
 import hmac
+import logging
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,7 +19,7 @@ from contextlib import asynccontextmanager
 import anyio.to_thread
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from .. import __version__
 from ..api import models as m
@@ -26,8 +27,10 @@ from ..config import Config
 from ..errors import BunshinError, InvalidArgument, Unauthorized
 from . import groups, rollouts, snapshots, streaming, swerex, tools, workspaces
 from .admission import Limits
-from .context import ServerContext
+from .context import CallerGone, ServerContext
+from .leases import SWEEP_EVERY_S
 
+log = logging.getLogger("bunshin.server")
 #: Threads for blocking routes: each command, fork or session run in flight holds one.
 THREADS = 256
 
@@ -40,6 +43,16 @@ def _error(exc: BunshinError) -> JSONResponse:
     return JSONResponse(body.model_dump(), status_code=exc.http_status, headers=headers)
 
 
+async def _sweep_leases(ctx: ServerContext) -> None:
+    """Remove workspaces whose lease ran out, about once a second, for the server's life."""
+    while True:
+        try:
+            await anyio.to_thread.run_sync(ctx.leases.sweep)
+        except Exception as e:  # a bad sweep must not end the sweeping
+            log.warning("sweeping workspace leases failed: %s", e)
+        await anyio.sleep(SWEEP_EVERY_S)
+
+
 def create_app(config: Config, token: str, *, limits: Limits | None = None) -> FastAPI:
     """The app serving ``config``'s workspaces to callers holding ``token``, within
     ``limits`` (admission control: caps and the create/fork rate; none by default)."""
@@ -48,13 +61,21 @@ def create_app(config: Config, token: str, *, limits: Limits | None = None) -> F
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         anyio.to_thread.current_default_thread_limiter().total_tokens = THREADS
-        yield
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_sweep_leases, ctx)
+            yield
+            tg.cancel_scope.cancel()
 
     app = FastAPI(title="bunshin", version=__version__, lifespan=lifespan)
 
     @app.exception_handler(BunshinError)
     async def _bunshin_error(_: Request, exc: BunshinError) -> JSONResponse:
         return _error(exc)
+
+    @app.exception_handler(CallerGone)
+    async def _caller_gone(_: Request, exc: CallerGone) -> Response:
+        log.info("%s", exc)
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:

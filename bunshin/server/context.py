@@ -1,22 +1,26 @@
 """What every route of the server shares: the config, the token, a lock per workspace,
-admission control and the idempotency keys."""
+admission control, the idempotency keys and the workspaces' leases."""
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Annotated, TypeVar
 
-from fastapi import Query
+import anyio.from_thread
+from fastapi import Query, Request
 
 from ..api import models as m
 from ..config import Config
 from ..workspace import Snapshot, Workspace, WorkspaceInfo
 from .admission import Admission, Limits
 from .idempotency import Idempotency
+from .leases import Leases
 
+log = logging.getLogger("bunshin.server")
 T = TypeVar("T")
 #: Largest file body a PUT takes.
 MAX_FILE_BYTES = 1 << 30
@@ -57,10 +61,36 @@ class ServerContext:
     locks: Locks = field(default_factory=Locks)
     admission: Admission = field(init=False)
     idempotency: Idempotency = field(init=False)
+    leases: Leases = field(init=False)
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.config, self.limits)
         self.idempotency = Idempotency(self.config)
+        self.leases = Leases(self.config)
+
+    def out(self, ws: Workspace | WorkspaceInfo) -> m.WorkspaceOut:
+        """A workspace on the wire, with its lease."""
+        out = info_out(ws.info() if isinstance(ws, Workspace) else ws)
+        lease = self.leases.get(out.id)
+        return out if lease is None else out.model_copy(update={"expires_at": lease.expires_at})
+
+    def made(self, request: Request, ws: Sequence[Workspace], ttl: float | None) -> list[m.WorkspaceOut]:
+        """Workspaces a route made, leased for ``ttl`` seconds (if given), on the wire; called
+        in the route's thread. If the caller hung up meanwhile, nobody will hear of them: they
+        are removed and :class:`CallerGone` raised (an idempotency key is freed, so a retry
+        makes them anew)."""
+        if anyio.from_thread.run(request.is_disconnected):
+            for w in ws:
+                try:
+                    w.remove()
+                except Exception as e:  # gc's then; the caller is gone either way
+                    log.warning("removing %s, made for a caller that hung up, failed: %s", w.id, e)
+            raise CallerGone(f"{request.method} {request.url.path}: the caller hung up; removed what it made "
+                             f"({', '.join(w.id for w in ws)})")
+        if ttl is not None:
+            self.leases.grant([w.id for w in ws], ttl)
+        return [self.out(w) for w in ws]
+
 
     def ws_of(self, ws_id: str) -> Workspace:
         return Workspace.get(ws_id, config=self.config)
@@ -71,8 +101,8 @@ class ServerContext:
             return fn(ws)
 
 
-def workspace_out(ws: Workspace) -> m.WorkspaceOut:
-    return info_out(ws.info())
+class CallerGone(Exception):
+    """A route's caller disconnected before its answer; what the route made is undone."""
 
 
 def info_out(i: WorkspaceInfo) -> m.WorkspaceOut:

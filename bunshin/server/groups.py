@@ -46,7 +46,7 @@ from ..speculate import SpeculationPolicy
 from ..tools import ToolSet
 from ..workspace import Snapshot, Workspace
 from ..workspace.aio import AsyncSnapshot
-from .context import ServerContext, workspace_out
+from .context import ServerContext
 from .tasks import http_task
 
 log = logging.getLogger("bunshin.server")
@@ -324,7 +324,7 @@ def router(ctx: ServerContext) -> APIRouter:
         _, traj = groups.trajectory(tid)
         ws = (await traj.workspace()).sync
         local = ws if isinstance(ws, Workspace) else None
-        return await in_thread(lambda: workspace_out(local or Workspace.get(ws.id, config=ctx.config)))
+        return await in_thread(lambda: ctx.out(local or Workspace.get(ws.id, config=ctx.config)))
 
     @r.post("/trajectories/{tid}/reward")
     async def reward(tid: str) -> g.RewardOut:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 
 from ..api import models as m
 from ..workspace import Snapshot
-from .context import ServerContext, snapshot_out, workspace_out
+from .context import ServerContext, snapshot_out
 from .idempotency import IdemKey
 
 
@@ -25,11 +25,12 @@ def router(ctx: ServerContext) -> APIRouter:
         return snapshot_out(Snapshot.get(snap_id, config=config))
 
     @r.post("/snapshots/{snap_id}/restore", status_code=201, response_model=list[m.WorkspaceOut])
-    def restore(snap_id: str, req: m.RestoreRequest, key: IdemKey) -> Response:
+    def restore(snap_id: str, req: m.RestoreRequest, key: IdemKey, request: Request) -> Response:
         def go() -> list[m.WorkspaceOut]:
             snap = Snapshot.get(snap_id, config=config)
             with ctx.admission.admit(req.count, snap.record.memory_limit):
-                return [workspace_out(w) for w in snap.restore(req.count)]
+                made = snap.restore(req.count)
+            return ctx.made(request, made, req.ttl)
         return ctx.idempotency.run(key, "POST", f"/v1/snapshots/{snap_id}/restore", req, 201, go)
 
     @r.delete("/snapshots/{snap_id}", status_code=204)

@@ -19,9 +19,7 @@ from .context import (
     ModeQ,
     PathQ,
     ServerContext,
-    info_out,
     snapshot_out,
-    workspace_out,
 )
 from .idempotency import IdemKey
 
@@ -34,7 +32,7 @@ def router(ctx: ServerContext) -> APIRouter:
     # --- workspaces -------------------------------------------------------------------
 
     @r.post("/workspaces", status_code=201, response_model=list[m.WorkspaceOut])
-    def create(req: m.CreateWorkspace, key: IdemKey) -> Response:
+    def create(req: m.CreateWorkspace, key: IdemKey, request: Request) -> Response:
         def go() -> list[m.WorkspaceOut]:
             made: list[Workspace] = []
             with admission.admit(req.count, parse_size(req.memory)):
@@ -47,33 +45,41 @@ def router(ctx: ServerContext) -> APIRouter:
                     for ws in made:  # all or none
                         ws.remove()
                     raise
-            return [workspace_out(ws) for ws in made]
+            return ctx.made(request, made, req.ttl)
         return once(key, "POST", "/v1/workspaces", req, 201, go)
 
     @r.get("/workspaces")
     def list_workspaces() -> list[m.WorkspaceOut]:
-        return [info_out(i) for i in Workspace.list(config=config)]
+        return [ctx.out(i) for i in Workspace.list(config=config)]
 
     @r.get("/workspaces/{ws_id}")
     def get_workspace(ws_id: str) -> m.WorkspaceOut:
-        return workspace_out(ws_of(ws_id))
+        return ctx.out(ws_of(ws_id))
 
     @r.delete("/workspaces/{ws_id}", status_code=204)
     def remove(ws_id: str) -> Response:
         ws = ws_of(ws_id)
         ws.remove()
         locks.drop(ws.id)
+        ctx.leases.drop(ws.id)
         return Response(status_code=204)
 
+    @r.put("/workspaces/{ws_id}/ttl")
+    def set_ttl(ws_id: str, req: m.SetTTL) -> m.WorkspaceOut:
+        ws = ws_of(ws_id)
+        ctx.leases.grant([ws.id], req.ttl)
+        return ctx.out(ws)
+
     @r.post("/workspaces/{ws_id}/fork", response_model=m.ForkOut)
-    def fork(ws_id: str, req: m.ForkRequest, key: IdemKey) -> Response:
+    def fork(ws_id: str, req: m.ForkRequest, key: IdemKey, request: Request) -> Response:
         def go(ws: Workspace) -> m.ForkOut:
             with admission.admit(req.count, ws.info().memory_limit):
                 clones = ws.fork(req.count, mode=req.mode)
             snap = ws.last_fork
+            lease = ctx.leases.get(ws.id)
+            ttl = req.ttl if req.ttl is not None else lease.ttl if lease is not None else None
             return m.ForkOut(parent=ws.id, snapshot=snap.id if snap else None,
-                             pause_ms=snap.pause_ms if snap else None,
-                             forks=[workspace_out(c) for c in clones])
+                             pause_ms=snap.pause_ms if snap else None, forks=ctx.made(request, clones, ttl))
         return once(key, "POST", f"/v1/workspaces/{ws_id}/fork", req, 200, lambda: locked(ws_id, go))
 
     @r.post("/workspaces/{ws_id}/snapshots", status_code=201, response_model=m.SnapshotOut)

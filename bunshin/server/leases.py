@@ -1,0 +1,107 @@
+"""Workspace leases: a workspace made with a ``ttl`` is removed by the server when it runs out.
+
+A trainer that dies, or loses its connection between asking for workspaces and
+hearing back, leaves nobody to remove them; a lease bounds how long they live
+(E2B's sandbox ``timeout``, renewed with ``set_timeout``). ``PUT
+/v1/workspaces/{id}/ttl`` renews one from now, or lifts it (``null``). Clones take
+their parent's lease length unless the fork names its own.
+
+Leases are records in the store (``objects`` of kind ``lease``, written before the
+answer goes out), so a restarted server keeps them; the server sweeps them about
+once a second (:data:`SWEEP_EVERY_S`) and removes what expired, as ``DELETE`` does
+(not waiting for a call in flight). A lease whose workspace is already gone is
+dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+from ..config import Config
+from ..errors import WorkspaceNotFound
+from ..runtime.store import Store
+from ..workspace import Workspace
+
+log = logging.getLogger("bunshin.server")
+
+KIND = "lease"
+#: How often the server looks for expired leases.
+SWEEP_EVERY_S = 1.0
+
+
+@dataclass(frozen=True)
+class Lease:
+    """``ttl`` seconds long; ends at ``expires_at`` (epoch seconds) unless renewed."""
+
+    ttl: float
+    expires_at: float
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Lease:
+        return cls(**json.loads(text))
+
+
+class Leases:
+    """The leases of one server's workspaces: the store's records, mirrored in memory."""
+
+    def __init__(self, config: Config) -> None:
+        self._config = config
+        self._lock = threading.Lock()
+        self._leases: dict[str, Lease] | None = None  # read from the store on first use
+
+    def get(self, ws_id: str) -> Lease | None:
+        return self._all().get(ws_id)
+
+    def grant(self, ws_ids: Iterable[str], ttl: float | None) -> None:
+        """Lease each of ``ws_ids`` for ``ttl`` seconds from now; ``None``: lift their leases."""
+        ids = list(ws_ids)
+        lease = Lease(ttl, time.time() + ttl) if ttl is not None else None
+        with self._lock, Store.open(self._config.db_path) as store, store.transaction():
+            leases = self._loaded(store)
+            for ws_id in ids:
+                if lease is None:
+                    store.delete_object(KIND, ws_id)
+                    leases.pop(ws_id, None)
+                else:
+                    store.put_object(KIND, ws_id, lease.to_json())
+                    leases[ws_id] = lease
+
+    def drop(self, ws_id: str) -> None:
+        self.grant([ws_id], None)
+
+    def sweep(self, now: float | None = None) -> list[str]:
+        """Remove every workspace whose lease ended before ``now``; their ids."""
+        now = time.time() if now is None else now
+        gone = [ws_id for ws_id, lease in self._all().items() if lease.expires_at <= now]
+        for ws_id in gone:
+            try:
+                Workspace.get(ws_id, config=self._config).remove()
+                log.info("workspace %s: its lease ran out; removed", ws_id)
+            except WorkspaceNotFound:
+                pass
+            except Exception as e:  # the next sweep tries again
+                log.warning("workspace %s: its lease ran out, but removing it failed: %s", ws_id, e)
+                continue
+            self.drop(ws_id)
+        return gone
+
+    def _all(self) -> dict[str, Lease]:
+        with self._lock:
+            if self._leases is None:
+                with Store.open(self._config.db_path) as store:
+                    return dict(self._loaded(store))
+            return dict(self._leases)
+
+    def _loaded(self, store: Store) -> dict[str, Lease]:
+        """The leases (caller holds ``_lock``), read from ``store`` the first time."""
+        if self._leases is None:
+            self._leases = {ws_id: Lease.from_json(raw) for ws_id, raw in store.list_objects(KIND)}
+        return self._leases
