@@ -105,6 +105,27 @@ class Paths:
         return self.home / "bench"
 
     @property
+    def images(self) -> Path:
+        """The image store (disk, root only): unpacked layers, staging of loads and pulls."""
+        return self.home / "images"
+
+    @property
+    def image_layers(self) -> Path:
+        """Unpacked image layers, one folder per layer named by its diff id's hex
+        (content-addressed: the sha256 of the layer's uncompressed tar)."""
+        return self.images / "layers"
+
+    @property
+    def image_staging(self) -> Path:
+        """Half-made layers and downloads, renamed into place or removed (same filesystem
+        as ``image_layers``)."""
+        return self.images / "staging"
+
+    def image_layer(self, diff_id: str) -> Path:
+        """The folder of the layer ``sha256:HEX`` (``image_layers/HEX``)."""
+        return self.image_layers / diff_id.removeprefix("sha256:")
+
+    @property
     def workspaces(self) -> Path:
         """One folder per workspace (its upper, work folder and root mount point)."""
         return self.tmpfs / "workspaces"

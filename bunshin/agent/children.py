@@ -30,6 +30,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
+from .imagedefaults import IMAGE, Identity
 from .protocol import AgentFailure, from_os_error, invalid
 from .wire import ErrorCode
 
@@ -74,11 +75,16 @@ _OWNED_BY_REAPER = -(2**31)  # placeholder ``Popen.returncode``: the reaper owns
 
 
 def child_env(extra: dict[str, str]) -> dict[str, str]:
-    """The environment of a child: a clean base plus what the request gives."""
+    """The environment of a child: a clean base (an image's: ``imagedefaults``) plus what
+    the request gives."""
+    if IMAGE is not None:
+        return {**IMAGE.environment(IMAGE.identity()), **extra}
     return {**BASE_ENV, **extra}
 
 
 def default_cwd(env: dict[str, str]) -> str:
+    if IMAGE is not None:
+        return IMAGE.cwd
     home = env.get("HOME", "/")
     return home if os.path.isdir(home) else "/"
 
@@ -123,11 +129,13 @@ _PRCTL = _load_prctl()
 _CAPS = tuple(DROPPED_CAPS.values())
 
 
-def _child_setup(controlling_tty: bool) -> Callable[[], None]:
+def _child_setup(controlling_tty: bool, ident: Identity | None = None) -> Callable[[], None]:
     """The code run in the child between fork and exec (after ``setsid``).
 
-    It must not raise, take locks or import: errors (EINVAL for caps the kernel
-    lacks, EPERM without CAP_SETPCAP) are ignored.
+    It must not take locks or import: errors (EINVAL for caps the kernel lacks, EPERM
+    without CAP_SETPCAP) are ignored. ``ident`` (an image's non-root user): ids are
+    changed after the bounding set is dropped; a failure there raises, and the child
+    never runs the command (``Popen`` reports it).
     """
     prctl = _PRCTL
 
@@ -140,6 +148,10 @@ def _child_setup(controlling_tty: bool) -> Callable[[], None]:
                 fcntl.ioctl(0, termios.TIOCSCTTY, 0)
             except OSError:
                 pass
+        if ident is not None:
+            os.setgroups(list(ident.groups))
+            os.setresgid(ident.gid, ident.gid, ident.gid)
+            os.setresuid(ident.uid, ident.uid, ident.uid)
 
     return setup
 
@@ -230,6 +242,7 @@ class Reaper:
         program or the directory cannot be used.
         """
         check_cwd(cwd)
+        ident = IMAGE.identity() if IMAGE is not None else None
         with self._lock:
             try:
                 proc = subprocess.Popen(
@@ -240,10 +253,13 @@ class Reaper:
                     stdout=stdout,
                     stderr=stderr,
                     start_new_session=True,
-                    preexec_fn=_child_setup(controlling_tty),
+                    preexec_fn=_child_setup(controlling_tty, ident),
                 )
             except OSError as exc:
                 raise _start_error(exc, argv[0], cwd, env) from None
+            except subprocess.SubprocessError as exc:  # ``ident``'s ids refused
+                raise invalid(f"cannot run {argv[0]} as the image's user {IMAGE.user if IMAGE else ''}: "
+                              f"{exc}") from None
             proc.returncode = _OWNED_BY_REAPER  # see the module docstring
             child = Child(proc.pid, proc)
             self._children[child.pid] = child

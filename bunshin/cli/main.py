@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .serve_cmds import register as register_serve
 
     register_serve(sub)
+    from .image_cmds import register as register_image
+
+    register_image(sub)
     return parser
 
 

@@ -19,7 +19,9 @@ from ..workspace import Snapshot, Workspace
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("create", help="create a workspace and print its id")
-    p.add_argument("--image", default="host", help="'host' (default) or a root filesystem folder")
+    p.add_argument("--image", default="host",
+                   help="'host' (default), a root filesystem folder, or an image (name:tag or id; pulled first "
+                        "if it names its registry)")
     p.add_argument("--name", help="a name to refer to it by")
     p.add_argument("--memory", default="2G", help="memory limit, e.g. 512M, 2G (default 2G)")
     p.add_argument("--pids", type=int, default=512, help="process limit (default 512)")

@@ -31,7 +31,7 @@ from . import syscalls as sc
 from .agent_bundle import AgentBundle
 from .agent_client import AgentClient
 from .cgroups import Layout, WorkspaceCgroup, parse_size
-from .images import lower_layers
+from .images import resolve as resolve_image
 from .records import Mount, WorkspaceRecord, WorkspaceState, check_mounts
 from .store import Store
 
@@ -160,14 +160,20 @@ def create(
 ) -> WorkspaceRecord:
     """Create and start a workspace; returns its record in state RUNNING.
 
-    ``mounts``: host folders shared on purpose (``Mount``, or ``HOST:PATH[:ro|rw]``)."""
+    ``mounts``: host folders shared on purpose (``Mount``, or ``HOST:PATH[:ro|rw]``).
+    ``image``: 'host', a root filesystem folder or a stored (or pullable) image reference;
+    an image's Env, WorkingDir and User apply to every command, and ``command`` runs
+    as ``docker run IMAGE [command]`` would (its Entrypoint, then ``command`` or Cmd)."""
     validate_name(name)
     shared = check_shared(cfg, mounts)
     mem_bytes = parse_size(memory)
     if pids is not None and pids < 8:
         raise InvalidArgument(f"pids limit {pids} is too small", hint="give at least 8 (the agent needs a few)")
     statefs.ensure(cfg)
-    lowers = lower_layers(cfg, image)
+    base = resolve_image(cfg, store, image)
+    lowers = base.lowers
+    if base.config is not None:
+        command = base.config.command(command) or None
     bundle = AgentBundle.ensure(cfg.paths.layers)
     layout = Layout.discover()
     ws_id = new_id()
@@ -190,6 +196,7 @@ def create(
         owner_pid=os.getpid(),
         command=tuple(command) if command else None,
         mounts=shared,
+        extra={"image_id": base.image_id, "image_config": base.config.agent_defaults()} if base.config else {},
     )
     store.add_workspace(rec)
     try:
@@ -255,15 +262,22 @@ def prepare_upper(upper: Path, owner: int) -> None:
         os.lchown(upper / "dev" / name, owner, owner)
 
 
+_MOUNT_OPTIONS_MAX = 4000  # mount(2) takes one page of options
+
+
 def mount_overlay(rec: WorkspaceRecord, cfg: Config) -> None:
     """Mount ``rec``'s overlay root; host-owned layers are seen through idmapped views
     (``idmap``)."""
     lowers = [str(idmap.view(cfg, Path(p)) if idmap.needs_view(cfg, Path(p)) else p) for p in rec.lowers]
     opts = f"lowerdir={':'.join(lowers)},upperdir={rec.upper},workdir={rec.work}"
-    if len(opts) > 4000:
-        raise InvalidArgument(f"layer stack of {len(rec.lowers)} layers is too long for one overlay mount")
+    if len(lowers) > sc.OVERLAY_MAX_LOWERS:
+        raise InvalidArgument(f"layer stack of {len(rec.lowers)} layers is deeper than overlayfs's "
+                              f"{sc.OVERLAY_MAX_LOWERS}", hint="fork from a shallower snapshot or a fresh workspace")
     try:
-        sc.mount("overlay", rec.root, "overlay", 0, opts)
+        if len(opts) > _MOUNT_OPTIONS_MAX or any("," in p or ":" in p for p in lowers):
+            sc.mount_overlay_fs(rec.root, lowers, rec.upper, rec.work)  # one layer per call, no page limit
+        else:
+            sc.mount("overlay", rec.root, "overlay", 0, opts)
     except OSError as e:
         raise RuntimeFailure(f"cannot mount the overlay root of {rec.id}: {e}") from e
 
@@ -274,7 +288,8 @@ def _launch(cfg: Config, rec: WorkspaceRecord, cg: WorkspaceCgroup, bundle: Agen
         "hostname": rec.hostname,
         "cgroup_procs": [str(p / "cgroup.procs") for p in cg.paths],
         "argv": bundle.argv,
-        "env": bundle.env,
+        "env": {**bundle.env, **({"BUNSHIN_IMAGE": json.dumps(rec.extra["image_config"])}
+                                  if "image_config" in rec.extra else {})},
         "log": AgentBundle.LOG,
         "ids": [cfg.id_base, cfg.id_count],
         "mounts": [{"source": str(idmap.share(cfg, m)), "path": m.path} for m in rec.mounts],

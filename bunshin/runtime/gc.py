@@ -19,6 +19,7 @@ from ..config import Config
 from . import agent_bundle, container, snapshot, statefs
 from . import syscalls as sc
 from .cgroups import Layout, WorkspaceCgroup
+from .oci import store as oci_store
 from .records import WorkspaceState
 from .store import Store
 
@@ -31,11 +32,12 @@ class GcReport:
     processes: list[int] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
     snapshots: list[str] = field(default_factory=list)
+    image_layers: list[str] = field(default_factory=list)
 
     @property
     def total(self) -> int:
         return (len(self.workspaces) + len(self.mounts) + len(self.cgroups) + len(self.processes)
-                + len(self.files) + len(self.snapshots))
+                + len(self.files) + len(self.snapshots) + len(self.image_layers))
 
 
 def _owner_alive(pid: int | None) -> bool:
@@ -102,9 +104,16 @@ def collect(cfg: Config, store: Store, *, extra_owned: set[str] | None = None, r
     # Snapshots nothing holds (their forker died) and snapshot files no record names.
     for item in snapshot.sweep(cfg, store):
         (report.files if "/" in item else report.snapshots).append(item)
+    # Image layers no image, workspace or snapshot stacks (and stale staging of loads).
+    report.image_layers.extend(free_image_layers(cfg, store))
     if release and not store.list_workspaces() and not snapshot.list_all(store) and statefs.release(cfg):
         report.mounts.append(str(cfg.tmpfs))
     return report
+
+
+def free_image_layers(cfg: Config, store: Store) -> list[str]:
+    """Remove the store's image layers nothing uses (``oci.store.free``); what went."""
+    return oci_store.free(cfg, store, [p for s in snapshot.list_all(store) for p in (s.layer, *s.lowers)])
 
 
 def _recent(path: Path, seconds: float = 60.0) -> bool:

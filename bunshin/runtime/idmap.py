@@ -45,10 +45,11 @@ class _MountAttr(ctypes.Structure):
 
 
 def needs_view(cfg: Config, layer: Path) -> bool:
-    """Host-owned layers: everything but snapshot layers and the agent layer."""
+    """Host-owned layers: everything but snapshot layers, the agent layer and the layers
+    of the image store (unpacked already owned by the mapped range: ``oci.unpack``)."""
     if layer.parent == cfg.paths.layers:
         return layer.name.startswith("mask-")
-    return True
+    return layer.parent != cfg.paths.image_layers
 
 
 def view(cfg: Config, layer: Path) -> Path:

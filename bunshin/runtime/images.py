@@ -2,7 +2,9 @@
 
 ``host``: the host's own root, read-only, under a mask layer that shows only the
 OS's own folders (``mask_entries``). A directory: a root filesystem (for example
-one made by debootstrap).
+one made by debootstrap). Anything else is an image reference (``name:tag``, an
+id): the layers of an image in the store (``oci``), pulled first if it is not there
+and the reference names its registry.
 """
 
 from __future__ import annotations
@@ -17,13 +19,50 @@ from pathlib import Path
 
 from ..config import DEFAULT_HOME, INSTALL_DIR, Config
 from ..errors import ImageNotFound, InvalidArgument, RuntimeFailure
+from .oci import store as oci_store
+from .oci.records import ImageConfig
+from .oci.refs import Reference, looks_like_ref
+from .store import Store
 
 HOST = "host"
 _OPAQUE_XATTR = "trusted.overlay.opaque"
 
 
+@dataclass(frozen=True)
+class BaseImage:
+    """What a workspace stacks on: its layers (top first, without the agent layer) and,
+    for a stored OCI/Docker image, its id and run config."""
+
+    lowers: tuple[Path, ...]
+    image_id: str | None = None
+    config: ImageConfig | None = None
+
+
+def resolve(cfg: Config, store: Store, image: str, *, pull: bool = True) -> BaseImage:
+    """``image`` ('host', a folder, or an image reference) as layers; a reference that
+    names its registry is pulled when the store lacks it (with ``pull``)."""
+    if not isinstance(image, str) or not image.strip():
+        raise InvalidArgument(f"image {image!r} is empty",
+                              hint="give 'host', an image reference or the path of a root filesystem folder")
+    if image == HOST or Path(image).is_dir() or image.startswith(("/", "./", "../")) or not looks_like_ref(image) \
+            and not image.startswith("sha256:"):
+        return BaseImage(tuple(lower_layers(cfg, image)))
+    try:
+        rec = oci_store.find(store, image)
+    except ImageNotFound:
+        ref = Reference.parse(image) if looks_like_ref(image) else None
+        if not pull or ref is None or not ref.has_registry:
+            raise ImageNotFound(f"unknown image {image!r}: neither a folder nor a stored image",
+                                hint="`bunshin image ls` lists stored images; `bunshin image pull REF` or "
+                                     "`bunshin image load FILE` adds one; or give a root filesystem folder") from None
+        from .oci.pull import pull as pull_image  # noqa: PLC0415 (skopeo only when pulling)
+
+        rec = pull_image(cfg, store, image)
+    return BaseImage(tuple(oci_store.lowers(cfg, rec)), rec.id, rec.config)
+
+
 def lower_layers(cfg: Config, image: str) -> list[Path]:
-    """The read-only layers of ``image``, top first (without the agent layer)."""
+    """The read-only layers of ``image`` ('host' or a folder), top first (without the agent layer)."""
     if not isinstance(image, str) or not image.strip():
         raise InvalidArgument(f"image {image!r} is empty",
                               hint="give 'host' or the path of a root filesystem folder (e.g. --image ./rootfs)")
@@ -35,7 +74,7 @@ def lower_layers(cfg: Config, image: str) -> list[Path]:
     if not path.is_dir():
         raise ImageNotFound(
             f"unknown image {image!r}",
-            hint="use 'host' or the path of a directory holding a root filesystem",
+            hint="use 'host', an image reference, or the path of a directory holding a root filesystem",
         )
     if not any(path.iterdir()):
         raise ImageNotFound(f"image directory {path} is empty", hint="point --image at a root filesystem")

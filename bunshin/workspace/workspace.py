@@ -79,7 +79,11 @@ class Workspace:
         config: Config | None = None,
         mounts: Sequence[Mount | str] = (),
     ) -> Workspace:
-        """Start a new workspace from ``image`` ('host' or a root filesystem folder).
+        """Start a new workspace from ``image``: 'host', a root filesystem folder, or an
+        OCI/Docker image in the store (``name:tag``, an id; a reference naming its registry,
+        ``localhost:5000/team/env:v1``, is pulled on first use). An image's Env, WorkingDir
+        and User hold for every command; ``command`` runs as ``docker run IMAGE [command]``
+        (its Entrypoint, then ``command`` or its Cmd).
 
         ``mounts``: host folders shared on purpose, ``Mount(host, path, read_only=True)``
         or ``"HOST:PATH[:ro|rw]"``; its clones share them too (see ``Mount``)."""

@@ -1,0 +1,125 @@
+"""CLI commands on images: ``bunshin image load|pull|ls|inspect|rm``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from datetime import datetime
+
+from .. import console as output
+from ..config import Config
+from ..runtime import gc
+from ..runtime.oci import store as oci_store
+from ..runtime.store import Store
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    image = sub.add_parser("image", help="OCI/Docker images: load, pull, ls, inspect, rm")
+    isub = image.add_subparsers(dest="image_command", metavar="SUBCOMMAND")
+    isub.required = True
+
+    p = isub.add_parser("load", help="load a `docker save` archive, an OCI archive or an OCI layout folder "
+                                     "(.tar, .tar.gz, .tar.zst)")
+    p.add_argument("file")
+    p.add_argument("--tag", action="append", default=[], metavar="REF", help="also name the image REF")
+    p.add_argument("--json", action="store_true", help="print the loaded images as JSON")
+    p.set_defaults(func=cmd_load)
+
+    p = isub.add_parser("pull", help="pull REF[@sha256:...] from a registry (through skopeo)")
+    p.add_argument("ref")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_pull)
+
+    p = isub.add_parser("ls", help="list stored images")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_ls)
+
+    p = isub.add_parser("inspect", help="an image's layers and config")
+    p.add_argument("ref")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_inspect)
+
+    p = isub.add_parser("rm", help="remove images (by name or id); frees the layers nothing else uses")
+    p.add_argument("refs", nargs="+")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_rm)
+
+
+def _progress(args: argparse.Namespace) -> oci_store.Progress:
+    if args.json:
+        return oci_store.quiet
+    return lambda line: print(line, file=sys.stderr, flush=True)
+
+
+def cmd_load(args: argparse.Namespace) -> int:
+    cfg = Config.from_env()
+    t0 = time.perf_counter()
+    with Store.open(cfg.db_path) as store:
+        recs = oci_store.load(cfg, store, args.file, tags=args.tag, progress=_progress(args))
+    if args.json:
+        output.print_json({"images": [r.summary() for r in recs], "seconds": round(time.perf_counter() - t0, 3)})
+    else:
+        for r in recs:
+            print(r.id)
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from ..runtime.oci.pull import pull
+
+    cfg = Config.from_env()
+    t0 = time.perf_counter()
+    with Store.open(cfg.db_path) as store:
+        rec = pull(cfg, store, args.ref, progress=_progress(args))
+    if args.json:
+        output.print_json({**rec.summary(), "seconds": round(time.perf_counter() - t0, 3)})
+    else:
+        print(rec.id)
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    cfg = Config.from_env()
+    with Store.open(cfg.db_path) as store:
+        recs = oci_store.list_images(store)
+    if args.json:
+        output.print_json([r.summary() for r in recs])
+        return 0
+    rows = [[", ".join(r.names) or "<none>", r.short_id, len(r.layers), output.human_bytes(r.size_bytes),
+             datetime.fromtimestamp(r.created_at).strftime("%Y-%m-%d %H:%M")] for r in recs]
+    output.print_table(None, ["NAMES", "ID", "LAYERS", "SIZE", "STORED"], rows)
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    cfg = Config.from_env()
+    with Store.open(cfg.db_path) as store:
+        rec = oci_store.find(store, args.ref)
+    info = rec.inspect()
+    if args.json:
+        output.print_json(info)
+    else:
+        for key in ("id", "names", "digests", "size_bytes", "architecture", "os"):
+            print(f"{key}: {info[key]}")
+        for key, value in info["config"].items():
+            print(f"config.{key}: {value}")
+        for i, layer in enumerate(info["layers"]):
+            print(f"layer {i}: {layer}")
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    cfg = Config.from_env()
+    removed = []
+    with Store.open(cfg.db_path) as store:
+        for ref in args.refs:
+            removed.append(oci_store.remove(store, ref).id)
+        freed = gc.free_image_layers(cfg, store)
+    if args.json:
+        output.print_json({"removed": removed, "freed_layers": freed})
+    else:
+        for image_id in removed:
+            print(f"removed {image_id}")
+        print(f"{len(freed)} layers freed")
+    return 0
