@@ -77,6 +77,7 @@ class BackgroundLoop:
 
 LOOP = BackgroundLoop()
 _ENGINES: dict[tuple[Mode, str, ModeOptions], RolloutEngine] = {}
+_CLIENTS: dict[tuple[str, str | None, str | None], Client] = {}
 _ENGINES_LOCK = threading.Lock()
 
 
@@ -99,13 +100,28 @@ def engine(mode: Mode | str = Mode.BUNSHIN, *, config: Config | None = None,
         return eng
 
 
-def close_all() -> None:
-    """Free every task root the adapters made in this process (their engines' roots and caches)."""
+def client(url: str, *, token: str | None = None, token_file: str | None = None) -> Client:
+    """This process's :class:`~bunshin.client.Client` of ``url`` (one connection pool per host
+    and token, shared by every environment of the process)."""
+    key = (url.rstrip("/"), token, token_file)
     with _ENGINES_LOCK:
-        engines = list(_ENGINES.values())
+        c = _CLIENTS.get(key)
+        if c is None:
+            c = _CLIENTS[key] = Client(url, token=token, token_file=token_file)
+        return c
+
+
+def close_all() -> None:
+    """Free every task root the adapters made in this process (their engines' roots and caches)
+    and close their clients (a served group stays on its host for the other processes)."""
+    with _ENGINES_LOCK:
+        engines, clients = list(_ENGINES.values()), list(_CLIENTS.values())
         _ENGINES.clear()
+        _CLIENTS.clear()
     for eng in engines:
         LOOP.run(eng.aclose())
+    for c in clients:
+        c.close()
 
 
 atexit.register(close_all)

@@ -8,13 +8,14 @@ import pytest
 
 from bunshin.config import Config
 from bunshin.rollout.task import parse_task
+from tests.server.conftest import served  # noqa: F401  (a real `bunshin serve` on loopback)
 
 #: A small task: setup once (a file the trajectories read), a reward from a file they write.
 TASK = parse_task({
     "id": "adapt",
     "memory": "512M",
     "files": {"/work/hello.txt": "hello\n"},
-    "setup": ["echo setup-ran > /work/setup.log", "echo $$ > /work/setup.pid"],
+    "setup": ["echo setup-ran > /work/setup.log", "cat /proc/sys/kernel/random/uuid > /work/setup.id"],
     "tools": ["bash", "read_file", "write_file"],
     "workdir": "/work",
     "prompt": "write the score",

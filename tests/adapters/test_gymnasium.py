@@ -44,10 +44,10 @@ def test_episode_forks_from_the_root_and_scores(home):
             env.step("again")
         # a new episode starts from the root again: setup did not re-run, the score is gone
         env.reset()
-        obs, *_ = env.step(call("bash", command="cat setup.pid; ls"))
+        obs, *_ = env.step(call("bash", command="cat setup.id; ls"))
         first_pid = obs["text"].split()[0]
         env.reset()
-        obs, *_ = env.step(call("bash", command="cat setup.pid; ls"))
+        obs, *_ = env.step(call("bash", command="cat setup.id; ls"))
         assert obs["text"].split()[0] == first_pid and "score" not in obs["text"]
     finally:
         env.close()
@@ -57,7 +57,7 @@ def test_vector_envs_share_one_root(home):
     venv = gymnasium.make_vec(bg.ENV_ID, num_envs=3, vectorization_mode="sync", task=TASK, config=home)
     try:
         venv.reset(seed=1)
-        obs, *_ = venv.step([call("bash", command=f"cat setup.pid; echo {i} > score") for i in range(3)])
+        obs, *_ = venv.step([call("bash", command=f"cat setup.id; echo {i} > score") for i in range(3)])
         assert len(set(t.split()[0] for t in obs["text"])) == 1  # one setup, three forks
         _, rewards, term, _, _ = venv.step(["done"] * 3)
         assert list(rewards) == [0.0, 1.0, 2.0] and all(term)

@@ -1,0 +1,153 @@
+"""``bunshin bench skyrl``: a SkyRL-gym group of 8 on the coding task, with and without the group fork.
+
+The group is what SkyRL's generator makes for one prompt: ``n`` envs from
+``skyrl_gym.make("bunshin", extras=row)`` with the same ``instance_id``, each driven in
+its own thread (SkyRL runs ``env.init``/``env.step`` in an executor), each replaying one
+of the rollout benchmark's coding traces (more-itertools: list, read, ``pip install -e .``,
+tests, diverging edits, re-test) as the model's text, with its think times. Side by
+side, one after another, memory sampled as in ``bunshin bench rollout``:
+
+- ``baseline``: no group fork: each env gets a fresh workspace and re-runs the setup;
+- ``fork``: the copies fork from one root (setup once, copy-on-write), every call runs;
+- ``fork+cache``: the same, behind the instance's prefix cache (the adapter's default).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from .. import console as output
+from ..config import Config
+from ..rollout.policies import Trace
+from ..rollout.task import TaskSpec
+from . import workloads as wl
+from .rollout import reduction, settle, warm_up
+from .sampler import MemorySampler, idle_used
+from .stats import summary
+
+#: label -> the env_config of the bunshin SkyRL env
+MODES: dict[str, dict[str, Any]] = {
+    "baseline": {"mode": "baseline"},
+    "fork": {"mode": "bunshin", "cache": False},
+    "fork+cache": {"mode": "bunshin"},
+}
+
+
+@dataclass(frozen=True)
+class CopyResult:
+    reward: float
+    env_s: float  # init: the copy's workspace (fork, or create + setup)
+    total_s: float
+    calls: int
+    cached: int
+    error: str | None
+
+
+def _text(name: str, arguments: dict[str, Any]) -> str:
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+def drive(env: Any, trace: Trace) -> CopyResult:
+    """One copy, as SkyRL's agent loop drives it: init, a step per model turn, close."""
+    t0 = time.perf_counter()
+    try:
+        env.init(None)
+        env_s = time.perf_counter() - t0
+        out: dict[str, Any] = {}
+        for step in trace.steps:
+            time.sleep(step.think_s)
+            out = env.step(_text(step.tool_call.name, step.tool_call.arguments))
+            if out["done"]:
+                break
+        if not out.get("done"):
+            time.sleep(trace.final_think_s)
+            out = env.step(trace.final_content or "done")
+        m = env.get_metrics()
+        return CopyResult(float(out["reward"]), round(env_s, 3), round(time.perf_counter() - t0, 3),
+                          m["tool_calls"], m["cached_calls"], out["metadata"].get("reward_error"))
+    finally:
+        env.close()
+
+
+def run_mode(cfg: Config, label: str, task: TaskSpec, traces: list[Trace]) -> dict[str, Any]:
+    import skyrl_gym
+
+    from ..adapters import skyrl as adapter
+    from ..adapters.trajectories import close_all
+
+    adapter.register()
+    env_config = {**MODES[label], "config": cfg}
+    row = {"task": task.model_dump(mode="json"), "instance_id": f"{task.id}-{label}"}
+    idle = idle_used(1.0)
+    with MemorySampler(cfg) as sampler:
+        t0 = time.perf_counter()
+        try:
+            envs = [skyrl_gym.make("bunshin", env_config=env_config, extras=dict(row)) for _ in traces]
+            with ThreadPoolExecutor(len(envs)) as pool:
+                results = list(pool.map(drive, envs, traces))
+        finally:
+            close_all()  # the instance's root and cache
+        makespan = time.perf_counter() - t0
+    s = sampler.series
+    return {
+        "label": label, "env_config": MODES[label], "makespan_s": round(makespan, 3),
+        "peak_bytes": s.peak(idle), "gb_s": round(s.gb_s(idle), 3),
+        "ws_peak_bytes": s.ws_peak(), "ws_gb_s": round(s.ws_gb_s(), 3),
+        "env_s": summary([r.env_s for r in results]), "copy_s": summary([r.total_s for r in results]),
+        "calls": sum(r.calls for r in results), "cached_calls": sum(r.cached for r in results),
+        "rewards": [r.reward for r in results], "errors": [r.error for r in results if r.error],
+    }
+
+
+def run(cfg: Config, *, group: int = 8, think_scale: float = 0.5, modes: tuple[str, ...] = tuple(MODES),
+        settle_s: float = 2.0) -> dict[str, Any]:
+    """Every mode in turn on one coding task (falls back to coding-lite without the sdist)."""
+    for m in modes:
+        if m not in MODES:
+            raise ValueError(f"unknown mode {m!r}; one of {', '.join(MODES)}")
+    try:
+        work = wl.build("coding", tasks=1, traces=group, think_scale=think_scale, config=cfg)
+    except Exception as e:
+        output.err.print(f"[yellow]coding workload unavailable ({e}); using coding-lite instead[/]")
+        work = wl.build("coding-lite", tasks=1, traces=group, think_scale=think_scale, config=cfg)
+    task, traces = work.tasks[0], work.traces[:group]
+    warm_up(cfg)
+    settle(settle_s)
+    rows = []
+    for label in modes:
+        output.err.print(f"[dim]skyrl: {label}, group of {group}[/]")
+        rows.append(run_mode(cfg, label, task, traces))
+        settle(settle_s)
+    base = next((r for r in rows if r["label"] == "baseline"), None)
+    for r in rows:
+        if base is not None and r is not base:
+            r["vs_baseline"] = {k: reduction(base[k], r[k]) for k in ("peak_bytes", "gb_s", "makespan_s",
+                                                                        "ws_peak_bytes")}
+    return {"framework": "skyrl-gym", "workload": work.name, "task": task.id, "group": group,
+            "think_scale": think_scale, "modes": rows,
+            "same_rewards": len({tuple(r["rewards"]) for r in rows}) == 1}
+
+
+def print_report(r: dict[str, Any]) -> None:
+    hb = output.human_bytes
+
+    def pct(v: dict[str, Any], k: str) -> str:
+        x = v.get(k)
+        return "" if x is None else f" ({-x * 100:+.0f} %)"
+
+    rows = []
+    for m in r["modes"]:
+        v = m.get("vs_baseline", {})
+        rows.append((m["label"], hb(m["peak_bytes"]) + pct(v, "peak_bytes"), f"{m['gb_s']:.1f}" + pct(v, "gb_s"),
+                     hb(m["ws_peak_bytes"]) + pct(v, "ws_peak_bytes"), f"{m['makespan_s']:.1f}" + pct(v, "makespan_s"),
+                     f"{m['env_s']['p50']:.2f}", f"{m['cached_calls']}/{m['calls']}",
+                     " ".join(f"{x:g}" for x in m["rewards"])))
+    output.print_table(f"bunshin bench skyrl: a group of {r['group']} on {r['workload']} ({r['task']}), "
+                       f"think x{r['think_scale']}",
+                       ["MODE", "PEAK MEM", "GB·S", "OWN PEAK", "MAKESPAN S", "INIT P50 S", "CACHED", "REWARDS"],
+                       rows)
+    output.out.print(f"same rewards in every mode: {'yes' if r['same_rewards'] else 'NO'}")
