@@ -63,14 +63,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_adapters, release_tmpfs=True)
 
-    b = bsub.add_parser("adapters", help="a framework's group on the coding task, with and without the group fork")
-    b.add_argument("--framework", default="miniswe", help="miniswe (default)")
-    b.add_argument("--group", type=int, default=8, help="runs of one task (default 8)")
-    b.add_argument("--think-scale", type=float, default=0.5, help="multiply recorded think times (default 0.5)")
-    b.add_argument("--workload", default="coding", help="coding (default; coding-lite without its sdist) or coding-lite")
-    b.add_argument("--json", action="store_true")
-    b.set_defaults(func=cmd_bench_adapters, release_tmpfs=True)
-
     b = bsub.add_parser("rollout", help="rollouts in every mode side by side: memory, latency, rewards "
                         "(full: ~30 min; --quick: ~4 min)")
     b.add_argument("--quick", action="store_true", help="groups of 8 only, 2 tasks per workload, shorter think times")
@@ -191,18 +183,6 @@ def cmd_bench_skyrl(args: argparse.Namespace) -> int:
         output.print_json(result)
     else:
         bench_skyrl.print_report(result)
-    return 0
-
-
-def cmd_bench_adapters(args: argparse.Namespace) -> int:
-    from ..bench import adapters as bench_adapters
-
-    result = bench_adapters.run(Config.from_env(), framework=args.framework, group=args.group,
-                                think_scale=args.think_scale, workload=args.workload)
-    if args.json:
-        output.print_json(result)
-    else:
-        bench_adapters.print_report(result)
     return 0
 
 
