@@ -192,3 +192,57 @@ def compress(src: Path, kind: str) -> Path:
         subprocess.run(["zstd", "-q", "-f", str(src), "-o", str(dest)], check=True)
     os.sync()
     return dest
+
+
+class Registry:
+    """Debian's docker-registry on loopback (plain HTTP), storing under ``root``; a
+    context manager that stops it (and waits for it) on exit."""
+
+    def __init__(self, root: Path, htpasswd: Path | None = None) -> None:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.host = f"127.0.0.1:{self.port}"
+        self.root = root
+        auth = (f"auth:\n  htpasswd:\n    realm: test\n    path: {htpasswd}\n" if htpasswd else "")
+        (root / "config.yml").write_text(
+            f"version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {root / 'data'}\n"
+            f"http:\n  addr: {self.host}\n{auth}")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> Registry:
+        import time
+        import urllib.error
+        import urllib.request
+
+        self.proc = subprocess.Popen(["docker-registry", "serve", str(self.root / "config.yml")],
+                                     stdout=subprocess.DEVNULL, stderr=open(self.root / "log", "wb"))
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                urllib.request.urlopen(f"http://{self.host}/v2/", timeout=1)
+                return self
+            except urllib.error.HTTPError:
+                return self  # 401: up, with auth
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.__exit__()
+                    raise RuntimeError("docker-registry did not start: " + (self.root / "log").read_text()) from None
+                time.sleep(0.1)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def push(self, layout: Path, name: str, *creds: str) -> str:
+        """Push the layout as ``HOST/name``; the reference."""
+        ref = f"{self.host}/{name}"
+        skopeo("copy", "--dest-tls-verify=false", *creds, f"oci:{layout}", f"docker://{ref}")
+        return ref
