@@ -22,7 +22,7 @@ TASK = {
         "/work/test_calc.py": "from calc import add\n\ndef test_add():\n    assert add(2, 3) == 5\n\n"
                               "def test_zero():\n    assert add(0, 0) == 0\n",
     },
-    "setup": ["cd /work && python3 -c 'import calc'"],
+    "setup": ["cd /work && python3 -B -c 'import calc'"],  # -B: a stale .pyc would hide a same-size edit
     "tools": ["bash", "read_file", "edit"],
     "workdir": "/work",
     "prompt": "Fix calc.add so that the tests pass.",

@@ -12,6 +12,8 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -113,3 +115,32 @@ def test_grpo_trainer_step_runs_the_tools_in_forks_of_one_root(home, tmp_path):
         assert "score" not in pool[0].bash("ls") and pool[0].bash("cat setup.id").split()[0] in ids
     finally:
         BunshinToolEnv.close_instances()
+
+
+CHILD = r"""
+import json, sys
+from bunshin.adapters.trl import BunshinToolEnv
+from bunshin.adapters.trajectories import close_all
+url, token, task = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+env = BunshinToolEnv.factory(url=url, token=token)()
+assert env.reset(prompt=[{"role": "user", "content": "go"}], task=task, instance_id="trl-served") is None
+setup_id = env.bash("cat setup.id; echo 1 > score").split()[0]
+print(json.dumps({"id": setup_id, "reward": env.get_reward()}))
+BunshinToolEnv.close_instances()
+close_all()
+"""
+
+
+def test_rollouts_of_one_prompt_on_several_ranks_share_the_served_root(served):
+    # TRL splits a prompt's G rollouts across processes (one per GPU): the server's group key joins them
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, served.url, served.token,
+                               json.dumps(TASK.model_dump(mode="json"))],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-2000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    assert outs[0]["id"] == outs[1]["id"] and [o["reward"] for o in outs] == [1.0, 1.0]
+    with served.client() as c:
+        c.request("DELETE", "/v1/groups/trl-served")
