@@ -30,14 +30,15 @@ from .records import SnapshotMode
 
 FORMAT = "bunshin-snapshot/2"
 _UNSIGNED_FORMATS = ("bunshin-snapshot/1",)  # older folders: no hashes, no MAC (load with trust)
-_ROLES = {"base", "mask", "agent", "snapshot"}
+_ROLES = {"base", "mask", "agent", "snapshot", "image"}
 _MAC_PREFIX = "hmac-sha256:"
 _TRUST_HINT = "load only folders this home saved, or pass --trust (Python: trust=True) for a folder you trust"
 
 # What every id and name in a folder must look like (``take``, ``AgentBundle``, ``images``, ``memfile``)
 SNAP_ID = re.compile(r"snap-[0-9a-f]{12}")
 LAYER_NAMES = {"snapshot": SNAP_ID, "agent": re.compile(r"agent-[0-9a-f]{12}"),
-               "mask": re.compile(r"mask-[0-9a-f]{12}")}
+               "mask": re.compile(r"mask-[0-9a-f]{12}"),
+               "image": re.compile(r"[0-9a-f]{64}")}  # a layer of the image store, by diff id
 MEMFILE_NAME = re.compile(r"(snap-[0-9a-f]{12})-[0-9]{1,7}" + re.escape(memfile.SUFFIX))
 _IMAGE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.img")
 _WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")  # workspace ids and host names
@@ -167,7 +168,9 @@ def check_layers(cfg: Config, entries: Any, rec: rsnap.SnapshotRecord) -> list[d
             isinstance(e, dict) and isinstance(e.get("name"), str) and e.get("role") in _ROLES for e in entries):
         raise InvalidArgument("the saved layer stack is damaged (bad entries or roles)")
     roles = [e["role"] for e in entries]
-    tail = ["agent", "mask", "base"] if rec.image == images.HOST else ["agent", "base"]
+    stored = roles.count("image")  # an image workspace: the image's layers, by diff id, are its base
+    tail = ["agent", "mask", "base"] if rec.image == images.HOST else \
+        ["agent", *["image"] * stored] if stored else ["agent", "base"]
     n = len(entries) - len(tail)
     if n < 1 or roles != ["snapshot"] * n + tail:
         raise InvalidArgument(f"the saved layer stack {roles} is not snapshot layers over "
@@ -183,7 +186,8 @@ def check_layers(cfg: Config, entries: Any, rec: rsnap.SnapshotRecord) -> list[d
     if names[n] != want:
         raise InvalidArgument(f"the snapshot runs agent layer {names[n]}, this bunshin builds {want}",
                               hint="it was saved by another bunshin version (or Python): load it with that one")
-    _check_base(cfg, entries[-1].get("path"), rec.image)
+    if not stored:
+        _check_base(cfg, entries[-1].get("path"), rec.image)
     return entries
 
 

@@ -109,8 +109,9 @@ def save(cfg: Config, snap: rsnap.SnapshotRecord, dest: Path) -> Path:
         mems: list[dict[str, Any]] = []
         for i, path in enumerate(stack):
             layer = Path(path)
-            entry: dict[str, Any] = {"name": layer.name, "role": _role(cfg, layer, base=i == len(stack) - 1),
-                                     "path": path}
+            entry: dict[str, Any] = {"name": layer.name, "role": _role(cfg, layer, base=i == len(stack) - 1)}
+            if entry["role"] != "image":
+                entry["path"] = path
             if entry["role"] == "snapshot":  # agent and mask layers: rebuilt by whoever loads it
                 entry["archive"] = f"layers/{layer.name}.tar"
                 _tar(layer, dest / entry["archive"])
@@ -139,6 +140,8 @@ def save(cfg: Config, snap: rsnap.SnapshotRecord, dest: Path) -> Path:
 
 
 def _role(cfg: Config, layer: Path, *, base: bool) -> str:
+    if layer.parent == cfg.paths.image_layers:
+        return "image"  # named by its diff id, never copied: the loading home must hold it
     if base:
         return "base"
     if layer.parent == cfg.paths.layers and layer.name.startswith("mask-"):
@@ -370,6 +373,13 @@ def _load(cfg: Config, store: Store, folder: _Folder) -> rsnap.SnapshotRecord:
     if base["role"] == "base" and not Path(base["path"]).is_dir():
         raise ImageNotFound(f"the base image {base['path']} of the saved snapshot is missing",
                             hint="put the image folder back at that path")
+    lacking = [e["name"] for e in folder.layers if e["role"] == "image"
+               and not cfg.paths.image_layer(e["name"]).is_dir()]
+    if lacking:
+        raise ImageNotFound(f"the saved snapshot stacks {len(lacking)} image layers this home lacks "
+                            f"(sha256:{lacking[0][:12]}… of image {saved.image})",
+                            hint=f"load or pull the image first (`bunshin image pull {saved.image}` or "
+                                 "`bunshin image load FILE`): saved snapshots name image layers, not copies")
     statefs.ensure(cfg)
     todo = [e for e in folder.layers if e["role"] == "snapshot" and not cfg.paths.layer(e["name"]).is_dir()]
     mems = {e["name"]: [m for m in folder.memfiles if m["layer"] == e["name"]] for e in todo}
@@ -424,6 +434,8 @@ def _host_layer(cfg: Config, entry: dict[str, Any]) -> str:
         return str(images.mask_layer(cfg))
     if role == "agent":  # never from the folder: this host builds the version the images were made with
         return str(agent_bundle.AgentBundle.ensure(cfg.paths.layers).layer)
+    if role == "image":
+        return str(cfg.paths.image_layer(entry["name"]))
     return str(cfg.paths.layer(entry["name"]))
 
 

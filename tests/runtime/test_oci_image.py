@@ -193,3 +193,44 @@ def test_swe_image_runs_its_tests_in_a_fork_and_a_fork_of_a_fork(swe_image, cfg:
         finally:
             fork.remove()
         assert "rc=1" in ws.exec(test, timeout=60).stdout, "the parent still has the bug"
+
+
+def test_saved_snapshot_names_image_layers_and_loads_where_they_are(image, built, cfg: Config,
+                                                                      tmp_path: Path) -> None:
+    from bunshin.errors import ImageNotFound as Missing
+    from bunshin.workspace import Snapshot
+
+    folder = tmp_path / "saved"
+    with Workspace.create("test/img:v1", memory="256M", config=cfg) as ws:
+        ws.exec("echo from-the-parent > /work/note")
+        snap = ws.snapshot()
+        try:
+            snap.save(folder)
+        finally:
+            snap.remove()
+    manifest = __import__("json").loads((folder / "snapshot.json").read_text())
+    roles = [e["role"] for e in manifest["layers"]]
+    assert roles == ["snapshot", "agent", "image", "image", "image"], roles
+    assert [e["name"] for e in manifest["layers"] if e["role"] == "image"] == \
+        [d[7:] for d in reversed(image.layers)]
+    assert sorted(p.name for p in (folder / "layers").iterdir()) == [manifest["layers"][0]["name"] + ".tar"], \
+        "only the snapshot's own layer is copied"
+    with Store.open(cfg.db_path) as store:  # a home without the image's layers
+        oci_store.remove(store, image.id)
+        gc.free_image_layers(cfg, store)
+        with pytest.raises(Missing, match="image layers this home lacks") as exc:
+            Snapshot.load(folder, config=cfg)
+        assert "image pull" in (exc.value.hint or "")
+        from bunshin.runtime import snapshot as rsnap
+
+        assert rsnap.list_all(store) == [], "nothing recorded"
+        oci_store.load(cfg, store, built["oci_gz"])  # the same image, from another format
+    loaded = Snapshot.load(folder, config=cfg)
+    try:
+        (clone,) = loaded.restore(1)
+        try:
+            assert clone.exec("cat /work/note; id -un; pwd; echo $FOO").stdout == "from-the-parent\napp\n/work\nbar baz\n"
+        finally:
+            clone.remove()
+    finally:
+        loaded.remove()
