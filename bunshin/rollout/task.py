@@ -3,7 +3,8 @@
 A task file (YAML or JSON) looks like::
 
     id: fix-parser
-    image: host                 # 'host' or a root filesystem folder
+    image: host                 # 'host', a root filesystem folder, or an image (REGISTRY/NAME:TAG[@sha256:...]
+                                # pulled on first use; name:tag or an id of the store)
     memory: 1G
     files: {/work/hello.py: "print('hi')\\n"}   # written before setup
     mounts: ["/srv/data:/data"]  # host folders shared on purpose: HOST:PATH[:ro|rw] (ro default)
@@ -24,6 +25,7 @@ A bad spec raises :class:`~bunshin.errors.InvalidArgument` naming the field.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -33,6 +35,7 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ..config import Config
 from ..errors import InvalidArgument
 from ..runtime.limits import MAX_TIMEOUT_S
 from ..runtime.records import check_mounts
@@ -140,6 +143,15 @@ class TaskSpec(BaseModel):
             raise ValueError("tools: a tool is named twice")
         return self
 
+    def root_key(self, image_id: str) -> str:
+        """The key of this task's root snapshot: the image by digest (``image_id``, from
+        ``resolve_image``) and everything that builds the root (files, mounts, setup,
+        limits, workdir), so a later group of the same task, or another task of the same
+        image and setup, reuses the root; a new image digest or setup builds a new one."""
+        parts = {"image": image_id, "files": self.files, "mounts": list(self.mounts), "workdir": self.workdir,
+                 "setup": [s.model_dump(mode="json") for s in self.setup], "memory": self.memory, "pids": self.pids}
+        return "root-" + hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
     def initial_messages(self) -> list[dict[str, Any]]:
         """The chat a trajectory starts from: the system text (if any) and the prompt."""
         msgs: list[dict[str, Any]] = []
@@ -147,6 +159,19 @@ class TaskSpec(BaseModel):
             msgs.append({"role": "system", "content": self.system})
         msgs.append({"role": "user", "content": self.prompt})
         return msgs
+
+
+def resolve_image(task: TaskSpec, config: Config) -> str:
+    """The digest that names ``task.image``: an image's id (pulled first if the store lacks
+    it and the reference names its registry); 'host' or a folder as it is."""
+    from ..runtime import images  # noqa: PLC0415 (the runtime only when a root is built)
+    from ..runtime.store import Store  # noqa: PLC0415
+
+    if task.image == images.HOST or Path(task.image).is_dir():
+        return task.image
+    with Store.open(config.db_path) as store:
+        base = images.resolve(config, store, task.image)
+    return base.image_id or task.image
 
 
 def parse_task(data: Any, *, source: str = "task spec") -> TaskSpec:
