@@ -111,7 +111,7 @@ class BunshinEnv(gymnasium.Env[dict[str, Any], str]):
         try:
             calls = parse_calls(action)
         except InvalidArgument as e:  # the model wrote a broken call: it sees why, the turn is not spent
-            return self._obs(f"error: {e}" + (f" ({e.hint})" if e.hint else ""), self._turn), 0.0, False, False, \
+            return self._obs(f"error: {e}", self._turn), 0.0, False, False, \
                 {"status": "running", "messages": copy.deepcopy(self._messages)}
         act: Any = [{"name": c.name, "arguments": c.arguments} for c in calls] if calls else action
         obs, reward, terminated, truncated, info = LOOP.run(self._rollout.astep(act))

@@ -111,7 +111,7 @@ class BunshinTextEnv(BaseTextEnv):
         try:
             calls = parse_calls(action)
         except InvalidArgument as e:
-            return self._out(f"<tool_response>\nerror: {e} ({e.hint})\n</tool_response>", done=False)
+            return self._out(f"<tool_response>\nerror: {e}\n</tool_response>", done=False)
         if not calls:
             return self._finish()
         parts = []

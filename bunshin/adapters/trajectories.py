@@ -36,6 +36,7 @@ from ..errors import InvalidArgument, StateConflict
 from ..rollout import Episode, Mode, ModeOptions, RolloutEngine, TaskSpec, parse_task
 from ..rollout.records import Action, new_id
 from ..tools import Observation, ToolCall
+from ..workspace.protocol import WorkspaceAPI
 
 T = TypeVar("T")
 
@@ -153,6 +154,10 @@ class Trajectory(Protocol):
 
     def reward(self) -> float | None: ...
 
+    def workspace(self) -> WorkspaceAPI:
+        """Its workspace, brought up to date (from then on its calls run there uncached)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -196,6 +201,12 @@ class LocalTrajectory:
         self._check_open()
         return LOOP.run(self._ep.reward())
 
+    def workspace(self) -> WorkspaceAPI:
+        self._check_open()
+        traj = self._ep.traj
+        assert traj is not None
+        return LOOP.run(traj.workspace()).sync
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True
@@ -233,6 +244,9 @@ class ServedTrajectory:
         if out.status == "error":
             raise StateConflict(f"reward of {self.id}: {out.error}", hint=out.output[-300:] or None)
         return out.reward
+
+    def workspace(self) -> WorkspaceAPI:
+        return self._remote.workspace()
 
     def close(self) -> None:
         self._remote.close()
