@@ -268,7 +268,8 @@ _MOUNT_OPTIONS_MAX = 4000  # mount(2) takes one page of options
 def mount_overlay(rec: WorkspaceRecord, cfg: Config) -> None:
     """Mount ``rec``'s overlay root; host-owned layers are seen through idmapped views
     (``idmap``)."""
-    lowers = [str(idmap.view(cfg, Path(p)) if idmap.needs_view(cfg, Path(p)) else p) for p in rec.lowers]
+    lowers = idmap.collapse(cfg, [str(idmap.view(cfg, Path(p)) if idmap.needs_view(cfg, Path(p)) else p)
+                                  for p in rec.lowers])
     opts = f"lowerdir={':'.join(lowers)},upperdir={rec.upper},workdir={rec.work}"
     if len(lowers) > sc.OVERLAY_MAX_LOWERS:
         raise InvalidArgument(f"layer stack of {len(rec.lowers)} layers is deeper than overlayfs's "

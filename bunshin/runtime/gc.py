@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 
 from ..config import Config
-from . import agent_bundle, container, snapshot, statefs
+from . import agent_bundle, container, idmap, snapshot, statefs
 from . import syscalls as sc
 from .cgroups import Layout, WorkspaceCgroup
 from .oci import store as oci_store
@@ -112,8 +112,12 @@ def collect(cfg: Config, store: Store, *, extra_owned: set[str] | None = None, r
 
 
 def free_image_layers(cfg: Config, store: Store) -> list[str]:
-    """Remove the store's image layers nothing uses (``oci.store.free``); what went."""
-    return oci_store.free(cfg, store, [p for s in snapshot.list_all(store) for p in (s.layer, *s.lowers)])
+    """Remove the store's image layers nothing uses (``oci.store.free``) and unmount the
+    stacks of deep images (``idmap.stack``) no workspace or snapshot stacks on; what went."""
+    stacks = [[*s.lowers] for s in snapshot.list_all(store)] + [[*w.lowers] for w in store.list_workspaces()]
+    freed = oci_store.free(cfg, store, [p for s in snapshot.list_all(store) for p in (s.layer, *s.lowers)])
+    keep = {idmap.stack_target(cfg, run) for lowers in stacks if len(run := idmap.image_run(cfg, lowers)) >= 2}
+    return freed + idmap.release_stacks(cfg, keep)
 
 
 def _recent(path: Path, seconds: float = 60.0) -> bool:

@@ -23,7 +23,7 @@ import errno
 import fcntl
 import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..config import Config
@@ -57,6 +57,59 @@ def view(cfg: Config, layer: Path) -> Path:
     digest = hashlib.sha256(str(layer).encode()).hexdigest()[:12]
     target = cfg.paths.idmap / f"{layer.name or 'root'}-{digest}"
     return _ensure(cfg, target, lambda: _mount_view(layer, target, cfg.id_base, cfg.id_count))
+
+
+# A workspace's overlay line in /proc/PID/mountinfo must stay short: CRIU cannot parse
+# a longer one ("Bad format in mountinfo"), and mount(2) takes one page of options.
+STACK_OPTIONS_MAX = 2000
+
+
+def collapse(cfg: Config, lowers: list[str]) -> list[str]:
+    """``lowers`` (top first, views already applied) with the run of image-store layers
+    at their bottom replaced by one read-only overlay of them (``stack``) when the list
+    would be too long for CRIU; nothing is copied."""
+    if len(":".join(lowers)) <= STACK_OPTIONS_MAX:
+        return lowers
+    run = image_run(cfg, lowers)
+    if len(run) < 2:
+        return lowers
+    return [*lowers[:len(lowers) - len(run)], str(stack(cfg, run))]
+
+
+def image_run(cfg: Config, lowers: Sequence[str]) -> list[str]:
+    """The image-store layers at the bottom of ``lowers`` (top first)."""
+    n = 0
+    while n < len(lowers) and Path(lowers[len(lowers) - 1 - n]).parent == cfg.paths.image_layers:
+        n += 1
+    return list(lowers[len(lowers) - n:])
+
+
+def stack_target(cfg: Config, layers: list[str]) -> Path:
+    digest = hashlib.sha256("\n".join(layers).encode()).hexdigest()[:16]
+    return cfg.paths.idmap / f"stack-{digest}"
+
+
+def stack(cfg: Config, layers: list[str]) -> Path:
+    """A read-only, nodev overlay of the image-store ``layers`` (top first), mounted once
+    and shared like the views: a deep image becomes one lower of a workspace's overlay
+    (overlay over overlay, the kernel's stacking depth of 2)."""
+    target = stack_target(cfg, layers)
+    return _ensure(cfg, target, lambda: sc.mount_overlay_fs(
+        str(target), layers, attrs=sc.MOUNT_ATTR_RDONLY | sc.MOUNT_ATTR_NODEV))
+
+
+def release_stacks(cfg: Config, keep: set[Path]) -> list[str]:
+    """Unmount the image stacks but ``keep``; what was unmounted."""
+    out = []
+    for target in mounted(cfg):
+        if Path(target).name.startswith("stack-") and Path(target) not in keep:
+            try:
+                sc.umount(target, sc.MNT_DETACH)
+                os.rmdir(target)
+            except OSError:
+                continue
+            out.append(target)
+    return out
 
 
 def share(cfg: Config, mount: Mount) -> Path:

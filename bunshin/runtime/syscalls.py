@@ -179,17 +179,23 @@ _AT_FDCWD, _MOVE_MOUNT_F_EMPTY_PATH = -100, 0x4
 OVERLAY_MAX_LOWERS = 500
 
 
-def mount_overlay_fs(target: str, lowers: Sequence[str], upper: str, work: str) -> None:
+MOUNT_ATTR_RDONLY, MOUNT_ATTR_NODEV = 0x1, 0x4
+
+
+def mount_overlay_fs(target: str, lowers: Sequence[str], upper: str | None = None, work: str | None = None,
+                     attrs: int = 0) -> None:
     """An overlay at ``target`` through the new mount API: each lower given on its own
     (``lowerdir+``, Linux >= 6.8), so a deep stack is not bound by ``mount(2)``'s one
-    page of options (~30 layers of store paths); still at most ``OVERLAY_MAX_LOWERS``."""
+    page of options (~30 layers of store paths); still at most ``OVERLAY_MAX_LOWERS``.
+    Without ``upper`` it is read-only (two lowers at least). ``attrs``: ``MOUNT_ATTR_*``."""
     fs = syscall(_SYS_FSOPEN, b"overlay", ctypes.c_uint(1))
     try:
-        for key, value in [*(("lowerdir+", p) for p in lowers), ("upperdir", upper), ("workdir", work)]:
+        rw = [("upperdir", upper), ("workdir", work)] if upper is not None and work is not None else []
+        for key, value in [*(("lowerdir+", p) for p in lowers), *rw]:
             syscall(_SYS_FSCONFIG, ctypes.c_int(fs), ctypes.c_uint(_FSCONFIG_SET_STRING), key.encode(),
                     value.encode(), ctypes.c_int(0))
         syscall(_SYS_FSCONFIG, ctypes.c_int(fs), ctypes.c_uint(_FSCONFIG_CMD_CREATE), None, None, ctypes.c_int(0))
-        mnt = syscall(_SYS_FSMOUNT, ctypes.c_int(fs), ctypes.c_uint(1), ctypes.c_uint(0))
+        mnt = syscall(_SYS_FSMOUNT, ctypes.c_int(fs), ctypes.c_uint(1), ctypes.c_uint(attrs))
         try:
             syscall(_SYS_MOVE_MOUNT, ctypes.c_int(mnt), b"", ctypes.c_int(_AT_FDCWD), target.encode(),
                     ctypes.c_uint(_MOVE_MOUNT_F_EMPTY_PATH))

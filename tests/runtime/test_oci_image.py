@@ -234,3 +234,26 @@ def test_saved_snapshot_names_image_layers_and_loads_where_they_are(image, built
             clone.remove()
     finally:
         loaded.remove()
+
+
+def test_a_deep_image_stacks_past_mount_options_page(tmp_path: Path, cfg: Config, no_leaks) -> None:
+    """70 layers: their paths overflow mount(2)'s one page of options (~30 store paths),
+    so the overlay is made with one ``lowerdir+`` per layer; nothing is copied."""
+    layers = [oi.busybox_base()] + [oi.Layer(compress="none").add(f"l{i}", "file", f"{i}\n").add("top", "file", f"{i}\n")
+                                    for i in range(69)]
+    oi.build_layout(tmp_path / "deep", layers)
+    with Store.open(cfg.db_path) as store:
+        (rec,) = oci_store.load(cfg, store, tmp_path / "deep", tags=["test/deep:1"])
+    try:
+        assert len(":".join(str(p) for p in oci_store.lowers(cfg, rec))) > 4096
+        with Workspace.create("test/deep:1", memory="256M", config=cfg) as ws:
+            assert ws.exec("cat /l0 /l68 /top; ls / | grep -c '^l'").stdout == "0\n68\n68\n69\n"
+            (fork,) = ws.fork(1)
+            try:
+                assert fork.exec("cat /top").stdout == "68\n"
+            finally:
+                fork.remove()
+    finally:
+        with Store.open(cfg.db_path) as store:
+            oci_store.remove(store, rec.id)
+            gc.free_image_layers(cfg, store)
