@@ -41,6 +41,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_fork, release_tmpfs=True)
 
+    b = bsub.add_parser("image", help="OCI images against the host image: pull+unpack, storage, create, fork")
+    b.add_argument("--clones", type=int, default=64, help="clones per fork (default 64)")
+    b.add_argument("--heap-mib", type=int, default=64, help="the forked workspace's heap (default 64)")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_image, release_tmpfs=True)
+
     b = bsub.add_parser("serve", help="the HTTP API against in-process calls: latency, exec throughput")
     b.add_argument("--rounds", type=int, default=30, help="calls per kind (default 30)")
     b.add_argument("--forks", type=int, default=8, help="forks per side (default 8)")
@@ -92,6 +98,17 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 1 if fatal else 0
 
 
+def cmd_bench_image(args: argparse.Namespace) -> int:
+    from ..bench import image as bench_image
+
+    r = bench_image.run(Config.from_env(), clones=args.clones, heap_mib=args.heap_mib)
+    if args.json:
+        output.print_json(r)
+    else:
+        bench_image.print_report(r)
+    return 0
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     from ..bench import serve as bench_serve
 
@@ -110,7 +127,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if args.json:
         output.print_json(report)
     else:
-        for kind in ("workspaces", "snapshots", "mounts", "cgroups", "processes", "files"):
+        for kind in ("workspaces", "snapshots", "mounts", "cgroups", "processes", "files", "image_layers"):
             for item in getattr(report, kind):
                 print(f"removed {kind[:-1]} {item}")
         print(f"gc: {report.total} removed")
