@@ -57,6 +57,8 @@ WANT=(
     libjemalloc2
     procps
     skopeo           # image pulls (and the image tests' format conversions)
+    buildah          # bunshin image build (Dockerfiles)
+    runc             # buildah's RUN steps (--isolation oci, in a user namespace)
     docker-registry  # the image tests' loopback registry
     zstd             # the image tests' .tar.zst archives
     python3          # the image tests copy Debian's python into a layer

@@ -1,4 +1,4 @@
-"""CLI commands on images: ``bunshin image load|pull|ls|inspect|rm``."""
+"""CLI commands on images: ``bunshin image load|pull|build|ls|inspect|rm``."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from ..runtime.store import Store
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    image = sub.add_parser("image", help="OCI/Docker images: load, pull, ls, inspect, rm")
+    image = sub.add_parser("image", help="OCI/Docker images: load, pull, build, ls, inspect, rm")
     isub = image.add_subparsers(dest="image_command", metavar="SUBCOMMAND")
     isub.required = True
 
@@ -30,6 +30,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("ref")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_pull)
+
+    p = isub.add_parser("build", help="build DIR's Dockerfile (through buildah, RUN steps in a user namespace)")
+    p.add_argument("dir")
+    p.add_argument("-f", "--file", default="Dockerfile", help="the Dockerfile's name in DIR (default Dockerfile)")
+    p.add_argument("-t", "--tag", action="append", default=[], metavar="REF", help="name the image REF")
+    p.add_argument("--network", default="host", choices=["host", "none"], help="RUN steps' network (default host)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_build)
 
     p = isub.add_parser("ls", help="list stored images")
     p.add_argument("--json", action="store_true")
@@ -72,6 +80,21 @@ def cmd_pull(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with Store.open(cfg.db_path) as store:
         rec = pull(cfg, store, args.ref, progress=_progress(args))
+    if args.json:
+        output.print_json({**rec.summary(), "seconds": round(time.perf_counter() - t0, 3)})
+    else:
+        print(rec.id)
+    return 0
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from ..runtime.oci.build import build
+
+    cfg = Config.from_env()
+    t0 = time.perf_counter()
+    with Store.open(cfg.db_path) as store:
+        rec = build(cfg, store, args.dir, dockerfile=args.file, tags=tuple(args.tag), network=args.network,
+                    progress=_progress(args))
     if args.json:
         output.print_json({**rec.summary(), "seconds": round(time.perf_counter() - t0, 3)})
     else:

@@ -45,16 +45,17 @@ def normalize_name(name: str) -> str:
 
 
 def load(cfg: Config, store: Store, path: Path, *, tags: Iterable[str] = (), digest: str | None = None,
-         progress: Progress = quiet) -> list[ImageRecord]:
-    """Load every image of the archive or folder ``path``; ``tags`` name them too."""
+         progress: Progress = quiet, mapped_from: int | None = None) -> list[ImageRecord]:
+    """Load every image of the archive or folder ``path``; ``tags`` name them too.
+    ``mapped_from``: see ``unpack`` (only for what ``oci.build`` made)."""
     extra = tuple(normalize_name(t) for t in tags)
     with open_source(Path(path), cfg.paths.image_staging) as src:
         found = images_in(src, str(path))
         if extra and len(found) != 1:
             raise InvalidArgument(f"{path} holds {len(found)} images: a tag names one",
                                   hint="load it without --tag, then name them by id")
-        return [add(cfg, store, src, parts, names=extra, digest=digest or parts.manifest_digest, progress=progress)
-                for parts in found]
+        return [add(cfg, store, src, parts, names=extra, digest=digest or parts.manifest_digest, progress=progress,
+                    mapped_from=mapped_from) for parts in found]
 
 
 def _names(parts: ImageParts) -> tuple[str, ...]:
@@ -69,7 +70,7 @@ def _names(parts: ImageParts) -> tuple[str, ...]:
 
 
 def add(cfg: Config, store: Store, src: Source, parts: ImageParts, *, names: tuple[str, ...] = (),
-        digest: str | None = None, progress: Progress = quiet) -> ImageRecord:
+        digest: str | None = None, progress: Progress = quiet, mapped_from: int | None = None) -> ImageRecord:
     """Unpack the layers of ``parts`` the store lacks, then record the image."""
     config = ImageConfig.of(parts.config)
     pending = f"{os.getpid()}-{os.urandom(4).hex()}"
@@ -78,7 +79,7 @@ def add(cfg: Config, store: Store, src: Source, parts: ImageParts, *, names: tup
         total = 0
         for i, blob in enumerate(parts.layers, 1):
             size = _ensure_layer(cfg, store, src, blob.rel, blob.blob_digest, blob.diff_id,
-                                 f"{i}/{len(parts.layers)}", progress)
+                                 f"{i}/{len(parts.layers)}", progress, mapped_from)
             total += size
         all_names = tuple(dict.fromkeys(_names(parts) + names))
         with store.transaction():
@@ -109,7 +110,7 @@ def _replace(rec: ImageRecord, **changes: object) -> ImageRecord:
 
 
 def _ensure_layer(cfg: Config, store: Store, src: Source, rel: str, blob_digest: str | None, diff_id: str,
-                  label: str, progress: Progress) -> int:
+                  label: str, progress: Progress, mapped_from: int | None = None) -> int:
     """The layer ``diff_id`` in the store (unpacked unless there); its size in bytes."""
     final = cfg.paths.image_layer(diff_id)
     known = store.get_object(LAYER_KIND, diff_id)
@@ -131,7 +132,7 @@ def _ensure_layer(cfg: Config, store: Store, src: Source, rel: str, blob_digest:
                                   hint="the archive or folder is incomplete: make or download it again") from None
         with f:
             done = unpack(f, str(tmp), id_base=cfg.id_base, id_count=cfg.id_count, blob_digest=blob_digest,
-                          diff_id=diff_id, name=diff_id[7:19])
+                          diff_id=diff_id, name=diff_id[7:19], mapped_from=mapped_from)
         try:
             if final.is_dir():
                 shutil.rmtree(final)  # a folder without its record: an interrupted rename, redone

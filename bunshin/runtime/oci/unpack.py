@@ -108,18 +108,20 @@ class Unpacked:
 
 
 def unpack(blob: IO[bytes], dest: str, *, id_base: int, id_count: int,
-           blob_digest: str | None, diff_id: str, name: str) -> Unpacked:
+           blob_digest: str | None, diff_id: str, name: str, mapped_from: int | None = None) -> Unpacked:
     """Unpack the layer ``blob`` (compressed or not) into the empty folder ``dest``.
 
     ``blob_digest`` (the manifest's, None when the layer comes uncompressed from a
     docker archive) and ``diff_id`` (the config's) must match what is read. Raises
     ``InvalidArgument`` for a refused or damaged layer and ``ResourceExhausted`` when
-    the disk is full; the caller removes ``dest`` then.
+    the disk is full; the caller removes ``dest`` then. ``mapped_from``: ids at or above
+    it were written through that mapping (a build's user namespace: ``oci.build``) and
+    count from it.
     """
     raw = HashingReader(blob)
     try:
         inner = HashingReader(decompressed(raw))
-        writer = _Writer(dest, id_base, id_count, name)
+        writer = _Writer(dest, id_base, id_count, name, mapped_from)
         try:
             with tarfile.open(fileobj=cast(IO[bytes], inner), mode="r|", errorlevel=2) as tar:
                 for member in tar:
@@ -170,9 +172,10 @@ def _parts(name: str, what: str, layer: str) -> list[str]:
 class _Writer:
     """Makes the members of one layer tar under ``root``, through descriptors."""
 
-    def __init__(self, root: str, id_base: int, id_count: int, layer: str) -> None:
+    def __init__(self, root: str, id_base: int, id_count: int, layer: str, mapped_from: int | None = None) -> None:
         self.root_fd = os.open(root, _DIR_FLAGS)
         self.id_base, self.id_count, self.layer = id_base, id_count, layer
+        self.mapped_from = mapped_from
         self.bytes = 0
         self.entries = 0
         self.dir_times: list[tuple[list[str], int]] = []
@@ -221,10 +224,13 @@ class _Writer:
         return fd
 
     def _ids(self, m: tarfile.TarInfo) -> tuple[int, int]:
-        if not (0 <= m.uid < self.id_count and 0 <= m.gid < self.id_count):
+        uid, gid = m.uid, m.gid
+        if self.mapped_from is not None:
+            uid, gid = (i - self.mapped_from if i >= self.mapped_from else i for i in (uid, gid))
+        if not (0 <= uid < self.id_count and 0 <= gid < self.id_count):
             raise self._refuse(f"{m.name!r} is owned by {m.uid}:{m.gid}, outside the workspaces' "
                                f"{self.id_count} ids")
-        return self.id_base + m.uid, self.id_base + m.gid
+        return self.id_base + uid, self.id_base + gid
 
     def _clear(self, pfd: int, name: str, *, keep_dir: bool) -> bool:
         """Remove what ``name`` is in this layer (a later member replaces an earlier one);

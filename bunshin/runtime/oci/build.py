@@ -1,0 +1,92 @@
+"""Build an image from a Dockerfile through buildah (Debian's), then load it.
+
+``buildah bud`` runs in a private storage of the store's staging folder, with
+``--isolation oci`` (runc) and a user namespace mapping the build's ids onto the
+workspaces' range (``Config.id_base``..): a ``RUN`` step is root only inside it, as in a
+workspace, never host root. ``RUN`` steps get the host's network (as ``docker build``
+gets one), unless ``network="none"``. The result is pushed to an OCI layout and loaded
+like any other (``store.load``: every digest checked, layers unpacked safely); the
+staging folder, buildah's storage included, is removed whatever happens.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from ...config import Config
+from ...errors import HostUnsupported, InvalidArgument, RuntimeFailure
+from .. import mountinfo
+from .. import syscalls as sc
+from ..store import Store
+from . import store as oci_store
+from .records import ImageRecord
+
+BUILDAH = "buildah"
+BUILD_TIMEOUT_S = 3 * 3600.0
+NETWORKS = ("host", "none")
+
+
+def build(cfg: Config, store: Store, context: Path, *, dockerfile: str = "Dockerfile", tags: tuple[str, ...] = (),
+          network: str = "host", progress: oci_store.Progress = oci_store.quiet) -> ImageRecord:
+    """Build ``context``'s Dockerfile; the stored image (named ``tags``)."""
+    context = Path(context).absolute()
+    if shutil.which(BUILDAH) is None:
+        raise HostUnsupported("buildah is not installed", hint="run `make install` (Debian's buildah builds images)")
+    if not context.is_dir():
+        raise InvalidArgument(f"build context {context} is not a folder", hint="give the folder holding the Dockerfile")
+    if not (context / dockerfile).is_file():
+        raise InvalidArgument(f"no {dockerfile} in {context}", hint="write one, or name it with -f")
+    if network not in NETWORKS:
+        raise InvalidArgument(f"network {network!r} is not one of {', '.join(NETWORKS)}", hint="--network host|none")
+    tags = tuple(oci_store.normalize_name(t) for t in tags)
+    cfg.paths.image_staging.mkdir(parents=True, exist_ok=True)
+    os.chmod(cfg.paths.images, 0o700)
+    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=cfg.paths.image_staging))
+    base = [BUILDAH, "--root", str(tmp / "storage"), "--runroot", str(tmp / "run")]
+    name = f"localhost/bunshin-build/{tmp.name.lstrip('.').lower()}:latest"
+    ids = f"0:{cfg.id_base}:{cfg.id_count}"
+    try:
+        _run([*base, "bud", "--isolation", "oci", "--userns-uid-map", ids, "--userns-gid-map", ids,
+              "--network", network, "--layers=false", "-f", str(context / dockerfile), "-t", name, str(context)],
+             "build", progress)
+        _run([*base, "push", "--quiet", name, f"oci:{tmp / 'out'}"], "export", progress)
+        # buildah's layers hold the ids as the build's user namespace wrote them (host
+        # ids id_base + N): counted back from id_base
+        (rec,) = oci_store.load(cfg, store, tmp / "out", tags=tags, progress=progress, mapped_from=cfg.id_base)
+        return rec
+    finally:
+        subprocess.run([*base, "rmi", "--all", "--force"], capture_output=True, timeout=120, check=False)
+        for target in sorted(mountinfo.below(os.path.realpath(tmp) + "/"), key=len, reverse=True):
+            try:
+                sc.umount(target, sc.MNT_DETACH)
+            except OSError:
+                pass
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run(argv: list[str], what: str, progress: oci_store.Progress) -> None:
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                log.write(line)
+                if line.strip():
+                    progress(line.rstrip())
+            proc.wait(timeout=BUILD_TIMEOUT_S)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        if proc.returncode == 0:
+            return
+        log.seek(0)
+        tail = "\n".join(log.read().strip().splitlines()[-12:])
+    if what == "build":
+        raise InvalidArgument(f"the image build failed (buildah exited {proc.returncode}):\n{tail}",
+                              hint="fix the Dockerfile step shown above; nothing was stored")
+    raise RuntimeFailure(f"buildah could not {what} the image (exit {proc.returncode}):\n{tail}")
