@@ -31,6 +31,7 @@ from typing import Any
 from . import procfs
 from .children import Child, Reaper
 from .execs import DEFAULT_MAX_OUTPUT, Capture
+from .imagedefaults import IMAGE
 from .protocol import (
     AgentFailure,
     arg_int,
@@ -182,7 +183,8 @@ class Session:
                 raise self._dead_error()
             self._reset_tty()
             os.makedirs(os.path.dirname(self.script), mode=0o700, exist_ok=True)
-            with open(self.script, "w", encoding="utf-8", errors="surrogateescape") as f:
+            with open(self.script, "w", encoding="utf-8", errors="surrogateescape",
+                      opener=lambda path, flags: os.open(path, flags | os.O_NOFOLLOW, 0o644)) as f:
                 f.write(command if command.endswith("\n") else command + "\n")
             token = os.urandom(8).hex()
             sink = _Sink(token, limit, output=True)
@@ -395,6 +397,10 @@ class Sessions:
 
     def open(self, req: dict[str, Any]) -> dict[str, Any]:
         os.makedirs(self._scripts_dir, mode=0o700, exist_ok=True)
+        if IMAGE is not None and IMAGE.user:
+            # the image's user reads the command scripts (the folder stays root's: nothing
+            # the user plants there is followed by the agent)
+            os.chmod(self._scripts_dir, 0o711)
         with self._lock:
             self._counter += 1
             session_id = f"s{self._counter}-{os.urandom(3).hex()}"

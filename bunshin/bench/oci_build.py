@@ -104,6 +104,26 @@ def busybox_base() -> Layer:
     return layer
 
 
+def binaries_layer(*programs: str) -> Layer:
+    """Host programs (e.g. /bin/bash) at the same paths, with the libraries they link."""
+    layer = Layer()
+    for d in ("bin", "lib", "lib/x86_64-linux-gnu", "lib64"):
+        layer.add(d, "dir", None, 0o755)
+    libs: dict[str, str] = {}
+    for prog in programs:
+        real = Path(prog).resolve()
+        layer.add(prog.lstrip("/"), "file", real.read_bytes(), 0o755)
+        out = subprocess.run(["ldd", str(real)], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            path = line.split("=>")[-1].split("(")[0].strip()
+            if path.startswith("/"):
+                dest = "lib64/ld-linux-x86-64.so.2" if "ld-linux" in path else f"lib/x86_64-linux-gnu/{Path(path).name}"
+                libs[dest] = path
+    for dest, path in sorted(libs.items()):
+        layer.add(dest, "file", Path(path).resolve().read_bytes(), 0o755)
+    return layer
+
+
 def python_layer() -> Layer:
     """Debian's python3 (binary, the libraries it links, its standard library without
     tests and tools): enough for ``python3 -m unittest``."""

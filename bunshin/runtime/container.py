@@ -202,6 +202,8 @@ def create(
     try:
         make_workspace_dir(rec, cfg.id_base)
         prepare_upper(Path(rec.upper), cfg.id_base)
+        if base.config is not None and base.config.user:
+            _shared_run_dir(Path(rec.upper), cfg.id_base)
         mount_overlay(rec, cfg)
         cg = WorkspaceCgroup.create(layout, cfg.cgroup_prefix + ws_id, memory=mem_bytes, pids=pids)
         pid = _launch(cfg, rec, cg, bundle)
@@ -263,6 +265,19 @@ def prepare_upper(upper: Path, owner: int) -> None:
 
 
 _MOUNT_OPTIONS_MAX = 4000  # mount(2) takes one page of options
+
+
+# Folders under /run the tools make as the exec user: for an image whose User is not
+# root, made here writable by every user (sticky, as /tmp), since /run is root's.
+SHARED_RUN_DIRS = ("run/bunshin-tools",)
+
+
+def _shared_run_dir(upper: Path, owner: int) -> None:
+    for rel in SHARED_RUN_DIRS:
+        path = upper / rel
+        path.mkdir(mode=0o1777)
+        os.chmod(path, 0o1777)
+        os.chown(path, owner, owner)
 
 
 def mount_overlay(rec: WorkspaceRecord, cfg: Config) -> None:

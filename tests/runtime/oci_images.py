@@ -4,6 +4,7 @@ which ``bunshin bench image`` uses too)."""
 from bunshin.bench.oci_build import (  # noqa: F401 (re-exported for the tests)
     Layer,
     Registry,
+    binaries_layer,
     build_layout,
     busybox_base,
     compress,
