@@ -61,6 +61,17 @@ def test_pulled_saved_and_layout_loads_share_layers(served, home) -> None:
     assert oci_store.stored_layers(cfg) == sorted(rec.layers), "two layers, stored once for three sources"
     assert oci_store.find(store, served["ref"]).id == rec.id
     assert list(cfg.paths.image_staging.iterdir()) == [], "the pull's staging folder is gone"
+    again: list[str] = []
+    assert oci_pull.pull(cfg, store, served["ref"], progress=again.append).id == rec.id
+    assert any("already stored" in line for line in again) and not any("blob" in line.lower() for line in again), \
+        "a warm pull fetches the manifest only"
+    import shutil
+
+    shutil.rmtree(cfg.paths.image_layer(rec.layers[-1]))  # a layer gone: the pull fetches and unpacks it
+    again.clear()
+    assert oci_pull.pull(cfg, store, served["ref"], progress=again.append).id == rec.id
+    assert any("unpacking" in line for line in again), again
+    assert oci_store.stored_layers(cfg) == sorted(rec.layers)
 
 
 def test_pull_pinned_by_digest(served, home) -> None:

@@ -69,6 +69,10 @@ def pull(cfg: Config, store: Store, text: str, *, progress: oci_store.Progress =
     tmp = Path(tempfile.mkdtemp(prefix=".pull-", dir=cfg.paths.image_staging))
     try:
         authfile = _credentials(ref, tmp) or auth_file()
+        stored = _already_stored(cfg, store, ref, authfile)
+        if stored is not None:
+            progress(f"{ref}: image {stored.short_id} and all its layers already stored")
+            return stored
         dest = tmp / "image"
         _run(skopeo_argv(ref, dest, authfile), ref, progress)
         manifest = (dest / "manifest.json").read_bytes()
@@ -83,6 +87,54 @@ def pull(cfg: Config, store: Store, text: str, *, progress: oci_store.Progress =
         return oci_store.add(cfg, store, src, parts, names=tag, digest=ref.digest or served, progress=progress)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _inspect_raw(ref: str, loopback: bool, authfile: Path | None) -> bytes | None:
+    argv = [SKOPEO, "--insecure-policy", "inspect", "--raw", "--retry-times", "2",
+            *(["--tls-verify=false"] if loopback else []),
+            *(["--authfile", str(authfile)] if authfile is not None else []), f"docker://{ref}"]
+    try:
+        out = subprocess.run(argv, capture_output=True, timeout=300, check=False)
+    except subprocess.TimeoutExpired:
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def _already_stored(cfg: Config, store: Store, ref: Reference, authfile: Path | None) -> ImageRecord | None:
+    """The stored image ``ref`` names now, if the store holds it whole: only its manifest
+    is fetched (``skopeo inspect --raw``, its digest checked against a pin), no blob.
+    None when anything is missing or unclear (the full pull then decides)."""
+    raw = _inspect_raw(str(ref), ref.is_loopback, authfile)
+    if raw is None:
+        return None
+    served = "sha256:" + hashlib.sha256(raw).hexdigest()
+    if ref.digest and served != ref.digest:
+        return None
+    try:
+        doc = json.loads(raw)
+        if isinstance(doc, dict) and "manifests" in doc:  # an index: this machine's instance
+            picked = [m for m in doc["manifests"] if (m.get("platform") or {}).get("architecture") == _arch()
+                      and (m.get("platform") or {}).get("os", "linux") == "linux"]
+            if not picked:
+                return None
+            raw = _inspect_raw(f"{ref.repository}@{picked[0]['digest']}", ref.is_loopback, authfile)
+            if raw is None or "sha256:" + hashlib.sha256(raw).hexdigest() != picked[0]["digest"]:
+                return None
+            doc = json.loads(raw)
+        image_id = doc["config"]["digest"]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    rec = oci_store.complete(cfg, store, image_id) if isinstance(image_id, str) else None
+    if rec is None:
+        return None
+    return oci_store.name(store, rec, (ref.name_tag(),) if ref.tag else (), ref.digest or served)
+
+
+def _arch() -> str:
+    import platform  # noqa: PLC0415
+
+    m = platform.machine()
+    return {"x86_64": "amd64", "aarch64": "arm64"}.get(m, m)
 
 
 def _check_index_pin(ref: Reference, dest: Path) -> None:

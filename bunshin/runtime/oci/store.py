@@ -83,10 +83,7 @@ def add(cfg: Config, store: Store, src: Source, parts: ImageParts, *, names: tup
             total += size
         all_names = tuple(dict.fromkeys(_names(parts) + names))
         with store.transaction():
-            for other in list_images(store):  # a name moves to the image loaded last
-                if other.id != parts.id and set(other.names) & set(all_names):
-                    kept = tuple(n for n in other.names if n not in all_names)
-                    store.put_object(KIND, other.id, _replace(other, names=kept).to_json())
+            _take_names(store, parts.id, all_names)
             old = get(store, parts.id)
             rec = ImageRecord(
                 id=parts.id, layers=tuple(b.diff_id for b in parts.layers), config=config, size_bytes=total,
@@ -101,6 +98,34 @@ def add(cfg: Config, store: Store, src: Source, parts: ImageParts, *, names: tup
         return rec
     finally:
         store.delete_object(PENDING_KIND, pending)
+
+
+def _take_names(store: Store, image_id: str, names: tuple[str, ...]) -> None:
+    """A name moves to the image stored last: off every other image."""
+    for other in list_images(store):
+        if other.id != image_id and set(other.names) & set(names):
+            kept = tuple(n for n in other.names if n not in names)
+            store.put_object(KIND, other.id, _replace(other, names=kept).to_json())
+
+
+def complete(cfg: Config, store: Store, image_id: str) -> ImageRecord | None:
+    """The stored image ``image_id`` if every one of its layers is in the store."""
+    rec = get(store, image_id)
+    if rec is None or not all(cfg.paths.image_layer(d).is_dir() and store.get_object(LAYER_KIND, d) is not None
+                              for d in rec.layers):
+        return None
+    return rec
+
+
+def name(store: Store, rec: ImageRecord, names: tuple[str, ...], digest: str | None) -> ImageRecord:
+    """``rec`` also named ``names`` and known by ``digest``."""
+    with store.transaction():
+        _take_names(store, rec.id, names)
+        cur = get(store, rec.id) or rec
+        new = _replace(cur, names=tuple(dict.fromkeys((*cur.names, *names))),
+                       digests=tuple(dict.fromkeys((*cur.digests, *((digest,) if digest else ())))))
+        store.put_object(KIND, rec.id, new.to_json())
+    return new
 
 
 def _replace(rec: ImageRecord, **changes: object) -> ImageRecord:
