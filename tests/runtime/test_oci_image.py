@@ -257,3 +257,23 @@ def test_a_deep_image_stacks_past_mount_options_page(tmp_path: Path, cfg: Config
         with Store.open(cfg.db_path) as store:
             oci_store.remove(store, rec.id)
             gc.free_image_layers(cfg, store)
+
+
+def test_gc_finishes_a_load_that_crashed(home) -> None:
+    """A load killed mid-way leaves a half layer in staging, a pending record naming its
+    dead process and perhaps a layer folder without its record: gc removes all three."""
+    cfg, store = home
+    from bunshin.runtime.oci.store import PENDING_KIND
+
+    cfg.paths.image_staging.mkdir(parents=True)
+    half = cfg.paths.image_staging / ".layer-0123456789ab-crash"
+    (half / "usr").mkdir(parents=True)
+    (half / "usr" / "half-written").write_bytes(b"x" * 4096)
+    orphan = cfg.paths.image_layer("sha256:" + "ab" * 32)
+    orphan.mkdir(parents=True)
+    dead = 2**22 + 12345  # above pid_max: never a live process
+    store.put_object(PENDING_KIND, f"{dead}-00000000", "sha256:" + "ab" * 32)
+    report = gc.free_image_layers(cfg, store)
+    assert str(half) in report and str(orphan) in report
+    assert store.list_objects(PENDING_KIND) == [] and oci_store.stored_layers(cfg) == []
+    assert list(cfg.paths.image_staging.iterdir()) == []
