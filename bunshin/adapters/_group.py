@@ -14,10 +14,14 @@ processes the server's group key does the same (``Client.group``, ``POST /v1/gro
 
 from __future__ import annotations
 
+import atexit
+import logging
 import threading
 from collections.abc import Callable, Sequence
 
 from ..workspace.protocol import SnapshotAPI, WorkspaceAPI
+
+log = logging.getLogger("bunshin.adapters")
 
 
 class LocalGroups:
@@ -66,5 +70,15 @@ class LocalGroups:
             self.release(key)
 
 
+def _release_at_exit(groups: LocalGroups) -> None:
+    for key in groups.keys():
+        try:
+            groups.release(key)
+        except Exception as e:  # the process is going; gc finishes the job
+            log.warning("removing the root of group %r at exit failed: %s", key, e)
+
+
 #: The process's groups: what environments built from a config (no handle passed) share.
+#: Their roots are the process's: removed when it exits (``release`` frees one before).
 GROUPS = LocalGroups()
+atexit.register(_release_at_exit, GROUPS)

@@ -28,6 +28,8 @@ makes the N environments of one group at once. mini-swe-agent is imported lazily
 
 from __future__ import annotations
 
+import logging
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,7 @@ from ..workspace import Workspace
 from ..workspace.protocol import SnapshotAPI, WorkspaceAPI
 from ._group import GROUPS, LocalGroups
 
+log = logging.getLogger("bunshin.adapters.miniswe")
 #: The line that ends a mini-swe-agent run (its environments' convention).
 SUBMIT_LINE = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 #: Runs the interpreter with stderr merged into stdout, in the order written.
@@ -88,6 +91,10 @@ class BunshinEnvironment:
         self._owned = self.config.workspace is None
         self._uname: dict[str, str] | None = None
         self.ws: WorkspaceAPI = _workspace if _workspace is not None else self._open()
+        # mini-swe-agent's own runners never close an environment (its Docker one relies on
+        # __del__): what this one holds goes when it is collected or the process exits
+        self._finalizer = weakref.finalize(self, _release, self.ws if self._owned else None, self._trajectory,
+                                           self._client)
 
     # --- making the workspace ----------------------------------------------------------
 
@@ -200,7 +207,10 @@ class BunshinEnvironment:
         return self._uname
 
     def close(self) -> None:
-        """Remove the workspace (not one given by ``workspace``); twice is a no-op."""
+        """Remove the workspace (not one given by ``workspace``); twice is a no-op. One never
+        closed is removed when the environment is collected, or at the latest when the
+        process exits."""
+        self._finalizer.detach()
         try:
             if self._trajectory is not None:
                 self._trajectory.close()
@@ -258,6 +268,20 @@ def release_group(key: str, *, url: str | None = None, token_file: str | None = 
     with Client(url, token_file=token_file) as client:
         client.request("DELETE", f"/v1/groups/{key}", default_wait=False)
     return True
+
+
+def _release(ws: WorkspaceAPI | None, trajectory: Any, client: Any) -> None:
+    """What an environment nobody closed holds, freed (at collection or exit: no errors raised)."""
+    try:
+        if trajectory is not None:
+            trajectory.close()
+        elif ws is not None:
+            ws.remove()
+    except Exception as e:  # the process is going; gc finishes the job
+        log.warning("removing an unclosed mini-swe-agent environment's workspace failed: %s", e)
+    finally:
+        if client is not None:
+            client.close()
 
 
 def _failure(output: str, error: BunshinError | str, kind: str | None = None) -> dict[str, Any]:

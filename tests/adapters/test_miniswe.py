@@ -5,6 +5,8 @@ locally, on a served host, and as a group forked from one root."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -170,3 +172,18 @@ def test_group_fork_on_a_served_host(served, monkeypatch) -> None:
             env.close()
         release_group("srv-task", url=served.url)
     assert served.client().list() == []
+
+
+def test_environments_nobody_closes_are_removed_at_exit(no_leaks) -> None:
+    """As mini-swe-agent's own runners leave them (`mini` never closes its environment)."""
+    script = (
+        "from bunshin.adapters.miniswe import BunshinEnvironment\n"
+        f"alone = BunshinEnvironment(home={str(no_leaks.home)!r})\n"
+        f"grouped = BunshinEnvironment(home={str(no_leaks.home)!r}, group='at-exit', setup=['true'])\n"
+        "print(alone.ws.id, grouped.ws.id)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "MSWEA_SILENT_STARTUP": "1"})
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.split()) == 2
+    assert Workspace.list(config=no_leaks) == []  # and no_leaks: no root snapshot left either
