@@ -4,6 +4,7 @@ locally, on a served host, and as a group forked from one root."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -187,3 +188,24 @@ def test_environments_nobody_closes_are_removed_at_exit(no_leaks) -> None:
     assert r.returncode == 0, r.stderr
     assert len(r.stdout.split()) == 2
     assert Workspace.list(config=no_leaks) == []  # and no_leaks: no root snapshot left either
+
+
+def test_the_mini_cli_runs_on_bunshin_unchanged(no_leaks, tmp_path) -> None:
+    """mini-swe-agent's own `mini` command, told the environment class by its dotted path."""
+    steps = [("fix", "sed -i 's/a - b/a + b/' calc.py"), ("done", "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT; cat calc.py")]
+    config = {
+        "environment": {"environment_class": CLASS, "home": str(no_leaks.home), **TASK},
+        "model": {"model_class": "deterministic", "model_name": "deterministic",
+                  "outputs": [make_output(text, [{"command": cmd}]) for text, cmd in steps]},
+    }
+    (tmp_path / "bunshin.yaml").write_text(json.dumps(config))  # YAML is a superset of JSON
+    out = tmp_path / "traj.json"
+    r = subprocess.run([sys.executable, "-m", "minisweagent.run.mini", "-c", "mini.yaml", "-c",
+                        str(tmp_path / "bunshin.yaml"), "-y", "--exit-immediately", "-t", "Fix calc.add", "-o", str(out)],
+                       capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL,
+                       env={**os.environ, "MSWEA_CONFIGURED": "1", "MSWEA_GLOBAL_CONFIG_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    info = json.loads(out.read_text())["info"]
+    assert info["exit_status"] == "Submitted" and "return a + b" in info["submission"]
+    assert info["config"]["environment_type"] == CLASS
+    assert Workspace.list(config=no_leaks) == []  # `mini` never closes it: removed at exit
