@@ -202,3 +202,21 @@ def test_hostile_uploads_stay_in_the_workspace(served, ws: RemoteWorkspace, tmp_
     r = _upload(served, ws.id, b"not a zip", "/work/z2")
     assert r.status_code == 511 and r.json()["swerexception"]["class_path"] == "zipfile.BadZipFile"
     assert canary.read_text() == "untouched"
+
+
+def test_remote_deployment_from_its_config(served, ws: RemoteWorkspace) -> None:
+    """What SWE-agent's ``deployment: {type: remote, host, auth_token}`` builds."""
+    from swerex.deployment.config import RemoteDeploymentConfig
+
+    async def go() -> None:
+        d = RemoteDeploymentConfig(host=f"{served.url}/swerex/{ws.id}", auth_token=served.token,
+                                   timeout=10).get_deployment()
+        await d.start()
+        assert (await d.is_alive()).is_alive
+        await d.runtime.create_session(CreateBashSessionRequest())
+        obs = await d.runtime.run_in_session(BashAction(command="echo deployed > /tmp/d && cat /tmp/d"))
+        assert obs.output.strip() == "deployed"
+        await d.stop()  # closes the runtime: its sessions, not the workspace
+
+    run(go())
+    assert ws.files.read("/tmp/d") == b"deployed\n"
