@@ -216,3 +216,20 @@ def test_a_full_disk_stores_nothing(tmp_path: Path) -> None:
             assert oci_store.stored_layers(cfg) == []
     finally:
         subprocess.run(["umount", str(home)], check=True)
+
+
+def test_an_oci_layout_with_planted_links_and_fifos_is_refused(tmp_path: Path, home, canary: Path) -> None:
+    """A layout folder whose blob is a symlink to a host file, or a FIFO: not followed, not hung on."""
+    cfg, store = home
+    layout, info = _layout(tmp_path)
+    config = layout / "blobs/sha256" / info["config"][7:]
+    config.unlink()
+    config.symlink_to(canary / "victim")
+    with pytest.raises(InvalidArgument, match="symbolic links"):
+        oci_store.load(cfg, store, layout)
+    config.unlink()
+    os.mkfifo(config)
+    with pytest.raises(InvalidArgument, match="not a regular file|missing"):
+        oci_store.load(cfg, store, layout)
+    nothing_stored(cfg, store)
+    canary_intact(canary)

@@ -81,7 +81,8 @@ class DirSource:
         except OSError as e:
             raise FileNotFoundError(e.errno, f"{rel}: {e.strerror}") from None
         try:
-            fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+            # O_NONBLOCK: a FIFO planted as a blob must not hang the open (it is refused below)
+            fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
         finally:
             os.close(dfd)
         if not os.path.isfile(f"/proc/self/fd/{fd}"):
