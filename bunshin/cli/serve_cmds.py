@@ -22,6 +22,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="refuse (429) creates and forks past N live workspaces on this host")
     p.add_argument("--max-memory", default=None, metavar="SIZE",
                    help="refuse (429) creates and forks past this sum of memory limits, e.g. 48G")
+    p.add_argument("--reserve-memory", default="auto", metavar="SIZE",
+                   help="refuse (429) creates and forks while the host has less memory available than "
+                        "this (default auto: 5%% of its memory, at least 512M; 'off' for none)")
+    p.add_argument("--ttl", type=float, default=None, metavar="SECONDS",
+                   help="lease of workspaces made without a ttl of their own: removed after this "
+                        "unless renewed (default: none, they live until removed)")
+    p.add_argument("--shutdown-grace", type=float, default=60.0, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, how long calls in flight may finish before they are cut "
+                        "(default 60); workspaces and records stay for the next start")
     p.add_argument("--rate", type=float, default=None, metavar="PER_S",
                    help="workspaces made per second (creates, forks, restores; token bucket)")
     p.add_argument("--burst", type=int, default=8, help="workspaces made at once under --rate (default 8)")
@@ -38,7 +47,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     cfg = Config.from_env()
     limits = Limits(max_workspaces=args.max_workspaces, max_memory=parse_size(args.max_memory),
-                    rate=args.rate, burst=args.burst)
+                    reserve_memory=_reserve(args.reserve_memory), rate=args.rate, burst=args.burst)
     token_file = args.token_file or cfg.paths.server_token
     token = ensure_token(token_file)
     if not _loopback(args.host):
@@ -47,10 +56,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     output.err.print(f"bunshin serve: http://{args.host}:{args.port}  (token: {token_file}; docs: /docs)")
     sock = listening_socket(args.host, args.port)
     try:
-        uvicorn.Server(uvicorn.Config(create_app(cfg, token, limits=limits), log_level="warning")).run(sockets=[sock])
+        app = create_app(cfg, token, limits=limits, default_ttl=args.ttl)
+        uvicorn.Server(uvicorn.Config(app, log_level="warning",
+                                      timeout_graceful_shutdown=args.shutdown_grace)).run(sockets=[sock])
     finally:
         sock.close()
     return 0
+
+
+def _reserve(text: str) -> int | None:
+    """``--reserve-memory``: 'auto' (5% of the host's memory, at least 512 MiB), 'off', or a size."""
+    import psutil
+
+    from ..errors import InvalidArgument
+    from ..runtime.cgroups import parse_size
+
+    if text == "off":
+        return None
+    if text == "auto":
+        return max(512 << 20, psutil.virtual_memory().total // 20)
+    size = parse_size(text)
+    if size is None:
+        raise InvalidArgument(f"--reserve-memory {text!r}", hint="give a size like 2G, or 'auto' or 'off'")
+    return size
 
 
 def _loopback(host: str) -> bool:

@@ -9,6 +9,10 @@ first. Refused calls did nothing and answer :class:`~bunshin.errors.RateLimited`
 - ``max_memory``: the sum of their memory limits (a workspace's cgroup ``memory.max``
   is the most it can take, so the sum bounds what they can take together). Under a
   memory cap a workspace without a limit is refused: it could take the whole host;
+- ``reserve_memory``: what the host keeps for itself: while its available memory
+  (``MemAvailable``, read at each call) is below this, nothing new is made. The caps
+  above bound what workspaces may take; this one answers to what they did take
+  (copy-on-write clones share their parent's pages, so their limits overstate them);
 - ``rate`` / ``burst``: a token bucket of workspaces made per second, ``burst``
   at once; a batch larger than the bucket waits for a full bucket and takes it.
 """
@@ -21,6 +25,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+import psutil
 
 from ..config import Config
 from ..errors import InvalidArgument, RateLimited
@@ -37,11 +43,12 @@ class Limits:
 
     max_workspaces: int | None = None
     max_memory: int | None = None
+    reserve_memory: int | None = None
     rate: float | None = None
     burst: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("max_workspaces", "max_memory"):
+        for name in ("max_workspaces", "max_memory", "reserve_memory"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise InvalidArgument(f"{name} must be >= 1, not {v}")
@@ -91,6 +98,8 @@ class Admission:
         raise :class:`RateLimited`. They count as pending until the block ends (by then
         they are in the store, or were never made)."""
         lim = self.limits
+        if lim.reserve_memory is not None:
+            _check_host_memory(lim.reserve_memory)
         if lim.max_workspaces is None and lim.max_memory is None and self._bucket is None:
             yield
             return
@@ -132,3 +141,11 @@ class Admission:
                                   f"more would pass this host's cap of {lim.max_memory >> 20} MiB",
                                   hint="retry once some are removed, or ask for less memory",
                                   retry_after=CAP_RETRY_S, cap="memory")
+
+
+def _check_host_memory(reserve: int) -> None:
+    available = psutil.virtual_memory().available
+    if available < reserve:
+        raise RateLimited(f"this host has {available >> 20} MiB of memory available, under the "
+                          f"{reserve >> 20} MiB it keeps for itself", retry_after=CAP_RETRY_S, cap="host_memory",
+                          hint="retry once workspaces are removed (or their programs free memory)")

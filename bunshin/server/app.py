@@ -3,7 +3,7 @@
 Every route but ``GET /v1/health`` needs ``Authorization: Bearer <token>``. Routes are
 plain (blocking) functions: FastAPI runs them in its thread pool, widened at start.
 Calls into one workspace that talk to its agent or dump it take that workspace's lock
-(``context.Locks``); ``DELETE`` does not wait for it. Errors answer with bunshin's
+(``bunshin.workspace.locks``, the same locks the groups' prefix caches take); ``DELETE`` does not wait for it. Errors answer with bunshin's
 code, message, hint and details and its HTTP status; bad requests are
 ``invalid_argument`` with status 422 and the fields at fault.
 """
@@ -53,10 +53,12 @@ async def _sweep_leases(ctx: ServerContext) -> None:
         await anyio.sleep(SWEEP_EVERY_S)
 
 
-def create_app(config: Config, token: str, *, limits: Limits | None = None) -> FastAPI:
+def create_app(config: Config, token: str, *, limits: Limits | None = None,
+               default_ttl: float | None = None) -> FastAPI:
     """The app serving ``config``'s workspaces to callers holding ``token``, within
-    ``limits`` (admission control: caps and the create/fork rate; none by default)."""
-    ctx = ServerContext(config, token, limits or Limits())
+    ``limits`` (admission control: caps and the create/fork rate; none by default);
+    ``default_ttl``: the lease of workspaces made without one (none by default)."""
+    ctx = ServerContext(config, token, limits or Limits(), default_ttl=default_ttl)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

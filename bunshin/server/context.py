@@ -4,9 +4,7 @@ admission control, the idempotency keys and the workspaces' leases."""
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, TypeVar
 
@@ -16,6 +14,7 @@ from fastapi import Query, Request
 from ..api import models as m
 from ..config import Config
 from ..workspace import Snapshot, Workspace, WorkspaceInfo
+from ..workspace.locks import WorkspaceLocks, workspace_locks
 from .admission import Admission, Limits
 from .idempotency import Idempotency
 from .leases import Leases
@@ -28,37 +27,13 @@ PathQ = Annotated[str, Query(min_length=1, description="a path inside the worksp
 ModeQ = Annotated[int | None, Query(ge=0, le=0o7777, description="file mode bits")]
 
 
-class Locks:
-    """One lock per workspace id, made on first use: calls that talk to a workspace's
-    agent or dump it take it, so a fork never meets a command in flight."""
-
-    def __init__(self) -> None:
-        self._guard = threading.Lock()
-        self._locks: dict[str, threading.Lock] = {}
-
-    @contextmanager
-    def held(self, ws_id: str) -> Iterator[None]:
-        with self._guard:
-            lock = self._locks.setdefault(ws_id, threading.Lock())
-        with lock:
-            yield
-
-    def lock_of(self, ws_id: str) -> threading.Lock:
-        """The lock itself, for holders that are not one thread (a streamed answer)."""
-        with self._guard:
-            return self._locks.setdefault(ws_id, threading.Lock())
-
-    def drop(self, ws_id: str) -> None:
-        with self._guard:
-            self._locks.pop(ws_id, None)
-
-
 @dataclass
 class ServerContext:
     config: Config
     token: str
     limits: Limits = field(default_factory=Limits)
-    locks: Locks = field(default_factory=Locks)
+    default_ttl: float | None = None  # the lease of workspaces made without one
+    locks: WorkspaceLocks = field(default_factory=workspace_locks)  # shared with the groups' caches
     admission: Admission = field(init=False)
     idempotency: Idempotency = field(init=False)
     leases: Leases = field(init=False)
@@ -75,7 +50,8 @@ class ServerContext:
         return out if lease is None else out.model_copy(update={"expires_at": lease.expires_at})
 
     def made(self, request: Request, ws: Sequence[Workspace], ttl: float | None) -> list[m.WorkspaceOut]:
-        """Workspaces a route made, leased for ``ttl`` seconds (if given), on the wire; called
+        """Workspaces a route made, leased for ``ttl`` seconds (else the server's default
+        lease, if any), on the wire; called
         in the route's thread. If the caller hung up meanwhile, nobody will hear of them: they
         are removed and :class:`CallerGone` raised (an idempotency key is freed, so a retry
         makes them anew)."""
@@ -87,6 +63,7 @@ class ServerContext:
                     log.warning("removing %s, made for a caller that hung up, failed: %s", w.id, e)
             raise CallerGone(f"{request.method} {request.url.path}: the caller hung up; removed what it made "
                              f"({', '.join(w.id for w in ws)})")
+        ttl = ttl if ttl is not None else self.default_ttl
         if ttl is not None:
             self.leases.grant([w.id for w in ws], ttl)
         return [self.out(w) for w in ws]
@@ -97,7 +74,7 @@ class ServerContext:
 
     def locked(self, ws_id: str, fn: Callable[[Workspace], T]) -> T:
         ws = self.ws_of(ws_id)
-        with self.locks.held(ws.id):
+        with self.locks.held(ws):
             return fn(ws)
 
 

@@ -111,7 +111,7 @@ def router(ctx: ServerContext) -> APIRouter:
     @api.post("/workspaces/{ws_id}/exec/stream")
     def stream(ws_id: str, req: m.ExecRequest) -> StreamingResponse:
         ws = ctx.ws_of(ws_id)  # a missing workspace is a 404 before the stream starts
-        lock = ctx.locks.lock_of(ws.id)
+        lock = ctx.locks.lock_of(ws)
 
         async def body() -> AsyncIterator[bytes]:
             while not lock.acquire(blocking=False):  # cancel-safe: no thread waits for it

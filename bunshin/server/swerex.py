@@ -108,7 +108,7 @@ def router(ctx: ServerContext) -> APIRouter:
     @contextmanager
     def held(ws_id: str) -> Iterator[Workspace]:
         ws = Workspace.get(ws_id, config=ctx.config)
-        with ctx.locks.held(ws.id):
+        with ctx.locks.held(ws):
             yield ws
 
     @r.get("/")

@@ -60,7 +60,7 @@ def router(ctx: ServerContext) -> APIRouter:
     def remove(ws_id: str) -> Response:
         ws = ws_of(ws_id)
         ws.remove()
-        locks.drop(ws.id)
+        locks.drop(ws)
         ctx.leases.drop(ws.id)
         return Response(status_code=204)
 

@@ -6,7 +6,10 @@ goes through one :class:`ThreadBridge` (one thread pool for the process), and ev
 call into one workspace through that workspace's lock:
 
 - one call at a time per workspace: nothing may be in flight in a workspace while it
-  is snapshotted or forked (the dump would meet the open agent connection);
+  is snapshotted or forked (the dump would meet the open agent connection). Calls
+  queue on an ``asyncio.Lock`` per :class:`AsyncWorkspace`, and run in their thread
+  under the process's lock of that workspace id (:mod:`bunshin.workspace.locks`), so
+  another caller in the process (a server route) does not overlap them either;
 - cancel-safe: cancelling the awaiting task does not stop a call already running in
   its thread. The workspace's lock stays held until that thread is done (the next
   call cannot overlap it), and what a cancelled fork, snapshot or restore created is
@@ -29,6 +32,7 @@ from typing import Any, Literal, TypeVar, overload
 from ..runtime.agent_types import ExecResult, FileEntry, ProcessInfo, SessionInfo, SessionResult
 from ..runtime.records import SnapshotMode
 from ..runtime.stats import WorkspaceStats
+from .locks import WorkspaceLocks, workspace_locks
 from .protocol import Command, SnapshotAPI, WorkspaceAPI
 
 log = logging.getLogger(__name__)
@@ -136,9 +140,11 @@ def _remove_all(items: Sequence[WorkspaceAPI]) -> None:
 class AsyncWorkspace:
     """Any :class:`~bunshin.workspace.protocol.WorkspaceAPI`, awaitable, one call at a time."""
 
-    def __init__(self, ws: WorkspaceAPI, *, bridge: ThreadBridge | None = None) -> None:
+    def __init__(self, ws: WorkspaceAPI, *, bridge: ThreadBridge | None = None,
+                 locks: WorkspaceLocks | None = None) -> None:
         self._ws = ws
         self._bridge = bridge or default_bridge()
+        self._locks = locks or workspace_locks()
         self._lock = asyncio.Lock()
         self.commands = AsyncCommands(self)
         self.files = AsyncFiles(self)
@@ -167,12 +173,16 @@ class AsyncWorkspace:
         await self._lock.acquire()
         loop = asyncio.get_running_loop()
         try:
-            fut = self._bridge.submit(fn, *args, **kw)
+            fut = self._bridge.submit(self._held, fn, *args, **kw)
         except BaseException:
             self._lock.release()
             raise
         fut.add_done_callback(lambda _: _release_from_thread(loop, self._lock))
         return await wait(fut, undo=undo)
+
+    def _held(self, fn: Callable[..., T], /, *args: Any, **kw: Any) -> T:
+        with self._locks.held(self._ws):
+            return fn(*args, **kw)
 
     @overload
     async def exec(self, command: Command, *, timeout: float | None = None, cwd: str | None = None,
@@ -222,6 +232,7 @@ class AsyncWorkspace:
             await self.call(self._ws.remove)
         else:
             await self._bridge.run_sync(self._ws.remove)
+        self._locks.drop(self._ws)
 
 
 def _release_from_thread(loop: asyncio.AbstractEventLoop, lock: asyncio.Lock) -> None:

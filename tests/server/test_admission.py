@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import psutil
 import pytest
 
 from bunshin import InvalidArgument, RateLimited
@@ -102,8 +103,33 @@ def test_the_rate_limit_refuses_a_burst_and_the_client_waits_it_out(limited):
             a.remove()
 
 
+@pytest.mark.parametrize("limited", [Limits(reserve_memory=psutil.virtual_memory().total)], indirect=True)
+def test_nothing_is_made_while_the_host_is_short_of_memory(limited, no_leaks):
+    """A reserve above what the host has available (read at the call): every create, fork and
+    restore is refused with 429 ``host_memory``; nothing is made."""
+    with Client(limited, token=TOKEN, retry=ONCE) as c:
+        with pytest.raises(RateLimited) as err:
+            c.create(memory="256M")
+        assert err.value.details["cap"] == "host_memory" and "available" in err.value.message
+        assert c.list() == []
+        r = httpx.post(f"{limited}/v1/workspaces", json={"memory": "256M"},
+                       headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+
+
+def test_serve_reserves_host_memory_by_default():
+    from bunshin.cli.serve_cmds import _reserve
+
+    total = psutil.virtual_memory().total
+    assert _reserve("auto") == max(512 << 20, total // 20)
+    assert _reserve("off") is None and _reserve("1G") == 1 << 30
+    with pytest.raises(InvalidArgument):
+        _reserve("lots")
+
+
 def test_limits_refuse_nonsense():
-    for bad in ({"max_workspaces": 0}, {"rate": 0.0}, {"rate": float("inf")}, {"burst": 0}):
+    for bad in ({"max_workspaces": 0}, {"rate": 0.0}, {"rate": float("inf")}, {"burst": 0},
+                {"reserve_memory": 0}):
         with pytest.raises(InvalidArgument):
             Limits(**bad)
     with pytest.raises(InvalidArgument):

@@ -147,3 +147,15 @@ def test_a_caller_that_hangs_up_mid_create_leaves_nothing(served):
     _hang_up_mid_call(served.url, "POST", "/v1/workspaces", {"count": 2, "memory": "256M"})
     time.sleep(1.0)
     _wait_until(lambda: _ids(served) == set(), what="the abandoned workspaces to go")
+
+
+def test_the_servers_default_lease_applies_to_workspaces_made_without_one(no_leaks: Config):
+    with serve_in_thread(no_leaks, TOKEN, default_ttl=1.0) as url:
+        served = Served(url, TOKEN)
+        with served.client() as c:
+            own = c.create(memory="256M", ttl=600)
+            default = c.create(memory="256M")
+            assert default.info.expires_at is not None
+            _wait_until(lambda: default.id not in _ids(served), what="the default lease to end")
+            assert own.id in _ids(served)
+            own.remove()

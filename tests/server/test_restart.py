@@ -88,3 +88,37 @@ def test_kill_9_mid_fork_then_restart_and_gc(no_leaks):
         if server.poll() is None:
             server.terminate()
             server.wait(10)
+
+
+def test_sigterm_lets_calls_in_flight_finish_then_exits_keeping_everything(no_leaks):
+    """Graceful shutdown: an exec under way when SIGTERM lands still answers; the server
+    then exits, refuses new connections, and a restart serves the same workspace."""
+    cfg = no_leaks
+    port = _free_port()
+    server = _serve(cfg, port)
+    token = Path(cfg.paths.server_token).read_text().strip()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with Client(url, token=token) as c:
+            ws = c.create(memory="256M")
+            ws.exec("echo kept > /tmp/mark", timeout=30)
+            answers: list[object] = []
+            t = threading.Thread(target=lambda: answers.append(ws.exec("sleep 2; echo drained", timeout=30)))
+            t.start()
+            time.sleep(0.5)  # the exec is in flight
+            server.send_signal(signal.SIGTERM)
+            t.join(30)
+            assert [getattr(a, "stdout", a) for a in answers] == ["drained\n"]
+            # uvicorn drains, runs the shutdown, then re-raises the signal it caught
+            assert server.wait(30) in (0, -signal.SIGTERM)
+            with pytest.raises(OSError):
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        server = _serve(cfg, port)
+        with Client(url, token=token) as c:
+            again = c.get(ws.id)
+            assert again.exec("cat /tmp/mark", timeout=30).stdout == "kept\n"
+            again.remove()
+    finally:
+        if server.poll() is None:
+            server.terminate()
+            server.wait(10)

@@ -70,6 +70,36 @@ def test_without_the_lock_the_fake_refuses_a_fork_under_a_call(world):
     t.join()
 
 
+def test_two_adapters_and_a_thread_share_the_workspace_lock(world):
+    """Two AsyncWorkspaces over one workspace (a cache's and a server route's view of it) and a
+    thread holding the process's lock of its id (a route) never overlap: the fork waits."""
+    from bunshin.workspace.locks import workspace_locks
+
+    ws = world.create()
+    a, b = AsyncWorkspace(ws), AsyncWorkspace(ws)
+    sid = ws.sessions.open()
+
+    async def go():
+        slow = asyncio.ensure_future(a.sessions.run(sid, "sleep 0.2; echo done"))
+        await asyncio.sleep(0.02)
+        clones = await b.fork(1)  # another adapter: waits on the shared lock, not refused
+        out = (await slow).output
+        route = threading.Thread(target=lambda: _hold(workspace_locks(), ws, sid))
+        route.start()
+        await asyncio.sleep(0.02)
+        more = await a.fork(1)  # waits for the route's call
+        route.join()
+        return out, clones + more
+
+    out, clones = run(go())
+    assert out == "done\n" and len(clones) == 2 and world.counts["fork"] == 2
+
+
+def _hold(locks, ws, sid):
+    with locks.held(ws):
+        ws.sessions.run(sid, "sleep 0.2")
+
+
 def test_cancelled_fork_removes_its_clones_and_holds_the_lock_until_done(world):
     world.fork_s = 0.1  # the fork takes 0.1 s * (1 + n)
     ws = world.create()
