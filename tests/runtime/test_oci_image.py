@@ -277,3 +277,26 @@ def test_gc_finishes_a_load_that_crashed(home) -> None:
     assert str(half) in report and str(orphan) in report
     assert store.list_objects(PENDING_KIND) == [] and oci_store.stored_layers(cfg) == []
     assert list(cfg.paths.image_staging.iterdir()) == []
+
+
+def test_setuid_bits_are_kept_and_raise_nobody(tmp_path: Path, cfg: Config, no_leaks) -> None:
+    """A setuid-root program keeps its bits in the layer (as docker keeps them), owned on the
+    host by the unprivileged id_base; inside, every workspace runs with no_new_privs (as
+    docker's ``--security-opt no-new-privileges``), so it raises nobody."""
+    py = Path("/usr/bin/python3").resolve().read_bytes()
+    top = oi.Layer(compress="none").add("usr/bin/python3s", "file", py, 0o4755, 0)
+    oi.build_layout(tmp_path / "suid", [oi.busybox_base(), oi.python_layer(), top], config={"User": "app"})
+    with Store.open(cfg.db_path) as store:
+        (rec,) = oci_store.load(cfg, store, tmp_path / "suid", tags=["test/suid:1"])
+    try:
+        host_file = cfg.paths.image_layer(rec.layers[-1]) / "usr" / "bin" / "python3s"
+        st = host_file.stat()
+        assert (st.st_uid, st.st_mode & 0o7777) == (cfg.id_base, 0o4755)
+        with Workspace.create("test/suid:1", memory="256M", config=cfg) as ws:
+            code = "import os; print(os.getuid(), os.geteuid(), open('/proc/self/status').read().count('CapEff:\\t0000000000000000'))"
+            assert ws.exec(["python3s", "-c", code]).stdout == "1000 1000 1\n", "no_new_privs: the bit is ignored"
+            assert ws.exec("grep NoNewPrivs /proc/self/status").stdout.split() == ["NoNewPrivs:", "1"]
+    finally:
+        with Store.open(cfg.db_path) as store:
+            oci_store.remove(store, rec.id)
+            gc.free_image_layers(cfg, store)

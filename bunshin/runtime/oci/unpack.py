@@ -17,9 +17,10 @@ overlay; ``security.capability`` would give a host process capabilities).
 Ownership is shifted as docker's user-namespace remapping does: the tar's uid N is
 stored as host uid ``id_base + N``, so root inside owns what the image's root owns,
 the image's non-root users their own files, and nothing is owned by a host user.
-setuid/setgid bits are kept (docker keeps them): they raise nobody beyond the
-workspace's user namespace, whose ids are all unprivileged on the host. A layer
-folder thus needs no idmapped view.
+setuid/setgid bits are kept (docker keeps them); they raise nobody: on the host the
+files belong to unprivileged ids, and inside every workspace runs with no_new_privs
+(as docker's ``--security-opt no-new-privileges``). A layer folder thus needs no
+idmapped view.
 """
 
 from __future__ import annotations
