@@ -55,3 +55,18 @@ def test_image_errors_are_clear(cfg, args: tuple[str, ...], message: str) -> Non
     r = bunshin(cfg, *args, check=False)
     assert r.returncode == 1 and message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_image_pull_shows_progress_and_prints_json(no_leaks, tmp_path: Path) -> None:
+    cfg = no_leaks
+    info = oi.build_layout(tmp_path / "layout", [oi.busybox_base()], config={"Cmd": ["sh"]})
+    (tmp_path / "reg").mkdir()
+    with oi.Registry(tmp_path / "reg") as reg:
+        ref = reg.push(tmp_path / "layout", "cli/pulled:3")
+        r = bunshin(cfg, "image", "pull", ref)
+        assert r.stdout.strip() == info["config"]
+        assert "Copying blob" in r.stderr and "unpacking" in r.stderr, r.stderr
+        out = json.loads(bunshin(cfg, "image", "pull", f"{ref.rsplit(':', 1)[0]}@{info['manifest']}", "--json").stdout)
+        assert out["id"] == info["config"] and info["manifest"] in out["digests"]
+    bunshin(cfg, "image", "rm", info["config"])
+    bunshin(cfg, "gc")
