@@ -38,6 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float)
     p.add_argument("--max-tokens", type=int)
     p.add_argument("--request-timeout", type=float, default=120.0)
+    p.add_argument("--server", metavar="URL", default=None,
+                   help="make the workspaces on this `bunshin serve` host (token: --token-file or "
+                        "BUNSHIN_TOKEN) instead of this machine; the engine, cache and policy run here")
+    p.add_argument("--token-file", type=Path, default=None, help="the --server host's API token file")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(func=cmd_rollout, release_tmpfs=True)
 
@@ -71,13 +75,20 @@ async def _run(args: argparse.Namespace, tasks: list, policy: Any, on_event: Any
     from ..rollout import ModeOptions, RolloutEngine
 
     options = ModeOptions(fork=args.fork == "on", cache=args.cache == "on", speculation=args.speculation == "on")
+    host = None
+    if args.server:
+        from ..client import Client
+
+        host = Client(args.server, token_file=args.token_file)
     try:
         async with RolloutEngine(args.mode, options=options, concurrency=args.concurrency,
-                                 config=Config.from_env(), on_event=on_event) as engine:
+                                 config=Config.from_env(), on_event=on_event, host=host) as engine:
             return await engine.run(tasks, policy, args.group)
     finally:
         if hasattr(policy, "aclose"):
             await policy.aclose()
+        if host is not None:
+            host.close()
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:

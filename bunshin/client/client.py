@@ -59,7 +59,12 @@ class Client:
                  token_file: str | Path | None = None, timeout: float | None = 300.0,
                  retry: Retry | None = None, transport: httpx.BaseTransport | None = None) -> None:
         if token is None and token_file is not None:
-            token = Path(token_file).read_text().strip()
+            try:
+                token = Path(token_file).read_text().strip()
+            except OSError as e:
+                raise InvalidArgument(f"cannot read the API token file {token_file}: {e.strerror}",
+                                      hint="give the server's token file (BUNSHIN_HOME/server.token on its "
+                                           "host), or set BUNSHIN_TOKEN") from None
         token = token or os.environ.get("BUNSHIN_TOKEN")
         if not token:
             raise InvalidArgument("no API token", hint="pass token= or token_file=, or set BUNSHIN_TOKEN "

@@ -184,3 +184,29 @@ def test_host_folder_mounts_need_the_local_host(no_leaks, tmp_path):
                    host=Client("http://127.0.0.1:9", token="t"))  # never called: refused before
     with pytest.raises(InvalidArgument, match="mounts need workspaces on this machine"):
         asyncio.run(env.open(0))
+
+
+def test_cli_rollout_on_a_served_host(no_leaks, tmp_path, capsys):
+    """``bunshin rollout --server URL``: the workspaces live on the server; same rewards."""
+    from bunshin.cli.main import main
+    from bunshin.server.thread import serve_in_thread
+
+    from .conftest import TOKEN
+
+    task = tmp_path / "task.json"
+    task.write_text(json.dumps(TASK.model_dump(mode="json")))
+    trace_file = tmp_path / "traces.jsonl"
+    trace_file.write_text("\n".join(json.dumps({"id": f"t{i}", "steps": [
+        {"name": "python", "arguments": {"code": f"open('/work/score', 'w').write(str(base + {i}))"}}]})
+        for i in range(2)) + "\n")
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    with serve_in_thread(no_leaks, TOKEN) as url:
+        assert main(["rollout", str(task), "--policy", str(trace_file), "--group", "2", "--server", url,
+                     "--token-file", str(token_file), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["groups"][0]["ok"] == 2 and summary["groups"][0]["mean_reward"] == 40.5
+    # no token: a clear error, nothing made
+    assert main(["rollout", str(task), "--policy", str(trace_file), "--server", "http://127.0.0.1:9",
+                 "--token-file", str(tmp_path / "missing")]) != 0
+    assert "cannot read the API token file" in capsys.readouterr().err
