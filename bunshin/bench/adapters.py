@@ -11,18 +11,23 @@ memory sampled as in ``bunshin bench rollout``:
 
 - ``baseline``: no group fork: each environment creates its workspace and runs the setup;
 - ``fork``: ``group`` set: the first environment builds the root once, every one restores
-  its workspace from it copy-on-write.
+  its workspace from it copy-on-write;
+- ``fork:served``: the same through a ``bunshin serve`` host (in a thread of this process):
+  each environment joins the server's group key over HTTP, as processes of a trainer would.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import secrets
 import shlex
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +42,7 @@ from .sampler import MemorySampler, idle_used
 from .stats import summary
 
 FRAMEWORKS = ("miniswe",)
-MODES = ("baseline", "fork")
+MODES = ("baseline", "fork", "fork:served")
 _EDIT = ("import pathlib, sys; p = pathlib.Path(sys.argv[1]); s = p.read_text(); "
          "n = s.count(sys.argv[2]); sys.exit(f'found {n} times, not once') if n != 1 else "
          "p.write_text(s.replace(sys.argv[2], sys.argv[3]))")
@@ -121,20 +126,36 @@ def drive(config: dict[str, Any], task: TaskSpec, trace: Trace) -> RunResult:
         env.close()
 
 
+@contextmanager
+def _host(cfg: Config, served: bool) -> Iterator[dict[str, Any]]:
+    """Nothing, or a server on loopback over ``cfg`` and how environments reach it."""
+    if not served:
+        yield {}
+        return
+    from ..server.thread import serve_in_thread
+
+    token = secrets.token_hex(16)
+    with tempfile.TemporaryDirectory(prefix="bunshin-bench-") as d, serve_in_thread(cfg, token) as url:
+        path = os.path.join(d, "token")
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(token)
+        yield {"url": url, "token_file": path}
+
+
 def run_mode(cfg: Config, label: str, task: TaskSpec, traces: list[Trace]) -> dict[str, Any]:
     from ..adapters.miniswe import release_group
 
-    key = f"bench-{task.id}-{uuid.uuid4().hex[:8]}" if label == "fork" else None
-    config = env_config(cfg, task, key)
+    key = f"bench-{task.id}-{uuid.uuid4().hex[:8]}" if label != "baseline" else None
     idle = idle_used(1.0)
-    with MemorySampler(cfg) as sampler:
+    with _host(cfg, label == "fork:served") as host, MemorySampler(cfg) as sampler:
+        config = {**env_config(cfg, task, key), **host}
         t0 = time.perf_counter()
         try:
             with ThreadPoolExecutor(len(traces)) as pool:
                 results = list(pool.map(lambda tr: drive(config, task, tr), traces))
         finally:
             if key is not None:
-                release_group(key)
+                release_group(key, url=host.get("url"), token_file=host.get("token_file"))
         makespan = time.perf_counter() - t0
     s = sampler.series
     return {
