@@ -176,3 +176,11 @@ class Store:
 
     def delete_object(self, kind: str, obj_id: str) -> None:
         self._execute("DELETE FROM objects WHERE kind = ? AND id = ?", (kind, obj_id))
+
+    def expire_objects(self, kind: str, field: str, before: float) -> None:
+        """Delete the objects of ``kind`` whose JSON data has a number ``field`` below
+        ``before`` (one statement: SQLite reads the field, nothing is parsed here)."""
+        if not field.isidentifier():
+            raise ValueError(f"not a field name: {field!r}")
+        self._execute("DELETE FROM objects WHERE kind = ? AND json_extract(data, ?) < ?",
+                      (kind, f"$.{field}", before))

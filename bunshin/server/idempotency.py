@@ -158,9 +158,7 @@ class Idempotency:
                 return
             self._swept_at = now
         with Store.open(self._config.db_path) as store:
-            for key, raw in store.list_objects(KIND):
-                if now - Entry.from_json(raw).created_at > self._ttl_s:
-                    store.delete_object(KIND, key)
+            store.expire_objects(KIND, "created_at", now - self._ttl_s)
 
 
 def _key(idempotency_key: KeyHeader = None, request_id: RequestIdHeader = None) -> str | None:

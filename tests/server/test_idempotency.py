@@ -10,7 +10,7 @@ import pytest
 
 from bunshin import BunshinError, IdempotencyKeyReused, RequestInProgress
 from bunshin.runtime.store import Store
-from bunshin.server.idempotency import KIND, Entry, Idempotency, fingerprint
+from bunshin.server.idempotency import KIND, TTL_S, Entry, Idempotency, fingerprint
 from bunshin.server.thread import serve_in_thread
 
 from .conftest import TOKEN
@@ -118,6 +118,18 @@ def test_a_claim_of_a_dead_server_is_taken_over_and_answers_expire(cfg):
     short.run("brief", "POST", "/x", None, 200, lambda: calls.append(3))
     assert calls == [1, 2, 3]
     _forget(cfg, "orphan", "brief")
+
+
+def test_the_sweep_deletes_expired_answers_and_keeps_the_rest(cfg):
+    now = time.time()
+    with Store.open(cfg.db_path) as store:
+        store.put_object(KIND, "old", Entry("f", "run", now - 2 * TTL_S, 200, {}).to_json())
+        store.put_object(KIND, "new", Entry("f", "run", now - TTL_S / 2, 200, {}).to_json())
+    Idempotency(cfg).run("trigger", "POST", "/x", None, 200, dict)  # a new server's first claim sweeps
+    with Store.open(cfg.db_path) as store:
+        ids = {k for k, _ in store.list_objects(KIND)}
+    assert "old" not in ids and {"new", "trigger"} <= ids
+    _forget(cfg, "new", "trigger")
 
 
 def _forget(cfg, *keys: str) -> None:
