@@ -54,17 +54,37 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_rm)
 
 
-def _progress(args: argparse.Namespace) -> oci_store.Progress:
-    if args.json:
-        return oci_store.quiet
-    return lambda line: print(line, file=sys.stderr, flush=True)
+class _Status:
+    """Progress on stderr: on a terminal one live status line (a spinner with the step),
+    elsewhere one line per step (skopeo's and the unpacking's)."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.live = None if quiet or not sys.stderr.isatty() else output.err.status("")
+
+    def __enter__(self) -> oci_store.Progress:
+        if self.quiet:
+            return oci_store.quiet
+        if self.live is None:
+            return lambda line: print(line, file=sys.stderr, flush=True)
+        self.live.start()
+        live = self.live
+        return lambda line: live.update(line)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.live is not None:
+            self.live.stop()
+
+
+def _progress(args: argparse.Namespace) -> _Status:
+    return _Status(bool(args.json))
 
 
 def cmd_load(args: argparse.Namespace) -> int:
     cfg = Config.from_env()
     t0 = time.perf_counter()
-    with Store.open(cfg.db_path) as store:
-        recs = oci_store.load(cfg, store, args.file, tags=args.tag, progress=_progress(args))
+    with Store.open(cfg.db_path) as store, _progress(args) as progress:
+        recs = oci_store.load(cfg, store, args.file, tags=args.tag, progress=progress)
     if args.json:
         output.print_json({"images": [r.summary() for r in recs], "seconds": round(time.perf_counter() - t0, 3)})
     else:
@@ -78,8 +98,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
     cfg = Config.from_env()
     t0 = time.perf_counter()
-    with Store.open(cfg.db_path) as store:
-        rec = pull(cfg, store, args.ref, progress=_progress(args))
+    with Store.open(cfg.db_path) as store, _progress(args) as progress:
+        rec = pull(cfg, store, args.ref, progress=progress)
     if args.json:
         output.print_json({**rec.summary(), "seconds": round(time.perf_counter() - t0, 3)})
     else:
@@ -92,9 +112,9 @@ def cmd_build(args: argparse.Namespace) -> int:
 
     cfg = Config.from_env()
     t0 = time.perf_counter()
-    with Store.open(cfg.db_path) as store:
+    with Store.open(cfg.db_path) as store, _progress(args) as progress:
         rec = build(cfg, store, args.dir, dockerfile=args.file, tags=tuple(args.tag), network=args.network,
-                    progress=_progress(args))
+                    progress=progress)
     if args.json:
         output.print_json({**rec.summary(), "seconds": round(time.perf_counter() - t0, 3)})
     else:
