@@ -105,6 +105,11 @@ class Paths:
         return self.home / "bench"
 
     @property
+    def transfers(self) -> Path:
+        """Snapshot archives on their way in or out of ``bunshin serve`` (removed when done)."""
+        return self.home / "transfers"
+
+    @property
     def images(self) -> Path:
         """The image store (disk, root only): unpacked layers, staging of loads and pulls."""
         return self.home / "images"

@@ -19,7 +19,9 @@ import httpx
 
 from ..api import models as m
 from ..api import rollouts as r
+from ..api.archive import CHUNK, MEDIA_TYPE, tar_chunks
 from ..errors import BunshinError, InvalidArgument, RateLimited, RequestInProgress, Unreachable
+from ..runtime.snapshot_io import MANIFEST
 from ..workspace.protocol import HostAPI
 from .groups import RemoteGroup, TaskLike, join
 from .remote import RemoteSnapshot, RemoteWorkspace
@@ -119,6 +121,17 @@ class Client:
             time.sleep(min(wait, self.retry.max_wait_s))
         raise AssertionError("unreachable: the last attempt raises")
 
+    def stream_bytes(self, method: str, path: str, *, wait_s: float | None = None) -> Iterator[bytes]:
+        """A binary answer, a chunk at a time as the server sends it (not resent)."""
+        try:
+            with self._http.stream(method, path, timeout=httpx.Timeout(wait_s, connect=10.0)) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    raise _error_of(r)
+                yield from r.iter_bytes(CHUNK)
+        except httpx.TransportError as exc:
+            raise _unreachable(method, f"{self.url}{path}", wait_s, exc) from None
+
     def stream_lines(self, method: str, path: str, *, json: Any = None,
                      wait_s: float | None = None) -> Iterator[dict[str, Any]]:
         """An NDJSON answer, one parsed line at a time as the server sends it (not resent)."""
@@ -167,6 +180,21 @@ class Client:
     def snapshots(self) -> builtins.list[RemoteSnapshot]:
         return [RemoteSnapshot(self, m.SnapshotOut.model_validate(s))
                 for s in self.request("GET", "/v1/snapshots").json()]
+
+    def load_snapshot(self, folder: str | Path) -> RemoteSnapshot:
+        """Upload a folder :meth:`RemoteSnapshot.save` (or ``bunshin snapshot save``) wrote;
+        the server takes it if it was saved by a home holding its ``snapshot.key``."""
+        src = Path(folder)
+        if not (src / MANIFEST).is_file():
+            raise InvalidArgument(f"{src} holds no saved snapshot", hint="give a folder a snapshot was saved into")
+        try:
+            r = self._http.post("/v1/snapshots/load", content=tar_chunks(src), headers={"Content-Type": MEDIA_TYPE},
+                                timeout=httpx.Timeout(self.timeout, connect=10.0))
+        except httpx.TransportError as exc:
+            raise _unreachable("POST", f"{self.url}/v1/snapshots/load", self.timeout, exc) from None
+        if r.status_code >= 400:
+            raise _error_of(r)
+        return RemoteSnapshot(self, m.SnapshotOut.model_validate(r.json()))
 
     def group(self, *, key: str, n: int = 1, image: str | None = None, snapshot: str | None = None,
               task: TaskLike | None = None, tools: builtins.list[str] | None = None,

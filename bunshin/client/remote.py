@@ -8,12 +8,17 @@ the same classes. Constructing these objects does no I/O.
 from __future__ import annotations
 
 import builtins
+import shutil
+import uuid
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any, Literal, Protocol, overload
 
 import httpx
 
 from ..api import models as m
+from ..api.archive import untar
+from ..errors import InvalidArgument
 from ..runtime.agent_types import ExecResult, FileEntry, ProcessInfo, SessionInfo, SessionResult
 from ..runtime.limits import check_timeout
 from ..runtime.records import SnapshotMode
@@ -31,6 +36,8 @@ class Client(Protocol):
     def request(self, method: str, path: str, *, json: Any = None, content: bytes | None = None,
                 params: dict[str, Any] | None = None, wait_s: float | None = None,
                 default_wait: bool = True, idempotent: bool = False) -> httpx.Response: ...
+
+    def stream_bytes(self, method: str, path: str, *, wait_s: float | None = None) -> Iterator[bytes]: ...
 
     def stream_lines(self, method: str, path: str, *, json: Any = None,
                      wait_s: float | None = None) -> Iterator[dict[str, Any]]: ...
@@ -174,6 +181,29 @@ class RemoteSnapshot:
 
     def remove(self) -> None:
         self._client.request("DELETE", f"/v1/snapshots/{self.id}")
+
+    def save(self, folder: str | Path) -> Path:
+        """Download it into the local folder ``folder`` (new or empty), as
+        :meth:`bunshin.Snapshot.save` writes it: :meth:`Client.load_snapshot` (or
+        ``Snapshot.load``, on a home sharing the server's ``snapshot.key``) takes it back."""
+        dest = Path(folder).absolute()
+        if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+            raise InvalidArgument(f"{dest} exists and is not an empty folder", hint="save into a new folder")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        spool = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tar")
+        try:
+            with open(spool, "xb") as f:
+                for chunk in self._client.stream_bytes("GET", f"/v1/snapshots/{self.id}/archive"):
+                    f.write(chunk)
+            if dest.exists():
+                dest.rmdir()
+            untar(spool, dest)
+        except BaseException:
+            shutil.rmtree(dest, ignore_errors=True)
+            raise
+        finally:
+            spool.unlink(missing_ok=True)
+        return dest
 
 
 class RemoteCommands:

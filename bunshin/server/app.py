@@ -11,6 +11,7 @@ code, message, hint and details and its HTTP status; bad requests are
 from __future__ import annotations
 
 import hmac
+import shutil
 import logging
 import math
 from collections.abc import AsyncIterator
@@ -25,7 +26,7 @@ from .. import __version__
 from ..api import models as m
 from ..config import Config
 from ..errors import BunshinError, InvalidArgument, Unauthorized
-from . import groups, rollouts, snapshots, streaming, swerex, tools, workspaces
+from . import groups, rollouts, snapshots, streaming, transfer, swerex, tools, workspaces
 from .admission import Limits
 from .context import CallerGone, ServerContext
 from .leases import SWEEP_EVERY_S
@@ -63,6 +64,7 @@ def create_app(config: Config, token: str, *, limits: Limits | None = None,
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         anyio.to_thread.current_default_thread_limiter().total_tokens = THREADS
+        shutil.rmtree(config.paths.transfers, ignore_errors=True)  # a killed server's half-moved archives
         async with anyio.create_task_group() as tg:
             tg.start_soon(_sweep_leases, ctx)
             yield
@@ -100,6 +102,7 @@ def create_app(config: Config, token: str, *, limits: Limits | None = None,
     auth = [Depends(authorized)]
     app.include_router(workspaces.router(ctx), dependencies=auth)
     app.include_router(snapshots.router(ctx), dependencies=auth)
+    app.include_router(transfer.router(ctx), dependencies=auth)
     app.include_router(groups.router(ctx), dependencies=auth)
     app.include_router(rollouts.router(ctx), dependencies=auth)
     app.include_router(tools.router(ctx), dependencies=auth)
