@@ -41,7 +41,7 @@ from .rollout import reduction, settle, warm_up
 from .sampler import MemorySampler, idle_used
 from .stats import summary
 
-FRAMEWORKS = ("miniswe",)
+FRAMEWORKS = ("miniswe", "skyrl")  # skyrl: bench/adapters_skyrl.py
 MODES = ("baseline", "fork", "fork:served")
 _EDIT = ("import pathlib, sys; p = pathlib.Path(sys.argv[1]); s = p.read_text(); "
          "n = s.count(sys.argv[2]); sys.exit(f'found {n} times, not once') if n != 1 else "
@@ -172,6 +172,11 @@ def run(cfg: Config, *, framework: str = "miniswe", group: int = 8, think_scale:
         workload: str = "coding", modes: tuple[str, ...] = MODES, settle_s: float = 2.0) -> dict[str, Any]:
     """Every mode in turn on one task of ``workload`` (``coding`` falls back to
     ``coding-lite`` when its sdist cannot be had)."""
+    if framework == "skyrl":
+        from . import adapters_skyrl
+
+        return adapters_skyrl.run(cfg, group=group, think_scale=think_scale, workload=workload, settle_s=settle_s,
+                                  **({} if modes == MODES else {"modes": modes}))
     if framework not in FRAMEWORKS:
         raise InvalidArgument(f"unknown framework {framework!r}", hint=f"one of {', '.join(FRAMEWORKS)}")
     for m in modes:
@@ -211,6 +216,10 @@ def run(cfg: Config, *, framework: str = "miniswe", group: int = 8, think_scale:
 
 
 def print_report(r: dict[str, Any]) -> None:
+    if r["framework"] == "skyrl-gym":
+        from . import adapters_skyrl
+
+        return adapters_skyrl.print_report(r)
     hb = output.human_bytes
 
     def pct(v: dict[str, Any], k: str) -> str:

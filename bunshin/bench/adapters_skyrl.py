@@ -1,4 +1,5 @@
-"""``bunshin bench skyrl``: a SkyRL-gym group of 8 on the coding task, with and without the group fork.
+"""``bunshin bench adapters --framework skyrl``: a SkyRL-gym group of 8 on the coding task, with and
+without the group fork.
 
 The group is what SkyRL's generator makes for one prompt: ``n`` envs from
 ``skyrl_gym.make("bunshin", extras=row)`` with the same ``instance_id``, each driven in
@@ -22,6 +23,7 @@ from typing import Any
 
 from .. import console as output
 from ..config import Config
+from ..errors import InvalidArgument
 from ..rollout.policies import Trace
 from ..rollout.task import TaskSpec
 from . import workloads as wl
@@ -103,15 +105,22 @@ def run_mode(cfg: Config, label: str, task: TaskSpec, traces: list[Trace]) -> di
     }
 
 
-def run(cfg: Config, *, group: int = 8, think_scale: float = 0.5, modes: tuple[str, ...] = tuple(MODES),
-        settle_s: float = 2.0) -> dict[str, Any]:
-    """Every mode in turn on one coding task (falls back to coding-lite without the sdist)."""
+def run(cfg: Config, *, group: int = 8, think_scale: float = 0.5, workload: str = "coding",
+        modes: tuple[str, ...] = tuple(MODES), settle_s: float = 2.0) -> dict[str, Any]:
+    """Every mode in turn on one task of ``workload`` (``coding`` falls back to coding-lite
+    without its sdist)."""
     for m in modes:
         if m not in MODES:
-            raise ValueError(f"unknown mode {m!r}; one of {', '.join(MODES)}")
+            raise InvalidArgument(f"unknown mode {m!r}", hint=f"one of {', '.join(MODES)}")
+    if group < 1:
+        raise InvalidArgument(f"--group must be >= 1, got {group}")
     try:
-        work = wl.build("coding", tasks=1, traces=group, think_scale=think_scale, config=cfg)
+        work = wl.build(workload, tasks=1, traces=group, think_scale=think_scale, config=cfg)
+    except ValueError as e:
+        raise InvalidArgument(str(e), hint="--workload coding or coding-lite") from None
     except Exception as e:
+        if workload != "coding":
+            raise
         output.err.print(f"[yellow]coding workload unavailable ({e}); using coding-lite instead[/]")
         work = wl.build("coding-lite", tasks=1, traces=group, think_scale=think_scale, config=cfg)
     task, traces = work.tasks[0], work.traces[:group]
@@ -146,7 +155,7 @@ def print_report(r: dict[str, Any]) -> None:
                      hb(m["ws_peak_bytes"]) + pct(v, "ws_peak_bytes"), f"{m['makespan_s']:.1f}" + pct(v, "makespan_s"),
                      f"{m['env_s']['p50']:.2f}", f"{m['cached_calls']}/{m['calls']}",
                      " ".join(f"{x:g}" for x in m["rewards"])))
-    output.print_table(f"bunshin bench skyrl: a group of {r['group']} on {r['workload']} ({r['task']}), "
+    output.print_table(f"bunshin bench adapters --framework skyrl: a group of {r['group']} on {r['workload']} ({r['task']}), "
                        f"think x{r['think_scale']}",
                        ["MODE", "PEAK MEM", "GB·S", "OWN PEAK", "MAKESPAN S", "INIT P50 S", "CACHED", "REWARDS"],
                        rows)

@@ -54,15 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_serve, release_tmpfs=True)
 
-    b = bsub.add_parser("skyrl", help="a SkyRL-gym group on the coding task, with and without the group fork")
-    b.add_argument("--group", type=int, default=8, help="copies of the instance (default 8)")
-    b.add_argument("--think-scale", type=float, default=0.5, help="multiply recorded think times (default 0.5)")
-    b.add_argument("--modes", default=None, help="comma-separated: baseline,fork,fork+cache (default all)")
-    b.add_argument("--json", action="store_true")
-    b.set_defaults(func=cmd_bench_skyrl, release_tmpfs=True)
-
     b = bsub.add_parser("adapters", help="a framework's group on the coding task, with and without the group fork")
-    b.add_argument("--framework", default="miniswe", help="miniswe (default)")
+    b.add_argument("--framework", default="miniswe", help="miniswe (default) or skyrl")
     b.add_argument("--group", type=int, default=8, help="runs of one task (default 8)")
     b.add_argument("--think-scale", type=float, default=0.5, help="multiply recorded think times (default 0.5)")
     b.add_argument("--workload", default="coding", help="coding (default; coding-lite without its sdist) or coding-lite")
@@ -185,21 +178,6 @@ def cmd_bench_rollout(args: argparse.Namespace) -> int:
         output.print_json(result)
     else:
         bench_rollout.print_report(result)
-    return 0
-
-
-def cmd_bench_skyrl(args: argparse.Namespace) -> int:
-    from ..bench import adapters_skyrl as bench_skyrl
-
-    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip()) if args.modes else tuple(bench_skyrl.MODES)
-    try:
-        result = bench_skyrl.run(Config.from_env(), group=args.group, think_scale=args.think_scale, modes=modes)
-    except ValueError as e:
-        raise InvalidArgument(str(e), hint="--modes baseline,fork,fork+cache") from None
-    if args.json:
-        output.print_json(result)
-    else:
-        bench_skyrl.print_report(result)
     return 0
 
 
