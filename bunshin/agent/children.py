@@ -83,7 +83,11 @@ def child_env(extra: dict[str, str]) -> dict[str, str]:
 
 
 def default_cwd(env: dict[str, str]) -> str:
-    if IMAGE is not None:
+    if IMAGE is not None:  # WorkingDir; made (by root, as docker does) when the image lacks it
+        try:
+            os.makedirs(IMAGE.cwd, exist_ok=True)
+        except OSError:
+            pass  # check_cwd says what is wrong
         return IMAGE.cwd
     home = env.get("HOME", "/")
     return home if os.path.isdir(home) else "/"

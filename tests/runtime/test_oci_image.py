@@ -123,6 +123,13 @@ def test_entrypoint_prefixes_the_command_as_docker_run(built, tmp_path: Path, cf
             assert ws.exec("id -u; pwd").stdout == "0\n/\n", "no User: root; no WorkingDir: /"
         with Workspace.create("test/ep:1", memory="256M", config=cfg) as ws:
             assert "sleep 1002" in ws.exec("ps -o args").stdout
+        oi.build_layout(tmp_path / "wd", [oi.busybox_base()], config={"WorkingDir": "/not/in/the/image"})
+        with Store.open(cfg.db_path) as store:
+            (wd,) = oci_store.load(cfg, store, tmp_path / "wd", tags=["test/wd:1"])
+        with Workspace.create("test/wd:1", memory="256M", config=cfg) as ws:
+            assert ws.exec("pwd").stdout == "/not/in/the/image\n", "a missing WorkingDir is made, as docker does"
+        with Store.open(cfg.db_path) as store:
+            oci_store.remove(store, wd.id)
     finally:
         with Store.open(cfg.db_path) as store:
             oci_store.remove(store, rec.id)
