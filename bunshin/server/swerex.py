@@ -196,8 +196,10 @@ def router(ctx: ServerContext) -> APIRouter:
 
     @r.post("/upload")
     async def upload(ws_id: str, request: Request) -> Response:
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > MAX_UPLOAD_BYTES + (1 << 20):
+        size = request.headers.get("content-length", "")
+        if not size.isdigit():  # a body of unknown length would be spooled to the host's disk unbounded
+            return Transfer("builtins.ValueError", "upload without a Content-Length: refused").response()
+        if int(size) > MAX_UPLOAD_BYTES + (1 << 20):
             return Transfer("builtins.ValueError", f"upload over {MAX_UPLOAD_BYTES} bytes").response()
         form = await request.form(max_files=1, max_fields=8)
         try:

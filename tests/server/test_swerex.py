@@ -199,6 +199,11 @@ def test_hostile_uploads_stay_in_the_workspace(served, ws: RemoteWorkspace, tmp_
     assert _upload(served, ws.id, _zip([("canary", b"pwned", 0o644)]), "/work/planted").status_code == 200
     assert canary.read_text() == "untouched"
     assert ws.files.read(f"{tmp_path}/canary") == b"pwned"  # the workspace's own folder of that name
+    def chunks():  # no Content-Length: a body of unknown size is not spooled on the host
+        yield b"--b\r\nContent-Disposition: form-data; name=\"target_path\"\r\n\r\n/work/c\r\n--b--\r\n"
+    r = httpx.post(f"{served.url}/swerex/{ws.id}/upload", content=chunks(),
+                   headers={"X-API-Key": served.token, "Content-Type": "multipart/form-data; boundary=b"})
+    assert r.status_code == 511 and "Content-Length" in r.json()["swerexception"]["message"]
     r = _upload(served, ws.id, b"not a zip", "/work/z2")
     assert r.status_code == 511 and r.json()["swerexception"]["class_path"] == "zipfile.BadZipFile"
     assert canary.read_text() == "untouched"
