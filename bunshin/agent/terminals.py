@@ -30,7 +30,11 @@ def pick_shell(kind: str | None, interactive_rc: bool) -> tuple[str, list[str]]:
     if kind != "sh" and os.access("/bin/bash", os.X_OK):
         flags = [] if interactive_rc else ["--noediting", "--norc", "--noprofile"]
         return "bash", ["/bin/bash", *flags, "-i"]
-    return "sh", ["/bin/sh", "-i"]
+    # +m: no job control. busybox's ash opens /dev/tty for it, a second handle on the
+    # controlling terminal that CRIU refuses to dump ("ctty inheritance detected"):
+    # with it a workspace whose only shell is busybox's could not be forked.
+    # Background jobs (``&``, ``jobs``, ``kill %1``) still work.
+    return "sh", ["/bin/sh", "+m", "-i"]
 
 
 def open_pty(*, echo: bool, rows: int = ROWS, cols: int = COLS) -> tuple[int, int]:

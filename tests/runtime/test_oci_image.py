@@ -307,3 +307,22 @@ def test_setuid_bits_are_kept_and_raise_nobody(tmp_path: Path, cfg: Config, no_l
         with Store.open(cfg.db_path) as store:
             oci_store.remove(store, rec.id)
             gc.free_image_layers(cfg, store)
+
+
+def test_a_shell_session_on_a_busybox_only_image_forks(image, cfg: Config) -> None:
+    """No bash in the image: the session is busybox's sh (without job control, which
+    CRIU could not dump), its state carried into a fork and a fork of the fork."""
+    with Workspace.create("test/img:v1", memory="256M", config=cfg) as ws:
+        with ws.shell() as sh:
+            assert sh.run("cd /opq; export K=kept; sleep 1000 & echo started").output.endswith("started\n")
+            (fork,) = ws.fork(1)
+            try:
+                sid = ws.sessions.list()[0].session_id
+                assert fork.sessions.run(sid, "echo $K $PWD $(id -un)", timeout=10).output == "kept /opq app\n"
+                (grand,) = fork.fork(1)
+                try:
+                    assert grand.sessions.run(sid, "echo $K; jobs | wc -l", timeout=10).output == "kept\n1\n"
+                finally:
+                    grand.remove()
+            finally:
+                fork.remove()
