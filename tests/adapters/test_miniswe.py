@@ -29,7 +29,7 @@ from minisweagent.models.test_models import DeterministicModel, make_output  # n
 from bunshin import Workspace  # noqa: E402
 from bunshin.adapters._group import GROUPS, LocalGroups  # noqa: E402
 from bunshin.adapters.miniswe import BunshinEnvironment, release_group  # noqa: E402
-from bunshin.errors import SetupFailed  # noqa: E402
+from bunshin.errors import InvalidArgument, SetupFailed  # noqa: E402
 from bunshin.server.thread import serve_in_thread  # noqa: E402
 from tests.server.conftest import TOKEN, Served  # noqa: E402
 
@@ -117,7 +117,8 @@ def test_execute_shapes_and_submit(no_leaks) -> None:
     assert not ws.is_alive()
 
 
-def test_bad_config_and_failed_setup_leave_nothing(no_leaks) -> None:
+def test_bad_config_and_failed_setup_leave_nothing(no_leaks, monkeypatch) -> None:
+    monkeypatch.delenv("BUNSHIN_TOKEN", raising=False)
     with pytest.raises(ValidationError, match="no_such_option"):
         BunshinEnvironment(home=str(no_leaks.home), no_such_option=1)
     with pytest.raises(ValidationError, match="group"):
@@ -125,6 +126,14 @@ def test_bad_config_and_failed_setup_leave_nothing(no_leaks) -> None:
     with pytest.raises(SetupFailed, match="exited 7") as e:
         BunshinEnvironment(home=str(no_leaks.home), setup=["true", "echo broken >&2; exit 7"])
     assert "broken" in str(e.value) and e.value.hint
+    with pytest.raises(InvalidArgument, match="group key") as ge:
+        BunshinEnvironment.group(2, home=str(no_leaks.home))
+    assert ge.value.hint
+    with pytest.raises(InvalidArgument, match="n >= 1"):
+        BunshinEnvironment.group(0, home=str(no_leaks.home), group="g")
+    with pytest.raises(InvalidArgument, match="token") as te:
+        BunshinEnvironment(url="http://127.0.0.1:9", token_file=None)
+    assert "BUNSHIN_TOKEN" in (te.value.hint or "")
     groups = LocalGroups()
     with pytest.raises(SetupFailed):
         BunshinEnvironment(home=str(no_leaks.home), group="g-bad", setup=["exit 1"], groups=groups)

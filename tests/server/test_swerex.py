@@ -151,6 +151,9 @@ def test_failure_shapes(served, ws: RemoteWorkspace) -> None:
     with pytest.raises(BashIncorrectSyntaxError) as se:
         run(rt.run_in_session(BashAction(command='echo "unterminated')))
     assert "unexpected EOF" in se.value.extra_info["bash_stderr"]  # type: ignore[attr-defined]
+    with pytest.raises(SwerexException, match="out of range") as te:
+        run(rt.run_in_session(BashAction(command="true", timeout=-1)))
+    assert te.value.extra_info["code"] == "invalid_argument" and te.value.extra_info["hint"]  # type: ignore[attr-defined]
     with pytest.raises(SwerexException, match="interactive"):
         run(rt.run_in_session(BashAction(command="gdb", is_interactive_command=True, expect=["(gdb)"])))
 
