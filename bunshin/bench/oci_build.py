@@ -157,8 +157,10 @@ def _blob(blobs: Path, data: bytes) -> str:
 
 
 def build_layout(dest: Path, layers: list[Layer], *, config: dict[str, Any] | None = None,
-                 ref_name: str = "latest") -> dict[str, Any]:
-    """An OCI image layout at ``dest``; returns {"config": digest, "manifest": digest, "diff_ids": [...]}."""
+                 ref_name: str = "latest", multi_arch: bool = False) -> dict[str, Any]:
+    """An OCI image layout at ``dest``; returns {"config": digest, "manifest": digest, "diff_ids": [...]}
+    (and "index": the digest of the image index listing the manifest for linux/amd64, with
+    ``multi_arch``)."""
     blobs = dest / "blobs" / "sha256"
     blobs.mkdir(parents=True)
     descs, diff_ids = [], []
@@ -178,10 +180,16 @@ def build_layout(dest: Path, layers: list[Layer], *, config: dict[str, Any] | No
     man_bytes = json.dumps(manifest).encode()
     man_digest = _blob(blobs, man_bytes)
     (dest / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+    top = {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": man_digest, "size": len(man_bytes)}
+    out = {"config": cfg_digest, "manifest": man_digest, "diff_ids": diff_ids}
+    if multi_arch:
+        index = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
+                            "manifests": [{**top, "platform": {"architecture": "amd64", "os": "linux"}}]}).encode()
+        out["index"] = _blob(blobs, index)
+        top = {"mediaType": "application/vnd.oci.image.index.v1+json", "digest": out["index"], "size": len(index)}
     (dest / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [
-        {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": man_digest, "size": len(man_bytes),
-         "annotations": {"org.opencontainers.image.ref.name": ref_name}}]}))
-    return {"config": cfg_digest, "manifest": man_digest, "diff_ids": diff_ids}
+        {**top, "annotations": {"org.opencontainers.image.ref.name": ref_name}}]}))
+    return out
 
 
 def skopeo(*args: str) -> None:
@@ -262,8 +270,8 @@ class Registry:
                 self.proc.kill()
                 self.proc.wait()
 
-    def push(self, layout: Path, name: str, *creds: str) -> str:
-        """Push the layout as ``HOST/name``; the reference."""
+    def push(self, layout: Path, name: str, *opts: str) -> str:
+        """Push the layout as ``HOST/name`` (``opts``: skopeo's, e.g. ``--all``); the reference."""
         ref = f"{self.host}/{name}"
-        skopeo("copy", "--dest-tls-verify=false", *creds, f"oci:{layout}", f"docker://{ref}")
+        skopeo("copy", "--dest-tls-verify=false", *opts, f"oci:{layout}", f"docker://{ref}")
         return ref

@@ -86,6 +86,19 @@ def test_pull_pinned_by_digest(served, home) -> None:
     assert exc.value.hint
 
 
+def test_pull_pinned_to_a_multi_arch_index(home, tmp_path: Path) -> None:
+    """A pin naming an index: skopeo takes this machine's manifest from it; the index hashes
+    to the pin and lists that manifest."""
+    cfg, store = home
+    info = oi.build_layout(tmp_path / "multi", [oi.busybox_base()], multi_arch=True)
+    (tmp_path / "reg").mkdir()
+    with oi.Registry(tmp_path / "reg") as reg:
+        ref = reg.push(tmp_path / "multi", "multi/arch:1", "--all")
+        rec = oci_pull.pull(cfg, store, f"{ref.rsplit(':', 1)[0]}@{info['index']}")
+        assert rec.id == info["config"] and info["index"] in rec.digests
+        assert oci_pull.pull(cfg, store, ref).id == rec.id  # by tag: the index, stored already
+
+
 def test_unknown_and_unreachable(served, home) -> None:
     cfg, store = home
     with pytest.raises(ImageNotFound, match="no image"):

@@ -80,7 +80,7 @@ def pull(cfg: Config, store: Store, text: str, *, progress: oci_store.Progress =
         if ref.digest and served != ref.digest and "manifests" not in json.loads(manifest):
             # skopeo checks a pinned digest itself; an index's instance has its own digest,
             # so only the list it came from could match (then skopeo matched it)
-            _check_index_pin(ref, dest)
+            _check_index_pin(ref, served, authfile)
         src = DirSource(dest)
         (parts,) = images_in(src, str(ref))
         tag = (ref.name_tag(),) if ref.tag else ()
@@ -137,12 +137,15 @@ def _arch() -> str:
     return {"x86_64": "amd64", "aarch64": "arm64"}.get(m, m)
 
 
-def _check_index_pin(ref: Reference, dest: Path) -> None:
-    """A pinned digest that is not the manifest's: it must be the list skopeo resolved."""
-    argv = [SKOPEO, "--insecure-policy", "inspect", "--raw", "--retry-times", "2",
-            *(["--tls-verify=false"] if ref.is_loopback else []), f"docker://{ref}"]
-    out = subprocess.run(argv, capture_output=True, timeout=300, check=False)
-    if out.returncode != 0 or "sha256:" + hashlib.sha256(out.stdout).hexdigest() != ref.digest:
+def _check_index_pin(ref: Reference, served: str, authfile: Path | None) -> None:
+    """A pinned digest that is not the manifest's: it must be an index's, the index must
+    hash to the pin, and the manifest pulled (digest ``served``) must be one it lists."""
+    raw = _inspect_raw(str(ref), ref.is_loopback, authfile)
+    try:
+        listed = [m["digest"] for m in json.loads(raw)["manifests"]] if raw is not None else []
+    except (ValueError, KeyError, TypeError):
+        listed = []
+    if raw is None or "sha256:" + hashlib.sha256(raw).hexdigest() != ref.digest or served not in listed:
         raise InvalidArgument(f"the registry's manifest for {ref} does not have the pinned digest",
                               hint="the image was replaced, or the digest is wrong: check it")
 
