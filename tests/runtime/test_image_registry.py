@@ -97,6 +97,8 @@ def test_pull_pinned_to_a_multi_arch_index(home, tmp_path: Path) -> None:
         rec = oci_pull.pull(cfg, store, f"{ref.rsplit(':', 1)[0]}@{info['index']}")
         assert rec.id == info["config"] and info["index"] in rec.digests
         assert oci_pull.pull(cfg, store, ref).id == rec.id  # by tag: the index, stored already
+    (loaded,) = oci_store.load(cfg, store, tmp_path / "multi")  # the layout's nested index, read directly
+    assert loaded.id == rec.id
 
 
 def test_unknown_and_unreachable(served, home) -> None:
