@@ -11,9 +11,9 @@ code, message, hint and details and its HTTP status; bad requests are
 from __future__ import annotations
 
 import hmac
-import shutil
 import logging
 import math
+import shutil
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -26,7 +26,7 @@ from .. import __version__
 from ..api import models as m
 from ..config import Config
 from ..errors import BunshinError, InvalidArgument, Unauthorized
-from . import groups, rollouts, snapshots, streaming, transfer, swerex, tools, workspaces
+from . import groups, rollouts, snapshots, streaming, swerex, tools, transfer, workspaces
 from .admission import Limits
 from .context import CallerGone, ServerContext
 from .leases import SWEEP_EVERY_S
