@@ -144,10 +144,10 @@ if [ "${BUNSHIN_FORCE_PIP:-0}" != 1 ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" 
         (cd / && "$VENV/bin/python" -c 'import bunshin, pytest, ruff' >/dev/null 2>&1); then
     say "python packages up to date"
 else
-    say "installing bunshin, its dev dependencies and the adapters' frameworks into $VENV (pip install -e '.[dev,adapters]')"
+    say "installing bunshin, its dev dependencies, the adapters' frameworks and Ray into $VENV (pip install -e '.[dev,adapters,cluster]')"
     rm -f "$STAMP"
-    (cd "$REPO" && "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[dev,adapters]') ||
-        die "pip install -e '.[dev,adapters]' failed" "Check network access to PyPI and re-run 'make install'."
+    (cd "$REPO" && "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[dev,adapters,cluster]') ||
+        die "pip install -e '.[dev,adapters,cluster]' failed" "Check network access to PyPI and re-run 'make install'."
     printf '%s\n' "$want_stamp" >"$STAMP"
 fi
 

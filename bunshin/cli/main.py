@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .image_cmds import register as register_image
 
     register_image(sub)
+    from .cluster_cmds import register as register_cluster
+
+    register_cluster(sub)
     return parser
 
 

@@ -1,0 +1,84 @@
+"""``bunshin cluster up|status|down``: one bunshin host per node of a running Ray cluster."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .. import console as output
+
+if TYPE_CHECKING:
+    from ..cluster import Cluster
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("cluster", help="bunshin hosts on a Ray cluster (one `bunshin serve` per node)")
+    csub = p.add_subparsers(dest="cluster_command", metavar="SUBCOMMAND")
+    csub.required = True
+    addr_help = "the Ray cluster (default auto: the one this machine joined with `ray start`)"
+
+    up = csub.add_parser("up", help="start a host actor and its bunshin serve on every node that has none")
+    up.add_argument("--address", default="auto", help=addr_help)
+    up.add_argument("--home-root", type=Path, default=None, metavar="DIR",
+                    help="each node's home is DIR/NAME (several hosts on one machine); default: each "
+                         "node's BUNSHIN_HOME")
+    up.add_argument("--bind", default=None, metavar="ADDR",
+                    help="address the servers listen on (default: each node's Ray address)")
+    up.add_argument("--max-workspaces", type=int, default=None, metavar="N", help="per host (429 past it)")
+    up.add_argument("--max-memory", default=None, metavar="SIZE", help="per host: sum of memory limits, e.g. 48G")
+    up.add_argument("--reserve-memory", default="auto", metavar="SIZE",
+                    help="per host: memory kept free (default auto: 5%% of RAM, >= 512M; 'off')")
+    up.add_argument("--json", action="store_true")
+    up.set_defaults(func=cmd_up)
+
+    st = csub.add_parser("status", help="hosts, free memory, workspaces, snapshots held, load")
+    st.add_argument("--address", default="auto", help=addr_help)
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=cmd_status)
+
+    down = csub.add_parser("down", help="stop every host's server and actor (workspaces stay for the next up)")
+    down.add_argument("--address", default="auto", help=addr_help)
+    down.add_argument("--json", action="store_true")
+    down.set_defaults(func=cmd_down)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from ..cluster import Cluster, HostLimits
+    from ..runtime.cgroups import parse_size
+    from .serve_cmds import _reserve
+
+    limits = HostLimits(max_workspaces=args.max_workspaces, max_memory=parse_size(args.max_memory),
+                        reserve_memory=_reserve(args.reserve_memory))
+    cluster = Cluster.up(address=args.address, home_root=args.home_root, bind=args.bind, limits=limits)
+    return _print_status(cluster, args.json)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from ..cluster import Cluster
+
+    return _print_status(Cluster.connect(args.address), args.json)
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from ..cluster import Cluster
+
+    stopped = Cluster.connect(args.address).down()
+    if args.json:
+        output.print_json({"stopped": stopped})
+    else:
+        print(f"stopped {len(stopped)} host(s): {', '.join(stopped) or '-'}")
+    return 0
+
+
+def _print_status(cluster: Cluster, as_json: bool) -> int:
+    hosts = cluster.status()
+    if as_json:
+        output.print_json({"hosts": [h.to_dict() for h in hosts]})
+    else:
+        output.print_table("bunshin cluster", ["host", "url", "alive", "free memory", "workspaces", "snapshots",
+                                               "load", "max workspaces"],
+                           [[h.name, h.url or "-", "yes" if h.alive else f"no: {h.error}",
+                             output.human_bytes(h.free_memory), h.workspaces, len(h.snapshots), f"{h.load:.2f}",
+                             h.limits.max_workspaces or "-"] for h in hosts])
+    return 0 if hosts and all(h.alive for h in hosts) else 1

@@ -1,0 +1,243 @@
+"""The bunshin hosts of a Ray cluster: one :class:`~bunshin.cluster.actor.HostActor` per node.
+
+Ray is imported here, lazily (``pip install 'bunshin[cluster]'``). The actors are
+detached and named per node (namespace ``bunshin``), so ``bunshin cluster up``,
+``status`` and ``down`` may run from different processes; each is pinned to its node
+(``NodeAffinitySchedulingStrategy``, no CPU taken). Rollout traffic does not go
+through Ray: the head talks HTTP to each host's server (:meth:`Cluster.clients`).
+"""
+
+from __future__ import annotations
+
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from ..config import Config
+from ..errors import BunshinError, HostUnsupported, InvalidArgument, RuntimeFailure, Unreachable
+from .records import Endpoint, HostInfo, HostLimits
+
+if TYPE_CHECKING:
+    from ..client import Client
+
+NAMESPACE = "bunshin"
+ACTOR_PREFIX = "bunshin-host-"
+#: A node's custom resource ``bunshin-host-NAME`` names its host NAME (else its node id's head).
+RESOURCE_PREFIX = "bunshin-host-"
+CALL_TIMEOUT_S = 30.0
+START_TIMEOUT_S = 120.0
+
+
+def ray_module() -> ModuleType:
+    try:
+        import ray
+    except ImportError:
+        raise HostUnsupported("bunshin cluster needs Ray", hint="pip install 'bunshin[cluster]' "
+                                                                "(make install puts it in .venv)") from None
+    return ray
+
+
+def connect_ray(address: str | None = "auto") -> ModuleType:
+    """Ray, connected: to the running cluster at ``address`` ("auto": the one on this
+    machine), or a new local one for ``None``. A connection already made is kept."""
+    ray = ray_module()
+    if ray.is_initialized():
+        return ray
+    _probe(address)
+    try:
+        if address is None:
+            ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+        else:
+            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+    except ConnectionError as e:
+        raise Unreachable(f"no Ray cluster at {address}: {e}",
+                          hint="start one: `ray start --head` here and `ray start --address=HEAD:6379` on each "
+                               "host") from None
+    return ray
+
+
+def _probe(address: str | None) -> None:
+    """A HOST:PORT nobody answers on is an error now (Ray itself would retry for minutes)."""
+    if address is None or address == "auto" or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=5.0).close()
+    except ValueError:
+        raise InvalidArgument(f"Ray address {address!r}", hint="give HOST:PORT of the head's GCS, or auto") from None
+    except OSError as e:
+        raise Unreachable(f"no Ray cluster at {address}: {e.strerror or e}",
+                          hint="start one: `ray start --head` here and `ray start --address=HEAD:6379` on each "
+                               "host") from None
+
+
+@dataclass(frozen=True)
+class Node:
+    """A live Ray node and the host name it carries."""
+
+    node_id: str
+    name: str
+    address: str
+
+    @property
+    def actor_name(self) -> str:
+        return f"{ACTOR_PREFIX}{self.node_id}"
+
+
+def host_name(node: dict[str, Any]) -> str:
+    for res in node.get("Resources", {}):
+        if res.startswith(RESOURCE_PREFIX):
+            return str(res[len(RESOURCE_PREFIX):])
+    return str(node["NodeID"])[:8]
+
+
+def live_nodes(ray: ModuleType) -> list[Node]:
+    nodes = [Node(n["NodeID"], host_name(n), n["NodeManagerAddress"]) for n in ray.nodes() if n.get("Alive")]
+    names = [n.name for n in nodes]
+    dup = sorted({x for x in names if names.count(x) > 1})
+    if dup:
+        raise InvalidArgument(f"two Ray nodes carry the host name {dup[0]!r}",
+                              hint=f"give each node its own resource {RESOURCE_PREFIX}NAME")
+    return sorted(nodes, key=lambda n: n.name)
+
+
+class Cluster:
+    """The hosts of the Ray cluster this process is connected to."""
+
+    def __init__(self, ray: ModuleType) -> None:
+        self._ray = ray
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    @classmethod
+    def up(cls, *, address: str | None = "auto", home_root: Path | None = None, bind: str | None = None,
+           limits: HostLimits | None = None, key: bytes | None = None) -> Cluster:
+        """A host actor (and its ``bunshin serve``) on every live node that has none yet.
+
+        ``home_root``: each node's home is ``home_root/NAME`` (several hosts on one
+        machine), else the node's own ``BUNSHIN_HOME``. ``bind``: the address the servers
+        listen on (default each node's Ray address). ``key``: the cluster's snapshot key
+        (default this home's ``snapshot.key``), copied into every host's home."""
+        from ..runtime.snapshot_checks import home_key
+
+        ray = connect_ray(address)
+        key = key if key is not None else home_key(Config.from_env(), create=True)
+        assert key is not None
+        cluster = cls(ray)
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from .actor import HostActor
+
+        remote = ray.remote(HostActor)
+        started: list[tuple[Node, Any]] = []
+        for node in live_nodes(ray):
+            if cluster._actor(node) is not None:
+                continue
+            home = str(home_root / node.name) if home_root is not None else None
+            handle = remote.options(
+                name=node.actor_name, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_restarts=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
+            ).remote(node.name, node.node_id, home, bind=bind or node.address, key=key,
+                     limits=vars(limits or HostLimits()))
+            started.append((node, handle))
+        errors = []
+        for node, handle in started:  # the constructor started the server: wait for it
+            try:
+                ray.get(handle.endpoint.remote(), timeout=START_TIMEOUT_S)
+            except Exception as e:
+                errors.append(f"{node.name}: {_cause(e)}")
+                ray.kill(handle)
+        if errors:
+            raise RuntimeFailure(f"{len(errors)} host(s) did not start: {'; '.join(errors)}",
+                                 hint="see cluster-serve.log in each host's home")
+        return cluster
+
+    @classmethod
+    def connect(cls, address: str | None = "auto") -> Cluster:
+        """The hosts ``bunshin cluster up`` started."""
+        return cls(connect_ray(address))
+
+    def down(self) -> list[str]:
+        """Stop every host's server (workspaces and records stay for its next start) and
+        its actor; the names of the hosts stopped."""
+        stopped = []
+        for node, actor in self._actors():
+            try:
+                self._ray.get(actor.stop.remote(), timeout=CALL_TIMEOUT_S)
+            except Exception:  # a dead actor is stopped already
+                pass
+            self._ray.kill(actor)
+            stopped.append(node.name)
+        return stopped
+
+    # --- what the head uses -------------------------------------------------------------
+
+    def nodes(self) -> list[Node]:
+        return live_nodes(self._ray)
+
+    def actor(self, name: str) -> Any:
+        """The actor of host ``name``."""
+        for node, actor in self._actors():
+            if node.name == name:
+                return actor
+        raise InvalidArgument(f"no host {name!r} in the cluster", hint="see `bunshin cluster status`")
+
+    def status(self) -> list[HostInfo]:
+        """Every live node's host; a node without an answering actor is reported dead."""
+        out = []
+        for node in self.nodes():
+            actor = self._actor(node)
+            if actor is None:
+                out.append(_dead(node, "no host actor: run `bunshin cluster up`"))
+                continue
+            try:
+                out.append(HostInfo.from_dict(self._ray.get(actor.status.remote(), timeout=CALL_TIMEOUT_S)))
+            except Exception as e:
+                out.append(_dead(node, _cause(e)))
+        return out
+
+    def endpoints(self) -> list[Endpoint]:
+        """URL and token of every host whose actor answers."""
+        def one(actor: Any) -> Endpoint | None:
+            try:
+                return self._ray.get(actor.endpoint.remote(), timeout=CALL_TIMEOUT_S)
+            except Exception:
+                return None
+
+        actors = [a for _, a in self._actors()]
+        with ThreadPoolExecutor(max(1, len(actors))) as pool:
+            return [e for e in pool.map(one, actors) if e is not None]
+
+    def clients(self, *, timeout: float | None = 300.0) -> dict[str, Client]:
+        """A :class:`bunshin.client.Client` per host, by name (close them when done)."""
+        from ..client import Client, Retry
+
+        return {e.name: Client(e.url, token=e.token, timeout=timeout, retry=Retry(total_s=60.0))
+                for e in self.endpoints()}
+
+    # --- internals ------------------------------------------------------------------------
+
+    def _actor(self, node: Node) -> Any | None:
+        try:
+            return self._ray.get_actor(node.actor_name, namespace=NAMESPACE)
+        except ValueError:
+            return None
+
+    def _actors(self) -> list[tuple[Node, Any]]:
+        return [(n, a) for n in self.nodes() if (a := self._actor(n)) is not None]
+
+
+def _dead(node: Node, error: str) -> HostInfo:
+    return HostInfo(name=node.name, node_id=node.node_id, url="", home="", alive=False, pid=None,
+                    free_memory=0, total_memory=0, load=0.0, workspaces=0, error=error)
+
+
+def _cause(e: BaseException) -> str:
+    """The bunshin error inside a Ray task error, else its first line."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BunshinError):
+        return str(cause)
+    return (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]

@@ -1,0 +1,59 @@
+"""What the cluster layer says about its hosts: typed records, JSON-ready."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class HostLimits:
+    """The admission caps a host's ``bunshin serve`` was started with (``None``: none)."""
+
+    max_workspaces: int | None = None
+    max_memory: int | None = None  # bytes: the sum of the workspaces' memory limits
+    reserve_memory: int | None = None  # bytes the host keeps for itself
+
+    def serve_args(self) -> list[str]:
+        """These caps as ``bunshin serve`` options."""
+        args = ["--reserve-memory", str(self.reserve_memory) if self.reserve_memory else "off"]
+        if self.max_workspaces is not None:
+            args += ["--max-workspaces", str(self.max_workspaces)]
+        if self.max_memory is not None:
+            args += ["--max-memory", str(self.max_memory)]
+        return args
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """How the head reaches one host's server (the token stays out of status reports)."""
+
+    name: str
+    url: str
+    token: str = field(repr=False)
+
+
+@dataclass(frozen=True)
+class HostInfo:
+    """One host as its actor reports it."""
+
+    name: str  # the Ray node's ``bunshin-host-NAME`` resource, else its node id's head
+    node_id: str
+    url: str
+    home: str
+    alive: bool  # its server answers
+    pid: int | None  # the server's process id on that node
+    free_memory: int  # MemAvailable of the node, bytes
+    total_memory: int
+    load: float  # 1-minute load average per CPU of the node
+    workspaces: int  # live workspaces on its server
+    snapshots: list[str] = field(default_factory=list)  # ids of the snapshots it holds
+    limits: HostLimits = field(default_factory=HostLimits)
+    error: str | None = None  # why it does not answer
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> HostInfo:
+        return cls(**{**d, "limits": HostLimits(**d.get("limits") or {})})

@@ -1,0 +1,157 @@
+"""One host's ``bunshin serve``, run as a child process with that host's home.
+
+The cluster's hosts share one snapshot key (a root saved on one loads on another):
+it is written into the home before the server starts. The server listens on
+``bind`` (the node's address on a real cluster) at a free port, with its own token.
+It is told to stop (SIGTERM, then SIGKILL) when its owner stops it, and gets
+SIGTERM if its owner dies (``PR_SET_PDEATHSIG``): a host that goes away leaves its
+workspaces to ``bunshin gc`` or to the next start's re-adoption.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from ..config import Config
+from ..errors import InvalidArgument, RuntimeFailure
+from ..runtime import syscalls
+from .records import HostLimits
+
+PR_SET_PDEATHSIG = 1
+START_TIMEOUT_S = 60.0
+LOG_NAME = "cluster-serve.log"
+
+
+def install_key(cfg: Config, key: bytes) -> None:
+    """Make ``key`` the home's snapshot key (mode 0600, never through a symlink).
+
+    A home that already holds another key is refused: the folders it saved would no
+    longer load."""
+    if len(key) != 32:
+        raise InvalidArgument("a snapshot key is 32 bytes", hint="use the cluster head's BUNSHIN_HOME/snapshot.key")
+    path = cfg.snapshot_key_path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            held = os.read(fd, 64)
+        finally:
+            os.close(fd)
+        if held != key:
+            raise InvalidArgument(f"{path} holds another snapshot key than the cluster's",
+                                  hint="give this host a home of its own for the cluster (--home-root), or copy "
+                                       "the head's snapshot.key there before its server starts") from None
+        return
+    try:
+        os.write(fd, key)
+    finally:
+        os.close(fd)
+
+
+def free_port(bind: str) -> int:
+    """A TCP port free on ``bind`` right now."""
+    family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((bind, 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    syscalls.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class ServeProcess:
+    """``bunshin serve`` for ``home`` on ``bind``; :meth:`start`, :meth:`stop`."""
+
+    def __init__(self, home: Path, *, bind: str = "127.0.0.1", limits: HostLimits | None = None,
+                 key: bytes | None = None, criu: Path | None = None) -> None:
+        self.cfg = Config.for_home(home, criu=criu or Config.from_env().criu)
+        self.bind = bind
+        self.limits = limits or HostLimits()
+        self.key = key
+        self.port: int | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.bind}]" if ":" in self.bind else self.bind
+        return f"http://{host}:{self.port}"
+
+    @property
+    def token_file(self) -> Path:
+        return self.cfg.paths.server_token
+
+    def token(self) -> str:
+        from ..server.token import ensure_token
+
+        return ensure_token(self.token_file)
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, *, timeout: float = START_TIMEOUT_S) -> str:
+        """Start it (the key installed first) and wait until it answers; its URL."""
+        if self.key is not None:
+            install_key(self.cfg, self.key)
+        self.token()  # made here, mode 0600, so the owner can read it before the server runs
+        env = {k: v for k, v in os.environ.items() if k not in ("BUNSHIN_TMPFS", "BUNSHIN_TOKEN", "BUNSHIN_URL")}
+        env.update(BUNSHIN_HOME=str(self.cfg.home), BUNSHIN_CRIU=str(self.cfg.criu))
+        log = open(self.cfg.home / LOG_NAME, "ab")  # the child keeps its own copy
+        try:
+            for _ in range(5):  # a port taken between the probe and the bind: try another
+                self.port = free_port(self.bind)
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "bunshin.cli.main", "serve", "--host", self.bind, "--port",
+                     str(self.port), "--token-file", str(self.token_file), "--shutdown-grace", "5",
+                     *self.limits.serve_args()],
+                    env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log, preexec_fn=_die_with_parent,
+                    close_fds=True)
+                if self._wait_healthy(timeout):
+                    return self.url
+        finally:
+            log.close()
+        raise RuntimeFailure(f"bunshin serve for {self.cfg.home} did not start",
+                             hint=f"see {self.cfg.home / LOG_NAME}")
+
+    def _wait_healthy(self, timeout: float) -> bool:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            try:
+                if httpx.get(f"{self.url}/v1/health", timeout=2.0).status_code == 200:
+                    return True
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        return False
+
+    def stop(self, *, grace: float = 10.0) -> None:
+        """SIGTERM (calls in flight drain), then SIGKILL after ``grace`` seconds."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: what it held stays for ``bunshin gc``."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()

@@ -1,0 +1,92 @@
+"""One host actor per Ray node, each owning that node's ``bunshin serve`` with its own home."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from bunshin.cluster.serve_proc import install_key
+from bunshin.config import Config
+from bunshin.errors import InvalidArgument
+
+from .conftest import MAX_WORKSPACES, NAMES
+
+
+def test_a_host_per_node_with_its_own_home_and_token(cluster, homes):
+    hosts = cluster.status()
+    assert [h.name for h in hosts] == list(NAMES)
+    assert all(h.alive and h.error is None for h in hosts), [h.error for h in hosts]
+    assert len({h.node_id for h in hosts}) == len(NAMES)  # one per node, not three on one
+    assert len({h.url for h in hosts}) == len(NAMES)
+    for h in hosts:
+        assert h.home == str(homes[h.name].home)
+        assert h.limits.max_workspaces == MAX_WORKSPACES
+        assert h.free_memory > 0 and h.total_memory >= h.free_memory and h.workspaces == 0
+        assert os.path.exists(f"/proc/{h.pid}")
+        # the cluster's key was copied into the home before the server started
+        assert homes[h.name].snapshot_key_path.read_bytes() == b"cluster-test-key-0123456789abcde"
+    tokens = {e.name: e.token for e in cluster.endpoints()}
+    assert len(set(tokens.values())) == len(NAMES)  # each server has its own token
+    for e in cluster.endpoints():
+        assert e.token not in repr(e)
+        assert httpx.get(f"{e.url}/v1/workspaces", timeout=5).status_code == 401  # no token: refused
+        other = next(t for n, t in tokens.items() if n != e.name)
+        assert httpx.get(f"{e.url}/v1/workspaces", headers={"Authorization": f"Bearer {other}"},
+                         timeout=5).status_code == 401  # another host's token: refused
+
+
+def test_status_counts_what_each_host_holds(cluster, homes):
+    clients = cluster.clients()
+    try:
+        ws = clients["b"].create(memory="256M")
+        snap = ws.snapshot()
+        try:
+            by_name = {h.name: h for h in cluster.status()}
+            assert by_name["b"].workspaces == 1 and by_name["b"].snapshots == [snap.id]
+            assert by_name["a"].workspaces == 0 and by_name["a"].snapshots == []
+        finally:
+            snap.remove()
+            ws.remove()
+    finally:
+        for c in clients.values():
+            c.close()
+
+
+def test_up_again_starts_nothing_new_and_cli_status_json(cluster, ray_cluster):
+    from bunshin.cluster import Cluster
+
+    rc, homes = ray_cluster
+    before = {h.name: h.pid for h in cluster.status()}
+    again = Cluster.up(home_root=homes, bind="127.0.0.1", key=b"cluster-test-key-0123456789abcde")
+    assert {h.name: h.pid for h in again.status()} == before
+    out = subprocess.run([sys.executable, "-m", "bunshin.cli.main", "cluster", "status", "--json",
+                          "--address", rc.address], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    hosts = json.loads(out.stdout)["hosts"]
+    assert [(h["name"], h["pid"], h["alive"]) for h in hosts] == [(n, before[n], True) for n in NAMES]
+    assert "token" not in out.stdout
+
+
+def test_a_home_with_another_key_is_refused(tmp_path):
+    cfg = Config.for_home(tmp_path / "h")
+    install_key(cfg, b"k" * 32)
+    install_key(cfg, b"k" * 32)  # the same key again: fine
+    assert cfg.snapshot_key_path.stat().st_mode & 0o777 == 0o600
+    with pytest.raises(InvalidArgument, match="another snapshot key") as e:
+        install_key(cfg, b"x" * 32)
+    assert "home of its own" in e.value.hint
+    assert cfg.snapshot_key_path.read_bytes() == b"k" * 32  # untouched
+    with pytest.raises(InvalidArgument, match="32 bytes"):
+        install_key(cfg, b"short")
+
+
+def test_no_ray_cluster_is_a_clear_error():
+    out = subprocess.run([sys.executable, "-m", "bunshin.cli.main", "cluster", "status", "--address",
+                          "127.0.0.1:1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "no Ray cluster at 127.0.0.1:1" in out.stderr and "ray start --head" in out.stderr
