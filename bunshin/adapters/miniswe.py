@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -125,10 +126,16 @@ class BunshinEnvironment:
             return self._fresh(lambda: client.create(c.image, memory=c.memory, pids=c.pids))
         task = {"id": c.group, "image": c.image, "memory": c.memory, "pids": c.pids, "files": c.files,
                 "setup": [{"run": s, "timeout": c.setup_timeout} for s in c.setup]}
-        (self._trajectory,) = client.group(key=c.group, n=1, task=task).trajectories
-        return self._trajectory.workspace()
+        (traj,) = client.group(key=c.group, n=1, task=task).trajectories
+        try:
+            ws: WorkspaceAPI = traj.workspace()
+        except BaseException:
+            traj.close()
+            raise
+        self._trajectory = traj
+        return ws
 
-    def _fresh(self, create: Any) -> WorkspaceAPI:
+    def _fresh(self, create: Callable[[], WorkspaceAPI]) -> WorkspaceAPI:
         ws: WorkspaceAPI = create()
         try:
             prepare(ws, self.config)
