@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from .models import MAX_COUNT, Model
+from .models import MAX_COUNT, Model, ServedImage
 
 #: A group key: it names the group in URLs and in the server's records.
 KEY_PATTERN = r"^[A-Za-z0-9_.:-]+$"
@@ -31,7 +31,7 @@ class CreateGroup(Model):
 
     key: str = Field(min_length=1, max_length=128, pattern=KEY_PATTERN)
     n: int = Field(default=1, ge=1, le=MAX_COUNT)
-    image: Literal["host"] | None = None
+    image: ServedImage | None = None  # 'host' or an image reference
     snapshot: str | None = Field(default=None, min_length=1)
     task: dict[str, Any] | None = None
     tools: list[str] | None = Field(default=None, min_length=1)

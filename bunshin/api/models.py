@@ -12,7 +12,7 @@ from __future__ import annotations
 import base64
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import InvalidArgument
 from ..runtime.agent_types import (
@@ -24,6 +24,7 @@ from ..runtime.agent_types import (
     SessionResult,
 )
 from ..runtime.limits import MAX_TIMEOUT_S
+from ..runtime.oci.refs import looks_like_ref
 from ..runtime.records import SnapshotMode
 from ..runtime.stats import MemoryStats, WorkspaceStats
 
@@ -34,6 +35,19 @@ MAX_COUNT = 1024
 MAX_TTL_S = 30 * 24 * 3600.0
 TTL = Annotated[float | None, Field(gt=0, le=MAX_TTL_S,
                                     description="seconds until the server removes the workspace, unless renewed")]
+
+
+def served_image(image: str) -> str:
+    """``image`` if a remote caller may name it: 'host' or an image reference, never a host
+    folder (absolute, relative, or a name that is not a reference); else ``ValueError``."""
+    if image != "host" and (image.startswith(("/", ".", "~")) or not looks_like_ref(image)):
+        raise ValueError(f"{image!r} is not an image reference (host folders are not served): give 'host', "
+                         "or an image reference the host holds or can pull (`bunshin image ls` on the host)")
+    return image
+
+
+#: An image a remote caller names (:func:`served_image`).
+ServedImage = Annotated[str, Field(min_length=1, max_length=512), AfterValidator(served_image)]
 
 
 class Model(BaseModel):
@@ -71,9 +85,10 @@ class Health(Model):
 
 
 class CreateWorkspace(Model):
-    """``image``: only ``host`` over HTTP (a host folder as an image is a local choice)."""
+    """``image``: ``host`` or an image reference the host holds or can pull (over HTTP a host
+    folder is never an image: that is a local choice)."""
 
-    image: Literal["host"] = "host"
+    image: ServedImage = "host"
     name: str | None = Field(default=None, max_length=64)
     memory: str | int | None = "2G"
     pids: int | None = Field(default=512, ge=1)

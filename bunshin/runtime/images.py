@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -20,11 +21,13 @@ from pathlib import Path
 from ..config import DEFAULT_HOME, INSTALL_DIR, Config
 from ..errors import ImageNotFound, InvalidArgument, RuntimeFailure
 from .oci import store as oci_store
-from .oci.records import ImageConfig
+from .oci.records import ImageConfig, ImageRecord
 from .oci.refs import Reference, looks_like_ref
 from .store import Store
 
 HOST = "host"
+#: A full image id: names the stored image, whatever folders exist.
+IMAGE_ID = re.compile(r"sha256:[0-9a-f]{64}")
 _OPAQUE_XATTR = "trusted.overlay.opaque"
 
 
@@ -40,25 +43,33 @@ class BaseImage:
 
 def resolve(cfg: Config, store: Store, image: str, *, pull: bool = True) -> BaseImage:
     """``image`` ('host', a folder, or an image reference) as layers; a reference that
-    names its registry is pulled when the store lacks it (with ``pull``)."""
+    names its registry is pulled when the store lacks it (with ``pull``). A full image
+    id (``sha256:`` and 64 hex digits) is always the stored image, never a folder."""
     if not isinstance(image, str) or not image.strip():
         raise InvalidArgument(f"image {image!r} is empty",
                               hint="give 'host', an image reference or the path of a root filesystem folder")
-    if image == HOST or Path(image).is_dir() or image.startswith(("/", "./", "../")) or not looks_like_ref(image) \
-            and not image.startswith("sha256:"):
+    if not IMAGE_ID.fullmatch(image) and (
+            image == HOST or Path(image).is_dir() or image.startswith(("/", "./", "../"))
+            or not looks_like_ref(image) and not image.startswith("sha256:")):
         return BaseImage(tuple(lower_layers(cfg, image)))
+    rec = stored_image(cfg, store, image, pull=pull)
+    return BaseImage(tuple(oci_store.lowers(cfg, rec)), rec.id, rec.config)
+
+
+def stored_image(cfg: Config, store: Store, ref: str, *, pull: bool = True) -> ImageRecord:
+    """The stored image ``ref`` names (a reference, an id or an id prefix), pulled first when
+    the store lacks it and the reference names its registry (with ``pull``)."""
     try:
-        rec = oci_store.find(store, image)
+        return oci_store.find(store, ref)
     except ImageNotFound:
-        ref = Reference.parse(image) if looks_like_ref(image) else None
-        if not pull or ref is None or not ref.has_registry:
-            raise ImageNotFound(f"unknown image {image!r}: neither a folder nor a stored image",
+        parsed = Reference.parse(ref) if looks_like_ref(ref) else None
+        if not pull or parsed is None or not parsed.has_registry:
+            raise ImageNotFound(f"unknown image {ref!r}: neither a folder nor a stored image",
                                 hint="`bunshin image ls` lists stored images; `bunshin image pull REF` or "
                                      "`bunshin image load FILE` adds one; or give a root filesystem folder") from None
         from .oci.pull import pull as pull_image  # noqa: PLC0415 (skopeo only when pulling)
 
-        rec = pull_image(cfg, store, image)
-    return BaseImage(tuple(oci_store.lowers(cfg, rec)), rec.id, rec.config)
+        return pull_image(cfg, store, ref)
 
 
 def lower_layers(cfg: Config, image: str) -> list[Path]:

@@ -47,6 +47,7 @@ from ..tools import ToolSet
 from ..workspace import Snapshot, Workspace
 from ..workspace.aio import AsyncSnapshot
 from .context import ServerContext
+from .images import check_image, image_id
 from .tasks import http_task
 
 log = logging.getLogger("bunshin.server")
@@ -203,6 +204,8 @@ class Groups:
             root, owns = AsyncSnapshot(snap), False
             tools = _tools_of(task)
         else:
+            image = await in_thread(lambda: image_id(self.config, task.image))  # pulled here if need be
+            task = task.model_copy(update={"image": image})
             env = SnapshotEnv(task, ToolSet.default(), self.config, snapshot_mode=SnapshotMode.COW)
             await env.prepare()  # files and setup once, a copy-on-write root; its workspace goes
             assert env.root is not None
@@ -263,7 +266,9 @@ def _plan(req: g.CreateGroup) -> tuple[TaskSpec, dict[str, Any]]:
         task = http_task(req.task)
         source["task"] = task.model_dump(mode="json")
     else:
-        task = TaskSpec(id=req.key, memory=req.memory, pids=req.pids)
+        if req.image is not None:
+            check_image(req.image)
+        task = TaskSpec(id=req.key, image=req.image or "host", memory=req.memory, pids=req.pids)
     names = req.tools if req.tools is not None else task.tools
     if names is not None:
         known = [t.name for t in ToolSet.default()]

@@ -8,6 +8,7 @@ chooses where it connects.
 
 from __future__ import annotations
 
+import anyio.to_thread
 from fastapi import APIRouter
 
 from ..api import rollouts as r
@@ -15,6 +16,7 @@ from ..rollout import ModeOptions
 from ..rollout.engine import rollout
 from ..rollout.openai_client import OpenAIPolicy
 from .context import ServerContext
+from .images import image_id
 from .tasks import http_task
 
 
@@ -24,6 +26,8 @@ def router(ctx: ServerContext) -> APIRouter:
     @api.post("/rollouts")
     async def run_rollouts(req: r.RunRollouts) -> r.RolloutsOut:
         task = http_task(req.task)
+        image = await anyio.to_thread.run_sync(lambda: image_id(ctx.config, task.image))
+        task = task.model_copy(update={"image": image})
         p = req.policy
         async with OpenAIPolicy(p.base_url, p.model, api_key=p.api_key, temperature=p.temperature,
                                 max_tokens=p.max_tokens, timeout=p.timeout, retries=p.retries) as policy:

@@ -22,6 +22,7 @@ from .context import (
     snapshot_out,
 )
 from .idempotency import IdemKey
+from .images import image_id
 
 
 def router(ctx: ServerContext) -> APIRouter:
@@ -34,12 +35,13 @@ def router(ctx: ServerContext) -> APIRouter:
     @r.post("/workspaces", status_code=201, response_model=list[m.WorkspaceOut])
     def create(req: m.CreateWorkspace, key: IdemKey, request: Request) -> Response:
         def go() -> list[m.WorkspaceOut]:
+            image = image_id(config, req.image)  # never a host folder; pulled here if need be
             made: list[Workspace] = []
             with admission.admit(req.count, parse_size(req.memory)):
                 try:
                     for i in range(req.count):
                         name = req.name if req.count == 1 or req.name is None else f"{req.name}-{i}"
-                        made.append(Workspace.create(req.image, name=name, memory=req.memory, pids=req.pids,
+                        made.append(Workspace.create(image, name=name, memory=req.memory, pids=req.pids,
                                                      config=config))
                 except BaseException:
                     for ws in made:  # all or none
