@@ -149,17 +149,23 @@ def test_engine_keeps_the_task_root_for_later_groups(no_leaks, host):
     assert b.prepare_s == a.prepare_s  # prepared once
 
 
-def test_cli_rollout(no_leaks, tmp_path, monkeypatch, capsys):
-    from bunshin.cli.main import main
-
-    monkeypatch.setenv("BUNSHIN_HOME", str(no_leaks.home))
-    monkeypatch.setenv("BUNSHIN_CRIU", str(no_leaks.criu))
+def _cli_inputs(tmp_path):
+    """The task file and a trace file whose two trajectories score 40 and 41."""
     task = tmp_path / "task.json"
     task.write_text(json.dumps(TASK.model_dump(mode="json")))
     trace_file = tmp_path / "traces.jsonl"
     trace_file.write_text("\n".join(json.dumps({"id": f"t{i}", "steps": [
         {"name": "python", "arguments": {"code": f"open('/work/score', 'w').write(str(base + {i}))"}}]})
         for i in range(2)) + "\n")
+    return task, trace_file
+
+
+def test_cli_rollout(no_leaks, tmp_path, monkeypatch, capsys):
+    from bunshin.cli.main import main
+
+    monkeypatch.setenv("BUNSHIN_HOME", str(no_leaks.home))
+    monkeypatch.setenv("BUNSHIN_CRIU", str(no_leaks.criu))
+    task, trace_file = _cli_inputs(tmp_path)
     out = tmp_path / "out.jsonl"
     assert main(["rollout", str(task), "--policy", str(trace_file), "--group", "2", "--mode", "bunshin",
                  "--cache", "off", "--out", str(out), "--json"]) == 0
@@ -193,12 +199,7 @@ def test_cli_rollout_on_a_served_host(no_leaks, tmp_path, capsys):
 
     from .conftest import TOKEN
 
-    task = tmp_path / "task.json"
-    task.write_text(json.dumps(TASK.model_dump(mode="json")))
-    trace_file = tmp_path / "traces.jsonl"
-    trace_file.write_text("\n".join(json.dumps({"id": f"t{i}", "steps": [
-        {"name": "python", "arguments": {"code": f"open('/work/score', 'w').write(str(base + {i}))"}}]})
-        for i in range(2)) + "\n")
+    task, trace_file = _cli_inputs(tmp_path)
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     with serve_in_thread(no_leaks, TOKEN) as url:
