@@ -49,6 +49,11 @@ def test_episode_forks_from_the_root_and_scores(home):
         env.reset()
         obs, *_ = env.step(call("bash", command="cat setup.id; ls"))
         assert obs["text"].split()[0] == first_pid and "score" not in obs["text"]
+        other = {**TASK.model_dump(mode="json"), "id": "adapt-2", "prompt": "another", "max_turns": 2}
+        obs, _ = env.reset(options={"task": other})  # another task: its own root
+        assert obs["text"] == "another" and env.observation_space["turn"].n == 3
+        obs, *_ = env.step(call("bash", command="cat setup.id"))
+        assert obs["text"].split()[0] != first_pid
     finally:
         env.close()
 

@@ -1,0 +1,74 @@
+"""What the adapters share: tool calls parsed from model text, ids, the background loop, lazy imports."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+
+from bunshin.adapters.trajectories import LOOP, BackgroundLoop, parse_calls, safe_id
+from bunshin.errors import InvalidArgument, StateConflict
+from bunshin.tools import ToolCall
+
+
+def test_parse_calls_forms():
+    tagged = 'thinking...\n<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>' \
+             '<tool_call>{"name": "read_file", "arguments": "{\\"path\\": \\"a\\"}"}</tool_call>'
+    assert parse_calls(tagged) == [ToolCall("bash", {"command": "ls"}), ToolCall("read_file", {"path": "a"})]
+    assert parse_calls('{"name": "bash", "parameters": {"command": "x"}}') == [ToolCall("bash", {"command": "x"})]
+    assert parse_calls('[{"name": "a"}, {"name": "b", "arguments": {}}]') == [ToolCall("a", {}), ToolCall("b", {})]
+    for final in ("The answer is 4.", '{"answer": 4}', "{not json", "[1, 2]", ""):
+        assert parse_calls(final) == []  # a final answer, not a call
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    ("<tool_call>{oops}</tool_call>", "not JSON"),
+    ('<tool_call>{"arguments": {}}</tool_call>', "needs a 'name'"),
+    ('<tool_call>{"name": "bash", "arguments": [1]}</tool_call>', "must be an object"),
+    ('<tool_call>{"name": "bash", "arguments": "{bad"}</tool_call>', "not JSON"),
+])
+def test_broken_calls_say_what_is_wrong(text, why):
+    with pytest.raises(InvalidArgument, match=why) as e:
+        parse_calls(text)
+    assert e.value.hint
+
+
+def test_safe_id():
+    assert safe_id("django__django-1234") == "django__django-1234"
+    assert safe_id("a b/c") == "a_b_c" and len(safe_id("x" * 500)) == 128
+    with pytest.raises(InvalidArgument):
+        safe_id("")
+
+
+def test_background_loop_runs_from_threads_and_inside_a_running_loop():
+    loop = BackgroundLoop()
+    try:
+        async def answer() -> int:
+            await asyncio.sleep(0)
+            return 42
+
+        assert loop.run(answer()) == 42
+
+        async def framework_calls_a_sync_step() -> int:  # as SkyRL does without an env executor
+            return loop.run(answer())
+
+        assert asyncio.run(framework_calls_a_sync_step()) == 42
+
+        async def from_inside() -> None:
+            loop.run(answer())
+
+        with pytest.raises(StateConflict, match="own event loop"):
+            loop.run(from_inside())
+    finally:
+        loop.stop()
+    assert LOOP is not loop
+
+
+def test_import_bunshin_loads_no_framework():
+    code = ("import sys, bunshin, bunshin.adapters, bunshin.adapters.trajectories; "
+            "print(sorted(m for m in ('gymnasium', 'skyrl_gym', 'trl', 'torch', 'transformers', 'openenv', "
+            "'minisweagent', 'swerex') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
