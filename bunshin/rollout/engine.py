@@ -24,7 +24,7 @@ from ..config import Config
 from ..errors import BunshinError, InvalidArgument
 from ..workspace.aio import default_bridge
 from ..workspace.protocol import HostAPI
-from .envs import Mode, ModeOptions, TaskEnv, ToolRunner, TrajectoryEnv, make_env
+from .envs import EnvPlacement, Mode, ModeOptions, TaskEnv, ToolRunner, TrajectoryEnv, make_env
 from .policies import Policy, PolicyContext
 from .records import (
     Action,
@@ -146,11 +146,12 @@ class Episode:
             except Exception as e:
                 status, error = Status.ERROR, f"reward: {e}"
             reward_s = time.perf_counter() - t0
+        placement = dict(getattr(self.traj, "placement", None) or {})  # set by envs that place (cluster)
         await self.close()
         self.result = TrajectoryResult(
             run_id=self.run_id, task_id=self.task.id, group_id=self.group_id, trajectory_id=self.trajectory_id,
             index=self.index, mode=self.mode, options=dict(self.env.options), status=status, reward=reward,
-            messages=self.messages, steps=self.steps, error=error, policy=self.policy_name,
+            messages=self.messages, steps=self.steps, error=error, policy=self.policy_name, placement=placement,
             timings=Timings(queued_s=round(self.queued_s, 4), env_s=round(self.env_s, 4),
                             think_s=round(self.think_s, 4), tools_s=round(self.tools_s, 4),
                             reward_s=round(reward_s, 4), total_s=round(time.perf_counter() - self._t0, 4),
@@ -183,10 +184,13 @@ class RolloutEngine:
                  options: ModeOptions | None = None, concurrency: int | None = None,
                  config: Config | None = None, on_event: EventFn | None = None,
                  env_factory: Callable[[TaskSpec], TaskEnv] | None = None,
-                 host: HostAPI | None = None) -> None:
+                 host: HostAPI | None = None, cluster: EnvPlacement | None = None) -> None:
         """``host``: where workspaces are made: this machine under ``config`` (the default) or
-        a ``bunshin serve`` host (a :class:`bunshin.client.Client`).
+        a ``bunshin serve`` host (a :class:`bunshin.client.Client`). ``cluster``: the
+        trajectories placed over several hosts instead (:class:`bunshin.cluster.ClusterPlacement`).
         ``env_factory`` replaces the mode's :class:`TaskEnv` (tests, other backends)."""
+        if host is not None and cluster is not None:
+            raise InvalidArgument("give host or cluster, not both", hint="a cluster places workspaces itself")
         try:
             self.mode = Mode(mode)
         except ValueError:
@@ -199,6 +203,7 @@ class RolloutEngine:
         self.run_id = new_id("run")
         self._env_factory = env_factory
         self.host = host
+        self.cluster = cluster
         self._sem = asyncio.Semaphore(concurrency) if concurrency else None
         self._envs: dict[str, TaskEnv] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -248,8 +253,12 @@ class RolloutEngine:
             if env is not None and env.task != task:
                 raise InvalidArgument(f"two different tasks share the id {task.id!r}")
             if env is None:
-                env = (self._env_factory(task) if self._env_factory is not None
-                       else make_env(self.mode, task, self.tools, self.config, self.options, host=self.host))
+                if self._env_factory is not None:
+                    env = self._env_factory(task)
+                elif self.cluster is not None:
+                    env = self.cluster.make_env(self.mode, task, self.tools, self.config, self.options)
+                else:
+                    env = make_env(self.mode, task, self.tools, self.config, self.options, host=self.host)
                 self._emit("prepare_start", task=task.id)
                 await env.prepare()
                 self._envs[task.id] = env

@@ -33,7 +33,7 @@ from ..speculate import SpeculationPolicy
 from ..tools import Tool, ToolSet
 from ..workspace import LocalHost
 from ..workspace.aio import AsyncSnapshot, AsyncWorkspace, default_bridge
-from ..workspace.protocol import HostAPI, WorkspaceAPI
+from ..workspace.protocol import HostAPI, SnapshotAPI, WorkspaceAPI
 from .records import Observation
 from .task import TaskSpec
 
@@ -224,6 +224,11 @@ class SnapshotEnv(TaskEnv):
             await asyncio.shield(_remove_quietly(ws))
         self.prepare_s = time.perf_counter() - t0
 
+    async def adopt(self, root: SnapshotAPI) -> None:
+        """Start from ``root`` (this task's root copied from another host) instead of
+        running setup; it is freed with the env."""
+        self.root = AsyncSnapshot(root)
+
     async def open(self, index: int) -> TrajectoryEnv:
         assert self.root is not None, "prepare() first"
         (ws,) = await self.root.restore(1)
@@ -245,12 +250,23 @@ class CacheEnv(SnapshotEnv):
         self.cache: PrefixCache | None = None
 
     async def prepare(self) -> None:
+        self._check_tools()
+        await super().prepare()
+        self._new_cache()
+
+    async def adopt(self, root: SnapshotAPI) -> None:
+        self._check_tools()
+        await super().adopt(root)
+        self._new_cache()
+
+    def _check_tools(self) -> None:
         if not isinstance(self.tools, ToolSet):
             raise InvalidArgument(f"the prefix cache runs a bunshin ToolSet, not {type(self.tools).__name__}",
                                   hint="pass a ToolSet, or run with cache=False")
-        spec = SpeculationPolicy() if self.speculation else None
-        await super().prepare()
-        self.cache = PrefixCache(self.tools, speculation=spec)
+
+    def _new_cache(self) -> None:
+        assert isinstance(self.tools, ToolSet)
+        self.cache = PrefixCache(self.tools, speculation=SpeculationPolicy() if self.speculation else None)
 
     async def open(self, index: int) -> TrajectoryEnv:
         assert self.cache is not None and self.root is not None, "prepare() first"
@@ -273,6 +289,14 @@ class CacheEnv(SnapshotEnv):
         if self.cache is None:
             return {}
         return asdict(self.cache.stats())
+
+
+class EnvPlacement(Protocol):
+    """Makes a mode's :class:`TaskEnv` whose trajectories it places itself, e.g. over the
+    hosts of a cluster (:class:`bunshin.cluster.ClusterPlacement`)."""
+
+    def make_env(self, mode: Mode, task: TaskSpec, tools: ToolRunner, config: Config,
+                 options: ModeOptions) -> TaskEnv: ...
 
 
 def make_env(mode: Mode | str, task: TaskSpec, tools: ToolRunner, config: Config,

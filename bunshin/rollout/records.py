@@ -10,7 +10,7 @@ trajectory is one JSONL row (:meth:`TrajectoryResult.to_row`).
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -95,6 +95,8 @@ class TrajectoryResult:
     timings: Timings
     error: str | None = None
     policy: str = ""
+    #: where it ran, when an env placed it (``bunshin.cluster``): host, hosts, retries, events
+    placement: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
