@@ -17,7 +17,8 @@ A :class:`Trajectory` is the small interface the adapters use (``call``, ``rewar
   process (trainer worker, GPU rank) asks.
 
 :func:`open_trajectory` picks one; :func:`close_all` frees every task root of the
-process (also run at exit).
+process (also run at exit; a killed process leaves its roots and workspaces running: ``bunshin ls``,
+``bunshin rm``).
 """
 
 from __future__ import annotations
@@ -125,7 +126,14 @@ def close_all() -> None:
         c.close()
 
 
-atexit.register(close_all)
+# At exit, before the thread pools stop taking work (a root's removal goes through the thread
+# bridge, whose pool refuses new calls once the interpreter shuts down): threading's own
+# exit hooks run then, later-registered first; plain atexit runs too late.
+_at_thread_exit = getattr(threading, "_register_atexit", None)
+if _at_thread_exit is not None:
+    _at_thread_exit(close_all)
+else:  # pragma: no cover - every CPython >= 3.9 has it
+    atexit.register(close_all)
 
 
 def as_task(task: TaskSpec | Mapping[str, Any], *, task_id: str | None = None) -> TaskSpec:

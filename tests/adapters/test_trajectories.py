@@ -72,3 +72,27 @@ def test_import_bunshin_loads_no_framework():
             "'minisweagent', 'swerex') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+EXITS = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+from tests.adapters.conftest import TASK
+from bunshin.adapters.trajectories import open_trajectory
+traj = open_trajectory(TASK)
+print(traj.call("bash", {"command": "cat setup.id"}).output.strip())
+traj.close()  # the task root is left for the exit hook to free
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.criu
+def test_a_process_that_exits_frees_its_task_roots(home):
+    import os
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "BUNSHIN_HOME": str(home.home)}
+    out = subprocess.run([sys.executable, "-c", EXITS, repo], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0 and len(out.stdout.strip()) == 36, out.stderr[-2000:]
+    assert "cleanup failed" not in out.stderr  # the no_leaks fixture checks that the root is gone
