@@ -35,10 +35,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidArgument, StateConflict
-from ..rollout import Mode, ModeOptions, TaskSpec, load_task
+from ..rollout import Mode, ModeOptions, TaskSpec
 from ..tools import ToolCall
 from ..workspace.protocol import WorkspaceAPI
-from .trajectories import Trajectory, as_task, client, open_trajectory, parse_calls, safe_id
+from .trajectories import (
+    Trajectory,
+    as_task,
+    client,
+    open_trajectory,
+    parse_calls,
+    row_task,
+    safe_id,
+)
 
 if TYPE_CHECKING:
     _Base = object
@@ -149,14 +157,7 @@ class BunshinEnv(_Base):
     def from_dict(info: dict[str, Any]) -> BunshinEnv:
         """From a task row: ``task`` (JSON form) or ``task_file``; optional ``instance_id``,
         ``url``/``token``/``token_file`` (a ``bunshin serve`` host), ``mode``."""
-        if info.get("task") is not None:
-            task = info["task"]
-            spec = task if isinstance(task, TaskSpec) else as_task(dict(task))
-        elif info.get("task_file"):
-            spec = load_task(str(info["task_file"]))
-        else:
-            raise InvalidArgument("the row names no bunshin task", hint="give 'task' (a task spec as JSON) or "
-                                  "'task_file' (a path)", field="task")
+        spec = row_task(info, where="the task dict")
         return BunshinEnv(spec, instance_id=info.get("instance_id"), url=info.get("url"), token=info.get("token"),
                           token_file=info.get("token_file"), mode=info.get("mode", Mode.BUNSHIN))
 

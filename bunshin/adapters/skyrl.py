@@ -37,8 +37,16 @@ from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
 from ..config import Config
 from ..errors import InvalidArgument, StateConflict
-from ..rollout import Mode, ModeOptions, TaskSpec, load_task
-from .trajectories import Trajectory, as_task, client, open_trajectory, parse_calls, safe_id
+from ..rollout import Mode, ModeOptions, TaskSpec
+from .trajectories import (
+    Trajectory,
+    as_task,
+    client,
+    open_trajectory,
+    parse_calls,
+    row_task,
+    safe_id,
+)
 
 ENV_CLASS = "bunshin"
 
@@ -52,15 +60,8 @@ def _get(cfg: Any, name: str, default: Any = None) -> Any:
 
 
 def task_of(extras: Mapping[str, Any]) -> TaskSpec:
-    """The task named by a dataset row's extras (``task`` or ``task_file``)."""
-    if extras.get("task") is not None:
-        task = extras["task"]
-        return as_task(task if isinstance(task, TaskSpec) else dict(task))
-    if extras.get("task_file"):
-        return load_task(str(extras["task_file"]))
-    raise InvalidArgument("the bunshin env needs a task in its extras",
-                          hint="give extras['task'] (a task spec as JSON) or extras['task_file'] (a path)",
-                          field="extras.task")
+    """The task named by a dataset row's extras (``task`` or ``task_file``; see ``row_task``)."""
+    return row_task(extras, where="the row's extras")
 
 
 def instance_of(extras: Mapping[str, Any], task: TaskSpec) -> str:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import json
+import os
 import re
 import threading
 from collections.abc import Coroutine, Mapping
@@ -34,8 +35,10 @@ from typing import Any, Protocol, TypeVar
 from ..client import Client, RemoteTrajectory
 from ..config import Config
 from ..errors import InvalidArgument, StateConflict
-from ..rollout import Episode, Mode, ModeOptions, RolloutEngine, TaskSpec, parse_task
+from ..rollout import Episode, Mode, ModeOptions, RolloutEngine, TaskSpec, load_task, parse_task
 from ..rollout.records import Action, new_id
+from ..runtime.images import IMAGE_ID
+from ..runtime.oci.refs import looks_like_ref
 from ..tools import Observation, ToolCall
 from ..workspace.protocol import WorkspaceAPI
 
@@ -142,6 +145,38 @@ def as_task(task: TaskSpec | Mapping[str, Any], *, task_id: str | None = None) -
     if task_id is not None and task_id != spec.id:
         spec = parse_task({**spec.model_dump(mode="json"), "id": safe_id(task_id)}, source=f"task {task_id!r}")
     return spec
+
+
+def row_task(row: Mapping[str, Any], *, where: str = "the dataset row") -> TaskSpec:
+    """The task a dataset row names: ``task`` (a spec's JSON form) or ``task_file`` (a path).
+
+    A row is data (downloaded, generated), not the trainer's own code, so a task in it may
+    not reach into the host: no ``mounts`` (host folders shared into the workspace, where
+    the model's code runs) and no host folder as its ``image`` ('host' or an image
+    reference only). A ``task_file`` on the trainer's disk is taken as written.
+    """
+    if row.get("task") is not None:
+        value = row["task"]
+        spec = value if isinstance(value, TaskSpec) else as_task(dict(value))
+        hint = "put such a task in a file on the trainer's host and give its path as 'task_file'"
+        if spec.mounts:
+            raise InvalidArgument(f"{where}: task {spec.id}: a task from a row may not share host folders (mounts)",
+                                  hint=hint, field="task.mounts")
+        if not _image_ref(spec.image):
+            raise InvalidArgument(f"{where}: task {spec.id}: image {spec.image!r}: a task from a row runs on 'host' "
+                                  "or an image reference, not a host folder", hint=hint, field="task.image")
+        return spec
+    if row.get("task_file"):
+        return load_task(str(row["task_file"]))
+    raise InvalidArgument(f"{where} names no bunshin task",
+                          hint="give it a 'task' (a task spec as JSON) or a 'task_file' (a path)", field="task")
+
+
+def _image_ref(image: str) -> bool:
+    """'host', an image id, or a reference that is no path and names no folder here."""
+    if image == "host" or IMAGE_ID.fullmatch(image):
+        return True
+    return (looks_like_ref(image) and not image.startswith(("/", ".", "~")) and not os.path.lexists(image))
 
 
 def safe_id(text: str) -> str:

@@ -33,9 +33,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..config import Config
-from ..errors import InvalidArgument, StateConflict
-from ..rollout import Mode, ModeOptions, TaskSpec, load_task
-from .trajectories import Trajectory, as_task, client, open_trajectory, safe_id
+from ..errors import StateConflict
+from ..rollout import Mode, ModeOptions, TaskSpec
+from .trajectories import Trajectory, client, open_trajectory, row_task, safe_id
 
 
 class BunshinToolEnv:
@@ -73,7 +73,7 @@ class BunshinToolEnv:
         """Start a new rollout of the row's task, forked from its root (the previous one is closed).
         Returns the task's prompt when the row has none (TRL appends it to the last user message)."""
         self._close()
-        task = _task_of(row)
+        task = row_task(row)
         key = safe_id(str(row["instance_id"])) if row.get("instance_id") else task.id
         remote = client(self._url, token=self._token, token_file=self._token_file) if self._url else None
         self._traj = open_trajectory(task, key=key, client=remote, mode=self._mode, config=self._config,
@@ -164,13 +164,3 @@ class BunshinToolEnv:
         if traj is not None:
             traj.close()
 
-
-def _task_of(row: Mapping[str, Any]) -> TaskSpec:
-    if row.get("task") is not None:
-        task = row["task"]
-        return as_task(task if isinstance(task, TaskSpec) else dict(task))
-    if row.get("task_file"):
-        return load_task(str(row["task_file"]))
-    raise InvalidArgument("the dataset row names no bunshin task",
-                          hint="give each row a 'task' column (a task spec as JSON) or 'task_file' (a path)",
-                          field="task")

@@ -61,7 +61,7 @@ def test_max_turns_bad_calls_and_errors(home):
             env.init([])
     finally:
         env.close()
-    with pytest.raises(InvalidArgument, match="needs a task"):
+    with pytest.raises(InvalidArgument, match="names no bunshin task"):
         skyrl_gym.make("bunshin", env_config={}, extras={"instance_id": "x"})
     with pytest.raises(StateConflict, match="before init"):
         make(home).step("x")

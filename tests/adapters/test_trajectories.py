@@ -96,3 +96,41 @@ def test_a_process_that_exits_frees_its_task_roots(home):
     out = subprocess.run([sys.executable, "-c", EXITS, repo], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0 and len(out.stdout.strip()) == 36, out.stderr[-2000:]
     assert "cleanup failed" not in out.stderr  # the no_leaks fixture checks that the root is gone
+
+
+def _canary(tmp_path):
+    secret = tmp_path / "host-secret"
+    secret.mkdir()
+    (secret / "canary").write_text("do not touch\n")
+    return secret
+
+
+@pytest.mark.parametrize("adapter", ["skyrl", "trl", "rllm"])
+def test_a_dataset_row_cannot_reach_into_the_host(adapter, tmp_path, monkeypatch):
+    """A row is data: its task may not mount a host folder (rw, to plant or steal files) nor boot a
+    host folder as its image (to read it); the trainer's own task file may."""
+    from bunshin.adapters.trajectories import row_task
+
+    secret = _canary(tmp_path)
+    base = {"id": "evil", "prompt": "x", "reward": "echo 1"}
+    rows = [{**base, "mounts": [f"{secret}:/loot:rw"]}, {**base, "image": str(secret)},
+            {**base, "image": f"./{secret.name}"}, {**base, "image": secret.name}]
+    monkeypatch.chdir(tmp_path)  # so the bare relative name is a folder here
+    for task in rows:
+        with pytest.raises(InvalidArgument, match="mounts|host folder") as e:
+            if adapter == "skyrl":
+                import bunshin.adapters.skyrl as sk
+                sk.BunshinTextEnv(env_config={}, extras={"task": task})
+            elif adapter == "trl":
+                from bunshin.adapters.trl import BunshinToolEnv
+                BunshinToolEnv().reset(task=task)
+            else:
+                from bunshin.adapters.rllm import BunshinEnv
+                BunshinEnv.from_dict({"task": task})
+        assert "task_file" in e.value.hint
+    assert (secret / "canary").read_text() == "do not touch\n" and sorted(p.name for p in secret.iterdir()) == ["canary"]
+    # the trainer's own file is trusted as written; a registry reference is not a folder
+    f = tmp_path / "task.json"
+    f.write_text('{"id": "mine", "mounts": ["%s:/data"]}' % secret)
+    assert row_task({"task_file": str(f)}).mounts
+    assert row_task({"task": {**base, "image": "python:3.11-slim"}}).image == "python:3.11-slim"
