@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 
@@ -131,6 +132,6 @@ def test_a_dataset_row_cannot_reach_into_the_host(adapter, tmp_path, monkeypatch
     assert (secret / "canary").read_text() == "do not touch\n" and sorted(p.name for p in secret.iterdir()) == ["canary"]
     # the trainer's own file is trusted as written; a registry reference is not a folder
     f = tmp_path / "task.json"
-    f.write_text('{"id": "mine", "mounts": ["%s:/data"]}' % secret)
+    f.write_text(json.dumps({"id": "mine", "mounts": [f"{secret}:/data"]}))
     assert row_task({"task_file": str(f)}).mounts
     assert row_task({"task": {**base, "image": "python:3.11-slim"}}).image == "python:3.11-slim"
