@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bunshin.adapters.rllm import BunshinEnv
-from bunshin.adapters.trajectories import close_all
+from bunshin.adapters.trajectories import client, close_all
 
 TASK = {
     "id": "rllm-example",
@@ -48,7 +48,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", help="a bunshin serve host (default: fork in this process)")
     url = ap.parse_args().url
-    row = {"task": TASK, "instance_id": "calc-1", **({"url": url} if url else {})}
+    row = {"task": TASK, "instance_id": "rllm-calc", **({"url": url} if url else {})}
     with tempfile.TemporaryDirectory() as tmp:
         tests = Path(tmp, "tests")
         tests.mkdir()
@@ -58,6 +58,8 @@ def main() -> None:
             with ThreadPoolExecutor(len(envs)) as pool:
                 rewards = list(pool.map(rollout, envs, FIXES, [tests] * len(envs)))
         finally:
+            if url:  # the group's root stays on the host for later groups until removed
+                client(url).request("DELETE", "/v1/groups/rllm-calc")
             close_all()
     for fix, r in zip(FIXES, rewards, strict=True):
         print(f"return {fix:<6} reward {r}")

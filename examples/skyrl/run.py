@@ -18,7 +18,7 @@ from typing import Any
 import skyrl_gym
 
 import bunshin.adapters.skyrl  # noqa: F401  (registers the "bunshin" env class)
-from bunshin.adapters.trajectories import close_all
+from bunshin.adapters.trajectories import client, close_all
 
 TASK = {
     "id": "skyrl-example",
@@ -54,13 +54,15 @@ def main() -> None:
     ap.add_argument("--url", help="a bunshin serve host (default: fork in this process)")
     args = ap.parse_args()
     env_config = {"url": args.url} if args.url else {}
-    row = {"task": TASK, "instance_id": "calc-1"}
+    row = {"task": TASK, "instance_id": "skyrl-calc"}
     t0 = time.perf_counter()
     try:
         envs = [skyrl_gym.make("bunshin", env_config=env_config, extras=dict(row)) for _ in FIXES]
         with ThreadPoolExecutor(len(envs)) as pool:
             rewards = list(pool.map(sample, envs, FIXES))
     finally:
+        if args.url:  # the group's root stays on the host for later groups until removed
+            client(args.url).request("DELETE", "/v1/groups/skyrl-calc")
         close_all()
     for fix, r in zip(FIXES, rewards, strict=True):
         print(f"return {fix:<6} reward {r}")

@@ -23,7 +23,7 @@ from datasets import Dataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from bunshin.adapters.trajectories import close_all
+from bunshin.adapters.trajectories import client, close_all
 from bunshin.adapters.trl import BunshinToolEnv
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -82,7 +82,7 @@ def main() -> None:
                                    pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
     model.tok = tok
     rows = [{"prompt": [{"role": "user", "content": TASK["prompt"]}], "task": json.dumps(TASK),
-             "instance_id": "calc-1"}] * 4
+             "instance_id": "trl-calc"}] * 4
     ds = Dataset.from_list(rows).map(lambda r: {"task": json.loads(r["task"])})
     with tempfile.TemporaryDirectory() as out:
         args = trl.GRPOConfig(output_dir=out, per_device_train_batch_size=4, num_generations=4, max_steps=1,
@@ -101,6 +101,8 @@ def main() -> None:
             rewards = [env.get_reward() for env in envs]
         finally:
             BunshinToolEnv.close_instances()
+            if url:  # the group's root stays on the host for later groups until removed
+                client(url).request("DELETE", "/v1/groups/trl-calc")
             close_all()
     logs = trainer.state.log_history[0]
     print(f"rewards per rollout: {rewards}; TRL's mean reward {logs['rewards/BunshinToolEnv/mean']}, "
