@@ -5,13 +5,17 @@ their task's root snapshot, trajectories retried on another host when theirs die
 
     cluster = Cluster.up()                     # a host actor per node of the running Ray cluster
     [h.name for h in cluster.status()]
-    async with RolloutEngine("bunshin", env_factory=ClusterEnvs(cluster.clients())) as engine:
-        group = await engine.run_group(task, policy, n=64)
+    with ClusterPlacement.of(cluster) as hosts:
+        async with RolloutEngine("bunshin", cluster=hosts) as engine:
+            group = await engine.run_group(task, policy, n=64)   # rows: t.placement
 
 Ray is imported only here, when first needed (``pip install 'bunshin[cluster]'``).
 """
 
+from .placement import ClusterEnv, ClusterPlacement
 from .ray_cluster import Cluster
 from .records import Endpoint, HostInfo, HostLimits
+from .scheduler import HostLoad, Plan, choose, plan
 
-__all__ = ["Cluster", "Endpoint", "HostInfo", "HostLimits"]
+__all__ = ["Cluster", "ClusterEnv", "ClusterPlacement", "Endpoint", "HostInfo", "HostLimits", "HostLoad", "Plan",
+           "choose", "plan"]

@@ -81,5 +81,26 @@ class HostActor:
             report = gc.collect(self.server.cfg, store, release=True)
         return {"removed": report.total}
 
+    def reclaim(self) -> dict[str, Any]:
+        """A host the head gave up on comes back: what it ran was retried elsewhere, so
+        its server is stopped, every workspace and snapshot of its home removed, ``bunshin
+        gc`` run, and the server started again, empty; what was removed, by kind."""
+        from ..runtime import container, gc
+        from ..runtime import snapshot as rsnap
+        from ..runtime.store import Store
+
+        self.server.stop()
+        cfg = self.server.cfg
+        with Store.open(cfg.db_path) as store:
+            workspaces = store.list_workspaces()
+            for rec in workspaces:
+                container.destroy(cfg, store, rec)
+            snapshots = rsnap.list_all(store)
+            for snap in snapshots:
+                rsnap.remove(cfg, store, snap)
+            report = gc.collect(cfg, store)
+        self.server.start()
+        return {"workspaces": len(workspaces), "snapshots": len(snapshots), "gc": report.total}
+
     def stop(self) -> None:
         self.server.stop()

@@ -1,0 +1,322 @@
+"""Rollouts over the cluster's hosts: ``RolloutEngine(mode, cluster=ClusterPlacement(...))``.
+
+Each task gets a :class:`ClusterEnv`: the mode's own env (:func:`bunshin.rollout.envs.make_env`)
+on every host it uses, so on each host trajectories fork from that host's copy of the
+root and share that host's prefix cache (one tree per host). The root is built once
+(setup on the first host chosen), saved to the head (``spool``) and loaded onto any
+other host a trajectory is placed on (save -> transfer -> load, once per host).
+
+Faults: when a call fails and its host no longer answers, the host is marked dead
+(no more placements), the trajectory is opened again on another host from the root and
+its calls so far replayed there (deterministic tools give the same state), then the
+failed call is run again; the row's ``placement`` says what happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from ..config import Config
+from ..errors import Unreachable
+from ..rollout.envs import (
+    Mode,
+    ModeOptions,
+    SnapshotEnv,
+    TaskEnv,
+    ToolRunner,
+    TrajectoryEnv,
+    in_thread,
+    make_env,
+)
+from ..rollout.task import TaskSpec
+from ..runtime.cgroups import parse_size
+from ..workspace.aio import AsyncWorkspace
+from .records import HostLimits
+from .scheduler import HostLoad, choose
+
+if TYPE_CHECKING:
+    from ..client import Client
+    from ..client.remote import RemoteSnapshot
+    from .ray_cluster import Cluster
+
+log = logging.getLogger(__name__)
+HEALTH_TIMEOUT_S = 3.0
+MAX_RETRIES = 3
+
+
+@dataclass
+class Counters:
+    """What the placement did, for reports and the benchmark."""
+
+    placements: int = 0
+    migrations: int = 0
+    retries: int = 0
+    dead_hosts: list[str] = field(default_factory=list)
+    place_s: float = 0.0  # time spent in the scheduler's decisions
+    migrate_s: float = 0.0  # time spent saving and loading roots
+
+
+class ClusterPlacement:
+    """The hosts a rollout may use: a :class:`bunshin.client.Client` per host name, with
+    the caps each was started with. Close it when done (it closes the clients)."""
+
+    def __init__(self, hosts: Mapping[str, Client], *, limits: Mapping[str, HostLimits] | None = None,
+                 spool: Path | None = None) -> None:
+        if not hosts:
+            raise Unreachable("no host to place trajectories on", hint="see `bunshin cluster status`")
+        self.hosts = dict(hosts)
+        self.limits = {n: (limits or {}).get(n, HostLimits()) for n in self.hosts}
+        self.running = dict.fromkeys(self.hosts, 0)
+        self.dead: set[str] = set()
+        self._lock = threading.Lock()
+        self.counters = Counters()
+        self._own_spool = spool is None
+        self.spool = Path(spool) if spool is not None else Path(tempfile.mkdtemp(prefix="bunshin-roots-"))
+
+    @classmethod
+    def of(cls, cluster: Cluster, *, spool: Path | None = None) -> ClusterPlacement:
+        """Every live host of ``cluster``."""
+        limits = {h.name: h.limits for h in cluster.status() if h.alive}
+        clients = {n: c for n, c in cluster.clients().items() if n in limits}
+        return cls(clients, limits=limits, spool=spool)
+
+    def make_env(self, mode: Mode, task: TaskSpec, tools: ToolRunner, config: Config,
+                 options: ModeOptions) -> TaskEnv:
+        return ClusterEnv(self, mode, task, tools, config, options)
+
+    def loads(self, holders: set[str]) -> list[HostLoad]:
+        return [HostLoad(n, alive=n not in self.dead, holds_root=n in holders, running=self.running[n],
+                         max_workspaces=lim.max_workspaces, max_memory=lim.max_memory)
+                for n, lim in self.limits.items()]
+
+    def alive(self, name: str) -> bool:
+        """Does host ``name`` answer its health check? A host that does not is marked dead."""
+        if name in self.dead:
+            return False
+        try:
+            ok = httpx.get(f"{self.hosts[name].url}/v1/health", timeout=HEALTH_TIMEOUT_S).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if not ok:
+            with self._lock:  # trajectories of one host find it dead at once, from threads
+                if name not in self.dead:
+                    self.dead.add(name)
+                    self.counters.dead_hosts.append(name)
+                    log.warning("host %s does not answer: no more placements there", name)
+        return ok
+
+    def close(self) -> None:
+        for c in self.hosts.values():
+            c.close()
+        if self._own_spool:
+            shutil.rmtree(self.spool, ignore_errors=True)
+
+    def __enter__(self) -> ClusterPlacement:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ClusterEnv(TaskEnv):
+    """One task's trajectories over the cluster: the mode's env on each host it uses."""
+
+    def __init__(self, placement: ClusterPlacement, mode: Mode, task: TaskSpec, tools: ToolRunner,
+                 config: Config, options: ModeOptions) -> None:
+        first = next(iter(placement.hosts.values()))
+        super().__init__(task, tools, config, host=first)
+        self.placement, self.mode, self.mode_options = placement, mode, options
+        self.subs: dict[str, TaskEnv] = {}
+        self.saved: Path | None = None  # the root, saved on the head
+        self.memory = parse_size(task.memory) if task.memory else None
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._copying: set[str] = set()  # hosts the root is being copied to
+        probe = make_env(mode, task, tools, config, options, host=first)
+        self.options = dict(probe.options)
+        self.needs_root = isinstance(probe, SnapshotEnv)
+
+    def _sub(self, name: str) -> TaskEnv:
+        return make_env(self.mode, self.task, self.tools, self.config, self.mode_options,
+                        host=self.placement.hosts[name])
+
+    def _choose(self) -> tuple[str, bool]:
+        t0 = time.perf_counter()
+        c = choose(self.placement.loads(set(self.subs) | self._copying), memory=self.memory,
+                   needs_root=self.needs_root)
+        self.placement.counters.place_s += time.perf_counter() - t0
+        self.placement.counters.placements += 1
+        # reserved before any await: concurrent opens see the slot taken and the copy coming
+        self.placement.running[c.host] += 1
+        if c.migrate and self.needs_root:
+            self._copying.add(c.host)
+        return c.host, c.migrate
+
+    async def prepare(self) -> None:
+        """The root on the first host chosen (setup once there), saved on the head."""
+        if not self.needs_root:
+            return
+        t0 = time.perf_counter()
+        c = choose(self.placement.loads(set()), memory=self.memory)
+        sub = self._sub(c.host)
+        await sub.prepare()
+        self.subs[c.host] = sub
+        assert isinstance(sub, SnapshotEnv) and sub.root is not None
+        root: RemoteSnapshot = sub.root.sync  # type: ignore[assignment]
+        dest = self.placement.spool / f"{self.task.id}-{uuid.uuid4().hex[:8]}"
+        self.saved = await in_thread(lambda: root.save(dest))
+        self.prepare_s = time.perf_counter() - t0
+
+    async def _env_on(self, name: str) -> TaskEnv:
+        """The env on host ``name``; its copy of the root loaded first if it has none."""
+        lock = self._locks.setdefault(name, asyncio.Lock())
+        async with lock:
+            sub = self.subs.get(name)
+            if sub is not None:
+                return sub
+            sub = self._sub(name)
+            if self.needs_root:
+                assert isinstance(sub, SnapshotEnv) and self.saved is not None, "prepare() first"
+                t0 = time.perf_counter()
+                client, saved = self.placement.hosts[name], self.saved
+                try:
+                    snap = await in_thread(lambda: client.load_snapshot(saved), undo=lambda s: s.remove())
+                finally:
+                    self._copying.discard(name)
+                await sub.adopt(snap)
+                self.placement.counters.migrations += 1
+                self.placement.counters.migrate_s += time.perf_counter() - t0
+            self.subs[name] = sub
+            return sub
+
+    async def open_on(self, events: list[str]) -> tuple[str, TrajectoryEnv]:
+        """A trajectory on the host the scheduler picks; a host that fails and no longer
+        answers is marked dead (said in ``events``) and the next one tried."""
+        for _ in range(len(self.placement.hosts)):
+            name, _ = self._choose()
+            try:
+                sub = await self._env_on(name)
+                return name, await sub.open(0)
+            except Exception as e:
+                self.placement.running[name] -= 1
+                if await in_thread(lambda n=name: self.placement.alive(n)):  # type: ignore[misc]
+                    raise
+                events.append(f"host {name} died while opening ({type(e).__name__}); placed again")
+        raise Unreachable(f"task {self.task.id}: every host failed", hint="see `bunshin cluster status`")
+
+    async def open(self, index: int) -> TrajectoryEnv:
+        traj = ClusterTrajectory(self)
+        await traj.start()
+        return traj
+
+    def release(self, name: str) -> None:
+        self.placement.running[name] -= 1
+
+    def new_group(self) -> None:
+        for sub in self.subs.values():
+            sub.new_group()
+
+    def stats(self) -> dict[str, Any]:
+        per_host = {n: st for n, sub in self.subs.items() if (st := sub.stats())}
+        return {"hosts": per_host} if per_host else {}
+
+    async def aclose(self) -> None:
+        subs, self.subs = self.subs, {}
+        for name, sub in subs.items():
+            if name in self.placement.dead:
+                continue  # its server is gone: `bunshin gc` on that host cleans what it held
+            try:
+                await sub.aclose()
+            except Exception as e:
+                log.warning("closing task %s on %s failed: %s", self.task.id, name, e)
+        if self.saved is not None:
+            shutil.rmtree(self.saved, ignore_errors=True)
+            self.saved = None
+
+
+class ClusterTrajectory:
+    """A trajectory on one host, moved to another (from the root, its calls replayed)
+    when its host dies."""
+
+    def __init__(self, env: ClusterEnv) -> None:
+        self.env = env
+        self.host = ""
+        self.inner: TrajectoryEnv | None = None
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.placement: dict[str, Any] = {"host": "", "hosts": [], "retries": 0, "events": []}
+
+    async def start(self) -> None:
+        self.host, self.inner = await self.env.open_on(self.placement["events"])
+        self.placement["host"] = self.host
+        self.placement["hosts"].append(self.host)
+
+    async def _move(self, why: str) -> None:
+        """Open again on another host and replay the calls made so far."""
+        if self.placement["retries"] >= MAX_RETRIES:
+            raise Unreachable(f"trajectory moved {MAX_RETRIES} times: {why}")
+        old = self.host
+        self.env.release(old)
+        self.inner = None
+        await self.start()
+        for name, args in self.calls:
+            await self._inner().call(name, args)
+        self.placement["retries"] += 1
+        self.env.placement.counters.retries += 1
+        self.placement["events"].append(f"host {old} died ({why}); from the root on {self.host}, "
+                                        f"{len(self.calls)} call(s) replayed")
+
+    def _inner(self) -> TrajectoryEnv:
+        assert self.inner is not None
+        return self.inner
+
+    async def _host_died(self) -> bool:
+        name = self.host
+        return not await in_thread(lambda: self.env.placement.alive(name))
+
+    async def call(self, name: str, args: dict[str, Any]) -> Any:
+        while True:
+            try:
+                obs = await self._inner().call(name, args)
+            except Exception as e:
+                if not await self._host_died():
+                    raise
+                await self._move(f"{type(e).__name__}: {e}")
+                continue
+            if getattr(obs, "error", None) and await self._host_died():
+                await self._move(str(obs.error)[:200])
+                continue
+            self.calls.append((name, dict(args)))
+            return obs
+
+    async def workspace(self) -> AsyncWorkspace:
+        while True:
+            inner = self._inner()
+            try:
+                ws = await inner.workspace()
+                if await ws.is_alive():
+                    return ws
+                raise Unreachable("the trajectory's workspace is gone")
+            except Exception as e:
+                if not await self._host_died():
+                    raise
+                await self._move(f"{type(e).__name__}: {e}")
+
+    async def close(self) -> None:
+        inner, self.inner = self.inner, None
+        if inner is None:
+            return
+        self.env.release(self.host)
+        if self.host in self.env.placement.dead:
+            return  # nothing to free there now: gc on that host does
+        await inner.close()
