@@ -10,14 +10,19 @@ side, one after another, memory sampled as in ``bunshin bench rollout``:
 
 - ``baseline``: no group fork: each env gets a fresh workspace and re-runs the setup;
 - ``fork``: the copies fork from one root (setup once, copy-on-write), every call runs;
-- ``fork+cache``: the same, behind the instance's prefix cache (the adapter's default).
+- ``fork+cache``: the same, behind the instance's prefix cache (the adapter's default);
+- ``fork:served``: the same through a ``bunshin serve`` host in a thread of this process: each
+  env joins the server's group key over HTTP (``env_config.url``), as generator processes would.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +41,7 @@ MODES: dict[str, dict[str, Any]] = {
     "baseline": {"mode": "baseline"},
     "fork": {"mode": "bunshin", "cache": False},
     "fork+cache": {"mode": "bunshin"},
+    "fork:served": {"mode": "bunshin", "served": True},
 }
 
 
@@ -79,20 +85,24 @@ def run_mode(cfg: Config, label: str, task: TaskSpec, traces: list[Trace]) -> di
     import skyrl_gym
 
     from ..adapters import skyrl as adapter
-    from ..adapters.trajectories import close_all
+    from ..adapters.trajectories import client, close_all
 
     adapter.register()
-    env_config = {**MODES[label], "config": cfg}
-    row = {"task": task.model_dump(mode="json"), "instance_id": f"{task.id}-{label}"}
+    served = MODES[label].get("served", False)
+    key = f"{task.id}-{label.replace(':', '-')}-{secrets.token_hex(4)}"
+    row = {"task": task.model_dump(mode="json"), "instance_id": key}
     idle = idle_used(1.0)
-    with MemorySampler(cfg) as sampler:
+    with _host(cfg, served) as host, MemorySampler(cfg) as sampler:
+        env_config = {**{k: v for k, v in MODES[label].items() if k != "served"}, "config": cfg, **host}
         t0 = time.perf_counter()
         try:
             envs = [skyrl_gym.make("bunshin", env_config=env_config, extras=dict(row)) for _ in traces]
             with ThreadPoolExecutor(len(envs)) as pool:
                 results = list(pool.map(drive, envs, traces))
         finally:
-            close_all()  # the instance's root and cache
+            if served:
+                client(host["url"], token=host["token"]).request("DELETE", f"/v1/groups/{key}")
+            close_all()  # the instance's root and cache (and this process's clients)
         makespan = time.perf_counter() - t0
     s = sampler.series
     return {
@@ -103,6 +113,19 @@ def run_mode(cfg: Config, label: str, task: TaskSpec, traces: list[Trace]) -> di
         "calls": sum(r.calls for r in results), "cached_calls": sum(r.cached for r in results),
         "rewards": [r.reward for r in results], "errors": [r.error for r in results if r.error],
     }
+
+
+@contextmanager
+def _host(cfg: Config, served: bool) -> Iterator[dict[str, Any]]:
+    """Nothing, or a ``bunshin serve`` over ``cfg`` on loopback and how envs reach it."""
+    if not served:
+        yield {}
+        return
+    from ..server.thread import serve_in_thread
+
+    token = secrets.token_hex(16)
+    with serve_in_thread(cfg, token) as url:
+        yield {"url": url, "token": token}
 
 
 def run(cfg: Config, *, group: int = 8, think_scale: float = 0.5, workload: str = "coding",
