@@ -62,7 +62,14 @@ if TYPE_CHECKING:
     from .tools import Observation, Tool, ToolSet, ToolSpec, command_tool, function_tool
     from .workspace import LocalHost, Session, Snapshot, Workspace, WorkspaceInfo
     from .workspace.aio import AsyncSnapshot, AsyncWorkspace, ThreadBridge
-    from .workspace.protocol import CommandsAPI, FilesAPI, HostAPI, SessionsAPI, SnapshotAPI, WorkspaceAPI
+    from .workspace.protocol import (
+        CommandsAPI,
+        FilesAPI,
+        HostAPI,
+        SessionsAPI,
+        SnapshotAPI,
+        WorkspaceAPI,
+    )
 
 _WHERE = {
     # workspaces and snapshots: the local implementation, the async adapter, the protocols
