@@ -82,3 +82,34 @@ def _print_status(cluster: Cluster, as_json: bool) -> int:
                              output.human_bytes(h.free_memory), h.workspaces, len(h.snapshots), f"{h.load:.2f}",
                              h.limits.max_workspaces or "-"] for h in hosts])
     return 0 if hosts and all(h.alive for h in hosts) else 1
+
+
+def register_bench(bsub: argparse._SubParsersAction) -> None:
+    """``bunshin bench cluster`` (registered under ``bench`` by system_cmds)."""
+    b = bsub.add_parser("cluster", help="the quick rollout workload on 1, 2 and 4 simulated hosts (local Ray)")
+    b.add_argument("--hosts", default="1,2,4", help="cluster sizes, comma-separated (default 1,2,4)")
+    b.add_argument("--workload", default="coding-lite", help="coding-lite (default), data-analysis or coding")
+    b.add_argument("--tasks", type=int, default=2, help="tasks (default 2), one group each, all at once")
+    b.add_argument("--group", type=int, default=8, help="trajectories per task (default 8)")
+    b.add_argument("--think-scale", type=float, default=0.5, help="multiply recorded think times (default 0.5)")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_cluster, release_tmpfs=True)
+
+
+def cmd_bench_cluster(args: argparse.Namespace) -> int:
+    from ..bench import cluster as bench_cluster
+    from ..config import Config
+    from ..errors import InvalidArgument
+
+    try:
+        hosts = tuple(int(x) for x in args.hosts.split(","))
+    except ValueError:
+        raise InvalidArgument(f"--hosts {args.hosts!r}", hint="give sizes like 1,2,4") from None
+    plan = bench_cluster.Plan(hosts=hosts, workload=args.workload, tasks=args.tasks, group=args.group,
+                              think_scale=args.think_scale)
+    r = bench_cluster.run(Config.from_env(), plan)
+    if args.json:
+        output.print_json(r)
+    else:
+        bench_cluster.print_report(r)
+    return 0 if all(s["failed"] == 0 and s["same_rewards_as_first"] for s in r["sizes"]) else 1

@@ -74,6 +74,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--tasks", type=int, help="tasks per workload (default 3; quick 2)")
     b.set_defaults(func=cmd_bench_rollout, release_tmpfs=True)
 
+    from .cluster_cmds import register_bench as register_bench_cluster
+
+    register_bench_cluster(bsub)
+
     p = sub.add_parser("demo", help="the main job: rollouts in baseline, copy and bunshin mode, side by side")
     p.add_argument("--json", action="store_true")
     p.add_argument("--report", metavar="DIR", help="also write a markdown report and PNG plots here")

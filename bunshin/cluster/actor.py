@@ -16,7 +16,7 @@ import psutil
 from ..config import Config
 from ..errors import BunshinError
 from .records import Endpoint, HostInfo, HostLimits
-from .serve_proc import ServeProcess
+from .serve_proc import ServeProcess, clear_home
 
 
 class HostActor:
@@ -83,24 +83,12 @@ class HostActor:
 
     def reclaim(self) -> dict[str, Any]:
         """A host the head gave up on comes back: what it ran was retried elsewhere, so
-        its server is stopped, every workspace and snapshot of its home removed, ``bunshin
-        gc`` run, and the server started again, empty; what was removed, by kind."""
-        from ..runtime import container, gc
-        from ..runtime import snapshot as rsnap
-        from ..runtime.store import Store
-
+        its server is stopped, everything of its home removed (:func:`clear_home`), and
+        the server started again, empty; what was removed, by kind."""
         self.server.stop()
-        cfg = self.server.cfg
-        with Store.open(cfg.db_path) as store:
-            workspaces = store.list_workspaces()
-            for rec in workspaces:
-                container.destroy(cfg, store, rec)
-            snapshots = rsnap.list_all(store)
-            for snap in snapshots:
-                rsnap.remove(cfg, store, snap)
-            report = gc.collect(cfg, store)
+        removed = clear_home(self.server.cfg)
         self.server.start()
-        return {"workspaces": len(workspaces), "snapshots": len(snapshots), "gc": report.total}
+        return removed
 
     def stop(self) -> None:
         self.server.stop()

@@ -79,6 +79,7 @@ class ClusterPlacement:
         self.hosts = dict(hosts)
         self.limits = {n: (limits or {}).get(n, HostLimits()) for n in self.hosts}
         self.running = dict.fromkeys(self.hosts, 0)
+        self.roots = dict.fromkeys(self.hosts, 0)  # task roots built on each host
         self.dead: set[str] = set()
         self._lock = threading.Lock()
         self.counters = Counters()
@@ -100,6 +101,16 @@ class ClusterPlacement:
         return [HostLoad(n, alive=n not in self.dead, holds_root=n in holders, running=self.running[n],
                          max_workspaces=lim.max_workspaces, max_memory=lim.max_memory)
                 for n, lim in self.limits.items()]
+
+    def root_host(self, memory: int | None) -> str:
+        """Where a new task root is built: the live host with the fewest roots built there
+        (tasks spread, then each group stays next to its root), then the most room."""
+        loads = [h for h in self.loads(set()) if h.alive]
+        if not loads:
+            return choose(loads, memory=memory).host  # raises: no live host
+        best = min(loads, key=lambda h: (self.roots[h.name], -(h.slots(memory) or 1 << 30), h.name))
+        self.roots[best.name] += 1
+        return best.name
 
     def alive(self, name: str) -> bool:
         """Does host ``name`` answer its health check? A host that does not is marked dead."""
@@ -140,6 +151,7 @@ class ClusterEnv(TaskEnv):
         self.placement, self.mode, self.mode_options = placement, mode, options
         self.subs: dict[str, TaskEnv] = {}
         self.saved: Path | None = None  # the root, saved on the head
+        self.built_on: str | None = None  # the host its setup ran on
         self.memory = parse_size(task.memory) if task.memory else None
         self._locks: dict[str, asyncio.Lock] = {}
         self._copying: set[str] = set()  # hosts the root is being copied to
@@ -168,10 +180,15 @@ class ClusterEnv(TaskEnv):
         if not self.needs_root:
             return
         t0 = time.perf_counter()
-        c = choose(self.placement.loads(set()), memory=self.memory)
-        sub = self._sub(c.host)
-        await sub.prepare()
-        self.subs[c.host] = sub
+        host = self.placement.root_host(self.memory)
+        sub = self._sub(host)
+        try:
+            await sub.prepare()
+        except BaseException:
+            self.placement.roots[host] -= 1
+            raise
+        self.built_on = host
+        self.subs[host] = sub
         assert isinstance(sub, SnapshotEnv) and sub.root is not None
         root: RemoteSnapshot = sub.root.sync  # type: ignore[assignment]
         dest = self.placement.spool / f"{self.task.id}-{uuid.uuid4().hex[:8]}"
@@ -243,6 +260,9 @@ class ClusterEnv(TaskEnv):
         if self.saved is not None:
             shutil.rmtree(self.saved, ignore_errors=True)
             self.saved = None
+        if self.built_on is not None:
+            self.placement.roots[self.built_on] -= 1
+            self.built_on = None
 
 
 class ClusterTrajectory:

@@ -155,3 +155,22 @@ class ServeProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+def clear_home(cfg: Config, *, release: bool = False) -> dict[str, int]:
+    """Every workspace and snapshot of a host's home removed, then ``bunshin gc`` (its
+    server must be stopped): for a cluster host whose work the head gave up on, or a
+    benchmark's simulated hosts. ``release``: its tmpfs unmounted after. What went, by kind."""
+    from ..runtime import container, gc
+    from ..runtime import snapshot as rsnap
+    from ..runtime.store import Store
+
+    with Store.open(cfg.db_path) as store:
+        workspaces = store.list_workspaces()
+        for rec in workspaces:
+            container.destroy(cfg, store, rec)
+        snapshots = rsnap.list_all(store)
+        for snap in snapshots:
+            rsnap.remove(cfg, store, snap)
+        report = gc.collect(cfg, store, release=release)
+    return {"workspaces": len(workspaces), "snapshots": len(snapshots), "gc": report.total}

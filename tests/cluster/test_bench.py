@@ -1,0 +1,38 @@
+"""``bunshin bench cluster`` on a small plan: every size completes with the one-host rewards."""
+
+from __future__ import annotations
+
+import pytest
+
+from bunshin.cli.main import main
+from bunshin.config import Config
+
+pytestmark = [pytest.mark.integration, pytest.mark.criu]
+
+
+def test_bench_cluster_small_plan(tmp_path, capsys):
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    from bunshin.bench import cluster as bench_cluster
+
+    cfg = Config.for_home(tmp_path / "head", criu=Config.from_env().criu)
+    r = bench_cluster.run(cfg, bench_cluster.Plan(hosts=(1, 2), tasks=1, group=4, think_scale=0.1))
+    one, two = r["sizes"]
+    assert [s["hosts"] for s in r["sizes"]] == [1, 2]
+    for s in r["sizes"]:
+        assert s["failed"] == 0 and s["trajectories"] == 4 and s["same_rewards_as_first"]
+        assert sum(s["trajectories_per_host"].values()) == 4 and all(v > 0 for v in s["peak_mib_per_host"].values())
+    assert one["migrations"] == 0 and one["trajectories_per_host"] == {"h0": 4}
+    # one task on two hosts of 2 slots: half stay on the holder, the root is copied once
+    assert two["trajectories_per_host"] == {"h0": 2, "h1": 2} and two["migrations"] == 1 and two["migrate_s"] > 0
+    assert set(r["scheduler_us_per_placement"]) == {"1", "2", "4", "16", "64"}
+    assert not list(cfg.paths.bench.iterdir())  # the simulated hosts' homes are gone
+
+
+def test_bench_cluster_bad_sizes(capsys):
+    assert main(["bench", "cluster", "--hosts", "two"]) == 1
+    assert "--hosts 'two'" in capsys.readouterr().err
+    assert main(["bench", "cluster", "--hosts", "0"]) == 1
+    assert "hosts, tasks and group must be >= 1" in capsys.readouterr().err
