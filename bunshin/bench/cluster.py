@@ -105,6 +105,9 @@ def _size(k: int, work: wl.Workload, plan: Plan, cfg: Config) -> dict[str, Any]:
         "hosts": k, "slots_per_host": slots, "cluster_up_s": round(up_s, 2), "makespan_s": round(makespan, 3),
         "trajectories": len(trajs), "failed": sum(not t.ok for t in trajs),
         "trajectories_per_host": per_host,
+        # one prefix tree per host: a group split over hosts shares its calls only within each host
+        "cached_calls": sum(bool(st.observation is not None and st.observation.cached) for t in trajs for st in t.steps),
+        "calls": sum(len(t.steps) for t in trajs),
         "peak_mib_per_host": {n: round(s.series.ws_peak() / MiB, 1) for n, s in samplers.items()},
         "migrations": c.migrations, "migrate_s": round(c.migrate_s, 3),
         "placements": c.placements, "place_us_per_placement": round(c.place_s / max(c.placements, 1) * 1e6, 1),
@@ -150,10 +153,10 @@ def print_report(r: dict[str, Any]) -> None:
     output.print_table(f"bench cluster: {r['plan']['workload']}, {r['plan']['tasks']} tasks x {r['plan']['group']} "
                        f"(this machine: {r['cpus']} CPUs shared by every simulated host)",
                        ["hosts", "makespan s", "per host", "peak MiB per host", "migrations", "copy s",
-                        "place us", "failed", "same rewards"],
+                        "place us", "cached calls", "failed", "same rewards"],
                        [[s["hosts"], s["makespan_s"], " ".join(str(v) for v in s["trajectories_per_host"].values()),
                          " ".join(str(v) for v in s["peak_mib_per_host"].values()), s["migrations"], s["migrate_s"],
-                         s["place_us_per_placement"], s["failed"], "yes" if s["same_rewards_as_first"] else "NO"]
+                         s["place_us_per_placement"], f"{s['cached_calls']}/{s['calls']}", s["failed"], "yes" if s["same_rewards_as_first"] else "NO"]
                         for s in r["sizes"]])
     print("the placement rule alone, us per decision by hosts: "
           + ", ".join(f"{k}: {v}" for k, v in r["scheduler_us_per_placement"].items()))

@@ -37,6 +37,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)
 
+    rec = csub.add_parser("reclaim", help="empty a host that came back after a crash (its work was retried "
+                                           "elsewhere): workspaces and snapshots removed, gc, server restarted")
+    rec.add_argument("name", help="the host's name (see status)")
+    rec.add_argument("--address", default="auto", help=addr_help)
+    rec.add_argument("--json", action="store_true")
+    rec.set_defaults(func=cmd_reclaim)
+
     down = csub.add_parser("down", help="stop every host's server and actor (workspaces stay for the next up)")
     down.add_argument("--address", default="auto", help=addr_help)
     down.add_argument("--json", action="store_true")
@@ -58,6 +65,18 @@ def cmd_status(args: argparse.Namespace) -> int:
     from ..cluster import Cluster
 
     return _print_status(Cluster.connect(args.address), args.json)
+
+
+def cmd_reclaim(args: argparse.Namespace) -> int:
+    from ..cluster import Cluster
+
+    removed = Cluster.connect(args.address).reclaim(args.name)
+    if args.json:
+        output.print_json({"host": args.name, "removed": removed})
+    else:
+        print(f"{args.name}: removed {removed['workspaces']} workspace(s), {removed['snapshots']} snapshot(s), "
+              f"gc {removed['gc']}; serving again")
+    return 0
 
 
 def cmd_down(args: argparse.Namespace) -> int:

@@ -21,10 +21,10 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 
@@ -53,7 +53,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 3.0
+#: While a call on a host runs longer than this, the host's health is checked this often
+#: (a host that stops answering, e.g. behind a partition, would otherwise hold the call
+#: until its own timeout); an answer is reused for as long.
+WATCH_S = 2.0
 MAX_RETRIES = 3
+T = TypeVar("T")
 
 
 @dataclass
@@ -82,6 +87,7 @@ class ClusterPlacement:
         self.roots = dict.fromkeys(self.hosts, 0)  # task roots built on each host
         self.dead: set[str] = set()
         self._lock = threading.Lock()
+        self._answered: dict[str, float] = {}  # host -> when it last answered a health check
         self.counters = Counters()
         self._own_spool = spool is None
         self.spool = Path(spool) if spool is not None else Path(tempfile.mkdtemp(prefix="bunshin-roots-"))
@@ -112,15 +118,20 @@ class ClusterPlacement:
         self.roots[best.name] += 1
         return best.name
 
-    def alive(self, name: str) -> bool:
-        """Does host ``name`` answer its health check? A host that does not is marked dead."""
+    def alive(self, name: str, *, max_age: float = 0.0) -> bool:
+        """Does host ``name`` answer its health check (one made within ``max_age`` seconds
+        will do)? A host that does not is marked dead."""
         if name in self.dead:
             return False
+        if time.monotonic() - self._answered.get(name, -1e9) < max_age:
+            return True
         try:
             ok = httpx.get(f"{self.hosts[name].url}/v1/health", timeout=HEALTH_TIMEOUT_S).status_code == 200
         except httpx.HTTPError:
             ok = False
-        if not ok:
+        if ok:
+            self._answered[name] = time.monotonic()
+        else:
             with self._lock:  # trajectories of one host find it dead at once, from threads
                 if name not in self.dead:
                     self.dead.add(name)
@@ -223,14 +234,29 @@ class ClusterEnv(TaskEnv):
         for _ in range(len(self.placement.hosts)):
             name, _ = self._choose()
             try:
-                sub = await self._env_on(name)
-                return name, await sub.open(0)
+                sub = await self.guarded(name, self._env_on(name))
+                return name, await self.guarded(name, sub.open(0))
             except Exception as e:
                 self.placement.running[name] -= 1
                 if await in_thread(lambda n=name: self.placement.alive(n)):  # type: ignore[misc]
                     raise
                 events.append(f"host {name} died while opening ({type(e).__name__}); placed again")
         raise Unreachable(f"task {self.task.id}: every host failed", hint="see `bunshin cluster status`")
+
+    async def guarded(self, host: str, op: Awaitable[T]) -> T:
+        """``op`` on ``host``, given up (:class:`Unreachable`) if the host stops answering
+        meanwhile (checked every :data:`WATCH_S` while it runs)."""
+        task = asyncio.ensure_future(op)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=WATCH_S)
+                if done:
+                    return task.result()
+                if not await in_thread(lambda: self.placement.alive(host, max_age=WATCH_S)):
+                    raise Unreachable(f"host {host} stopped answering", hint="see `bunshin cluster status`")
+        finally:
+            if not task.done():
+                task.cancel()
 
     async def open(self, index: int) -> TrajectoryEnv:
         traj = ClusterTrajectory(self)
@@ -290,7 +316,7 @@ class ClusterTrajectory:
         self.inner = None
         await self.start()
         for name, args in self.calls:
-            await self._inner().call(name, args)
+            await self.env.guarded(self.host, self._inner().call(name, args))
         self.placement["retries"] += 1
         self.env.placement.counters.retries += 1
         self.placement["events"].append(f"host {old} died ({why}); from the root on {self.host}, "
@@ -307,7 +333,7 @@ class ClusterTrajectory:
     async def call(self, name: str, args: dict[str, Any]) -> Any:
         while True:
             try:
-                obs = await self._inner().call(name, args)
+                obs = await self.env.guarded(self.host, self._inner().call(name, args))
             except Exception as e:
                 if not await self._host_died():
                     raise
@@ -323,8 +349,8 @@ class ClusterTrajectory:
         while True:
             inner = self._inner()
             try:
-                ws = await inner.workspace()
-                if await ws.is_alive():
+                ws = await self.env.guarded(self.host, inner.workspace())
+                if await self.env.guarded(self.host, ws.is_alive()):
                     return ws
                 raise Unreachable("the trajectory's workspace is gone")
             except Exception as e:

@@ -185,6 +185,12 @@ class Cluster:
                 return actor
         raise InvalidArgument(f"no host {name!r} in the cluster", hint="see `bunshin cluster status`")
 
+    def reclaim(self, name: str) -> dict[str, int]:
+        """Host ``name`` came back after the head gave up on it: its server stopped, its
+        home emptied (workspaces, snapshots, gc) and its server started again."""
+        removed: dict[str, int] = self._ray.get(self.actor(name).reclaim.remote(), timeout=START_TIMEOUT_S)
+        return removed
+
     def status(self) -> list[HostInfo]:
         """Every live node's host; a node without an answering actor is reported dead."""
         out = []

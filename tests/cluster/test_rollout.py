@@ -4,6 +4,8 @@ copied where trajectories go, a group larger than a host spread, a host killed m
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import pytest
 
@@ -56,62 +58,92 @@ def test_baseline_spreads_by_room_without_a_root(cluster, homes, tmp_path):
     assert hosts_of(g) == {"a": 1, "b": 1, "c": 1}
 
 
-class HostKiller:
-    """A tool that SIGKILLs one host's server the first time it is called from a
-    workspace on that host (so mid-trajectory there)."""
+class HostDrill:
+    """A tool that does ``action`` to one host's server the first time it is called from
+    a workspace on that host (so mid-trajectory there): ``kill`` (SIGKILL) or ``freeze``
+    (SIGSTOP: it stops answering, as behind a network partition)."""
 
-    def __init__(self, cluster, name: str) -> None:
-        self.cluster, self.name, self.done = cluster, name, False
+    def __init__(self, cluster, name: str, action: str) -> None:
+        self.cluster, self.name, self.action, self.done = cluster, name, action, False
         self.url = next(e.url for e in cluster.endpoints() if e.name == name)
+        self.pid = next(h.pid for h in cluster.status() if h.name == name)
 
     def __call__(self, ws, args, ctx) -> ToolOutput:
         if not self.done and ws.client.url == self.url:
             self.done = True
-            import ray
+            if self.action == "kill":
+                import ray
 
-            ray.get(self.cluster.actor(self.name).kill_server.remote())
+                ray.get(self.cluster.actor(self.name).kill_server.remote())
+            else:
+                os.kill(self.pid, signal.SIGSTOP)
         return ToolOutput("ok")
 
+    def tools(self) -> ToolSet:
+        return ToolSet.default().add(Tool(ToolSpec("drill", "a fault drill", {"type": "object", "properties": {}}),
+                                          self))
 
-def test_a_host_killed_mid_rollout(cluster, homes, tmp_path):
-    """b's server dies at the first step: its trajectories start again from the root on
-    another host, their calls replayed; the group completes with the one-host rewards."""
+
+def drill_policy(n: int):
     import json
 
     from bunshin.rollout import TraceReplayPolicy, parse_traces
 
-    killer = HostKiller(cluster, "b")
-    tools = ToolSet.default().add(Tool(ToolSpec("drill", "kill host b", {"type": "object", "properties": {}}),
-                                       killer))
-    n = MAX_WORKSPACES + 2
-    policy = TraceReplayPolicy(parse_traces([json.dumps({"id": f"t{i}", "steps": [
+    return TraceReplayPolicy(parse_traces([json.dumps({"id": f"t{i}", "steps": [
         {"think_s": 0.0, "name": "drill", "arguments": {}},
         {"think_s": 0.05, "name": "bash", "arguments": {"command": "cat hello.txt setup.log; export K=7"}},
         {"think_s": 0.05, "name": "python", "arguments": {"code": f"base += {i}\nbase"}},
         {"think_s": 0.05, "name": "bash", "arguments": {"command": "echo $K"}},
         {"think_s": 0.0, "name": "python", "arguments": {"code": "open('/work/score', 'w').write(str(base))"}},
     ]}) for i in range(n)]))
-    try:
-        with ClusterPlacement.of(cluster, spool=tmp_path) as placement:
-            async def main():
-                async with RolloutEngine("bunshin", tools=tools, options=ModeOptions(cache=False),
-                                         cluster=placement) as engine:
-                    return await engine.run_group(TASK, policy, n)
-            g = asyncio.run(main())
-            assert placement.counters.dead_hosts == ["b"]
-        assert [t.status for t in g.trajectories] == [Status.COMPLETED] * n, [t.error for t in g.trajectories]
-        assert g.rewards == [40.0 + i for i in range(n)]
-        moved = [t for t in g.trajectories if t.placement["retries"]]
-        assert moved and all(t.placement["hosts"][0] == "b" and t.placement["host"] != "b" for t in moved)
-        assert all("host b died" in t.placement["events"][0] for t in moved)
-        assert all(t.placement["hosts"] == [t.placement["host"]] for t in g.trajectories if t not in moved)
-    finally:
-        # the host comes back: what its killed server left is reclaimed, then it serves again
-        import ray
 
+
+def run_drill(cluster, tmp_path, drill: HostDrill, task, n: int):
+    with ClusterPlacement.of(cluster, spool=tmp_path) as placement:
+        async def main():
+            async with RolloutEngine("bunshin", tools=drill.tools(), options=ModeOptions(cache=False),
+                                     cluster=placement) as engine:
+                return await engine.run_group(task, drill_policy(n), n)
+        g = asyncio.run(main())
+        dead = list(placement.counters.dead_hosts)
+    assert drill.done and dead == [drill.name]
+    assert [t.status for t in g.trajectories] == [Status.COMPLETED] * n, [t.error for t in g.trajectories]
+    assert g.rewards == [40.0 + i for i in range(n)]  # the one-host rewards
+    moved = [t for t in g.trajectories if t.placement["retries"]]
+    # every trajectory that was on the host moved off it, from the root, and says so
+    assert moved and all(t.placement["hosts"][0] == drill.name and t.placement["host"] != drill.name
+                         for t in moved)
+    assert all(f"host {drill.name} died" in t.placement["events"][0] for t in moved)
+    assert all(t.placement["hosts"] == [t.placement["host"]] and t.placement["host"] != drill.name
+               for t in g.trajectories if t not in moved)
+    return g
+
+
+def test_a_host_killed_mid_rollout(cluster, homes, tmp_path):
+    """b's server dies at the first step there: its trajectories start again from the root
+    on another host, their calls replayed; the group completes with the one-host rewards.
+    Then b comes back: what its killed server left is reclaimed and it serves again."""
+    drill = HostDrill(cluster, "b", "kill")
+    try:
+        run_drill(cluster, tmp_path, drill, TASK, MAX_WORKSPACES + 2)
+    finally:
         left_before = leftovers(homes["b"])
-        removed = ray.get(cluster.actor("b").reclaim.remote(), timeout=120)
+        removed = cluster.reclaim("b")
     assert left_before.get("records") and removed["workspaces"] == len(left_before["records"])
     assert removed["snapshots"] >= 1  # the root copy the head had placed there
     assert {k: v for k, v in leftovers(homes["b"]).items() if k != "criu"} == {}
+    assert next(h for h in cluster.status() if h.name == "b").alive
+
+
+def test_a_host_that_stops_answering_gets_no_more_placements(cluster, homes, tmp_path):
+    """A partition from the head: b's server is frozen mid-rollout (its connections hang).
+    Calls there run out of time, so does b's health check: b takes no more placements and
+    its trajectories finish elsewhere."""
+    drill = HostDrill(cluster, "b", "freeze")
+    task = TASK.model_copy(update={"call_timeout": 2.0})
+    try:
+        run_drill(cluster, tmp_path, drill, task, MAX_WORKSPACES + 2)
+    finally:
+        os.kill(drill.pid, signal.SIGCONT)
+        cluster.reclaim("b")
     assert next(h for h in cluster.status() if h.name == "b").alive
