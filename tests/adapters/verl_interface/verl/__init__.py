@@ -1,0 +1,1 @@
+"""A stand-in for verl's package layout (see ../README.md)."""

@@ -1,0 +1,1 @@
+"""verl.tools (the base tool and its schemas)."""
