@@ -191,13 +191,20 @@ class ClusterEnv(TaskEnv):
         if not self.needs_root:
             return
         t0 = time.perf_counter()
-        host = self.placement.root_host(self.memory)
-        sub = self._sub(host)
-        try:
-            await sub.prepare()
-        except BaseException:
-            self.placement.roots[host] -= 1
-            raise
+        for _ in range(len(self.placement.hosts)):  # a host that dies meanwhile: the next one
+            host = self.placement.root_host(self.memory)
+            sub = self._sub(host)
+            try:
+                await self.guarded(host, sub.prepare())
+                break
+            except Exception:
+                self.placement.roots[host] -= 1
+                if not await in_thread(lambda h=host: self.placement.alive(h)):  # type: ignore[misc]
+                    continue
+                raise
+        else:
+            raise Unreachable(f"task {self.task.id}: no host could build its root",
+                              hint="see `bunshin cluster status`")
         self.built_on = host
         self.subs[host] = sub
         assert isinstance(sub, SnapshotEnv) and sub.root is not None

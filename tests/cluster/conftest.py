@@ -13,10 +13,6 @@ import pytest
 from bunshin.config import Config
 from tests.conftest import drop_state_tmpfs, leftovers
 
-ray = pytest.importorskip("ray", reason="needs Ray: make install (the 'cluster' extra)")
-
-pytestmark = [pytest.mark.integration, pytest.mark.criu]
-
 NAMES = ("a", "b", "c")
 MAX_WORKSPACES = 4  # per host: small, so a group of 6 does not fit on one
 
@@ -46,6 +42,7 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[obje
 
     if os.geteuid() != 0:
         pytest.skip("needs root (the hosts run real workspaces)")
+    ray = pytest.importorskip("ray", reason="needs Ray: make install (the 'cluster' extra)")
     from ray.cluster_utils import Cluster as RayCluster
 
     homes = tmp_path_factory.mktemp("cluster-homes")

@@ -90,3 +90,21 @@ def test_no_ray_cluster_is_a_clear_error():
                           "127.0.0.1:1"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
     assert "no Ray cluster at 127.0.0.1:1" in out.stderr and "ray start --head" in out.stderr
+
+
+def test_down_stops_every_server_and_status_says_so(cluster, ray_cluster):
+    """Last in this module: the CLI's down stops the servers the fixture started."""
+    rc, _ = ray_cluster
+    pids = [h.pid for h in cluster.status()]
+    out = subprocess.run([sys.executable, "-m", "bunshin.cli.main", "cluster", "down", "--json",
+                          "--address", rc.address], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"stopped": list(NAMES)}
+    for pid in pids:  # gone, not left running without an owner
+        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read()
+    hosts = cluster.status()
+    assert [h.alive for h in hosts] == [False] * len(NAMES)
+    assert all("bunshin cluster up" in h.error for h in hosts)
+    out = subprocess.run([sys.executable, "-m", "bunshin.cli.main", "cluster", "status", "--address", rc.address],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1  # not every host is serving

@@ -17,6 +17,8 @@ from tests.rollout.test_integration import TASK, check_group, traces
 
 from .conftest import MAX_WORKSPACES
 
+pytestmark = [pytest.mark.integration, pytest.mark.criu]
+
 
 def run(placement, mode, n, *, options=None, tools=None, groups=1):
     async def main():
@@ -147,3 +149,21 @@ def test_a_host_that_stops_answering_gets_no_more_placements(cluster, homes, tmp
         os.kill(drill.pid, signal.SIGCONT)
         cluster.reclaim("b")
     assert next(h for h in cluster.status() if h.name == "b").alive
+
+
+def test_a_dead_host_is_passed_over_for_the_root(cluster, homes, tmp_path):
+    """a (where the root would be built) is down before the rollout: setup runs on the next
+    host, a is marked dead, the group completes there."""
+    import ray
+
+    ray.get(cluster.actor("a").kill_server.remote())
+    try:
+        assert not next(h for h in cluster.status() if h.name == "a").alive  # `of` would leave it out
+        # a head holding every host, as it was before a died: its first call there finds it dead
+        with ClusterPlacement(cluster.clients(), spool=tmp_path) as placement:
+            (g,) = run(placement, "bunshin", 3, options=ModeOptions(cache=False))
+            assert placement.counters.dead_hosts == ["a"]
+        check_group(g, 3)
+        assert "a" not in hosts_of(g)
+    finally:
+        cluster.reclaim("a")
