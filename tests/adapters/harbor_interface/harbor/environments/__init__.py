@@ -1,0 +1,1 @@
+"""A stand-in for Harbor's package layout (see ../README.md)."""
