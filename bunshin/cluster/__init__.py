@@ -12,10 +12,11 @@ their task's root snapshot, trajectories retried on another host when theirs die
 Ray is imported only here, when first needed (``pip install 'bunshin[cluster]'``).
 """
 
+from .groups import ClusterGroups, Share
 from .placement import ClusterEnv, ClusterPlacement
 from .ray_cluster import Cluster
 from .records import Endpoint, HostInfo, HostLimits
 from .scheduler import HostLoad, Plan, choose, plan
 
-__all__ = ["Cluster", "ClusterEnv", "ClusterPlacement", "Endpoint", "HostInfo", "HostLimits", "HostLoad", "Plan",
-           "choose", "plan"]
+__all__ = ["Cluster", "ClusterEnv", "ClusterGroups", "ClusterPlacement", "Endpoint", "HostInfo", "HostLimits",
+           "HostLoad", "Plan", "Share", "choose", "plan"]

@@ -167,3 +167,41 @@ def test_a_dead_host_is_passed_over_for_the_root(cluster, homes, tmp_path):
         assert "a" not in hosts_of(g)
     finally:
         cluster.reclaim("a")
+
+
+def test_api_groups_over_the_hosts(cluster, homes, tmp_path):
+    """Two callers join one group key over HTTP: the first's trajectories go where the key
+    is built, the second's next to them while there is room, then to another host (which
+    builds its own root from the task); every trajectory gives the one-host answers."""
+    from bunshin.cluster.groups import ClusterGroups, trajectories
+
+    key = "cluster-api-group"
+    with ClusterPlacement.of(cluster, spool=tmp_path) as placement:
+        groups = ClusterGroups(placement)
+        first = groups.join(key=key, n=3, task=TASK, speculation=False)
+        shares = list(first)
+        try:
+            assert [(s.host, len(s.group)) for s in first] == [("a", 3)]
+            outs = {}
+            for i, (_, t) in enumerate(trajectories(first)):  # each call forks its workspace on a
+                outs[i] = [t.call("bash", {"command": "cat hello.txt setup.log; export K=7"}).output]
+            second = groups.join(key=key, n=3, task=TASK, speculation=False)
+            shares += second
+            # a holds the key and has room for one more (3 of its 4 slots are taken)
+            assert [(s.host, len(s.group)) for s in second] == [("a", 1), ("b", 2)]
+            assert groups.holders(key) == {"a", "b"}
+            rewards = []
+            for i, (_, t) in enumerate(trajectories(first + second)):
+                if i >= 3:
+                    outs[i] = [t.call("bash", {"command": "cat hello.txt setup.log; export K=7"}).output]
+                outs[i].append(t.call("python", {"code": f"base += {i}\nbase"}).output)
+                outs[i].append(t.call("bash", {"command": "echo $K"}).output)
+                t.call("python", {"code": "open('/work/score', 'w').write(str(base))"})
+                rewards.append(t.reward().reward)
+            assert all(o == ["hello\nsetup-ran\n", f"{40 + i}\n", "7\n"] for i, o in outs.items()), outs
+            assert rewards == [40.0 + i for i in range(6)]
+        finally:
+            for s in shares:
+                s.group.close()
+            removed = groups.remove(key)
+    assert removed == ["a", "b"]
