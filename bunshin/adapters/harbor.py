@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import os
 import shlex
 import stat
@@ -52,6 +53,8 @@ DOCKERFILE = "Dockerfile"
 LOG_DIRS = ("/logs/agent", "/logs/verifier", "/logs/artifacts")
 _BUILD_LOCKS: dict[str, threading.Lock] = {}
 _BUILD_GUARD = threading.Lock()
+#: Builds that failed in this process, by tag: a changed Dockerfile is another tag; force_build retries.
+_BUILD_FAILED: dict[str, Exception] = {}
 
 
 def context_hash(folder: Path) -> str:
@@ -79,6 +82,9 @@ def image_for(cfg: Config, environment_dir: Path, name: str, *, docker_image: st
     with _BUILD_GUARD:
         lock = _BUILD_LOCKS.setdefault(tag, threading.Lock())
     with lock, Store.open(cfg.db_path) as store:
+        failed = _BUILD_FAILED.get(tag)
+        if failed is not None and not force_build:  # the trials that waited for a failed build fail with it
+            raise failed
         if not force_build:
             try:
                 return oci_store.find(store, tag).id
@@ -86,7 +92,13 @@ def image_for(cfg: Config, environment_dir: Path, name: str, *, docker_image: st
                 pass
         from ..runtime.oci.build import build
 
-        return build(cfg, store, environment_dir, dockerfile=DOCKERFILE, tags=(tag,), network=network).id
+        try:
+            rec = build(cfg, store, environment_dir, dockerfile=DOCKERFILE, tags=(tag,), network=network)
+        except Exception as e:
+            _BUILD_FAILED[tag] = e
+            raise
+        _BUILD_FAILED.pop(tag, None)
+        return rec.id
 
 
 def _tag_part(name: str) -> str:
@@ -128,7 +140,12 @@ class BunshinEnvironment(BaseEnvironment):
     async def start(self, force_build: bool) -> None:
         if self._ws is not None:
             raise StateConflict(f"environment {self.session_id} is already started", hint="stop it first")
-        self._ws = await asyncio.to_thread(self._start, force_build)
+        fut = asyncio.get_running_loop().run_in_executor(None, self._start, force_build)
+        try:
+            self._ws = await asyncio.shield(fut)
+        except asyncio.CancelledError:  # the thread goes on: what it makes is removed when it is done
+            fut.add_done_callback(_remove_made)
+            raise
         await self._exec_checked("mkdir -p " + " ".join(LOG_DIRS))
 
     def _start(self, force_build: bool) -> WorkspaceAPI:
@@ -242,6 +259,15 @@ class BunshinEnvironment(BaseEnvironment):
         if self._ws is None:
             raise StateConflict(f"environment {self.session_id} is not started", hint="await start(...) first")
         return self._ws
+
+
+def _remove_made(fut: asyncio.Future[WorkspaceAPI]) -> None:
+    """Remove the workspace a cancelled ``start`` made after all."""
+    if not fut.cancelled() and fut.exception() is None:
+        try:
+            fut.result().remove()
+        except Exception as e:  # `bunshin ls` shows it; `bunshin rm` removes it
+            logging.getLogger("bunshin.adapters").warning("removing an orphaned Harbor workspace failed: %s", e)
 
 
 def _write_new(path: Path, data: bytes) -> None:

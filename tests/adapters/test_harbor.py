@@ -162,6 +162,14 @@ def test_bad_environments_get_clear_errors_and_leave_nothing(task: Path, env_hom
     with pytest.raises(InvalidArgument, match="image build failed"):
         asyncio.run(env.start(force_build=False))
     assert GROUPS.keys() == []
+    others = [environment(task, env_home, i) for i in range(1, 4)]  # trials waiting on that build fail with it
+
+    async def start_all() -> list[BaseException | None]:
+        return await asyncio.gather(*(e.start(force_build=False) for e in others), return_exceptions=True)
+
+    errors = asyncio.run(start_all())
+    assert all(isinstance(e, InvalidArgument) for e in errors) and len({id(e) for e in errors}) == 1
+    assert GROUPS.keys() == []
     with Store.open(env_home.db_path) as store:
         assert oci_store.list_images(store) == []
     with pytest.raises(StateConflict, match="not started"):
