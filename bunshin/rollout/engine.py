@@ -22,6 +22,7 @@ from typing import Any
 
 from ..config import Config
 from ..errors import BunshinError, InvalidArgument
+from ..workspace import LocalHost
 from ..workspace.aio import default_bridge
 from ..workspace.protocol import HostAPI
 from .envs import EnvPlacement, Mode, ModeOptions, TaskEnv, ToolRunner, TrajectoryEnv, make_env
@@ -37,7 +38,7 @@ from .records import (
     TrajectoryResult,
     new_id,
 )
-from .task import TaskSpec, parse_reward
+from .task import TaskSpec, parse_reward, resolve_image
 
 log = logging.getLogger(__name__)
 EventFn = Callable[[str, dict[str, Any]], None]
@@ -206,6 +207,8 @@ class RolloutEngine:
         self.cluster = cluster
         self._sem = asyncio.Semaphore(concurrency) if concurrency else None
         self._envs: dict[str, TaskEnv] = {}
+        self._given: dict[str, TaskSpec] = {}  # each task as the caller gave it (its env's has the digest)
+        self._retired: list[TaskEnv] = []  # roots of an image tag that moved since: freed at close
         self._locks: dict[str, asyncio.Lock] = {}
 
     @property
@@ -224,7 +227,8 @@ class RolloutEngine:
         await self.aclose()
 
     async def aclose(self) -> None:
-        envs, self._envs = list(self._envs.values()), {}
+        envs, self._envs = list(self._envs.values()) + self._retired, {}
+        self._retired = []
         for env in envs:
             await env.aclose()
 
@@ -250,8 +254,12 @@ class RolloutEngine:
         lock = self._locks.setdefault(task.id, asyncio.Lock())
         async with lock:
             env = self._envs.get(task.id)
-            if env is not None and env.task != task:
+            if env is not None and self._given[task.id] != task:
                 raise InvalidArgument(f"two different tasks share the id {task.id!r}")
+            given, task = task, await self._pinned(task)
+            if env is not None and env.task.image != task.image:  # the image's tag names another digest now
+                self._retired.append(self._envs.pop(task.id))
+                env = None
             if env is None:
                 if self._env_factory is not None:
                     env = self._env_factory(task)
@@ -262,8 +270,21 @@ class RolloutEngine:
                 self._emit("prepare_start", task=task.id)
                 await env.prepare()
                 self._envs[task.id] = env
+                self._given[task.id] = given
                 self._emit("prepare_end", task=task.id, seconds=env.prepare_s)
             return env
+
+    async def _pinned(self, task: TaskSpec) -> TaskSpec:
+        """``task`` with its image named by digest (pulled first if need be) when its workspaces
+        are made here: the root is built from, and keyed by, what the tag names now (a new
+        digest builds a new root), and every trajectory runs on that one image. On a served
+        host or a cluster the host resolves it."""
+        if task.image == "host" or self._env_factory is not None or self.cluster is not None or \
+                not isinstance(self.host or LocalHost(self.config), LocalHost):
+            return task
+        config = self.config
+        image = await default_bridge().run_sync(lambda: resolve_image(task, config))
+        return task if image == task.image else task.model_copy(update={"image": image})
 
     def episode(self, env: TaskEnv, index: int, group_id: str, policy_name: str = "") -> Episode:
         return Episode(env, index=index, run_id=self.run_id, group_id=group_id, mode=self.mode.value,

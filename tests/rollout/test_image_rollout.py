@@ -67,3 +67,41 @@ def test_every_mode_on_an_image(no_leaks: Config, image: str, mode: str, options
     for t in g.trajectories:
         outs = [s.observation.output for s in t.steps]
         assert outs[0] == "hello\nsetup-ran by app\n" and outs[2] == "7 app\n", outs
+
+
+def test_a_task_root_follows_its_tag_to_a_new_digest(no_leaks: Config, tmp_path: Path) -> None:
+    """The engine keys a task's root by the image digest its tag names: the next group reuses
+    the root while the tag holds; once the tag names another image, a new root is built from it."""
+    from bunshin.rollout import RolloutEngine
+
+    def version(v: str) -> Path:
+        path = tmp_path / f"v{v}"
+        oi.build_layout(path, [oi.busybox_base(), oi.Layer().add("work", "dir").add("work/version", "file", f"{v}\n")])
+        return path
+
+    spec = parse_task({"id": "moving", "image": "rollout/moving:1", "memory": "256M", "reward": "cat /work/version"})
+    none = TraceReplayPolicy(parse_traces([json.dumps({"id": "t0", "steps": []})]))
+    ids = []
+    try:
+        with Store.open(no_leaks.db_path) as store:
+            ids.append(oci_store.load(no_leaks, store, version("1"), tags=["rollout/moving:1"])[0].id)
+
+        async def go():
+            async with RolloutEngine("copy", config=no_leaks) as engine:
+                a = await engine.run_group(spec, none, 1)
+                b = await engine.run_group(spec, none, 1)
+                with Store.open(no_leaks.db_path) as store:  # the tag moves to a new image
+                    ids.append(oci_store.load(no_leaks, store, version("2"), tags=["rollout/moving:1"])[0].id)
+                c = await engine.run_group(spec, none, 1)
+                env = await engine.env(spec)
+                return a, b, c, env.task.image
+
+        a, b, c, pinned = asyncio.run(go())
+        assert (a.rewards, b.rewards, c.rewards) == ([1.0], [1.0], [2.0])
+        assert b.prepare_s == a.prepare_s and c.prepare_s != a.prepare_s  # reused, then built anew
+        assert pinned == ids[1] and ids[0] != ids[1]
+    finally:
+        with Store.open(no_leaks.db_path) as store:
+            for i in ids:
+                oci_store.remove(store, i)
+            gc.free_image_layers(no_leaks, store)
