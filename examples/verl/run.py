@@ -3,7 +3,7 @@
 What verl's AgentLoopWorker does for one prompt with ``rollout.n=4``: four samples under one
 ``uid``, each its own agent-loop instance (looked up by name in verl's registry), run
 concurrently on the worker's event loop. The four fork from one root (the task's setup, a slow
-`pip`-like step here, runs once) and the root is freed with the fourth. The LLM is scripted
+CPU-bound `pip`-like step here, runs once) and the root is freed with the fourth. The LLM is scripted
 (an edit, then a final answer) and the tokenizer is character-level. verl is not installed
 here (see README, verl section): without it the example uses the stand-in of its interface in
 tests/adapters/verl_interface. ``--url`` (and BUNSHIN_TOKEN) shares the root across worker
@@ -37,7 +37,9 @@ TASK = {
     "id": "verl-example",
     "memory": "512M",
     "files": {"/work/calc.py": "def add(a, b):\n    return a - b\n"},
-    "setup": ["sleep 2 && echo 'deps installed' > /work/deps.log"],  # the slow part, run once per uid
+    # the slow part (CPU-bound, as a pip install's build is), run once per uid
+    "setup": ["python3 -c 'import hashlib\nfor _ in range(1_500_000): hashlib.sha256(b\"x\" * 1000).digest()' "
+              "&& echo 'deps installed' > /work/deps.log"],
     "tools": ["bash", "edit"],
     "workdir": "/work",
     "prompt": "Fix calc.add.",
@@ -77,7 +79,7 @@ class ScriptedLLM:
         return type("TokenOutput", (), {"token_ids": ids, "log_probs": None})()
 
 
-async def group(url: str | None) -> list[Any]:
+async def group(url: str | None, mode: str) -> list[Any]:
     tok = tokenizer()
     cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {"n": len(FIXES), "response_length": 2048}},
                             "data": {"apply_chat_template_kwargs": {}}})
@@ -87,7 +89,8 @@ async def group(url: str | None) -> list[Any]:
     row = {"raw_prompt": [{"role": "user", "content": TASK["prompt"]}], "uid": "verl-calc-step1",
            "extra_info": {"task": TASK}}
     loops = [cls(trainer_config=verl_loop.DictConfigWrap(cfg), server_manager=ScriptedLLM(tok, fix), tokenizer=tok,
-                 processor=None, dataset_cls=None, data_config=verl_loop.DictConfigWrap(cfg.data), url=url)
+                 processor=None, dataset_cls=None, data_config=verl_loop.DictConfigWrap(cfg.data), url=url,
+                 mode=mode)
              for fix in FIXES]
     return await asyncio.gather(*(loop.run({"temperature": 1.0}, **row) for loop in loops))
 
@@ -95,16 +98,19 @@ async def group(url: str | None) -> list[Any]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", help="a bunshin serve host (default: fork in this worker)")
+    ap.add_argument("--mode", default="bunshin", choices=["bunshin", "baseline"],
+                    help="baseline: a fresh workspace and setup per sample")
     args = ap.parse_args()
     t0 = time.perf_counter()
     try:
-        outs = asyncio.run(group(args.url))
+        outs = asyncio.run(group(args.url, args.mode))
     finally:
         close_all()
     for fix, o in zip(FIXES, outs, strict=True):
         print(f"return {fix:<6} reward {o.reward_score}  response tokens {len(o.response_ids)} "
               f"(tool tokens {o.response_mask.count(0)})")
-    print(f"group of {len(FIXES)} in {time.perf_counter() - t0:.1f} s (setup: 2 s, run once)")
+    once = "run once" if args.mode == "bunshin" else "run per sample"
+    print(f"group of {len(FIXES)} in {time.perf_counter() - t0:.1f} s ({args.mode}; setup ~1.3 s of CPU, {once})")
     assert [o.reward_score for o in outs] == [1.0, 0.0, 1.0, 0.0]
 
 
