@@ -20,6 +20,7 @@ import asyncio
 import math
 import os
 import shutil
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -65,11 +66,13 @@ def _size(k: int, work: wl.Workload, plan: Plan, cfg: Config) -> dict[str, Any]:
     root.mkdir(parents=True)
     names = [f"h{i}" for i in range(k)]
     homes = {n: Config.for_home(root / n, criu=cfg.criu) for n in names}
+    ray_tmp = tempfile.mkdtemp(prefix="bunshin-ray-")  # Ray's sessions, removed after (short: socket paths)
     rc = RayCluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "include_dashboard": False, "resources": {f"bunshin-host-{names[0]}": 1}})
+        "num_cpus": 1, "include_dashboard": False, "temp_dir": ray_tmp,
+        "resources": {f"bunshin-host-{names[0]}": 1}})
     try:
         for n in names[1:]:
-            rc.add_node(num_cpus=1, resources={f"bunshin-host-{n}": 1})
+            rc.add_node(num_cpus=1, temp_dir=ray_tmp, resources={f"bunshin-host-{n}": 1})
         rc.wait_for_nodes()
         ray.init(address=rc.address, namespace="bunshin", log_to_driver=False)
         t_up = time.perf_counter()
@@ -99,6 +102,7 @@ def _size(k: int, work: wl.Workload, plan: Plan, cfg: Config) -> dict[str, Any]:
                 clear_home(c_home, release=True)
                 statefs.release(c_home)
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     trajs = [t for g in groups for t in g.trajectories]
     per_host = {n: sum(t.placement.get("host") == n for t in trajs) for n in names}
     return {

@@ -5,6 +5,8 @@ tmp folder. After the tests every home is checked for leftovers and collected.""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,17 +48,20 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[obje
     from ray.cluster_utils import Cluster as RayCluster
 
     homes = tmp_path_factory.mktemp("cluster-homes")
+    ray_tmp = tempfile.mkdtemp(prefix="bunshin-ray-")  # Ray's sessions, removed after (short: socket paths)
     rc = RayCluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "include_dashboard": False, "resources": {f"bunshin-host-{NAMES[0]}": 1}})
+        "num_cpus": 1, "include_dashboard": False, "temp_dir": ray_tmp,
+        "resources": {f"bunshin-host-{NAMES[0]}": 1}})
     try:
         for name in NAMES[1:]:
-            rc.add_node(num_cpus=1, resources={f"bunshin-host-{name}": 1})
+            rc.add_node(num_cpus=1, temp_dir=ray_tmp, resources={f"bunshin-host-{name}": 1})
         rc.wait_for_nodes()
         ray.init(address=rc.address, namespace="bunshin", log_to_driver=False)
         yield rc, homes
     finally:
         ray.shutdown()
         rc.shutdown()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
         left = {}
         for name in NAMES:
             cfg = home_config(homes, name)
