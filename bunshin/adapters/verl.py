@@ -238,7 +238,8 @@ class BunshinAgentLoop(AgentLoopBase):
         uid = kwargs.get("uid")
         key = safe_id(str(uid)) if uid is not None and str(uid) else task.id
         max_turns = int(self.max_turns or task.max_turns)
-        messages = [dict(m) for m in kwargs.get("raw_prompt") or task.initial_messages()]
+        raw = kwargs.get("raw_prompt")  # a list, or a numpy object array when verl's batch made it 2-D
+        messages = [dict(m) for m in raw] if raw is not None and len(raw) else task.initial_messages()
         schemas = tool_schemas(default_tools(), task)
         traj, close = await asyncio.to_thread(self._open, task, key)
         t_gen = t_tools = 0.0

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 if importlib.util.find_spec("verl") is None:
@@ -153,6 +154,10 @@ def test_agent_loop_refuses_bad_samples_and_reports_bad_calls(home, tmp_path):
     evil_image = {**TASK.model_dump(mode="json"), "image": str(tmp_path)}
     with pytest.raises(InvalidArgument, match="not a host folder"):
         asyncio.run(run(**sample("u-evil2", evil_image)))
+    # verl's batch holds raw_prompt in a numpy object array (2-D when the chats have one length)
+    row = {**sample("u-np"), "raw_prompt": np.array([[{"role": "user", "content": "write the score"}]],
+                                                    dtype=object)[0]}
+    assert asyncio.run(run(**row)).reward_score == 0.5
     bad = ScriptedServer(server.tok, call="<tool_call>{not json</tool_call>")
     (out,) = asyncio.run(run_batch(bad, ["u-bad"], 1, config=home))
     assert "is not JSON" in observed(bad.tok, out) and out.reward_score == 0.0
