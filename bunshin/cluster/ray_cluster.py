@@ -133,7 +133,11 @@ class Cluster:
 
         remote = ray.remote(HostActor)
         started: list[tuple[Node, Any]] = []
-        for node in live_nodes(ray):
+        nodes = live_nodes(ray)
+        if home_root is None and len({n.address for n in nodes}) < len(nodes):
+            raise InvalidArgument("several Ray nodes run on one machine: their hosts would share its BUNSHIN_HOME",
+                                  hint="give each its own home: --home-root DIR (home_root=) makes DIR/NAME")
+        for node in nodes:
             if cluster._actor(node) is not None:
                 continue
             home = str(home_root / node.name) if home_root is not None else None

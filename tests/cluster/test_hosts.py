@@ -72,6 +72,16 @@ def test_up_again_starts_nothing_new_and_cli_status_json(cluster, ray_cluster):
     assert "token" not in out.stdout
 
 
+def test_nodes_sharing_a_machine_need_homes_of_their_own(cluster):
+    from bunshin.cluster import Cluster
+
+    before = {h.name: h.pid for h in cluster.status()}
+    with pytest.raises(InvalidArgument, match="share its BUNSHIN_HOME") as e:
+        Cluster.up(bind="127.0.0.1", key=b"cluster-test-key-0123456789abcde")
+    assert "--home-root" in e.value.hint
+    assert {h.name: h.pid for h in cluster.status()} == before  # nothing started or stopped
+
+
 def test_a_home_with_another_key_is_refused(tmp_path):
     cfg = Config.for_home(tmp_path / "h")
     install_key(cfg, b"k" * 32)
