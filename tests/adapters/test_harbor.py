@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.criu,
               pytest.mark.skipif(shutil.which("buildah") is None, reason="needs buildah: run `make install`")]
 
 DOCKERFILE = """FROM oci-archive:{base}
-RUN mkdir -p /app && cat /proc/sys/kernel/random/uuid > /build.id && echo 'def add(a, b): return a - b' > /app/calc.txt
+RUN mkdir -p /app && chmod 777 /app && cat /proc/sys/kernel/random/uuid > /build.id && echo 'def add(a, b): return a - b' > /app/calc.txt
 WORKDIR /app
 CMD ["sleep", "100000"]
 """
@@ -105,6 +105,9 @@ def test_trials_of_a_task_fork_one_started_environment(task: Path, env_home, tmp
             assert r.return_code != 0
             r = await envs[2].exec('echo "$X:$(pwd)"', cwd="/logs", env={"X": "y"})
             assert r.stdout.strip() == "y:/logs" and r.return_code == 0
+            r = await envs[2].exec("id -un; touch /app/by-app", user="app")
+            assert r.stdout.split() == ["app"] and r.return_code == 0, r.stderr
+            assert (await envs[2].exec("stat -c %U /app/by-app")).stdout.strip() == "app"
             return rewards
         finally:
             await asyncio.gather(*(e.stop(delete=True) for e in envs))
