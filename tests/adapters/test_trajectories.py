@@ -70,7 +70,7 @@ def test_background_loop_runs_from_threads_and_inside_a_running_loop():
 def test_import_bunshin_loads_no_framework():
     code = ("import sys, bunshin, bunshin.adapters, bunshin.adapters.trajectories; "
             "print(sorted(m for m in ('gymnasium', 'skyrl_gym', 'trl', 'torch', 'transformers', 'openenv', "
-            "'minisweagent', 'swerex') if m in sys.modules))")
+            "'minisweagent', 'swerex', 'verl', 'harbor') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
 
