@@ -20,7 +20,9 @@ KEY_PATTERN = r"^[A-Za-z0-9_.:-]+$"
 
 
 class CreateGroup(Model):
-    """Exactly one of ``image``, ``snapshot`` or ``task`` names the root.
+    """Exactly one of ``image``, ``snapshot`` or ``task`` names the root, or a ``snapshot``
+    with the ``task`` it is the root of (a root copied from another host: the task's setup
+    is not run again, its tools, workdir and reward still apply).
 
     ``n``: trajectories made for this caller (every caller of the key gets its own).
     ``tools``: built-in tool names (default: the task's, else all of them).
@@ -42,8 +44,9 @@ class CreateGroup(Model):
     @model_validator(mode="after")
     def _one_root(self) -> CreateGroup:
         given = [f for f in ("image", "snapshot", "task") if getattr(self, f) is not None]
-        if len(given) != 1:
-            raise ValueError(f"give exactly one of image, snapshot or task (got {', '.join(given) or 'none'})")
+        if len(given) != 1 and given != ["snapshot", "task"]:
+            raise ValueError("give one of image, snapshot or task, or a snapshot with its task (got "
+                             f"{', '.join(given) or 'none'})")
         return self
 
     def source(self) -> dict[str, Any]:

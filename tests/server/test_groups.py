@@ -147,6 +147,26 @@ def test_a_snapshot_group_leaves_the_callers_snapshot(served):
         snap.remove()
 
 
+def test_a_snapshot_with_its_task_skips_the_setup_and_keeps_the_reward(served):
+    """A root copied from another host comes with the task it roots: its setup is not run
+    again, its reward still scores the trajectories."""
+    with served.client() as c:
+        first = c.group(key="built-here", n=1, task=COUNT_SETUP)
+        try:
+            copy = c.group(key="copied-root", n=1, snapshot=first.root, task=COUNT_SETUP)
+            try:
+                assert copy.root == first.root and copy.info.task == "count"
+                (t,) = copy.trajectories
+                assert t.workspace().files.read("/tmp/setup.log") == b"once\n"  # no second setup
+                assert t.call("write_file", {"path": "answer", "content": "1\n"}).ok
+                assert t.reward().reward == 1.0
+            finally:
+                copy.remove()
+            assert c.snapshot(first.root).id == first.root  # the copy's group did not own it
+        finally:
+            first.remove()
+
+
 def test_bad_input_answers_bunshin_errors(served):
     auth = {"Authorization": f"Bearer {served.token}"}
     url = served.url
