@@ -19,6 +19,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -248,3 +249,30 @@ def test_samples_of_one_uid_on_two_workers_share_the_served_root(served):
         assert len(set(one["ids"])) == 1 and one["rewards"] == [0.5, 0.5]
         with pytest.raises(NotFound, match="no group .uid-served."):
             c.request("GET", "/v1/groups/uid-served")
+
+
+def test_verls_own_tool_call_path_keeps_the_request_workspace(home):
+    # verl's ToolAgentLoop._call_tool itself (create, execute with agent_data, release per call);
+    # only where verl is installed: the interface stand-in has no tool loop
+    tal = pytest.importorskip("verl.experimental.agent_loop.tool_agent_loop",
+                              reason="needs verl itself (see tests/adapters/verl_interface/README.md)")
+    from verl.experimental.agent_loop.tool_parser import FunctionCall
+
+    tool = adapter.BunshinTool({"name": "bash", "bunshin_config": home}, None)
+    kw = {"bash": {"create_kwargs": {"task": TASK.model_dump(mode="json"), "instance_id": "verl-own"}}}
+    loop = SimpleNamespace(tools={"bash": tool}, max_tool_response_length=4096, tool_response_truncate_side="middle")
+    data = tal.AgentData(messages=[], image_data=None, video_data=None, audio_data=None, mm_processor_kwargs=None,
+                         metrics={}, request_id="req-own", tools_kwargs=kw)
+
+    async def main() -> list[Any]:
+        calls = [FunctionCall(name="bash", arguments=json.dumps({"command": "echo 1 > score; echo wrote"})),
+                 FunctionCall(name="bash", arguments=json.dumps({"command": "cat score"}))]
+        return [await tal.ToolAgentLoop._call_tool(loop, c, kw, data) for c in calls]
+
+    try:
+        (first, _, _), (second, _, _) = asyncio.run(main())
+        assert first.text.startswith("wrote") and second.text.startswith("1")  # one workspace across the calls
+        assert asyncio.run(tool.calc_reward("any", agent_data=data)) == 1.0
+        assert tool.open_requests() == ["req-own"]
+    finally:
+        tool.close_all()
