@@ -12,6 +12,7 @@ staging folder, buildah's storage included, is removed whatever happens.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import subprocess
 import tempfile
@@ -47,7 +48,8 @@ def build(cfg: Config, store: Store, context: Path, *, dockerfile: str = "Docker
     os.chmod(cfg.paths.images, 0o700)
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=cfg.paths.image_staging))
     base = [BUILDAH, "--root", str(tmp / "storage"), "--runroot", str(tmp / "run")]
-    name = f"localhost/bunshin-build/{tmp.name.lstrip('.').lower()}:latest"
+    # a name of our own, not the folder's: mkdtemp's letters ("_" at an end) are no valid reference
+    name = f"localhost/bunshin-build/build-{secrets.token_hex(8)}:latest"
     ids = f"0:{cfg.id_base}:{cfg.id_count}"
     try:
         _run([*base, "bud", "--isolation", "oci", "--userns-uid-map", ids, "--userns-gid-map", ids,
