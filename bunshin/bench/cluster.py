@@ -67,6 +67,10 @@ def _size(k: int, work: wl.Workload, plan: Plan, cfg: Config) -> dict[str, Any]:
     names = [f"h{i}" for i in range(k)]
     homes = {n: Config.for_home(root / n, criu=cfg.criu) for n in names}
     ray_tmp = tempfile.mkdtemp(prefix="bunshin-ray-")  # Ray's sessions, removed after (short: socket paths)
+    # Ray writes the address of a cluster it starts to RAY_TMPDIR/ray/ray_current_cluster (default
+    # /tmp/ray, which nothing makes on a fresh machine): into the private folder too
+    os.makedirs(os.path.join(ray_tmp, "ray"))
+    ray_tmpdir, os.environ["RAY_TMPDIR"] = os.environ.get("RAY_TMPDIR"), ray_tmp
     rc = RayCluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "include_dashboard": False, "temp_dir": ray_tmp,
         "resources": {f"bunshin-host-{names[0]}": 1}})
@@ -103,6 +107,10 @@ def _size(k: int, work: wl.Workload, plan: Plan, cfg: Config) -> dict[str, Any]:
                 statefs.release(c_home)
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(ray_tmp, ignore_errors=True)
+        if ray_tmpdir is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = ray_tmpdir
     trajs = [t for g in groups for t in g.trajectories]
     per_host = {n: sum(t.placement.get("host") == n for t in trajs) for n in names}
     return {

@@ -49,6 +49,10 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[obje
 
     homes = tmp_path_factory.mktemp("cluster-homes")
     ray_tmp = tempfile.mkdtemp(prefix="bunshin-ray-")  # Ray's sessions, removed after (short: socket paths)
+    # Ray writes the address of a cluster it starts to RAY_TMPDIR/ray/ray_current_cluster (default
+    # /tmp/ray, which nothing makes on a fresh machine): into the private folder too
+    os.makedirs(os.path.join(ray_tmp, "ray"))
+    ray_tmpdir, os.environ["RAY_TMPDIR"] = os.environ.get("RAY_TMPDIR"), ray_tmp
     rc = RayCluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "include_dashboard": False, "temp_dir": ray_tmp,
         "resources": {f"bunshin-host-{NAMES[0]}": 1}})
@@ -62,6 +66,10 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[obje
         ray.shutdown()
         rc.shutdown()
         shutil.rmtree(ray_tmp, ignore_errors=True)
+        if ray_tmpdir is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = ray_tmpdir
         left = {}
         for name in NAMES:
             cfg = home_config(homes, name)
