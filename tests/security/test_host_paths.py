@@ -307,13 +307,17 @@ s = socket.socket(socket.AF_UNIX)
 s.bind(p)
 s.listen(8)
 open("/tmp/fake.ready", "w").close()
-while True:
+while True:  # an impostor that keeps listening, whatever a caller does (the host hangs up at once)
     c, _ = s.accept()
-    data = c.recv(65536)
-    if data:
-        open("/tmp/fake.got", "ab").write(data)
-    c.sendall(b'{"ok": true, "pid": 1, "version": "forged", "uptime_s": 1}\\n')
-    c.close()
+    try:
+        data = c.recv(65536)
+        if data:
+            open("/tmp/fake.got", "ab").write(data)
+        c.sendall(b'{"ok": true, "pid": 1, "version": "forged", "uptime_s": 1}\\n')
+    except OSError:
+        pass
+    finally:
+        c.close()
 """
 
 
