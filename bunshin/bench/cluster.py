@@ -20,7 +20,6 @@ import asyncio
 import math
 import os
 import shutil
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from typing import Any
 
 from .. import console as output
 from ..cluster import Cluster, ClusterPlacement, HostLimits
+from ..cluster.local import local_ray_cluster
 from ..cluster.ray_cluster import ray_module
 from ..cluster.scheduler import HostLoad, choose
 from ..cluster.serve_proc import clear_home
@@ -59,58 +59,37 @@ class Plan:
 
 def _size(k: int, work: wl.Workload, plan: Plan, cfg: Config) -> dict[str, Any]:
     """One run on ``k`` simulated hosts."""
-    ray = ray_module()
-    from ray.cluster_utils import Cluster as RayCluster
-
     root = cfg.paths.bench / f"cluster-{uuid.uuid4().hex[:8]}"
     root.mkdir(parents=True)
     names = [f"h{i}" for i in range(k)]
     homes = {n: Config.for_home(root / n, criu=cfg.criu) for n in names}
-    ray_tmp = tempfile.mkdtemp(prefix="bunshin-ray-")  # Ray's sessions, removed after (short: socket paths)
-    # Ray writes the address of a cluster it starts to RAY_TMPDIR/ray/ray_current_cluster (default
-    # /tmp/ray, which nothing makes on a fresh machine): into the private folder too
-    os.makedirs(os.path.join(ray_tmp, "ray"))
-    ray_tmpdir, os.environ["RAY_TMPDIR"] = os.environ.get("RAY_TMPDIR"), ray_tmp
-    rc = RayCluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "include_dashboard": False, "temp_dir": ray_tmp,
-        "resources": {f"bunshin-host-{names[0]}": 1}})
     try:
-        for n in names[1:]:
-            rc.add_node(num_cpus=1, temp_dir=ray_tmp, resources={f"bunshin-host-{n}": 1})
-        rc.wait_for_nodes()
-        ray.init(address=rc.address, namespace="bunshin", log_to_driver=False)
-        t_up = time.perf_counter()
-        cluster = Cluster.up(home_root=root, bind="127.0.0.1", key=os.urandom(32),
-                             limits=HostLimits(reserve_memory=None))
-        up_s = time.perf_counter() - t_up
-        slots = math.ceil(plan.tasks * plan.group / k)
-        samplers = {n: MemorySampler(c) for n, c in homes.items()}
-        with ClusterPlacement(cluster.clients(), limits={n: HostLimits(max_workspaces=slots) for n in names},
-                              spool=root / "spool") as placement:
-            for s in samplers.values():
-                s.__enter__()
-            t0 = time.perf_counter()
-            try:
-                groups = asyncio.run(_rollouts(placement, work, plan))
-            finally:
+        with local_ray_cluster(names):
+            t_up = time.perf_counter()
+            cluster = Cluster.up(home_root=root, bind="127.0.0.1", key=os.urandom(32),
+                                 limits=HostLimits(reserve_memory=None))
+            up_s = time.perf_counter() - t_up
+            slots = math.ceil(plan.tasks * plan.group / k)
+            samplers = {n: MemorySampler(c) for n, c in homes.items()}
+            with ClusterPlacement(cluster.clients(), limits={n: HostLimits(max_workspaces=slots) for n in names},
+                                  spool=root / "spool") as placement:
                 for s in samplers.values():
-                    s.__exit__(None, None, None)
-            makespan = time.perf_counter() - t0
-            c = placement.counters
-        cluster.down()
+                    s.__enter__()
+                t0 = time.perf_counter()
+                try:
+                    groups = asyncio.run(_rollouts(placement, work, plan))
+                finally:
+                    for s in samplers.values():
+                        s.__exit__(None, None, None)
+                makespan = time.perf_counter() - t0
+                c = placement.counters
+            cluster.down()
     finally:
-        ray.shutdown()
-        rc.shutdown()
         for c_home in homes.values():
             if c_home.home.exists():
                 clear_home(c_home, release=True)
                 statefs.release(c_home)
         shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-        if ray_tmpdir is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = ray_tmpdir
     trajs = [t for g in groups for t in g.trajectories]
     per_host = {n: sum(t.placement.get("host") == n for t in trajs) for n in names}
     return {

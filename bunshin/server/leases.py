@@ -58,7 +58,13 @@ class Leases:
         self._leases: dict[str, Lease] | None = None  # read from the store on first use
 
     def get(self, ws_id: str) -> Lease | None:
-        return self._all().get(ws_id)
+        """One workspace's lease (read on every answer that shows a workspace: no copy)."""
+        with self._lock:
+            if self._leases is None:
+                with Store.open(self._config.db_path) as store:
+                    self._loaded(store)
+            assert self._leases is not None
+            return self._leases.get(ws_id)
 
     def grant(self, ws_ids: Iterable[str], ttl: float | None) -> None:
         """Lease each of ``ws_ids`` for ``ttl`` seconds from now; ``None``: lift their leases."""

@@ -5,8 +5,6 @@ tmp folder. After the tests every home is checked for leftovers and collected.""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,32 +42,14 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[obje
 
     if os.geteuid() != 0:
         pytest.skip("needs root (the hosts run real workspaces)")
-    ray = pytest.importorskip("ray", reason="needs Ray: make install (the 'cluster' extra)")
-    from ray.cluster_utils import Cluster as RayCluster
+    pytest.importorskip("ray", reason="needs Ray: make install (the 'cluster' extra)")
+    from bunshin.cluster.local import local_ray_cluster
 
     homes = tmp_path_factory.mktemp("cluster-homes")
-    ray_tmp = tempfile.mkdtemp(prefix="bunshin-ray-")  # Ray's sessions, removed after (short: socket paths)
-    # Ray writes the address of a cluster it starts to RAY_TMPDIR/ray/ray_current_cluster (default
-    # /tmp/ray, which nothing makes on a fresh machine): into the private folder too
-    os.makedirs(os.path.join(ray_tmp, "ray"))
-    ray_tmpdir, os.environ["RAY_TMPDIR"] = os.environ.get("RAY_TMPDIR"), ray_tmp
-    rc = RayCluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "include_dashboard": False, "temp_dir": ray_tmp,
-        "resources": {f"bunshin-host-{NAMES[0]}": 1}})
     try:
-        for name in NAMES[1:]:
-            rc.add_node(num_cpus=1, temp_dir=ray_tmp, resources={f"bunshin-host-{name}": 1})
-        rc.wait_for_nodes()
-        ray.init(address=rc.address, namespace="bunshin", log_to_driver=False)
-        yield rc, homes
+        with local_ray_cluster(NAMES) as rc:
+            yield rc, homes
     finally:
-        ray.shutdown()
-        rc.shutdown()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-        if ray_tmpdir is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = ray_tmpdir
         left = {}
         for name in NAMES:
             cfg = home_config(homes, name)
