@@ -10,6 +10,7 @@ tree below is checked against the classes by ``tests/test_errors.py``::
     BunshinError
     ├── InvalidArgument (ValueError)            400 bad input: size, count, name, spec
     │   ├── ToolError                           a tool-level failure: the call's observation, not a crash
+    │   ├── PayloadTooLarge                     413 a request body over the server's limit for it
     │   └── IdempotencyKeyReused                422 an Idempotency-Key sent again with another request
     ├── NotFound (LookupError)                  404
     │   ├── WorkspaceNotFound
@@ -75,6 +76,13 @@ class ToolError(InvalidArgument):
     becomes the call's observation, never a crash."""
 
     code = "tool_error"
+
+
+class PayloadTooLarge(InvalidArgument):
+    """A request body over the server's limit for it."""
+
+    code = "payload_too_large"
+    http_status = 413
 
 
 class IdempotencyKeyReused(InvalidArgument):

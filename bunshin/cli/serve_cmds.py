@@ -34,6 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rate", type=float, default=None, metavar="PER_S",
                    help="workspaces made per second (creates, forks, restores; token bucket)")
     p.add_argument("--burst", type=int, default=8, help="workspaces made at once under --rate (default 8)")
+    p.add_argument("--max-upload", default=None, metavar="SIZE",
+                   help="refuse (413) snapshot uploads (POST /v1/snapshots/load) over this size, e.g. 16G "
+                        "(default: only the disk's free space bounds them)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -47,7 +50,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     cfg = Config.from_env()
     limits = Limits(max_workspaces=args.max_workspaces, max_memory=parse_size(args.max_memory),
-                    reserve_memory=_reserve(args.reserve_memory), rate=args.rate, burst=args.burst)
+                    reserve_memory=_reserve(args.reserve_memory), rate=args.rate, burst=args.burst,
+                    max_upload=parse_size(args.max_upload))
     token_file = args.token_file or cfg.paths.server_token
     token = ensure_token(token_file)
     if not _loopback(args.host):

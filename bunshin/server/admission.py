@@ -46,9 +46,10 @@ class Limits:
     reserve_memory: int | None = None
     rate: float | None = None
     burst: int = 8
+    max_upload: int | None = None  # bytes of one snapshot upload (POST /v1/snapshots/load)
 
     def __post_init__(self) -> None:
-        for name in ("max_workspaces", "max_memory", "reserve_memory"):
+        for name in ("max_workspaces", "max_memory", "reserve_memory", "max_upload"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise InvalidArgument(f"{name} must be >= 1, not {v}")

@@ -8,10 +8,17 @@ Python's ``data`` extraction filter (no absolute names, no ``..``, no links out,
 device nodes: the body is untrusted) and loads it with :meth:`Snapshot.load`, which
 takes only a folder this home (or a home sharing its ``snapshot.key``) saved,
 unchanged. Nothing is left behind, also when the caller leaves mid-transfer.
+
+An upload is bounded: by ``Limits.max_upload`` (``bunshin serve --max-upload``), and by
+the space the home's disk has (the spool and its unpacked copy coexist, so a body needs
+twice its size free, plus ``DISK_MARGIN``). A declared ``Content-Length`` over either is
+refused before a byte is read; a body that grows past them is cut off there (413 or 507),
+and what it wrote is removed.
 """
 
 from __future__ import annotations
 
+import os
 import secrets
 import shutil
 from pathlib import Path
@@ -22,6 +29,7 @@ from fastapi.responses import StreamingResponse
 
 from ..api import models as m
 from ..api.archive import MEDIA_TYPE, tar_chunks, untar
+from ..errors import PayloadTooLarge, ResourceExhausted
 from ..workspace import Snapshot
 from .context import ServerContext, snapshot_out
 
@@ -53,8 +61,13 @@ def router(ctx: ServerContext) -> APIRouter:
         spool = scratch("in").with_suffix(".tar")
         folder = spool.with_suffix("")
         try:
+            declared = request.headers.get("content-length")
+            budget = UploadBudget(spool.parent, ctx.limits.max_upload)
+            if declared is not None and declared.isdigit():
+                budget.check(int(declared))
             with open(spool, "xb") as f:
                 async for chunk in request.stream():
+                    budget.check(f.tell() + len(chunk))
                     await anyio.to_thread.run_sync(f.write, chunk)
             snap = await anyio.to_thread.run_sync(lambda: _unpack_and_load(ctx, spool, folder))
             return snapshot_out(snap)
@@ -63,6 +76,33 @@ def router(ctx: ServerContext) -> APIRouter:
             shutil.rmtree(folder, ignore_errors=True)
 
     return r
+
+
+#: Free space an upload leaves on the home's disk, at least.
+DISK_MARGIN = 256 << 20
+
+
+class UploadBudget:
+    """How large an upload into ``folder`` may grow: ``cap`` bytes, and what the disk holds."""
+
+    def __init__(self, folder: Path, cap: int | None) -> None:
+        self.folder, self.cap = folder, cap
+        self._room: int | None = None  # bytes the disk had for the body when first asked
+
+    def check(self, size: int) -> None:
+        if self.cap is not None and size > self.cap:
+            raise PayloadTooLarge(
+                f"snapshot upload of {size} bytes or more: over this server's limit of {self.cap}",
+                hint="raise it with `bunshin serve --max-upload SIZE`, or move a smaller snapshot")
+        if self._room is None:
+            st = os.statvfs(self.folder)
+            self._room = (st.f_bavail * st.f_frsize - DISK_MARGIN) // 2
+        if size > self._room:
+            raise ResourceExhausted(
+                f"snapshot upload of {size} bytes or more: the disk under {self.folder} has room for "
+                f"{max(self._room, 0)} (the upload and its unpacked copy, {DISK_MARGIN >> 20} MiB spare)",
+                hint="free space on the server's BUNSHIN_HOME disk (`bunshin gc`), or place the group "
+                     "on another host")
 
 
 def _unpack_and_load(ctx: ServerContext, spool: Path, folder: Path) -> Snapshot:

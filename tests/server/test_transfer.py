@@ -123,3 +123,45 @@ def test_a_folder_saved_by_another_home_is_refused(served, no_leaks, tmp_path):
         with pytest.raises(InvalidArgument, match="holds no saved snapshot"):
             c.load_snapshot(tmp_path)
     _no_scratch_left(served, no_leaks.home)
+
+
+def test_an_upload_over_the_limit_is_refused_and_leaves_nothing(no_leaks, tmp_path):
+    from bunshin.server.admission import Limits
+    from bunshin.server.thread import serve_in_thread
+
+    from .conftest import TOKEN
+
+    body = _tar([_file("images/blob", b"x" * (3 << 20))])
+    with serve_in_thread(no_leaks, TOKEN, limits=Limits(max_upload=1 << 20)) as url:
+        served = Served(url, TOKEN)
+        r = _post(served, body)  # Content-Length declared: refused before the body is read
+        assert r.status_code == 413 and r.json()["code"] == "payload_too_large", r.text
+        assert "--max-upload" in r.json()["hint"]
+
+        def chunks():  # no Content-Length: cut off once past the limit
+            for i in range(0, len(body), 64 << 10):
+                yield body[i:i + (64 << 10)]
+
+        r = httpx.post(f"{url}/v1/snapshots/load", content=chunks(), timeout=60,
+                       headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/x-tar"})
+        assert r.status_code == 413 and r.json()["code"] == "payload_too_large", r.text
+        with served.client() as c:
+            assert c.snapshots() == []
+    _no_scratch_left(served, no_leaks.home)
+
+
+def test_an_upload_the_disk_cannot_hold_is_refused(served, no_leaks, monkeypatch):
+    from bunshin.server import transfer
+
+    real = transfer.os.statvfs
+
+    def small_disk(path):  # the disk has 1 MiB more than the margin
+        st = real(path)
+        return type("St", (), {"f_bavail": (transfer.DISK_MARGIN + (1 << 20)) // st.f_frsize,
+                               "f_frsize": st.f_frsize})()
+
+    monkeypatch.setattr(transfer.os, "statvfs", small_disk)
+    r = _post(served, _tar([_file("images/blob", b"x" * (2 << 20))]))
+    assert r.status_code == 507 and r.json()["code"] == "resource_exhausted", r.text
+    assert "bunshin gc" in r.json()["hint"]
+    _no_scratch_left(served, no_leaks.home)
