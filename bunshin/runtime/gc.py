@@ -106,6 +106,7 @@ def collect(cfg: Config, store: Store, *, extra_owned: set[str] | None = None, r
         (report.files if "/" in item else report.snapshots).append(item)
     # Image layers no image, workspace or snapshot stacks (and stale staging of loads).
     report.image_layers.extend(free_image_layers(cfg, store))
+    report.files.extend(stale_transfers(cfg))
     if release and not store.list_workspaces() and not snapshot.list_all(store) and statefs.release(cfg):
         report.mounts.append(str(cfg.tmpfs))
     return report
@@ -118,6 +119,24 @@ def free_image_layers(cfg: Config, store: Store) -> list[str]:
     freed = oci_store.free(cfg, store, [p for s in snapshot.list_all(store) for p in (s.layer, *s.lowers)])
     keep = {idmap.stack_target(cfg, run) for lowers in stacks if len(run := idmap.image_run(cfg, lowers)) >= 2}
     return freed + idmap.release_stacks(cfg, keep)
+
+
+def stale_transfers(cfg: Config) -> list[str]:
+    """Remove snapshot archives a dead server left in ``home/transfers`` (``NAME-PID-HEX``;
+    anything else there older than a minute); what went."""
+    root, gone = cfg.paths.transfers, list[str]()
+    if not root.is_dir():
+        return gone
+    for p in root.iterdir():
+        parts = p.name.split(".")[0].split("-")
+        pid = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
+        if (pid is not None and not psutil.pid_exists(pid)) or (pid is None and not _recent(p)):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            gone.append(str(p))
+    return gone
 
 
 def _recent(path: Path, seconds: float = 60.0) -> bool:

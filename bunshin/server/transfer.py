@@ -2,7 +2,8 @@
 
 ``GET /v1/snapshots/{id}/archive`` saves the snapshot (:meth:`Snapshot.save`: images,
 memory files, layers, a manifest signed with this home's key) into a folder under
-``home/transfers`` and streams it as an uncompressed tar, then removes the folder.
+``home/transfers`` (named after the server's pid, so ``bunshin gc`` can tell a dead
+server's leftovers) and streams it as an uncompressed tar, then removes the folder.
 ``POST /v1/snapshots/load`` takes such a tar as the body, unpacks it there with
 Python's ``data`` extraction filter (no absolute names, no ``..``, no links out, no
 device nodes: the body is untrusted) and loads it with :meth:`Snapshot.load`, which
@@ -41,7 +42,7 @@ def router(ctx: ServerContext) -> APIRouter:
     def scratch(what: str) -> Path:
         root = config.paths.transfers
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        return root / f"{what}-{secrets.token_hex(8)}"
+        return root / f"{what}-{os.getpid()}-{secrets.token_hex(8)}"  # gc: its server's pid
 
     @r.get("/snapshots/{snap_id}/archive", response_class=StreamingResponse,
            responses={200: {"content": {MEDIA_TYPE: {}}}})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import tarfile
 from pathlib import Path
 
@@ -165,3 +166,26 @@ def test_an_upload_the_disk_cannot_hold_is_refused(served, no_leaks, monkeypatch
     assert r.status_code == 507 and r.json()["code"] == "resource_exhausted", r.text
     assert "bunshin gc" in r.json()["hint"]
     _no_scratch_left(served, no_leaks.home)
+
+
+def test_gc_removes_what_a_dead_server_left_in_transfers(cfg):
+    import subprocess
+
+    from bunshin.runtime import gc
+    from bunshin.runtime.store import Store
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    root = cfg.paths.transfers
+    root.mkdir(parents=True, exist_ok=True)
+    (root / f"out-{dead.pid}-0123456789abcdef").mkdir()
+    (root / f"out-{dead.pid}-0123456789abcdef" / "images").mkdir()
+    (root / f"in-{dead.pid}-0123456789abcdef.tar").write_bytes(b"half")
+    live = root / f"in-{os.getpid()}-fedcba9876543210.tar"  # a running server's upload
+    live.write_bytes(b"in flight")
+    with Store.open(cfg.db_path) as store:
+        report = gc.collect(cfg, store)
+    assert sorted(Path(p).name for p in report.files if "/transfers/" in p) == [
+        f"in-{dead.pid}-0123456789abcdef.tar", f"out-{dead.pid}-0123456789abcdef"]
+    assert live.exists() and not any(str(dead.pid) in p.name for p in root.iterdir())
+    live.unlink()
