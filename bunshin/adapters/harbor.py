@@ -39,7 +39,7 @@ from harbor.environments.base import BaseEnvironment, ExecResult
 from harbor.environments.capabilities import EnvironmentCapabilities
 
 from ..config import Config
-from ..errors import ImageNotFound, InvalidArgument, StateConflict
+from ..errors import ImageNotFound, InvalidArgument, ResourceExhausted, StateConflict
 from ..runtime.agent_types import FileType
 from ..runtime.oci import store as oci_store
 from ..runtime.store import Store
@@ -53,6 +53,10 @@ DOCKERFILE = "Dockerfile"
 LOG_DIRS = ("/logs/agent", "/logs/verifier", "/logs/artifacts")
 _BUILD_LOCKS: dict[str, threading.Lock] = {}
 _BUILD_GUARD = threading.Lock()
+#: What one ``download_dir`` copies out of a workspace at most (its tree is hostile).
+DOWNLOAD_MAX_DEPTH = 64
+DOWNLOAD_MAX_FILES = 100_000
+DOWNLOAD_MAX_BYTES = 4 << 30
 #: Builds that failed in this process, by tag: a changed Dockerfile is another tag; force_build retries.
 _BUILD_FAILED: dict[str, Exception] = {}
 
@@ -243,17 +247,30 @@ class BunshinEnvironment(BaseEnvironment):
         await asyncio.to_thread(self._download_tree, PurePosixPath(source_dir), Path(target_dir))
 
     def _download_tree(self, src: PurePosixPath, dest: Path) -> None:
+        """Copy regular files and folders (never links or special files) breadth first,
+        within ``DOWNLOAD_MAX_DEPTH``, ``DOWNLOAD_MAX_FILES`` and ``DOWNLOAD_MAX_BYTES``."""
         ws = self._workspace()
-        dest.mkdir(parents=True, exist_ok=True)
-        for entry in ws.files.list(str(src)):
-            name = entry.name
-            if name in ("", ".", "..") or "/" in name or "\0" in name:
-                continue  # a name no folder listing gives: never a path out of dest
-            if entry.type == FileType.DIR:
-                self._download_tree(src / name, dest / name)
-            elif entry.type == FileType.FILE:
-                _write_new(dest / name, ws.files.read(str(src / name)))
-            # symlinks and special files stay in the workspace
+        todo, files, size = [(src, dest, 0)], 0, 0
+        while todo:
+            folder, into, depth = todo.pop()
+            if depth > DOWNLOAD_MAX_DEPTH:
+                raise ResourceExhausted(f"download_dir {src}: folders nest deeper than {DOWNLOAD_MAX_DEPTH} "
+                                        f"(at {folder})", hint="download a sub-folder, or tar it inside first")
+            into.mkdir(parents=True, exist_ok=True)
+            for entry in ws.files.list(str(folder)):
+                name = entry.name
+                if name in ("", ".", "..") or "/" in name or "\0" in name:
+                    continue  # a name no folder listing gives: never a path out of dest
+                if entry.type == FileType.DIR:
+                    todo.append((folder / name, into / name, depth + 1))
+                elif entry.type == FileType.FILE:
+                    files, size = files + 1, size + entry.size
+                    if files > DOWNLOAD_MAX_FILES or size > DOWNLOAD_MAX_BYTES:
+                        raise ResourceExhausted(
+                            f"download_dir {src}: over {DOWNLOAD_MAX_FILES} files or {DOWNLOAD_MAX_BYTES} bytes",
+                            hint="download a sub-folder, or tar and compress it inside first")
+                    _write_new(into / name, ws.files.read(str(folder / name)))
+                # symlinks and special files stay in the workspace
 
     def _workspace(self) -> WorkspaceAPI:
         if self._ws is None:

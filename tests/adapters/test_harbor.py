@@ -24,7 +24,7 @@ from harbor.models.task.config import EnvironmentConfig  # noqa: E402
 
 from bunshin.adapters import harbor as adapter  # noqa: E402
 from bunshin.adapters._group import GROUPS  # noqa: E402
-from bunshin.errors import InvalidArgument, StateConflict  # noqa: E402
+from bunshin.errors import InvalidArgument, ResourceExhausted, StateConflict  # noqa: E402
 from bunshin.runtime import gc  # noqa: E402
 from bunshin.runtime.oci import store as oci_store  # noqa: E402
 from bunshin.runtime.store import Store  # noqa: E402
@@ -177,3 +177,26 @@ def test_bad_environments_get_clear_errors_and_leave_nothing(task: Path, env_hom
         assert oci_store.list_images(store) == []
     with pytest.raises(StateConflict, match="not started"):
         asyncio.run(env.upload_dir(tmp_path, "/x"))
+
+
+def test_download_dir_bounds_a_hostile_tree(task: Path, env_home, tmp_path: Path, monkeypatch):
+    """Folders nested past the depth limit, or more bytes than the limit: a clear error, no crash."""
+    env = environment(task, env_home, 0, fork=False)
+    monkeypatch.setattr(adapter, "DOWNLOAD_MAX_BYTES", 1 << 20)
+
+    async def main() -> None:
+        await env.start(force_build=False)
+        try:
+            deep = "/".join(["d"] * (adapter.DOWNLOAD_MAX_DEPTH + 2))
+            r = await env.exec(f"mkdir -p /logs/verifier/{deep} && echo x > /logs/verifier/{deep}/f; "
+                               "head -c 2000000 /dev/zero > /logs/agent/big; echo ok > /logs/agent/small")
+            assert r.return_code == 0, r.stderr
+            with pytest.raises(ResourceExhausted, match="deeper than"):
+                await env.download_dir("/logs/verifier", tmp_path / "deep")
+            with pytest.raises(ResourceExhausted, match="bytes"):
+                await env.download_dir("/logs/agent", tmp_path / "big")
+        finally:
+            await env.stop(delete=True)
+
+    asyncio.run(main())
+    assert not (tmp_path / "big" / "big").exists()
