@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Config
-from . import criu, idmap, init, mountinfo, seccomp, statefs
+from . import criu, criu_kdat, idmap, init, mountinfo, seccomp, statefs
 from .cgroups import Layout
 
 MIN_CRIU = (4, 2)
@@ -118,6 +118,16 @@ def _criu(cfg: Config) -> Result:
     return ok, f"{cfg.criu} {text}; criu check: {tail}", None if ok else fix
 
 
+def _criu_cache(cfg: Config) -> Result:
+    """CRIU's kernel-feature cache: without it every criu run probes the kernel (~20 ms
+    of each clone's restore)."""
+    if not criu_kdat.run_is_tmpfs():
+        criu_kdat.ensure(cfg.criu)
+    st = criu_kdat.status(cfg.criu)
+    return st.cached, st.detail, None if st.cached else (
+        f"run bunshin as root with a writable {criu_kdat.RUN}, or mount a tmpfs on {criu_kdat.RUN}")
+
+
 def _pycriu() -> Result:
     import pycriu  # noqa: F401
 
@@ -152,5 +162,6 @@ def run_checks(cfg: Config) -> list[Check]:
         _check("tmpfs", lambda: _tmpfs(cfg)),
         _check("huge pages", lambda: _huge_pages(cfg), required=False),
         _check("criu", lambda: _criu(cfg), required=False),
+        _check("criu cache", lambda: _criu_cache(cfg), required=False),
         _check("pycriu", _pycriu, required=False),
     ]
