@@ -5,12 +5,20 @@ machine: stale records (creator or workspace dead, or a clone whose fork batch n
 committed), orphaned overlay mounts,
 cgroups and their processes, workspace folders on tmpfs and stray layers,
 snapshots nothing holds and snapshot files no record names.
+
+A cluster host's home holds a lease (:class:`ClusterLease`, written by its host actor,
+renewed while the cluster vouches for it): once the lease is fenced (the head gave the
+host up and retried its work elsewhere) or has run out (no actor renews it), nothing in
+the home is the cluster's any more, so gc removes every workspace and snapshot of it.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
-from dataclasses import dataclass, field
+import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
@@ -40,6 +48,65 @@ class GcReport:
                 + len(self.files) + len(self.snapshots) + len(self.image_layers))
 
 
+LEASE_NAME = "cluster-lease.json"
+
+
+@dataclass(frozen=True)
+class ClusterLease:
+    """What a cluster host's home says about who owns what it holds."""
+
+    host: str
+    epoch: int  # the cluster's epoch for this host when its contents were made
+    expires_at: float | None  # wall clock; ``None``: parked (the cluster stopped the host on purpose)
+    fenced: bool = False  # the head gave this epoch up
+
+    def lost(self, now: float | None = None) -> bool:
+        return self.fenced or (self.expires_at is not None and (now or time.time()) >= self.expires_at)
+
+
+def lease_path(cfg: Config) -> Path:
+    return cfg.home / LEASE_NAME
+
+
+def read_lease(cfg: Config) -> ClusterLease | None:
+    """The home's cluster lease (``None``: not a cluster host's home, or unreadable)."""
+    try:
+        fd = os.open(lease_path(cfg), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            d = json.loads(f.read(4096))
+        return ClusterLease(str(d["host"]), int(d["epoch"]),
+                            None if d["expires_at"] is None else float(d["expires_at"]), bool(d.get("fenced")))
+    except (ValueError, KeyError, TypeError, OSError):
+        return None
+
+
+def write_lease(cfg: Config, lease: ClusterLease | None) -> None:
+    """Replace the home's lease (written aside, then renamed in); ``None`` removes it."""
+    path = lease_path(cfg)
+    if lease is None:
+        path.unlink(missing_ok=True)
+        return
+    tmp = path.with_name(f".{LEASE_NAME}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(asdict(lease)))
+    os.replace(tmp, path)
+
+
+def _drop_unowned_by_cluster(cfg: Config, store: Store, report: GcReport) -> None:
+    """The home's lease is lost: every workspace and snapshot goes, then the lease."""
+    for rec in store.list_workspaces():
+        container.destroy(cfg, store, rec)
+        report.workspaces.append(rec.id)
+    for snap in snapshot.list_all(store):
+        snapshot.remove(cfg, store, snap)
+        report.snapshots.append(snap.id)
+    write_lease(cfg, None)
+
+
 def _owner_alive(pid: int | None) -> bool:
     return pid is not None and psutil.pid_exists(pid)
 
@@ -48,6 +115,8 @@ def collect(cfg: Config, store: Store, *, extra_owned: set[str] | None = None, r
     """Remove stale records and everything not owned by a live record; with ``release``,
     also unmount bunshin's tmpfs if no workspace or snapshot is left."""
     report = GcReport()
+    if (lease := read_lease(cfg)) is not None and lease.lost():
+        _drop_unowned_by_cluster(cfg, store, report)
     for rec in store.list_workspaces():
         stale = (
             (rec.state == WorkspaceState.CREATING and not _owner_alive(rec.owner_pid))

@@ -1,0 +1,73 @@
+"""A cluster host's home and its lease: plain ``bunshin gc`` removes what the cluster
+no longer owns (a lease fenced or run out), and keeps a home whose lease holds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bunshin import Workspace
+from bunshin.runtime.gc import ClusterLease, lease_path, read_lease, write_lease
+from tests.conftest import leftovers
+
+pytestmark = pytest.mark.integration
+
+
+def gc_json(cfg) -> dict:
+    env = {**os.environ, "BUNSHIN_HOME": str(cfg.home), "BUNSHIN_CRIU": str(cfg.criu)}
+    out = subprocess.run([sys.executable, "-m", "bunshin.cli.main", "gc", "--json"], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("lease, kept", [
+    (ClusterLease("b", 3, time.time() + 600), True),  # renewed: the cluster vouches for it
+    (ClusterLease("b", 3, None), True),  # parked by `cluster down`: the next `up` takes it back
+    (ClusterLease("b", 3, time.time() - 1), False),  # ran out: no actor renews it
+    (ClusterLease("b", 3, time.time() + 600, fenced=True), False),  # the head gave the epoch up
+])
+def test_gc_drops_a_home_the_cluster_no_longer_owns(no_leaks, lease, kept):
+    ws = Workspace.create("host", memory="128M", config=no_leaks)
+    try:
+        ws.exec("echo x > /work/f")
+        snap = ws.snapshot()
+        write_lease(no_leaks, lease)
+        assert read_lease(no_leaks) == lease
+        report = gc_json(no_leaks)
+        if kept:
+            assert report["workspaces"] == [] and ws.is_alive()
+            assert ws.exec("cat /work/f").stdout == "x\n"
+            assert read_lease(no_leaks) == lease
+        else:
+            assert report["workspaces"] == [ws.id] and report["snapshots"] == [snap.id]
+            assert not lease_path(no_leaks).exists()  # the home is no cluster's now
+            assert leftovers(no_leaks) == {}
+    finally:
+        write_lease(no_leaks, None)
+        for s in (snap, ws):
+            try:
+                s.remove()
+            except Exception:
+                pass
+
+
+def test_a_planted_lease_is_not_followed(no_leaks, tmp_path):
+    """A lease that is a symlink (or garbage) is no lease: gc keeps the home as it is."""
+    target = tmp_path / "elsewhere.json"
+    target.write_text(json.dumps({"host": "b", "epoch": 1, "expires_at": 0, "fenced": True}))
+    os.symlink(target, lease_path(no_leaks))
+    try:
+        assert read_lease(no_leaks) is None
+        with Workspace.create("host", memory="128M", config=no_leaks) as ws:
+            assert gc_json(no_leaks)["workspaces"] == [] and ws.is_alive()
+        lease_path(no_leaks).unlink()
+        lease_path(no_leaks).write_text("{not json")
+        assert read_lease(no_leaks) is None
+    finally:
+        lease_path(no_leaks).unlink(missing_ok=True)
