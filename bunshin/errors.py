@@ -182,17 +182,25 @@ class RuntimeFailure(BunshinError):
 
 
 class CriuError(RuntimeFailure):
-    """CRIU failed; ``log_tail`` holds the last lines of its log."""
+    """CRIU failed; ``first_errors`` holds its first real error lines, ``log_tail`` the
+    last lines of its log, ``details["log"]`` the log's path."""
 
     code = "criu_error"
 
-    def __init__(self, message: str, *, hint: str | None = None, log_tail: str = "", **details: Any) -> None:
-        super().__init__(message, hint=hint, log_tail=log_tail, **details)
+    def __init__(self, message: str, *, hint: str | None = None, log_tail: str = "", first_errors: str = "",
+                 **details: Any) -> None:
+        super().__init__(message, hint=hint, log_tail=log_tail, first_errors=first_errors, **details)
         self.log_tail = log_tail
+        self.first_errors = first_errors
 
     def __str__(self) -> str:
-        base = super().__str__()
-        return f"{base}\n--- criu log tail ---\n{self.log_tail}" if self.log_tail else base
+        out = super().__str__()
+        if self.first_errors:
+            out += f"\n--- criu's first errors ---\n{self.first_errors}"
+        if self.log_tail:
+            log = self.details.get("log")
+            out += f"\n--- criu log tail{f' ({log})' if log else ''} ---\n{self.log_tail}"
+        return out
 
 
 class SetupFailed(RuntimeFailure):

@@ -3,7 +3,8 @@
 Every call takes the binary's path, runs it with ``-v4`` and a log file in the
 images directory, and returns a ``CriuRun`` (wall time, log path, and for a
 restore the restored root task's host pid). A failure raises ``CriuError``
-carrying the last lines of CRIU's log. Callers add their own options (cgroups,
+carrying CRIU's first real errors (``first_errors``), the last lines of its log and
+the log's path. Callers add their own options (cgroups,
 ``--root``, network lock, ``--external``, action scripts ...) through ``extra``,
 and choose where the criu process itself runs with a ``Placement``.
 """
@@ -11,6 +12,7 @@ and choose where the criu process itself runs with a ``Placement``.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import tempfile
 import threading
@@ -26,6 +28,17 @@ from . import criu_kdat
 from . import syscalls as sc
 
 LOG_TAIL_LINES = 30
+FIRST_ERRORS = 4  # error lines shown from the first real one on
+# ``-v4`` logs mark errors ``Error (file.c:line): ...``; a line's prefix is its
+# timestamp and, in a task's part of the log, the task's pid.
+_ERROR = re.compile(r"^\(\s*[\d.]+\)\s+(?:(\d+): )?Error \(([^)]*)\): (.*)$")
+# Errors CRIU logs on every run here that change nothing: it cannot raise its own
+# RLIMIT_NOFILE (no CAP_SYS_RESOURCE on these machines), and after a failed restore
+# its cgroup daemon complains that its peer went away.
+HARMLESS = (
+    re.compile(r"Can't setup RLIMIT_NOFILE for self"),
+    re.compile(r"cgroupd: recv req error"),
+)
 # Every dump and restore ends: a crafted image (a loaded snapshot folder) must not
 # hang ``criu restore`` forever. On timeout the criu process is killed (CriuError).
 DUMP_TIMEOUT_S = 300.0
@@ -96,6 +109,49 @@ def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def first_errors(path: Path, limit: int = FIRST_ERRORS) -> list[str]:
+    """CRIU's first real error lines in the log at ``path`` (the harmless ones skipped),
+    ``limit`` at most, in log order, each as ``[task PID: ]message (file.c:line)``.
+
+    The first one says what went wrong; the ones after it are mostly its consequences
+    ("Unable to open fd=4", "5 exited, status=1", "Restoring FAILED"), which is often all
+    the log's tail holds.
+    """
+    found: list[str] = []
+    try:
+        with open(path, "rb") as f:
+            for raw in f:
+                if b"Error (" not in raw:
+                    continue
+                m = _ERROR.match(raw.decode(errors="replace").rstrip())
+                if m is None or any(h.search(m.group(3)) for h in HARMLESS):
+                    continue
+                task, where, what = m.groups()
+                found.append(f"{f'task {task}: ' if task else ''}{what} ({where})")
+                if len(found) >= limit:
+                    break
+    except OSError:
+        return []
+    return found
+
+
+def _failure(action: str, returncode: int, log: Path | None, output: str) -> CriuError:
+    """The error of a criu run that exited non-zero: its first real error in the message."""
+    errors = first_errors(log) if log else []
+    tail = (_tail(log) if log else "") or "\n".join(output.splitlines()[-LOG_TAIL_LINES:])
+    if not errors:  # no log (criu failed before writing one): look at what it printed
+        errors = [line.strip() for line in output.splitlines() if "Error" in line][:FIRST_ERRORS]
+    first = f": {errors[0]}" if errors else ""
+    return CriuError(
+        f"criu {action} failed with exit code {returncode}{first}",
+        log_tail=tail,
+        first_errors="\n".join(errors),
+        action=action,
+        returncode=returncode,
+        log=str(log) if log else None,
+    )
+
+
 def _run(
     criu: Path, args: Sequence[str], *, action: str, log: Path | None, timeout: float | None,
     placement: Placement | None = None,
@@ -147,15 +203,7 @@ def _run(
         duration_ms = (time.monotonic() - t0) * 1000
         if proc.returncode != 0:
             out.seek(0)
-            output = out.read().decode(errors="replace").strip()
-            tail = (_tail(log) if log else "") or "\n".join(output.splitlines()[-LOG_TAIL_LINES:])
-            raise CriuError(
-                f"criu {action} failed with exit code {proc.returncode}",
-                log_tail=tail,
-                action=action,
-                returncode=proc.returncode,
-                log=str(log) if log else None,
-            )
+            raise _failure(action, proc.returncode, log, out.read().decode(errors="replace").strip())
     return duration_ms
 
 

@@ -207,3 +207,51 @@ def test_placement_that_cannot_be_entered_is_a_clear_error(counters: Counters, c
         criu.dump(criu_bin, pid, workdir / "img", placement=away)
     assert "could not enter its namespaces or cgroups" in str(info.value)
     assert counters.value(pid) > 0  # never touched: the task keeps running
+
+
+def _scramble(path: Path) -> None:
+    """Flip every byte of an image after its magic: a damaged file CRIU reads late."""
+    data = bytearray(path.read_bytes())
+    for i in range(8, len(data)):
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.criu
+def test_a_successful_run_logs_no_real_error(counters: Counters, criu_bin: Path, workdir: Path) -> None:
+    pid = counters.spawn()
+    run = criu.dump(criu_bin, pid, workdir / "img")
+    text = run.log.read_text()
+    assert "Error (" in text  # CRIU logs its harmless RLIMIT_NOFILE error on every run here ...
+    assert criu.first_errors(run.log) == []  # ... which is not a real one
+
+
+@pytest.mark.criu
+def test_a_failed_restore_names_criu_first_real_error(counters: Counters, criu_bin: Path, workdir: Path) -> None:
+    pid = counters.spawn()
+    images = workdir / "img"
+    criu.dump(criu_bin, pid, images)
+    (mm,) = images.glob("mm-*.img")
+    _scramble(mm)
+    with pytest.raises(CriuError) as info:
+        criu.restore(criu_bin, images, pidfile=workdir / "x.pid", log_name="restore.log")
+    err, log = info.value, images / "restore.log"
+    errors = err.first_errors.splitlines()
+    # the first real error is the task failing to read its memory image, not the
+    # consequences at the log's end ("exited, status=1", "Restoring FAILED")
+    real = [line for line in log.read_text().splitlines() if "Error (" in line and "RLIMIT_NOFILE" not in line]
+    assert len(real) >= 2 and errors[0] in criu.first_errors(log)[:1]
+    assert errors[0].startswith("task 1: ") and mm.name in errors[0]  # the damaged image, named
+    assert errors[0].removeprefix("task 1: ").rsplit(" (", 1)[0] in real[0]
+    assert "Restoring FAILED" not in errors[0] and "RLIMIT_NOFILE" not in err.first_errors
+    assert errors[0] in err.message and str(log) in str(err)
+    assert "criu's first errors" in str(err) and err.details["log"] == str(log)
+    assert 1 <= len(errors) <= criu.FIRST_ERRORS
+    # it survives the wire
+    again = CriuError.from_dict(err.to_dict())
+    assert again.first_errors == err.first_errors and str(again) == str(err)
+    assert counters.value(pid) > 0  # the dumped task was never touched
+
+
+def test_first_errors_of_a_missing_log_is_empty(tmp_path: Path) -> None:
+    assert criu.first_errors(tmp_path / "no-such.log") == []
