@@ -275,6 +275,7 @@ class WorkspaceCgroup:
     def kill_all(self, timeout: float = 5.0) -> None:
         """SIGKILL every process in the cgroup until it is empty."""
         deadline = time.monotonic() + timeout
+        pause = 0.0005  # killed tasks exit in well under a ms: a fixed 10 ms wait was most of a removal
         while True:
             pids = self.pids()
             if not pids:
@@ -286,7 +287,8 @@ class WorkspaceCgroup:
                     pass
             if time.monotonic() > deadline:
                 raise RuntimeFailure(f"processes {pids} survive SIGKILL in {self.paths[0]}")
-            time.sleep(0.01)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
 
     def destroy(self) -> None:
         """Kill what is left and remove the folders (idempotent)."""

@@ -26,7 +26,7 @@ import psutil
 
 from ..config import DEFAULT_HOME, INSTALL_DIR, Config
 from ..errors import BunshinError, InvalidArgument, RuntimeFailure
-from . import idmap, mountinfo, statefs
+from . import idmap, mountinfo, statefs, teardown
 from . import syscalls as sc
 from .agent_bundle import AgentBundle
 from .agent_client import AgentClient
@@ -385,8 +385,7 @@ def destroy(cfg: Config, store: Store, rec: WorkspaceRecord) -> None:
     cg.kill_all()
     wdir = cfg.paths.workspace(rec.id)
     for mount_point in (rec.root, str(wdir)):
-        while is_mounted(mount_point):
-            sc.umount(mount_point, sc.MNT_DETACH)
+        teardown.umount_all(mount_point)  # no mountinfo read: it grows with every clone
     shutil.rmtree(wdir, ignore_errors=True)
     cg.destroy()
     store.delete_workspace(rec.id)
