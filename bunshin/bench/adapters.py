@@ -25,7 +25,7 @@ import shlex
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -179,9 +179,28 @@ def run(cfg: Config, *, framework: str = "miniswe", group: int = 8, think_scale:
                                   **({} if modes == MODES else {"modes": modes}))
     if framework not in FRAMEWORKS:
         raise InvalidArgument(f"unknown framework {framework!r}", hint=f"one of {', '.join(FRAMEWORKS)}")
+    work, task, traces = group_task(cfg, modes=modes, known=MODES, group=group, workload=workload,
+                                    think_scale=think_scale, settle_s=settle_s)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bunshin-mswea-") as quiet:
+        # mini-swe-agent prints a banner and makes a config folder when imported: not here
+        os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")
+        os.environ.setdefault("MSWEA_GLOBAL_CONFIG_DIR", quiet)
+        for label in modes:
+            output.err.print(f"[dim]mini-swe-agent: {label}, group of {group}[/]")
+            rows.append(run_mode(cfg, label, task, traces))
+            settle(settle_s)
+    return group_result("mini-swe-agent", work.name, task.id, group, think_scale, rows)
+
+
+def group_task(cfg: Config, *, modes: Sequence[str], known: Sequence[str], group: int, workload: str,
+               think_scale: float, settle_s: float) -> tuple[wl.Workload, TaskSpec, list[Trace]]:
+    """Check a framework benchmark's arguments, then build its one task of ``workload`` and
+    ``group`` traces (``coding`` falls back to ``coding-lite`` when its sdist cannot be had),
+    warm the machine up and let it settle."""
     for m in modes:
-        if m not in MODES:
-            raise InvalidArgument(f"unknown mode {m!r}", hint=f"one of {', '.join(MODES)}")
+        if m not in known:
+            raise InvalidArgument(f"unknown mode {m!r}", hint=f"one of {', '.join(known)}")
     if group < 1:
         raise InvalidArgument(f"--group must be >= 1, got {group}")
     try:
@@ -193,26 +212,35 @@ def run(cfg: Config, *, framework: str = "miniswe", group: int = 8, think_scale:
             raise
         output.err.print(f"[yellow]coding workload unavailable ({e}); using coding-lite instead[/]")
         work = wl.build("coding-lite", tasks=1, traces=group, think_scale=think_scale, config=cfg)
-    task, traces = work.tasks[0], work.traces[:group]
     warm_up(cfg)
     settle(settle_s)
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="bunshin-mswea-") as quiet:
-        # mini-swe-agent prints a banner and makes a config folder when imported: not here
-        os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")
-        os.environ.setdefault("MSWEA_GLOBAL_CONFIG_DIR", quiet)
-        for label in modes:
-            output.err.print(f"[dim]mini-swe-agent: {label}, group of {group}[/]")
-            rows.append(run_mode(cfg, label, task, traces))
-            settle(settle_s)
+    return work, work.tasks[0], work.traces[:group]
+
+
+def group_result(framework: str, workload: str, task: str, group: int, think_scale: float,
+                 rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The report of a framework benchmark: its modes' rows, each against the baseline's."""
     base = next((r for r in rows if r["label"] == "baseline"), None)
     for r in rows:
         if base is not None and r is not base:
             r["vs_baseline"] = {k: reduction(base[k], r[k]) for k in ("peak_bytes", "gb_s", "makespan_s",
                                                                         "ws_peak_bytes")}
-    return {"framework": "mini-swe-agent", "workload": work.name, "task": task.id, "group": group,
+    return {"framework": framework, "workload": workload, "task": task, "group": group,
             "think_scale": think_scale, "modes": rows,
             "same_rewards": len({tuple(r["rewards"]) for r in rows}) == 1}
+
+
+def report_cells(m: dict[str, Any]) -> tuple[str, ...]:
+    """A mode's memory and time cells, each with its change against the baseline."""
+    hb, v = output.human_bytes, m.get("vs_baseline", {})
+
+    def pct(k: str) -> str:
+        x = v.get(k)
+        return "" if x is None else f" ({-x * 100:+.0f} %)"
+
+    return (m["label"], hb(m["peak_bytes"]) + pct("peak_bytes"), f"{m['gb_s']:.1f}" + pct("gb_s"),
+            hb(m["ws_peak_bytes"]) + pct("ws_peak_bytes"), f"{m['makespan_s']:.1f}" + pct("makespan_s"),
+            f"{m['env_s']['p50']:.2f}")
 
 
 def print_report(r: dict[str, Any]) -> None:
@@ -220,18 +248,8 @@ def print_report(r: dict[str, Any]) -> None:
         from . import adapters_skyrl
 
         return adapters_skyrl.print_report(r)
-    hb = output.human_bytes
-
-    def pct(v: dict[str, Any], k: str) -> str:
-        x = v.get(k)
-        return "" if x is None else f" ({-x * 100:+.0f} %)"
-
-    rows = []
-    for m in r["modes"]:
-        v = m.get("vs_baseline", {})
-        rows.append((m["label"], hb(m["peak_bytes"]) + pct(v, "peak_bytes"), f"{m['gb_s']:.1f}" + pct(v, "gb_s"),
-                     hb(m["ws_peak_bytes"]) + pct(v, "ws_peak_bytes"), f"{m['makespan_s']:.1f}" + pct(v, "makespan_s"),
-                     f"{m['env_s']['p50']:.2f}", " ".join("-" if x is None else f"{x:g}" for x in m["rewards"])))
+    rows = [(*report_cells(m), " ".join("-" if x is None else f"{x:g}" for x in m["rewards"]))
+            for m in r["modes"]]
     output.print_table(f"bunshin bench adapters --framework miniswe: a group of {r['group']} on {r['workload']} "
                        f"({r['task']}), think x{r['think_scale']}",
                        ["MODE", "PEAK MEM", "GB·S", "OWN PEAK", "MAKESPAN S", "ENV P50 S", "REWARDS"], rows)

@@ -28,11 +28,10 @@ from typing import Any
 
 from .. import console as output
 from ..config import Config
-from ..errors import InvalidArgument
 from ..rollout.policies import Trace
 from ..rollout.task import TaskSpec
-from . import workloads as wl
-from .rollout import reduction, settle, warm_up
+from .adapters import group_result, group_task, report_cells
+from .rollout import settle
 from .sampler import MemorySampler, idle_used
 from .stats import summary
 
@@ -132,52 +131,19 @@ def run(cfg: Config, *, group: int = 8, think_scale: float = 0.5, workload: str 
         modes: tuple[str, ...] = tuple(MODES), settle_s: float = 2.0) -> dict[str, Any]:
     """Every mode in turn on one task of ``workload`` (``coding`` falls back to coding-lite
     without its sdist)."""
-    for m in modes:
-        if m not in MODES:
-            raise InvalidArgument(f"unknown mode {m!r}", hint=f"one of {', '.join(MODES)}")
-    if group < 1:
-        raise InvalidArgument(f"--group must be >= 1, got {group}")
-    try:
-        work = wl.build(workload, tasks=1, traces=group, think_scale=think_scale, config=cfg)
-    except ValueError as e:
-        raise InvalidArgument(str(e), hint="--workload coding or coding-lite") from None
-    except Exception as e:
-        if workload != "coding":
-            raise
-        output.err.print(f"[yellow]coding workload unavailable ({e}); using coding-lite instead[/]")
-        work = wl.build("coding-lite", tasks=1, traces=group, think_scale=think_scale, config=cfg)
-    task, traces = work.tasks[0], work.traces[:group]
-    warm_up(cfg)
-    settle(settle_s)
+    work, task, traces = group_task(cfg, modes=modes, known=tuple(MODES), group=group, workload=workload,
+                                    think_scale=think_scale, settle_s=settle_s)
     rows = []
     for label in modes:
         output.err.print(f"[dim]skyrl: {label}, group of {group}[/]")
         rows.append(run_mode(cfg, label, task, traces))
         settle(settle_s)
-    base = next((r for r in rows if r["label"] == "baseline"), None)
-    for r in rows:
-        if base is not None and r is not base:
-            r["vs_baseline"] = {k: reduction(base[k], r[k]) for k in ("peak_bytes", "gb_s", "makespan_s",
-                                                                        "ws_peak_bytes")}
-    return {"framework": "skyrl-gym", "workload": work.name, "task": task.id, "group": group,
-            "think_scale": think_scale, "modes": rows,
-            "same_rewards": len({tuple(r["rewards"]) for r in rows}) == 1}
+    return group_result("skyrl-gym", work.name, task.id, group, think_scale, rows)
 
 
 def print_report(r: dict[str, Any]) -> None:
-    hb = output.human_bytes
-
-    def pct(v: dict[str, Any], k: str) -> str:
-        x = v.get(k)
-        return "" if x is None else f" ({-x * 100:+.0f} %)"
-
-    rows = []
-    for m in r["modes"]:
-        v = m.get("vs_baseline", {})
-        rows.append((m["label"], hb(m["peak_bytes"]) + pct(v, "peak_bytes"), f"{m['gb_s']:.1f}" + pct(v, "gb_s"),
-                     hb(m["ws_peak_bytes"]) + pct(v, "ws_peak_bytes"), f"{m['makespan_s']:.1f}" + pct(v, "makespan_s"),
-                     f"{m['env_s']['p50']:.2f}", f"{m['cached_calls']}/{m['calls']}",
-                     " ".join(f"{x:g}" for x in m["rewards"])))
+    rows = [(*report_cells(m), f"{m['cached_calls']}/{m['calls']}", " ".join(f"{x:g}" for x in m["rewards"]))
+            for m in r["modes"]]
     output.print_table(f"bunshin bench adapters --framework skyrl: a group of {r['group']} on {r['workload']} ({r['task']}), "
                        f"think x{r['think_scale']}",
                        ["MODE", "PEAK MEM", "GB·S", "OWN PEAK", "MAKESPAN S", "INIT P50 S", "CACHED", "REWARDS"],
