@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import mmap
 import os
+import random
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from bunshin.config import Config
+from bunshin.errors import RuntimeFailure
 from bunshin.runtime import mountinfo, statefs
 from bunshin.runtime.memfile import fileio
 from tests.conftest import drop_state_tmpfs
@@ -90,3 +92,44 @@ def test_dense_regions_of_a_memory_file_become_huge_pages(home):
         os.close(src)
         os.close(fd)
         path.unlink()
+
+
+def test_huge_copy_off_region_bounds_and_short_source(home):
+    """huge=True with a destination offset inside a region and a source that ends inside the
+    last one: the whole regions in between become huge pages, the partial ones are written page
+    by page (zero pages left as holes), the bytes past the source's end read as zeros, and a
+    source shorter than asked for (no src_end) is an error."""
+    statefs.ensure(home)
+    page, huge = 4096, 2 << 20
+    data = bytearray(random.Random(5).randbytes(3 * huge))
+    data[5 * page : 7 * page] = bytes(2 * page)  # zero pages in the unaligned head
+    src = os.memfd_create("dump")
+    path = home.tmpfs / "memfile"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.pwrite(src, bytes(data), 0)
+        dst_off, n, src_end = huge - 16 * page, 3 * huge, 3 * huge - 3 * page
+        os.ftruncate(fd, 5 * huge)
+        written = fileio.write_data(src, 0, fd, dst_off, n, src_end=src_end, huge=True)
+        assert written == src_end - 2 * page
+        expect = bytes(dst_off) + bytes(data[:src_end])
+        assert os.pread(fd, 5 * huge, 0) == expect + bytes(5 * huge - len(expect))
+        extents = list(fileio.data_extents(fd, 0, 5 * huge))
+        assert extents[0] == (dst_off, 5 * page) and extents[1][0] == dst_off + 7 * page
+        with mmap.mmap(fd, 5 * huge, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ) as m:
+            assert sum(m[i] for i in range(0, 5 * huge, page)) > 0
+            rollup = Path("/proc/self/smaps_rollup").read_text()
+        pmd = int(next(ln for ln in rollup.splitlines() if ln.startswith("ShmemPmdMapped:")).split()[1])
+        assert pmd >= 2 * (huge >> 10)  # regions 1 and 2 (whole, dense): 2 MiB each
+        fresh = os.open(home.tmpfs / "memfile2", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(fresh, 5 * huge)
+            with pytest.raises(RuntimeFailure, match="ended early"):
+                fileio.write_data(src, 0, fresh, 0, 4 * huge, huge=True)
+        finally:
+            os.close(fresh)
+    finally:
+        os.close(src)
+        os.close(fd)
+        path.unlink()
+        (home.tmpfs / "memfile2").unlink(missing_ok=True)

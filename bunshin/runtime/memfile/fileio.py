@@ -15,6 +15,7 @@ from pathlib import Path
 
 from bunshin.errors import RuntimeFailure
 
+from ..syscalls import punch_hole
 from .criu_images import PAGE, SUFFIX
 
 _FS_IOC_GETFLAGS, _FS_IOC_SETFLAGS, _FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10
@@ -38,45 +39,89 @@ def write_data(
     never a SIGBUS.
 
     ``huge``: ``dst`` is on a ``huge=advise`` tmpfs and already sized. Every whole
-    2 MiB region of it this copy fills with at least ``DENSE`` data is written through
-    a ``MADV_HUGEPAGE`` mapping, which gives the region one huge page: clones then map
-    it with one page-table entry instead of 512. Its zero pages take memory then, hence
-    the threshold; sparser regions keep their holes.
+    2 MiB region of it this copy fills with at least ``DENSE`` data gets one huge page:
+    clones then map it with one page-table entry instead of 512. Its zero pages take
+    memory then, hence the threshold; sparser regions keep their holes. Such a region
+    is read straight into one ``MADV_HUGEPAGE`` mapping of the destination (one copy,
+    one mapping per call: 3.2-3.9 GB/s on 1 GiB here, against 1.9-2.5 GB/s for a read
+    into a buffer and a mapping per region); a region that turns out sparse is taken
+    back out (punched) and written page by page.
     """
     end = src_off + n if src_end is None else min(src_off + n, src_end)
-    buf = bytearray(min(HUGE if huge else _CHUNK, max(end - src_off, 0)))
-    view = memoryview(buf)
-    written, pos = 0, src_off
-    try:
-        while pos < end:
-            at = dst_off + pos - src_off
-            length = min(len(buf), end - pos)
-            if huge:
-                length = min(length, HUGE - at % HUGE)  # chunks end where regions end
-            got = os.preadv(src, [view[:length]], pos)
-            if got < length:
-                raise RuntimeFailure("a file ended early while its pages were copied")
-            if length == HUGE and _nonzero_pages(buf) >= DENSE * (HUGE // PAGE):
-                written += _write_huge(dst, view, at)
-            else:
-                written += _write_nonzero(buf, view, length, dst, at)
-            pos += length
-    finally:
-        view.release()
+    if end <= src_off:
+        return 0
+    with _HugeTarget.of(dst, dst_off, dst_off + end - src_off, huge) as target:
+        buf = bytearray(min(HUGE if huge else _CHUNK, end - src_off))
+        view = memoryview(buf)
+        written, pos = 0, src_off
+        try:
+            while pos < end:
+                at = dst_off + pos - src_off
+                length = min(len(buf), end - pos)
+                if huge:
+                    length = min(length, HUGE - at % HUGE)  # chunks end where regions end
+                if length == HUGE and target is not None:
+                    written += target.fill(src, pos, at, buf, view)
+                else:
+                    with view[:length] as part:
+                        _read_exact(src, part, pos)
+                    written += _write_nonzero(buf, view, length, dst, at)
+                pos += length
+        finally:
+            view.release()
     return written
 
 
-def _nonzero_pages(buf: bytearray) -> int:
-    starts = buf.startswith
-    return sum(not (starts(_ZERO_HEAD, p) and starts(_ZERO_PAGE, p)) for p in range(0, len(buf), PAGE))
+def _read_exact(src: int, into: memoryview, pos: int) -> None:
+    if os.preadv(src, [into], pos) < len(into):
+        raise RuntimeFailure("a file ended early while its pages were copied")
 
 
-def _write_huge(dst: int, data: memoryview, at: int) -> int:
-    """Write one 2 MiB region through a mapping whose first fault allocates a huge page."""
-    with mmap.mmap(dst, HUGE, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=at) as region:
-        region.madvise(mmap.MADV_HUGEPAGE)
-        region[:] = data
-    return HUGE
+def _nonzero_pages(buf: bytearray | mmap.mmap, start: int = 0, size: int = HUGE) -> int:
+    """How many of the pages of ``buf[start:start+size]`` hold a non-zero byte."""
+    if isinstance(buf, bytearray):
+        starts = buf.startswith  # compares in place, no copies
+        return sum(not (starts(_ZERO_HEAD, p) and starts(_ZERO_PAGE, p, p + PAGE))
+                   for p in range(start, start + size, PAGE))
+    return sum(buf[p : p + 16] != _ZERO_HEAD or buf[p : p + PAGE] != _ZERO_PAGE
+               for p in range(start, start + size, PAGE))
+
+
+class _HugeTarget:
+    """One shared ``MADV_HUGEPAGE`` mapping over the whole 2 MiB regions of a copy's
+    destination range (its first write fault of a region allocates one huge page)."""
+
+    def __init__(self, dst: int, region: mmap.mmap, base: int) -> None:
+        self.dst, self.region, self.base = dst, region, base
+        self.view = memoryview(region)
+
+    @classmethod
+    @contextlib.contextmanager
+    def of(cls, dst: int, start: int, end: int, huge: bool) -> Iterator[_HugeTarget | None]:
+        first, last = -(-start // HUGE) * HUGE, end // HUGE * HUGE
+        if not huge or last <= first:
+            yield None
+            return
+        region = mmap.mmap(dst, last - first, flags=mmap.MAP_SHARED,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=first)
+        target = cls(dst, region, first)
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE)
+            yield target
+        finally:
+            target.view.release()
+            region.close()
+
+    def fill(self, src: int, pos: int, at: int, buf: bytearray, view: memoryview) -> int:
+        """Read the region at ``at`` from ``src`` at ``pos``; returns the bytes it holds."""
+        off = at - self.base
+        with self.view[off : off + HUGE] as part:  # released even when the read fails
+            _read_exact(src, part, pos)
+            if _nonzero_pages(self.region, off) >= DENSE * (HUGE // PAGE):
+                return HUGE
+            view[:] = part  # sparse after all: keep its holes
+        punch_hole(self.dst, at, HUGE)
+        return _write_nonzero(buf, view, HUGE, self.dst, at)
 
 
 def _write_nonzero(buf: bytearray, view: memoryview, size: int, dst: int, dst_off: int) -> int:
