@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ DEFAULT_HOME = Path("/var/lib/bunshin")
 DEFAULT_TMPFS = Path("/dev/shm/bunshin")
 INSTALL_DIR = Path("/opt/bunshin")  # what `make install` puts on the host (CRIU)
 DEFAULT_CRIU = INSTALL_DIR / "criu" / "bin" / "criu"
+DEFAULT_GHOST_LIMIT = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -30,15 +32,23 @@ class Config:
     # root inside is this unprivileged host id, never host root.
     id_base: int = 1_000_000_000
     id_count: int = 65536
+    # The largest deleted-but-open file a fork carries (CRIU's --ghost-limit; its own
+    # default is 1 MiB): bytes, or a size such as "64M" (checked where a fork uses it,
+    # ``runtime.unforkable.ghost_limit``). The dump copies such a file's bytes into the
+    # snapshot's images and every clone gets a copy of its own, charged to its memory.
+    ghost_limit: int | str = DEFAULT_GHOST_LIMIT
 
     @classmethod
     def from_env(cls) -> Config:
-        """Defaults, overridden by ``BUNSHIN_HOME``, ``BUNSHIN_TMPFS``, ``BUNSHIN_CRIU``."""
-        return cls.for_home(
+        """Defaults, overridden by ``BUNSHIN_HOME``, ``BUNSHIN_TMPFS``, ``BUNSHIN_CRIU`` and
+        ``BUNSHIN_GHOST_LIMIT`` (bytes, or with a K/M/G suffix)."""
+        cfg = cls.for_home(
             Path(os.environ.get("BUNSHIN_HOME", DEFAULT_HOME)),
             tmpfs=Path(os.environ["BUNSHIN_TMPFS"]) if os.environ.get("BUNSHIN_TMPFS") else None,
             criu=Path(os.environ.get("BUNSHIN_CRIU", DEFAULT_CRIU)),
         )
+        ghost = os.environ.get("BUNSHIN_GHOST_LIMIT")
+        return dataclasses.replace(cfg, ghost_limit=ghost) if ghost else cfg
 
     @classmethod
     def for_home(cls, home: Path, *, tmpfs: Path | None = None, criu: Path = DEFAULT_CRIU) -> Config:

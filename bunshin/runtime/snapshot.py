@@ -43,12 +43,13 @@ import psutil
 from ..config import Config
 from ..errors import (
     BunshinError,
+    CriuError,
     InvalidArgument,
     ResourceExhausted,
     SnapshotNotFound,
     StateConflict,
 )
-from . import container, criu, memfile, statefs, upper_copy
+from . import container, criu, memfile, statefs, unforkable, upper_copy
 from . import syscalls as sc
 from .agent_client import quiesced
 from .cgroups import Layout, WorkspaceCgroup
@@ -177,6 +178,7 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
     mode = SnapshotMode(mode)
     if rec.state != WorkspaceState.RUNNING or not container.is_alive(rec):
         raise StateConflict(f"workspace {rec.id} is not running", hint="only a running workspace can be forked")
+    ghost_limit = unforkable.ghost_limit(cfg)
     snap_id = "snap-" + secrets.token_hex(6)
     sdir = cfg.paths.snapshot(snap_id)
     images, layer = sdir / "images", cfg.paths.layer(snap_id)
@@ -197,11 +199,18 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
         # freezer every 100 ms, which adds ~100 ms to every parent pause. Cgroups
         # are not dumped either: a restore runs criu inside the clone's own.
         inside = criu.Placement(netns=f"/proc/{rec.pid}/ns/net")
-        with upper_copy.frozen_copy(Path(rec.upper), layer, sdir, _memory_cgroup(rec)) as script, \
-                quiesced(Path(rec.root).parent):  # no host call may hold a connection into it
-            extra = [*_COMMON, *DUMP_EXTERNAL, "--manage-cgroups=ignore", "--action-script", str(script)]
-            extra += mount_externals(rec.mounts, dump=True)
-            run = criu.dump(cfg.criu, rec.pid or 0, images, leave_running=True, extra=extra, placement=inside)
+        try:
+            with upper_copy.frozen_copy(Path(rec.upper), layer, sdir, _memory_cgroup(rec)) as script, \
+                    quiesced(Path(rec.root).parent):  # no host call may hold a connection into it
+                extra = [*_COMMON, *DUMP_EXTERNAL, "--manage-cgroups=ignore", "--action-script", str(script),
+                         "--ghost-limit", str(ghost_limit)]
+                extra += mount_externals(rec.mounts, dump=True)
+                run = criu.dump(cfg.criu, rec.pid or 0, images, leave_running=True, extra=extra, placement=inside)
+        except CriuError as e:  # what CRIU cannot carry, named (a ghost over the limit, a watch it cannot record)
+            refusal = unforkable.find(cfg, rec.id, rec.pid)
+            if refusal is None:
+                raise
+            raise refusal from e
         if not layer.is_dir():
             raise BunshinError(f"the upper layer of {rec.id} was not frozen", hint="see the dump log")
         files: tuple[str, ...] = ()

@@ -1,0 +1,175 @@
+"""What a workspace holds that CRIU cannot carry, named after a dump failed.
+
+Looked for only once ``criu dump`` has failed (nothing is paid on a fork that works):
+the workspace's processes are walked through /proc and the first thing found that
+explains the failure becomes a ``NotForkable`` naming the process (its pid inside the
+workspace and its command), the object and what to do. Two kinds are known:
+
+- a deleted-but-open regular file (a "ghost") larger than the fork's ghost limit
+  (``Config.ghost_limit``, CRIU's ``--ghost-limit``): CRIU copies such a file's bytes
+  into the images, up to the limit ("Can't dump ghost file ... increase limit");
+- an inotify watch on a filesystem that cannot decode its file handles: CRIU records
+  a watch by the path its handle opens to (``fsnotify.c``), which the workspace's root
+  overlay allows (``container.EXPORT_OPTIONS``) and /proc, /dev/pts or an overlay the
+  kernel mounted without ``nfs_export`` (a lower that cannot decode handles) do not
+  ("fsnotify: Can't dump that handle").
+
+A dump may also fail for a reason found here while the process let go of it
+meanwhile: then nothing is found and the caller raises CRIU's own error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import psutil
+
+from ..config import Config
+from ..errors import InvalidArgument, NotForkable
+from . import mountinfo
+
+_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+_WATCH = re.compile(r"^inotify wd:\S+ ino:([0-9a-f]+) sdev:([0-9a-f]+) ")
+_DELETED = " (deleted)"
+
+
+def ghost_limit(cfg: Config) -> int:
+    """``cfg.ghost_limit`` in bytes: an int, or a number with a K, M or G suffix ("64M")."""
+    raw = cfg.ghost_limit
+    text = str(raw).strip().upper().removesuffix("B").removesuffix("I")
+    unit = text[-1:] if text[-1:] in _SUFFIXES else ""
+    number = text[: len(text) - len(unit)]
+    if isinstance(raw, bool) or not number.isdigit() or int(number) <= 0:
+        raise InvalidArgument(f"ghost limit {raw!r} is not a size",
+                              hint="set BUNSHIN_GHOST_LIMIT (or Config.ghost_limit) to bytes or e.g. 64M, 1G")
+    return int(number) * _SUFFIXES[unit]
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A process of the workspace."""
+
+    host_pid: int
+    pid: int  # as the workspace sees it
+    command: str
+
+    def __str__(self) -> str:
+        return f"process {self.pid} ({self.command!r})"
+
+
+def _holder(host_pid: int) -> Holder | None:
+    try:
+        p = psutil.Process(host_pid)
+        command = " ".join(p.cmdline()) or p.name()
+        with open(f"/proc/{host_pid}/status", encoding="utf-8") as f:
+            nspid = next((ln.split()[-1] for ln in f if ln.startswith("NSpid:")), str(host_pid))
+        return Holder(host_pid, int(nspid), command[:200])
+    except (psutil.Error, OSError, ValueError):
+        return None
+
+
+def _tree(pid: int | None) -> list[int]:
+    if pid is None:
+        return []
+    try:
+        return [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
+    except psutil.Error:
+        return []
+
+
+def _fds(host_pid: int) -> Iterator[tuple[int, str]]:
+    """(fd, link target) of a process's open files."""
+    try:
+        names = os.listdir(f"/proc/{host_pid}/fd")
+    except OSError:
+        return
+    for name in names:
+        with contextlib.suppress(OSError):
+            yield int(name), os.readlink(f"/proc/{host_pid}/fd/{name}")
+
+
+def big_ghost(host_pid: int, limit: int) -> tuple[int, str, int] | None:
+    """(fd, path, size) of the first deleted-but-open regular file of ``host_pid`` larger
+    than ``limit``, if any."""
+    for fd, target in _fds(host_pid):
+        if not target.endswith(_DELETED):
+            continue
+        with contextlib.suppress(OSError):
+            st = os.stat(f"/proc/{host_pid}/fd/{fd}")
+            if stat.S_ISREG(st.st_mode) and st.st_nlink == 0 and st.st_size > limit:
+                return fd, target.removesuffix(_DELETED), st.st_size
+    return None
+
+
+def _kdev(major: int, minor: int) -> int:
+    """The kernel's own dev_t (``MKDEV``: 20 bits of minor), as inotify's fdinfo prints ``sdev``."""
+    return (major << 20) | minor
+
+
+def _exports_handles(m: mountinfo.MountEntry) -> bool:
+    return m.fs_type == "overlay" and "nfs_export=on" in m.super_options.split(",")
+
+
+def stuck_watch(host_pid: int) -> tuple[int, int, mountinfo.MountEntry | None] | None:
+    """(fd, inode, mount) of the first inotify watch of ``host_pid`` on a filesystem that
+    does not decode its file handles (the mount as the process sees it, None if unknown)."""
+    try:
+        mounts = {_kdev(m.major, m.minor): m for m in mountinfo.read(f"/proc/{host_pid}/mountinfo")}
+    except (OSError, ValueError):
+        return None
+    for fd, target in _fds(host_pid):
+        if target != "anon_inode:inotify":
+            continue
+        try:
+            with open(f"/proc/{host_pid}/fdinfo/{fd}", encoding="utf-8") as f:
+                lines = f.readlines()
+        except OSError:
+            continue
+        for line in lines:
+            w = _WATCH.match(line)
+            if w is None:
+                continue
+            ino, sdev = int(w.group(1), 16), int(w.group(2), 16)
+            m = mounts.get(sdev)
+            if m is None or not _exports_handles(m):
+                return fd, ino, m
+    return None
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def find(cfg: Config, workspace_id: str, pid: int | None) -> NotForkable | None:
+    """The refusal that explains a failed dump of the workspace whose pid 1 is ``pid``
+    (host pid), or None if nothing known is found."""
+    limit = ghost_limit(cfg)
+    for host_pid in _tree(pid):
+        ghost = big_ghost(host_pid, limit)
+        if ghost is not None and (who := _holder(host_pid)) is not None:
+            fd, path, size = ghost
+            return NotForkable(
+                f"cannot fork {workspace_id}: {who} holds the deleted file {path} open (fd {fd}, {_mib(size)}), "
+                f"larger than the fork's ghost limit of {_mib(limit)}",
+                hint="close the file in the workspace, keep it under a name until the fork, or raise "
+                     "BUNSHIN_GHOST_LIMIT (Config.ghost_limit): each clone then gets its own copy of it",
+                process=who.pid, command=who.command, path=path, size=size, ghost_limit=limit,
+            )
+        watch = stuck_watch(host_pid)
+        if watch is not None and (who := _holder(host_pid)) is not None:
+            fd, ino, m = watch
+            where = f"{m.fs_type} filesystem at {m.mount_point}" if m is not None else "a filesystem it has no mount of"
+            return NotForkable(
+                f"cannot fork {workspace_id}: {who} has an inotify watch (fd {fd}) on inode {ino} of the {where}, "
+                "which cannot decode file handles, so CRIU cannot record the watch",
+                hint="watch files of the workspace's own tree instead (its root overlay carries watches), "
+                     "or stop the watcher before forking",
+                process=who.pid, command=who.command, inode=ino,
+                filesystem=m.fs_type if m is not None else None, mount_point=m.mount_point if m is not None else None,
+            )
+    return None
