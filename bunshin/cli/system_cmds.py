@@ -40,6 +40,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--quick", action="store_true", help="CI-sized: sizes 1,8, heap 64 MiB, 2 cold starts")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_fork, release_tmpfs=True)
+    b = bsub.add_parser("clone-memory", help="what a clone owns after its first exec and tool call, per process")
+    b.add_argument("--clones", type=int, default=3, help="clones measured one after another (default 3)")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_clone_memory, release_tmpfs=True)
 
     b = bsub.add_parser("image", help="OCI images against the host image: pull+unpack, storage, create, fork")
     b.add_argument("--clones", type=int, default=64, help="clones per fork (default 64)")
@@ -103,6 +107,17 @@ def cmd_bench_image(args: argparse.Namespace) -> int:
         output.print_json(r)
     else:
         bench_image.print_report(r)
+    return 0
+
+
+def cmd_bench_clone_memory(args: argparse.Namespace) -> int:
+    from ..bench import clone_memory
+
+    r = clone_memory.run(Config.from_env(), clones=args.clones)
+    if args.json:
+        output.print_json(r)
+    else:
+        clone_memory.print_report(r)
     return 0
 
 

@@ -1,0 +1,200 @@
+"""``bunshin bench clone-memory``: what a clone owns after its first exec and first tool call.
+
+A workspace makes one exec and one ``bash`` tool call (so its shell session exists), is
+snapshotted, and ``clones`` clones are restored from it. Each clone is measured right
+after the restore, after one ``exec(["true"])`` and after one ``bash`` tool call
+(``echo``): per process of the clone (the agent, each session's shell, anything else),
+``Anonymous`` (private anonymous memory: in a clone, pages copied on write from the
+shared memory files, plus new ones), ``Pss_Anon`` and ``Private_Dirty`` (the last
+also counts memory-file pages only this clone maps, so it overstates what it owns).
+For the agent, the areas whose ``Anonymous`` grew most during the first exec.
+
+``measure_clone(clone, tools)`` measures one clone that nobody has called yet (part of
+any bench that restores one); ``run`` is the report. Result (``--json``):
+``r["after_tool"]["anon_bytes_p50"]`` (the headline: what a clone holds after its
+first exec and tool call), ``r["fresh"]``, ``r["after_exec"]`` likewise,
+``r["clones"]``: every clone's stages, processes and the agent's written areas.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .. import console as output
+from ..config import Config
+from ..errors import InvalidArgument
+from ..runtime.cgroups import WorkspaceCgroup
+from ..tools import ToolSet
+from ..workspace import Workspace
+
+STAGES = ("fresh", "after_exec", "after_tool")
+TOP_AREAS = 8
+
+
+@dataclass(frozen=True)
+class ProcessMemory:
+    pid: int
+    role: str  # "agent", "session" (a shell the agent opened) or "other"
+    anon_bytes: int
+    pss_anon_bytes: int
+    private_dirty_bytes: int
+
+
+@dataclass(frozen=True)
+class Area:
+    start: str  # hex address range start-end
+    path: str  # the mapped file (a memory file for converted memory), "" for anonymous
+    size_bytes: int
+    grew_bytes: int  # Anonymous added during the measured call
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    anon_bytes: int  # sum over the clone's processes
+    processes: tuple[ProcessMemory, ...]
+
+
+@dataclass(frozen=True)
+class CloneMemory:
+    stages: tuple[Stage, ...]
+    agent_areas_exec: tuple[Area, ...]  # the agent's areas that grew most in the first exec
+
+    def stage(self, name: str) -> Stage:
+        return next(s for s in self.stages if s.name == name)
+
+
+def _kib_fields(path: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    with open(path) as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 3 and parts[2] == "kB":
+                out[parts[0].rstrip(":")] = int(parts[1]) << 10
+    return out
+
+
+def _role(pid: int) -> str:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "other"
+    if b"bunshin_agent" in argv:
+        return "agent"
+    if argv and argv[0].endswith((b"bash", b"sh")) and b"--noediting" in argv:
+        return "session"
+    return "other"
+
+
+def processes(ws: Workspace) -> tuple[ProcessMemory, ...]:
+    """Private memory of every process of ``ws`` now (``/proc/PID/smaps_rollup``)."""
+    rows = []
+    for pid in WorkspaceCgroup.of_record(ws.record).pids():
+        try:
+            r = _kib_fields(f"/proc/{pid}/smaps_rollup")
+        except OSError:
+            continue  # exited meanwhile
+        rows.append(ProcessMemory(pid, _role(pid), r.get("Anonymous", 0), r.get("Pss_Anon", 0),
+                                  r.get("Private_Dirty", 0)))
+    return tuple(sorted(rows, key=lambda p: p.pid))
+
+
+def _areas(pid: int) -> dict[tuple[str, str], tuple[int, int]]:
+    """(range, path) -> (size, Anonymous) of every mapping of ``pid``."""
+    out: dict[tuple[str, str], tuple[int, int]] = {}
+    key, size = None, 0
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if parts and "-" in parts[0] and len(parts) >= 5 and ":" in parts[3]:
+                key, size = (parts[0], parts[5] if len(parts) > 5 else ""), 0
+            elif key is not None and len(parts) == 3 and parts[0] == "Size:":
+                size = int(parts[1]) << 10
+            elif key is not None and len(parts) == 3 and parts[0] == "Anonymous:":
+                out[key] = (size, int(parts[1]) << 10)
+    return out
+
+
+def _grown(before: dict[tuple[str, str], tuple[int, int]], after: dict[tuple[str, str], tuple[int, int]]) -> tuple[Area, ...]:
+    rows = [Area(k[0], k[1], size, anon - before.get(k, (0, 0))[1]) for k, (size, anon) in after.items()]
+    rows = [a for a in rows if a.grew_bytes > 0]
+    return tuple(sorted(rows, key=lambda a: -a.grew_bytes)[:TOP_AREAS])
+
+
+def _stage(name: str, ws: Workspace) -> Stage:
+    procs = processes(ws)
+    return Stage(name, sum(p.anon_bytes for p in procs), procs)
+
+
+def measure_clone(clone: Workspace, tools: ToolSet | None = None) -> CloneMemory:
+    """Measure a clone nobody has called yet: fresh, after one exec, after one bash tool call."""
+    tools = tools or ToolSet.default()
+    fresh = _stage("fresh", clone)
+    agent = next((p.pid for p in fresh.processes if p.role == "agent"), None)
+    before = _areas(agent) if agent is not None else {}
+    r = clone.exec(["true"])
+    if r.exit_code != 0:
+        raise InvalidArgument(f"exec in the clone failed: {r.stderr!s}", hint="check the workspace with bunshin exec")
+    after_exec = _stage("after_exec", clone)
+    grown = _grown(before, _areas(agent)) if agent is not None else ()
+    obs = tools.run_sync(clone, "bash", {"command": "echo clone-memory"})
+    if obs.error or obs.exit_code != 0:
+        raise InvalidArgument(f"the bash tool call in the clone failed: {obs.error or obs.output}",
+                              hint="check the workspace's session with bunshin exec")
+    return CloneMemory((fresh, after_exec, _stage("after_tool", clone)), grown)
+
+
+def _summary(values: list[int]) -> dict[str, int]:
+    return {"anon_bytes_p50": round(statistics.median(values)), "anon_bytes_max": max(values)}
+
+
+def run(cfg: Config, *, clones: int = 3) -> dict[str, Any]:
+    """Snapshot a called workspace, restore ``clones`` clones one at a time, measure each."""
+    if clones < 1:
+        raise InvalidArgument(f"clones must be at least 1, not {clones}", hint="pass --clones 1 or more")
+    tools = ToolSet.default()
+    started = time.monotonic()
+    parent = Workspace.create("host", config=cfg)
+    try:
+        parent.exec(["true"])
+        tools.run_sync(parent, "bash", {"command": "echo parent"})
+        parent_procs = processes(parent)
+        snap = parent.snapshot()
+        try:
+            measured = []
+            for _ in range(clones):
+                (clone,) = snap.restore(1)
+                try:
+                    measured.append(measure_clone(clone, tools))
+                finally:
+                    clone.remove()
+        finally:
+            snap.remove()
+    finally:
+        parent.remove()
+    result: dict[str, Any] = {name: _summary([m.stage(name).anon_bytes for m in measured]) for name in STAGES}
+    result["parent"] = {"anon_bytes": sum(p.anon_bytes for p in parent_procs), "processes": parent_procs}
+    result["clones"] = measured
+    result["goal_bytes"] = 1 << 20
+    result["wall_s"] = round(time.monotonic() - started, 1)
+    return result
+
+
+def print_report(r: dict[str, Any]) -> None:
+    def kib(n: int) -> str:
+        return f"{n / 1024:.0f} KiB"
+
+    rows = [(name, kib(r[name]["anon_bytes_p50"]), kib(r[name]["anon_bytes_max"])) for name in STAGES]
+    output.print_table(f"private memory per clone (parent: {kib(r['parent']['anon_bytes'])}; goal <= 1 MiB after a tool call)",
+                       ["stage", "p50", "max"], rows)
+    first: CloneMemory = r["clones"][0]
+    procs = [(s.name, p.role, p.pid, kib(p.anon_bytes), kib(p.pss_anon_bytes), kib(p.private_dirty_bytes))
+             for s in first.stages for p in s.processes]
+    output.print_table("first clone, per process", ["stage", "role", "pid", "Anonymous", "Pss_Anon", "Private_Dirty"], procs)
+    output.print_table("first clone: the agent's areas written by its first exec",
+                       ["area", "file", "size", "grew"],
+                       [(a.start, a.path.rsplit("/", 1)[-1], kib(a.size_bytes), kib(a.grew_bytes)) for a in first.agent_areas_exec])

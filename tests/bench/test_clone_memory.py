@@ -1,0 +1,29 @@
+"""``bunshin bench clone-memory`` on a real clone: every stage measured, per process, nothing left."""
+
+from __future__ import annotations
+
+import pytest
+
+from bunshin.bench import clone_memory
+from bunshin.errors import InvalidArgument
+
+pytestmark = [pytest.mark.integration, pytest.mark.criu]
+
+
+def test_a_clone_is_measured_at_every_stage(no_leaks):
+    r = clone_memory.run(no_leaks, clones=1)
+    (m,) = r["clones"]
+    assert [s.name for s in m.stages] == list(clone_memory.STAGES)
+    fresh, after_exec, after_tool = m.stages
+    # restored from the snapshot: the agent and the parent's shell session, nothing copied yet
+    assert {p.role for p in fresh.processes} == {"agent", "session"}
+    assert fresh.anon_bytes < r["parent"]["anon_bytes"] // 4
+    # calls copy pages on write: the totals only grow, and the exec's shows in the agent's areas
+    assert fresh.anon_bytes < after_exec.anon_bytes <= after_tool.anon_bytes
+    assert m.agent_areas_exec and sum(a.grew_bytes for a in m.agent_areas_exec) > 0
+    assert r["after_tool"]["anon_bytes_p50"] == after_tool.anon_bytes
+
+
+def test_no_clones_is_refused(no_leaks):
+    with pytest.raises(InvalidArgument, match="at least 1"):
+        clone_memory.run(no_leaks, clones=0)
