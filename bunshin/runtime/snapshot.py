@@ -53,6 +53,7 @@ from . import container, criu, memfile, statefs, unforkable, upper_copy
 from . import syscalls as sc
 from .agent_client import quiesced
 from .cgroups import Layout, WorkspaceCgroup
+from .fork_checks import check as check_forkable
 from .idmap import share as share_view
 from .memfile import criu_images
 from .records import Mount, SnapshotMode, WorkspaceRecord, WorkspaceState, mounts_from_json
@@ -178,6 +179,7 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
     mode = SnapshotMode(mode)
     if rec.state != WorkspaceState.RUNNING or not container.is_alive(rec):
         raise StateConflict(f"workspace {rec.id} is not running", hint="only a running workspace can be forked")
+    check_forkable(rec.id, _tree(rec.pid))  # what CRIU cannot carry: refused before anything is frozen
     ghost_limit = unforkable.ghost_limit(cfg)
     snap_id = "snap-" + secrets.token_hex(6)
     sdir = cfg.paths.snapshot(snap_id)

@@ -1,0 +1,96 @@
+"""fork_checks against real processes of the host: nested namespaces (which a
+workspace cannot make today), connected TCP sockets, and what is left alone."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from bunshin.errors import NotForkable
+from bunshin.runtime import fork_checks
+
+
+def _needs_root() -> None:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare")
+
+
+@pytest.fixture
+def spawn() -> Iterator:
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(*argv: str) -> int:
+        p = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, close_fds=True)
+        procs.append(p)
+        return p.pid
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def _settled(pid: int, command: str, timeout: float = 10) -> int:
+    """``pid`` once it runs ``command`` (after unshare's exec), or its only child that does."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for cand in [pid, *map(int, open(f"/proc/{pid}/task/{pid}/children").read().split())]:
+            with open(f"/proc/{cand}/comm") as f:
+                if f.read().strip() == command:
+                    return cand
+        time.sleep(0.01)
+    raise TimeoutError(f"{pid} does not run {command}")
+
+
+@pytest.mark.parametrize(("flags", "what"), [
+    (["--ipc"], "is in its own ipc namespace"),
+    (["--uts"], "is in its own uts namespace"),
+    (["--cgroup"], "is in its own cgroup namespace"),
+    (["--pid"], "made for its children its own pid namespace"),
+    (["--pid", "--fork"], "is in its own pid namespace"),
+    (["--time"], "is in its own time namespace"),  # exec entered the one made for children
+])
+def test_a_nested_namespace_is_refused_naming_it(spawn, flags, what):
+    _needs_root()
+    pid = _settled(spawn("unshare", *flags, "sleep", "60"), "sleep")
+    found = fork_checks.refusals([os.getpid(), pid])
+    assert [(r.task.host_pid, r.what) for r in found] == [(pid, what)]
+    assert found[0].task.command == "sleep 60" and "CRIU cannot dump a nested" in found[0].why
+    with pytest.raises(NotForkable) as info:
+        fork_checks.check("ws-x", [os.getpid(), pid])
+    assert info.value.message.startswith(f"workspace ws-x cannot be forked: process {pid} (sleep 60) {what}")
+    assert "no-sandbox" in (info.value.hint or "")
+
+
+def test_processes_of_the_same_namespaces_and_listening_sockets_pass(spawn):
+    _needs_root()
+    pid = _settled(spawn("sleep", "60"), "sleep")
+    with socket.socket() as lsk:
+        lsk.bind(("127.0.0.1", 0))
+        lsk.listen(1)
+        assert fork_checks.refusals([os.getpid(), pid]) == []
+        fork_checks.check("ws-x", [os.getpid(), pid])  # raises nothing
+
+
+def test_a_connected_socket_is_found_with_both_ends():
+    with socket.socket(socket.AF_INET6) as lsk:
+        lsk.bind(("::1", 0))
+        lsk.listen(1)
+        with socket.create_connection(lsk.getsockname()[:2]) as client:
+            server, _ = lsk.accept()
+            with server:
+                found = [r.what for r in fork_checks.refusals([os.getpid()])]
+                port, peer = lsk.getsockname()[1], client.getsockname()[1]
+    assert f"holds a TCP connection [::1]:{peer} -> [::1]:{port} (ESTABLISHED)" in found
+    assert f"holds a TCP connection [::1]:{port} -> [::1]:{peer} (ESTABLISHED)" in found
+
+
+def test_an_empty_tree_passes():
+    assert fork_checks.refusals([]) == []

@@ -1,0 +1,93 @@
+"""Integration: what CRIU cannot carry is refused before the dump, naming the
+process, the object and what to do, and the parent goes on untouched."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from bunshin.errors import NotForkable
+
+pytestmark = [pytest.mark.integration, pytest.mark.criu]
+
+PROGS = Path(__file__).parent / "progs"
+# a connected pair on loopback (IPv4 or IPv6), idle; on /tmp/ping the client sends "ping",
+# and what the server receives goes to /tmp/pong
+PAIR = r"""
+import os, socket, sys, time
+family, host = (socket.AF_INET6, "::1") if sys.argv[1] == "6" else (socket.AF_INET, "127.0.0.1")
+lsk = socket.socket(family)
+lsk.bind((host, 0))
+lsk.listen(1)
+client = socket.create_connection(lsk.getsockname()[:2])
+server, _ = lsk.accept()
+open("/tmp/pair.ready", "w").close()
+while True:
+    if os.path.exists("/tmp/ping"):
+        os.unlink("/tmp/ping")
+        client.sendall(b"ping")
+        open("/tmp/pong", "w").write(server.recv(4).decode())
+    time.sleep(0.02)
+"""
+
+
+def _wait_for(ws, path: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while ws.exec(["test", "-e", path]).exit_code != 0:
+        assert time.monotonic() < deadline, f"{path} did not appear in {ws.id}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("version", ["4", "6"])
+def test_an_idle_tcp_connection_is_refused_and_still_works(family, version):
+    ws = family.create(memory="256M")
+    ws.files.write("/root/pair.py", PAIR.encode())
+    pid = ws.commands.spawn(["python3", "/root/pair.py", version])
+    _wait_for(ws, "/tmp/pair.ready")
+    with pytest.raises(NotForkable) as info:
+        family.fork(ws, 1)
+    err = info.value
+    loop = "127.0.0.1" if version == "4" else "[::1]"
+    assert f"process {pid} (python3 /root/pair.py {version}) holds a TCP connection {loop}:" in err.message
+    assert err.details == {**err.details, "process": pid, "command": f"python3 /root/pair.py {version}"}
+    assert "CAP_NET_ADMIN" in err.message and "reconnect after the fork" in (err.hint or "")
+    ws.exec(["touch", "/tmp/ping"])  # the parent's connection still carries data
+    _wait_for(ws, "/tmp/pong")
+    assert ws.files.read_text("/tmp/pong") == "ping"
+
+
+def _zombie_leader(tmp_path: Path) -> Path:
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("needs gcc")
+    out = tmp_path / "zombie_leader"
+    subprocess.run([gcc, "-O2", "-pthread", "-o", str(out), str(PROGS / "zombie_leader.c")], check=True)
+    return out
+
+
+def test_a_zombie_leader_with_running_threads_is_refused(family, tmp_path):
+    ws = family.create(memory="256M")
+    ws.files.write("/root/zl", _zombie_leader(tmp_path).read_bytes())
+    ws.exec(["chmod", "+x", "/root/zl"])
+    pid = ws.commands.spawn(["/root/zl", "/tmp/zl.ready"])
+    _wait_for(ws, "/tmp/zl.ready")
+    with pytest.raises(NotForkable) as info:
+        family.fork(ws, 1)
+    err = info.value
+    assert f"process {pid} (" in err.message and "is a zombie whose 1 other thread(s) still run" in err.message
+    assert err.details["process"] == pid and "pthread_join" in (err.hint or "")
+    # untouched: the leader is still a zombie and its thread still runs
+    stat = ws.exec(["cat", f"/proc/{pid}/stat"]).stdout
+    assert stat.rsplit(")", 1)[1].split()[0] == "Z"
+    assert len(ws.exec(["ls", f"/proc/{pid}/task"]).stdout.split()) == 2
+    # once it has ended, the workspace forks
+    ws.exec(["kill", "-9", str(pid)])
+    deadline = time.monotonic() + 10
+    while ws.exec(["test", "-e", f"/proc/{pid}/task/{pid + 1}"]).exit_code == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (clone,) = family.fork(ws, 1)
+    assert clone.exec(["echo", "ok"]).stdout == "ok\n"
