@@ -1,5 +1,6 @@
 """Integration: what CRIU cannot carry is refused before the dump, naming the
-process, the object and what to do, and the parent goes on untouched."""
+process, the object and what to do, and the parent goes on untouched; a restore
+that fails anyway names CRIU's first real error."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bunshin.errors import NotForkable
+from bunshin.errors import CriuError, NotForkable
 
 pytestmark = [pytest.mark.integration, pytest.mark.criu]
 
@@ -91,3 +92,22 @@ def test_a_zombie_leader_with_running_threads_is_refused(family, tmp_path):
         time.sleep(0.05)
     (clone,) = family.fork(ws, 1)
     assert clone.exec(["echo", "ok"]).stdout == "ok\n"
+
+
+def test_a_failing_restore_names_criu_first_error(family):
+    ws = family.create(memory="256M")
+    snap = family.snapshot(ws)
+    images = Path(snap.record.images)
+    victim = sorted(images.glob("mm-*.img"))[-1]  # a task's memory map, read late in the restore
+    data = bytearray(victim.read_bytes())
+    for i in range(8, len(data)):
+        data[i] ^= 0x5A
+    victim.write_bytes(bytes(data))
+    with pytest.raises(CriuError) as info:
+        family.restore(snap, 1)
+    err = info.value
+    first = err.first_errors.splitlines()[0]
+    assert victim.name in first and first in err.message  # the damaged image, named in the message
+    assert "Restoring FAILED" not in first and "RLIMIT_NOFILE" not in err.first_errors
+    assert err.details["action"] == "restore" and err.details["log"] in str(err)
+    assert ws.exec(["echo", "parent"]).stdout == "parent\n"  # the source goes on
