@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .cluster_cmds import register as register_cluster
 
     register_cluster(sub)
+    from .desktop_cmds import register as register_desktop
+
+    register_desktop(sub)
     return parser
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import select
 import sys
@@ -15,6 +16,7 @@ from .. import console as output
 from ..errors import InvalidArgument
 from ..runtime.limits import check_timeout
 from ..workspace import Snapshot, Workspace
+from ..workspace.desktop import DesktopSpec
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,6 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pids", type=int, default=512, help="process limit (default 512)")
     p.add_argument("--mount", action="append", default=[], metavar="HOST:PATH[:ro|rw]",
                    help="share a host folder at PATH inside (read-only unless :rw; clones share it too)")
+    p.add_argument("--desktop", nargs="?", const=True, default=None, metavar="WxH[xD]",
+                   help="start a desktop inside (Xvfb, jwm; default screen 1280x800x24): see `bunshin desktop`")
+    p.add_argument("--vnc", action="store_true", help="with --desktop: x11vnc on the workspace's loopback")
     p.add_argument("--json", action="store_true", help="print a JSON object")
     p.add_argument("cmd", nargs="*", help="-- CMD...: a long-lived command to run inside")
     p.set_defaults(func=cmd_create)
@@ -61,9 +66,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_create(args: argparse.Namespace) -> int:
     command = args.cmd or None
+    desktop = DesktopSpec.parse(args.desktop)
+    if args.vnc:
+        if desktop is None:
+            raise InvalidArgument("--vnc needs --desktop", hint="bunshin create --desktop --vnc")
+        desktop = dataclasses.replace(desktop, vnc=True)
     t0 = time.perf_counter()
     ws = Workspace.create(args.image, name=args.name, memory=args.memory, pids=args.pids, command=command,
-                          mounts=args.mount)
+                          mounts=args.mount, desktop=desktop)
     if args.json:
         output.print_json({"id": ws.id, "name": ws.name, "image": args.image, "pid": ws.record.pid,
                            "create_ms": round((time.perf_counter() - t0) * 1000, 1)})

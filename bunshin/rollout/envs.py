@@ -33,6 +33,7 @@ from ..speculate import SpeculationPolicy
 from ..tools import Tool, ToolSet
 from ..workspace import LocalHost
 from ..workspace.aio import AsyncSnapshot, AsyncWorkspace, default_bridge
+from ..workspace.desktop import Desktop, DesktopSpec
 from ..workspace.protocol import HostAPI, SnapshotAPI, WorkspaceAPI
 from .records import Observation
 from .task import TaskSpec
@@ -191,6 +192,9 @@ class TaskEnv:
 
         ws = AsyncWorkspace(await in_thread(create, undo=lambda w: w.remove()))
         try:
+            desktop = DesktopSpec.parse(task.desktop)
+            if desktop is not None:  # before setup: a setup step may open an app on it
+                await ws.call(Desktop.start, ws.sync, desktop)
             await setup_workspace(ws, task, self.tools)
         except BaseException:
             await asyncio.shield(_remove_quietly(ws))

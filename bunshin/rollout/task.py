@@ -19,6 +19,8 @@ A task file (YAML or JSON) looks like::
     reward: "python3 /work/score.py"            # its stdout's last number is the reward
     call_timeout: 60            # seconds per tool call (finite, at most 7 days, as every timeout)
     trajectory_timeout: 600     # seconds per trajectory, setup included
+    desktop: true               # a desktop (Xvfb + jwm) started before setup: true, "1280x800x24" or
+                                # a mapping of DesktopSpec fields (bunshin.workspace.desktop)
 
 A bad spec raises :class:`~bunshin.errors.InvalidArgument` naming the field.
 """
@@ -39,6 +41,7 @@ from ..config import Config
 from ..errors import InvalidArgument
 from ..runtime.limits import MAX_TIMEOUT_S
 from ..runtime.records import check_mounts
+from ..workspace.desktop import DesktopSpec
 
 #: A timeout field: finite seconds, > 0 and at most 7 days (``MAX_TIMEOUT_S``).
 TimeoutSeconds = Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)]
@@ -104,6 +107,7 @@ class TaskSpec(BaseModel):
     call_timeout: TimeoutSeconds = 60.0
     trajectory_timeout: TimeoutSeconds = 600.0
     metadata: dict[str, Any] = Field(default_factory=dict)
+    desktop: dict[str, Any] | None = None  # a DesktopSpec's fields (true and "WxH[xD]" accepted)
 
     @field_validator("setup", mode="before")
     @classmethod
@@ -113,6 +117,15 @@ class TaskSpec(BaseModel):
         if isinstance(v, list | tuple):
             return [{"run": s} if isinstance(s, str) else s for s in v]
         return v
+
+    @field_validator("desktop", mode="before")
+    @classmethod
+    def _desktop(cls, v: Any) -> Any:
+        try:
+            spec = DesktopSpec.parse(v)
+        except InvalidArgument as e:
+            raise ValueError(str(e)) from None
+        return None if spec is None else spec.to_dict()
 
     @field_validator("reward", mode="before")
     @classmethod
@@ -150,6 +163,8 @@ class TaskSpec(BaseModel):
         image and setup, reuses the root; a new image digest or setup builds a new one."""
         parts = {"image": image_id, "files": self.files, "mounts": list(self.mounts), "workdir": self.workdir,
                  "setup": [s.model_dump(mode="json") for s in self.setup], "memory": self.memory, "pids": self.pids}
+        if self.desktop is not None:  # only then: the keys of tasks without one stay as they were
+            parts["desktop"] = self.desktop
         return "root-" + hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
     def initial_messages(self) -> list[dict[str, Any]]:

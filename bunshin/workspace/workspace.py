@@ -28,6 +28,7 @@ from ..runtime.limits import check_timeout
 from ..runtime.records import Mount, SnapshotMode, WorkspaceRecord, WorkspaceState
 from ..runtime.stats import WorkspaceStats
 from ..runtime.store import Store
+from .desktop import Desktop, DesktopSpec
 from .protocol import SnapshotAPI, WorkspaceAPI
 
 
@@ -78,6 +79,7 @@ class Workspace:
         command: Sequence[str] | None = None,
         config: Config | None = None,
         mounts: Sequence[Mount | str] = (),
+        desktop: DesktopSpec | bool | str | None = None,
     ) -> Workspace:
         """Start a new workspace from ``image``: 'host', a root filesystem folder, or an
         OCI/Docker image in the store (``name:tag``, an id; a reference naming its registry,
@@ -86,12 +88,23 @@ class Workspace:
         (its Entrypoint, then ``command`` or its Cmd).
 
         ``mounts``: host folders shared on purpose, ``Mount(host, path, read_only=True)``
-        or ``"HOST:PATH[:ro|rw]"``; its clones share them too (see ``Mount``)."""
+        or ``"HOST:PATH[:ro|rw]"``; its clones share them too (see ``Mount``).
+
+        ``desktop``: start a desktop inside (``True``, ``"1280x800x24"`` or a ``DesktopSpec``;
+        see :mod:`bunshin.workspace.desktop`); the workspace is removed if it fails to start."""
         cfg = config or Config.from_env()
+        spec = DesktopSpec.parse(desktop)
         with Store.open(cfg.db_path) as store:
             rec = container.create(cfg, store, image=image, name=name, memory=memory, pids=pids,
                                    command=list(command) if command else None, mounts=mounts)
-        return cls(cfg, rec)
+        ws = cls(cfg, rec)
+        if spec is not None:
+            try:
+                Desktop.start(ws, spec)
+            except BaseException:
+                ws.remove()
+                raise
+        return ws
 
     @classmethod
     def get(cls, ref: str, *, config: Config | None = None) -> Workspace:

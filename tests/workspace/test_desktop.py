@@ -1,0 +1,108 @@
+"""Integration: a desktop inside a workspace (real Xvfb, jwm, xdotool, apps from Debian)."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+
+import pytest
+from PIL import Image
+
+from bunshin import Workspace
+from bunshin.errors import InvalidArgument, StateConflict
+from bunshin.workspace.desktop import Desktop, DesktopSpec
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(shutil.which("Xvfb") is None or shutil.which("jwm") is None,
+                       reason="needs xvfb, x11-apps, xdotool and jwm: run `make install`"),
+]
+
+
+def _image(png: bytes) -> Image.Image:
+    return Image.open(io.BytesIO(png))
+
+
+def test_desktop_starts_with_its_screen_and_apps_show(family):
+    ws = family.create(desktop="640x480")
+    desk = Desktop.of(ws)
+    assert desk.spec == DesktopSpec(width=640, height=480)
+    before = desk.screenshot()
+    assert before.startswith(b"\x89PNG") and _image(before).size == (640, 480)
+    assert desk.windows() == []
+    desk.launch(["xterm", "-geometry", "60x10+20+20"])
+    assert desk.windows() == ["xterm"]
+    after = desk.screenshot()
+    assert after != before  # the xterm is drawn
+    # only a window's area changed: the far corner is the same background
+    assert _image(after).getpixel((630, 470)) == _image(before).getpixel((630, 470))
+    assert {"Xvfb", "jwm", "xterm"} <= {p.name for p in ws.processes()}
+
+
+def test_x_server_is_private_to_the_workspace(family):
+    """Xvfb listens on no TCP port, and its sockets are the workspace's own: another
+    workspace on display :0 is a different screen."""
+    a, b = family.create(desktop="320x240"), family.create(desktop="320x240")
+    Desktop.of(a).launch(["xterm", "-geometry", "20x5+0+0"])
+    assert Desktop.of(a).windows() == ["xterm"] and Desktop.of(b).windows() == []
+    listening = a.exec(["sh", "-c", "cat /proc/net/tcp /proc/net/tcp6 | awk '$4 == \"0A\"' | wc -l"]).stdout
+    assert listening.strip() == "0"
+
+
+def test_input_outside_the_screen_and_unknown_keys_are_refused(family):
+    desk = Desktop.of(family.create(desktop="320x240"))
+    shot = desk.screenshot()
+    for call in (lambda: desk.click(320, 10), lambda: desk.move(-1, 0), lambda: desk.drag(0, 0, 10, 240),
+                 lambda: desk.click(1.5, 2), lambda: desk.press("ctrl+hyper"), lambda: desk.type_text(""),
+                 lambda: desk.scroll(0), lambda: desk.click(5, 5, button=9)):
+        with pytest.raises(InvalidArgument):
+            call()
+    with pytest.raises(InvalidArgument, match="no program"):
+        desk.launch("no-such-app-here")
+    with pytest.raises(InvalidArgument, match="no such file"):
+        desk.open("/nowhere/file.txt")
+    assert desk.screenshot() == shot  # nothing reached the screen
+
+
+def test_a_workspace_without_a_desktop_says_how_to_get_one(family):
+    ws = family.create()
+    with pytest.raises(StateConflict) as e:
+        Desktop.of(ws)
+    assert "--desktop" in (e.value.hint or "")
+    Desktop.start(ws, DesktopSpec(width=320, height=240))
+    with pytest.raises(StateConflict, match="already has a desktop"):
+        Desktop.start(ws)
+    ws.files.write("/tmp/.bunshin-desktop/desktop.json", "{not json")
+    with pytest.raises(StateConflict, match="not JSON"):
+        Desktop.of(ws)
+
+
+def test_bad_desktop_spec_creates_nothing(no_leaks):
+    with pytest.raises(InvalidArgument, match="WIDTHxHEIGHT"):
+        Workspace.create("host", config=no_leaks, desktop="big")
+    assert Workspace.list(config=no_leaks) == []
+
+
+def test_cli_create_screenshot_windows_vnc(no_leaks, tmp_path):
+    from tests.cli.test_cli import bunshin
+
+    cfg = no_leaks
+    ws = json.loads(bunshin(cfg, "create", "--desktop", "400x300", "--json").stdout)
+    try:
+        r = json.loads(bunshin(cfg, "desktop", "launch", ws["id"], "--json", "--", "xterm").stdout)
+        assert r["pid"] > 0
+        assert json.loads(bunshin(cfg, "desktop", "windows", ws["id"], "--json").stdout) == {"windows": ["xterm"]}
+        out = tmp_path / "s.png"
+        r = json.loads(bunshin(cfg, "desktop", "screenshot", ws["id"], "-o", str(out), "--json").stdout)
+        assert (r["width"], r["height"]) == (400, 300) and _image(out.read_bytes()).size == (400, 300)
+        r = json.loads(bunshin(cfg, "desktop", "vnc", ws["id"], "--json").stdout)
+        assert r["started"] and "nsenter --net=/proc/" in r["forward"] and r["vnc_port"] == 5900
+        probe = "import socket; s=socket.create_connection(('127.0.0.1', 5900), 5); print(s.recv(12))"
+        ws_obj = Workspace.get(ws["id"], config=cfg)
+        assert "RFB 003.008" in ws_obj.exec(["python3", "-c", probe]).stdout  # x11vnc answers inside
+        assert not json.loads(bunshin(cfg, "desktop", "vnc", ws["id"], "--json").stdout)["started"]
+        r = bunshin(cfg, "create", "--vnc", "--json", check=False)
+        assert r.returncode != 0 and "--vnc needs --desktop" in r.stderr
+    finally:
+        bunshin(cfg, "rm", ws["id"])
