@@ -280,18 +280,30 @@ def _shared_run_dir(upper: Path, owner: int) -> None:
         os.chown(path, owner, owner)
 
 
+# The overlay decodes its own file handles (``index=on,nfs_export=on``): CRIU dumps an
+# inotify watch by the path its handle decodes to (read back from the opened handle),
+# and a restore watches that path in the clone's own overlay, so the watch fires on
+# the clone's changes only. Without them CRIU refuses every watch on the root
+# ("fsnotify: Can't dump that handle"). A lower that cannot decode handles makes the
+# kernel fall back to both off (mountinfo then lacks them, and a fork with a watch on
+# it is refused by name: ``unforkable``).
+EXPORT_OPTIONS = (("index", "on"), ("nfs_export", "on"))
+
+
 def mount_overlay(rec: WorkspaceRecord, cfg: Config) -> None:
-    """Mount ``rec``'s overlay root; host-owned layers are seen through idmapped views
-    (``idmap``)."""
+    """Mount ``rec``'s overlay root (``EXPORT_OPTIONS``); host-owned layers are seen through
+    idmapped views (``idmap``)."""
     lowers = idmap.collapse(cfg, [str(idmap.view(cfg, Path(p)) if idmap.needs_view(cfg, Path(p)) else p)
                                   for p in rec.lowers])
     opts = f"lowerdir={':'.join(lowers)},upperdir={rec.upper},workdir={rec.work}"
+    opts += "".join(f",{k}={v}" for k, v in EXPORT_OPTIONS)
     if len(lowers) > sc.OVERLAY_MAX_LOWERS:
         raise InvalidArgument(f"layer stack of {len(rec.lowers)} layers is deeper than overlayfs's "
                               f"{sc.OVERLAY_MAX_LOWERS}", hint="fork from a shallower snapshot or a fresh workspace")
     try:
         if len(opts) > _MOUNT_OPTIONS_MAX or any("," in p or ":" in p for p in lowers):
-            sc.mount_overlay_fs(rec.root, lowers, rec.upper, rec.work)  # one layer per call, no page limit
+            sc.mount_overlay_fs(rec.root, lowers, rec.upper, rec.work,  # one layer per call, no page limit
+                                options=EXPORT_OPTIONS)
         else:
             sc.mount("overlay", rec.root, "overlay", 0, opts)
     except OSError as e:

@@ -85,17 +85,22 @@ def image_run(cfg: Config, lowers: Sequence[str]) -> list[str]:
 
 
 def stack_target(cfg: Config, layers: list[str]) -> Path:
-    digest = hashlib.sha256("\n".join(layers).encode()).hexdigest()[:16]
+    # the options are part of the name: a stack mounted without nfs_export is not reused
+    digest = hashlib.sha256("\n".join(["nfs_export", *layers]).encode()).hexdigest()[:16]
     return cfg.paths.idmap / f"stack-{digest}"
 
 
 def stack(cfg: Config, layers: list[str]) -> Path:
     """A read-only, nodev overlay of the image-store ``layers`` (top first), mounted once
     and shared like the views: a deep image becomes one lower of a workspace's overlay
-    (overlay over overlay, the kernel's stacking depth of 2)."""
+    (overlay over overlay, the kernel's stacking depth of 2). It decodes its file handles
+    (``nfs_export``, which a read-only overlay allows with ``redirect_dir=nofollow``;
+    image layers bring no redirects), else the workspace's overlay could not either
+    (``container.EXPORT_OPTIONS``)."""
     target = stack_target(cfg, layers)
     return _ensure(cfg, target, lambda: sc.mount_overlay_fs(
-        str(target), layers, attrs=sc.MOUNT_ATTR_RDONLY | sc.MOUNT_ATTR_NODEV))
+        str(target), layers, attrs=sc.MOUNT_ATTR_RDONLY | sc.MOUNT_ATTR_NODEV,
+        options=(("redirect_dir", "nofollow"), ("nfs_export", "on"))))
 
 
 def release_stacks(cfg: Config, keep: set[Path]) -> list[str]:

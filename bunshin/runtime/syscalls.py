@@ -183,15 +183,16 @@ MOUNT_ATTR_RDONLY, MOUNT_ATTR_NODEV = 0x1, 0x4
 
 
 def mount_overlay_fs(target: str, lowers: Sequence[str], upper: str | None = None, work: str | None = None,
-                     attrs: int = 0) -> None:
+                     attrs: int = 0, options: Sequence[tuple[str, str]] = ()) -> None:
     """An overlay at ``target`` through the new mount API: each lower given on its own
     (``lowerdir+``, Linux >= 6.8), so a deep stack is not bound by ``mount(2)``'s one
     page of options (~30 layers of store paths); still at most ``OVERLAY_MAX_LOWERS``.
-    Without ``upper`` it is read-only (two lowers at least). ``attrs``: ``MOUNT_ATTR_*``."""
+    Without ``upper`` it is read-only (two lowers at least). ``attrs``: ``MOUNT_ATTR_*``;
+    ``options``: more overlay options, as (key, value)."""
     fs = syscall(_SYS_FSOPEN, b"overlay", ctypes.c_uint(1))
     try:
         rw = [("upperdir", upper), ("workdir", work)] if upper is not None and work is not None else []
-        for key, value in [*(("lowerdir+", p) for p in lowers), *rw]:
+        for key, value in [*(("lowerdir+", p) for p in lowers), *rw, *options]:
             syscall(_SYS_FSCONFIG, ctypes.c_int(fs), ctypes.c_uint(_FSCONFIG_SET_STRING), key.encode(),
                     value.encode(), ctypes.c_int(0))
         syscall(_SYS_FSCONFIG, ctypes.c_int(fs), ctypes.c_uint(_FSCONFIG_CMD_CREATE), None, None, ctypes.c_int(0))

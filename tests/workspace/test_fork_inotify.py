@@ -1,0 +1,128 @@
+"""Integration: inotify watches survive a fork (issue 16), as every GLib app, IDE,
+dev server and test watcher holds them.
+
+The workspace's root overlay is mounted ``index=on,nfs_export=on``, so CRIU records
+each watch by the path its file handle decodes to, and a clone's restore watches that
+path in the clone's own overlay. The watcher is ``progs/watch.c``: one inotify
+instance watching a file and a folder of the upper layer (made in the workspace) and
+a file and a folder of the image's lower layer (/etc/hostname, /etc/default); in the
+clones all four are in lower layers (the parent's upper frozen). Each clone must see
+the changes made in it, and none made in its parent or sibling. A watch on /proc
+cannot be recorded by CRIU (procfs decodes no handles): the fork is refused, naming
+the process and the watch, and the workspace is left running as it was.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from bunshin.errors import NotForkable
+from bunshin.workspace import Workspace
+from tests.workspace.test_fork import wait_file
+
+pytestmark = [pytest.mark.integration, pytest.mark.criu]
+
+PROGS = Path(__file__).parent / "progs"
+LOG = "/tmp/watch.log"
+WATCHED = ["/tmp/wf", "/tmp/wd", "/etc/hostname", "/etc/default"]
+
+
+@pytest.fixture(scope="module")
+def watcher(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    out = tmp_path_factory.mktemp("watch") / "watch"
+    subprocess.run(["gcc", "-O2", "-static", "-o", str(out), str(PROGS / "watch.c")], check=True)
+    return out.read_bytes()
+
+
+def start_watcher(ws: Workspace, binary: bytes, paths: list[str], log: str = LOG) -> int:
+    """Start ``watch`` on ``paths`` in ``ws``; its pid inside once every watch is in place."""
+    ws.files.write("/root/watch", binary, mode=0o755)
+    ws.commands.spawn(["/root/watch", log, *paths])
+    return int(wait_file(ws, f"{log}.ready", timeout=20))
+
+
+def events_after(ws: Workspace, start: int) -> list[str]:
+    """The watcher's log lines from line ``start`` on ("PATH MASK NAME")."""
+    return ws.files.read_text(LOG).splitlines()[start:]
+
+
+def wait_events(ws: Workspace, start: int, wanted: list[str], timeout: float = 20) -> list[str]:
+    """Wait until every ``wanted`` "PATH NAME" pair is in the log after ``start``; the lines."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = events_after(ws, start)
+        seen = {(ln.split()[0], ln.split()[-1]) for ln in lines if len(ln.split()) == 3}
+        missing = [w for w in wanted if tuple(w.split()) not in seen]
+        if not missing:
+            return lines
+        assert time.monotonic() < deadline, f"{ws.id}: no event for {missing}; log after the fork: {lines}"
+        time.sleep(0.05)
+
+
+def watches(ws: Workspace, pid: int) -> int:
+    """How many watches the watcher's inotify descriptor holds (its fdinfo, read inside)."""
+    out = ws.exec(["sh", "-c", f'for f in /proc/{pid}/fdinfo/*; do cat "$f"; done']).stdout
+    return sum(1 for ln in out.splitlines() if ln.startswith("inotify wd:"))
+
+
+def touch(ws: Workspace, *commands: str) -> None:
+    r = ws.exec(["sh", "-c", " && ".join(commands)])
+    assert r.exit_code == 0, r
+
+
+def test_watches_on_upper_and_lower_files_fire_in_each_clone_for_its_own_changes(family, watcher):
+    ws = family.create()
+    touch(ws, "mkdir /tmp/wd", "echo start > /tmp/wf", "test -f /etc/hostname", "test -d /etc/default")
+    pid = start_watcher(ws, watcher, WATCHED)
+    touch(ws, "touch /tmp/wd/p0")
+    wait_events(ws, 0, ["/tmp/wd p0"])  # the watcher works before the fork
+    start = len(events_after(ws, 0))
+
+    a, b = family.fork(ws, 2)
+    for c in (a, b):
+        assert watches(c, pid) == len(WATCHED), f"{c.id}: the watcher lost watches in the restore"
+    touch(a, "echo a >> /tmp/wf", "touch /tmp/wd/a1", "echo a >> /etc/hostname", "touch /etc/default/a2")
+    touch(b, "touch /tmp/wd/b1", "touch /etc/default/b2")
+    touch(ws, "echo p >> /tmp/wf", "touch /tmp/wd/p1", "touch /etc/default/p2")
+    wait_events(a, start, ["/tmp/wf -", "/tmp/wd a1", "/etc/hostname -", "/etc/default a2"])
+    wait_events(b, start, ["/tmp/wd b1", "/etc/default b2"])
+    wait_events(ws, start, ["/tmp/wf -", "/tmp/wd p1", "/etc/default p2"])
+    time.sleep(0.3)  # time for a stray event to arrive
+    for c, own in ((a, "a"), (b, "b"), (ws, "p")):
+        names = [ln.split()[-1] for ln in events_after(c, start)]
+        foreign = [n for n in names if n != "-" and not n.startswith(own)]
+        assert not foreign, f"{c.id} saw another workspace's changes: {foreign}"
+    assert not [ln for ln in events_after(b, start) if ln.startswith(("/tmp/wf ", "/etc/hostname "))], \
+        "b changed neither watched file"
+    # the watch carries on through a fork of a fork (its own upper frozen below it)
+    start_a = len(events_after(a, 0))
+    (aa,) = family.fork(a, 1)
+    assert watches(aa, pid) == len(WATCHED)
+    touch(aa, "touch /tmp/wd/aa1", "touch /etc/default/aa2", "echo aa >> /tmp/wf")
+    wait_events(aa, start_a, ["/tmp/wd aa1", "/etc/default aa2", "/tmp/wf -"])
+    time.sleep(0.3)
+    assert not [ln for ln in events_after(a, start_a) if "aa" in ln.split()[-1]], "a saw its clone's changes"
+
+
+def test_a_watch_criu_cannot_record_is_refused_naming_process_and_watch(family, watcher):
+    ws = family.create()
+    touch(ws, "mkdir /tmp/wd")
+    pid = start_watcher(ws, watcher, ["/tmp/wd", "/proc"])
+    with pytest.raises(NotForkable) as info:
+        family.fork(ws, 1)
+    err = info.value
+    assert f"process {pid}" in err.message and "/root/watch" in err.message, err.message
+    assert "inotify watch" in err.message and "proc filesystem at /proc" in err.message, err.message
+    assert err.hint and "stop the watcher" in err.hint
+    assert err.details["process"] == pid and err.details["filesystem"] == "proc"
+    # nothing was lost: the workspace runs on, its watcher with it
+    touch(ws, "touch /tmp/wd/after")
+    wait_events(ws, 0, ["/tmp/wd after"])
+    # without the watcher the fork goes through
+    touch(ws, f"kill {pid}")
+    (clone,) = family.fork(ws, 1)
+    assert clone.exec("cat /tmp/watch.log").stdout == ws.exec("cat /tmp/watch.log").stdout
