@@ -20,8 +20,8 @@ the workspace and its command), the object and what to do:
   workspace cannot make one today (no CAP_SYS_ADMIN inside, new user namespaces
   refused by seccomp); the check keeps a fork from failing late if that changes.
 
-Measured cost: ~0.3 ms for a workspace of five processes (before the dump, not in
-the pause). The state can change between the check and the freeze; a connection
+Measured cost, with the tree walk: 4.1 ms p50, 8.1 ms p95 for a workspace of six
+processes (2-core VM at load 5); it runs before the dump, so the pause is unchanged. The state can change between the check and the freeze; a connection
 opened in that window still fails the restore, with CRIU's first error.
 """
 
