@@ -1,32 +1,37 @@
 """``bunshin bench fork``: live fork against plain CRIU restore and a cold start.
 
 A workspace runs a Python process holding a heap of ``heap_mib`` MiB (every page
-written with non-zero data) that, once a second, reads one byte of every page
-and writes one page: light work that goes on by itself in every clone. It is
-forked 1, 8, 32, 64 times, side by side in one run:
+written with non-zero data) that, once a second, reads one byte of each page of a
+1 MiB window (the window walks the heap) and writes one page: light work that goes on
+by itself in every clone and costs the same whatever the heap (so 1,024 clones of
+4 GiB leave the machine responsive). The workspace also holds a bash session (one
+``bash`` tool call before the first fork), as a task root would.
 
-- ``bunshin``: copy-on-write fork (one dump, memory files, N restores);
+First the workspace is forked once (the *first fork*: its phases reported apart:
+CRIU's freezing, frozen, memory-drain and page-write times, the dump's wall time, the
+rewrite into memory files, the snapshot's wall time). Then, for each size N, side by
+side in one run:
+
+- ``bunshin``: copy-on-write (one dump, memory files, N restores);
 - ``copy``: plain CRIU restore of the same kind of dump (every page copied), capped
-  at the number of clones that fits in half the available memory (reported);
+  at the number of clones that fits in half the memory available after its dump;
 - ``cold``: create a workspace and rebuild the heap, a few times.
 
-Per size: restore latency p50/p99, parent pause, private memory per clone right
-after the restore and after 5 s of light work (``Anonymous`` of the clone's
-processes), and system-wide memory added by all clones (``MemTotal -
-MemAvailable``, tmpfs memory files included; the baseline is taken once the
-memory of the previous round's clones is freed; ``accounted_bytes`` adds the same
-up from memory files, images and the clones' cgroups). Then forks of a running fork at
-depth 1..8 (times and delta sizes per level).
+Per size: restore latency per clone p50/p90/p99 (criu's run) and the batch's wall time
+per clone, parent pause, private memory per clone (``Anonymous`` of the clone's
+processes) right after the restore, after one exec and one ``bash`` tool call in every
+clone, and after 5 s of light work; system-wide memory added (``MemTotal -
+MemAvailable``, tmpfs memory files included), the clones' own cgroups, and the time to
+remove all clones (``remove_all``). Restores run in chunks of ``CHUNK`` (progress).
+Then forks of a running fork at depth 1..depth.
 
-Result (``--json``): nested dicts. Headline numbers are those of the largest
-size: ``r["bunshin"]["restore_ms_p50"]``, ``r["copy"]["restore_ms_p50"]``,
+Result (``--json``): nested dicts. Headline numbers are those of the largest size:
+``r["bunshin"]["restore_ms_p50"]``, ``r["copy"]["restore_ms_p50"]``,
 ``r["cold"]["start_ms_p50"]``, ``r["bunshin"]["private_bytes_per_clone"]``,
-``r["copy"]["private_bytes_per_clone"]``, ``r["bunshin"]["total_added_bytes"]``,
-``r["copy"]["total_added_bytes"]``, ``r["parent_pause_ms"]`` (p50 over the cow
-forks; CRIU's own ``frozen_time``); ``r["bunshin"]["clones_added_bytes"]`` (the
-clones' cgroups, without the shared snapshot) and its share of the parent's
-cgroup, ``clones_added_share_of_parent``; ``r["sizes"]`` holds every size,
-``r["depth"]`` every level.
+``r["bunshin"]["private_bytes_after_call"]``, ``r["bunshin"]["remove_all_ms"]``,
+``r["bunshin"]["total_added_bytes"]``, ``r["parent_pause_ms"]`` (p50 over the cow
+forks; CRIU's own ``frozen_time``), ``r["first_fork"]`` (its phases);
+``r["sizes"]`` holds every size, ``r["depth"]`` every level.
 """
 
 from __future__ import annotations
@@ -34,19 +39,27 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import psutil
-from rich.progress import Progress
+from rich.progress import Progress, TaskID
 
 from .. import console as output
 from ..config import Config
 from ..errors import InvalidArgument, RuntimeFailure
-from ..workspace import Workspace
+from ..runtime.memfile import criu_images
+from ..tools import ToolSet
+from ..workspace import Snapshot, Workspace
+from ..workspace.batch import remove_all
 from .stats import percentile, summary, system_used_bytes
 
 LIGHT_WORK_S = 5.0
 COPY_MEMORY_SHARE = 0.5  # copy-mode clones may use at most this share of MemAvailable
+CHUNK = 64  # clones restored per call: progress between chunks
+CALL_THREADS = 4  # clones exec'd and called side by side
 HEAP_PROG = r"""
 import os, sys, time
 heap = bytearray(int(sys.argv[1]) << 20)
@@ -55,24 +68,31 @@ for p in range(pages):  # every page written, non-zero
     heap[p << 12] = p % 251 + 1
 open("/tmp/heap.ready.tmp", "w").write(str(pages))
 os.replace("/tmp/heap.ready.tmp", "/tmp/heap.ready")
+window = min(pages, 256) << 12  # 1 MiB
 i = 0
-while True:  # light work: read one byte of every page, write one page, every second
+while True:  # light work: read one byte of each page of a 1 MiB window that walks the heap, write one page
     time.sleep(1)
-    s = sum(heap[::4096])
+    at = (i * window) % len(heap)
+    s = sum(heap[at:at + window:4096])
     heap[((i * 7919) % pages) << 12] = (s + i) % 251 + 1
     i += 1
 """
+TOOLS = ToolSet.default()
+CALL = ("bash", {"command": "echo called"})
 
 
 def start_heap(cfg: Config, heap_mib: int) -> Workspace:
-    """A workspace whose heap program is up and has touched every page."""
+    """A workspace whose heap program is up and has touched every page, with a bash session."""
     ws = Workspace.create("host", memory=f"{heap_mib + 768}M", pids=256, config=cfg)
     try:
         ws.files.write("/root/heap.py", HEAP_PROG)
         ws.commands.spawn(["python3", "/root/heap.py", str(heap_mib)])
-        r = ws.exec(["sh", "-c", "while [ ! -s /tmp/heap.ready ]; do sleep 0.02; done"], timeout=300)
+        r = ws.exec(["sh", "-c", "while [ ! -s /tmp/heap.ready ]; do sleep 0.02; done"], timeout=600)
         if r.exit_code != 0:
             raise RuntimeFailure(f"the heap program did not start: {r.stdout!s}{r.stderr!s}")
+        obs = TOOLS.run_sync(ws, *CALL)
+        if obs.error or obs.exit_code != 0:
+            raise RuntimeFailure(f"the bash tool failed in the parent: {obs.error or obs.output}")
     except BaseException:
         ws.remove()
         raise
@@ -85,69 +105,147 @@ def copy_cap(heap_mib: int) -> int:
     return max(1, int(avail * COPY_MEMORY_SHARE) // ((heap_mib + 64) << 20))
 
 
-def measure(parent: Workspace, n: int, mode: str, progress: Progress) -> dict[str, Any]:
-    """Snapshot ``parent``, restore n clones from it, measure, remove both.
+def criu_stats(images: str) -> dict[str, Any]:
+    """CRIU's own phase times of a dump (``stats-dump``), in ms, and its page counts."""
+    try:
+        d = criu_images.load(Path(images) / "stats-dump")["entries"][0]["dump"]
+    except Exception:  # noqa: BLE001 (a bench reports what it can)
+        return {}
+    ms = {f"{k.removesuffix('_time')}_ms": round(int(d[k]) / 1000, 2)
+          for k in ("freezing_time", "frozen_time", "memdump_time", "memwrite_time") if k in d}
+    return {**ms, **{k: int(d[k]) for k in ("pages_scanned", "pages_written") if k in d}}
+
+
+def snapshot_phases(snapshot: Snapshot, wall_ms: float) -> dict[str, Any]:
+    """Where a snapshot's time went: CRIU's phases, the dump's wall time, the rewrite."""
+    s = snapshot.record
+    return {"snapshot_wall_ms": round(wall_ms, 2), "pause_ms": round(s.pause_ms, 2), "dump_ms": round(s.dump_ms, 2),
+            "rewrite_ms": round(s.rewrite_ms, 2), "memfile_bytes": s.memfile_bytes, "image_bytes": s.image_bytes,
+            "layer_bytes": s.layer_bytes, "criu": criu_stats(s.images)}
+
+
+def first_fork(parent: Workspace) -> dict[str, Any]:
+    """The workspace's first fork (one clone), phase by phase."""
+    t0 = time.perf_counter()
+    snapshot = parent.snapshot()
+    take_ms = (time.perf_counter() - t0) * 1000
+    try:
+        t1 = time.perf_counter()
+        clones = snapshot.restore(1)
+        restore_wall = (time.perf_counter() - t1) * 1000
+        out = snapshot_phases(snapshot, take_ms)
+        out.update(restore_ms=clones[0].record.extra.get("restore_ms"), fork_wall_ms=round(take_ms + restore_wall, 2))
+        remove_all(clones)
+    finally:
+        snapshot.remove()
+    return out
+
+
+def _each(clones: Sequence[Workspace], fn: Callable[[Workspace], Any]) -> list[Any]:
+    with ThreadPoolExecutor(CALL_THREADS) as pool:
+        return list(pool.map(fn, clones))
+
+
+def _call(ws: Workspace) -> float:
+    """One exec and one ``bash`` tool call; their wall time in ms."""
+    t0 = time.perf_counter()
+    r = ws.exec(["true"], timeout=60)
+    obs = TOOLS.run_sync(ws, *CALL)
+    if r.exit_code != 0 or obs.error or "called" not in obs.output:
+        raise RuntimeFailure(f"clone {ws.id} did not answer: exec {r.exit_code}, tool {obs.error or obs.output!r}")
+    return (time.perf_counter() - t0) * 1000
+
+
+def _anon(clones: Sequence[Workspace]) -> list[int]:
+    return _each(clones, lambda c: c.stats().memory.anon_bytes)
+
+
+def restore_chunks(snapshot: Snapshot, n: int, progress: Progress, task: TaskID) -> list[Workspace]:
+    """``n`` clones in chunks of ``CHUNK`` (progress after each); all or none."""
+    clones: list[Workspace] = []
+    try:
+        while len(clones) < n:
+            clones += snapshot.restore(min(CHUNK, n - len(clones)))
+            progress.update(task, completed=len(clones))
+    except BaseException:
+        remove_all(clones)
+        raise
+    return clones
+
+
+def measure(parent: Workspace, n: int, mode: str, progress: Progress, heap_mib: int = 0, *,
+            calls: bool = False) -> dict[str, Any]:
+    """Snapshot ``parent``, restore n clones from it (copy: as many as fit), measure, remove both.
+    ``calls``: one exec and one ``bash`` tool call in every clone (the parent has bash).
 
     A fork is the same two steps in one call; taken apart here so that the system-wide
     memory the clones add can be told from what the snapshot adds.
     """
-    task = progress.add_task(f"{mode} fork x{n}: settling", total=n + 3)
+    task = progress.add_task(f"{mode} x{n}: settling", total=n)
     used0 = settled_used_bytes()
     parent_bytes = parent.stats().memory.cgroup_bytes
-    progress.update(task, description=f"{mode} fork x{n}")
+    progress.update(task, description=f"{mode} x{n}: snapshot")
     t0 = time.perf_counter()
     snapshot = parent.snapshot(mode=mode)
     take_ms = (time.perf_counter() - t0) * 1000
-    snap = snapshot.record
+    phases = snapshot_phases(snapshot, take_ms)  # now: its images go with it
+    asked, n = n, (min(n, copy_cap(heap_mib)) if mode == "copy" else n)
+    progress.update(task, total=n, description=f"{mode} x{n}: restoring")
     clones: list[Workspace] = []
     try:
         used_snap = settled_used_bytes()
         t1 = time.perf_counter()
-        clones = snapshot.restore(n)
-        wall_ms = take_ms + (time.perf_counter() - t1) * 1000
-        progress.advance(task)
+        clones = restore_chunks(snapshot, n, progress, task)
+        restore_wall = (time.perf_counter() - t1) * 1000
         restore = [float(c.record.extra.get("restore_ms", 0.0)) for c in clones]
-        stats0 = [c.stats().memory for c in clones]
+        stats0 = _each(clones, lambda c: c.stats().memory)
         anon0 = [m.anon_bytes for m in stats0]
         used1 = system_used_bytes()
-        progress.update(task, description=f"{mode} fork x{n}: {LIGHT_WORK_S:.0f} s of light work")
+        progress.update(task, description=f"{mode} x{n}: one exec + one tool call each")
+        call_ms = _each(clones, _call) if calls else []
+        anon1 = _anon(clones) if calls else anon0
+        used_call = system_used_bytes() if calls else used1
+        progress.update(task, description=f"{mode} x{n}: {LIGHT_WORK_S:.0f} s of light work")
         time.sleep(LIGHT_WORK_S)
-        progress.advance(task)
-        anon5 = [c.stats().memory.anon_bytes for c in clones]
+        anon5 = _anon(clones)
         used2 = system_used_bytes()
-        progress.advance(task)
     finally:
-        progress.update(task, description=f"{mode} fork x{n}: removing clones")
-        for c in clones:
-            c.remove()
-            progress.advance(task)
+        progress.update(task, description=f"{mode} x{n}: removing")
+        t2 = time.perf_counter()
+        remove_all(clones)
+        remove_ms = (time.perf_counter() - t2) * 1000
         snapshot.remove()
     progress.remove_task(task)
     clones_bytes = sum(m.cgroup_bytes for m in stats0)
     return {
-        "clones": n,
+        "clones": n, "asked": asked, "capped": n < asked,
         "restore_ms": summary(restore),
         "restore_ms_p50": round(percentile(restore, 50), 2),
+        "restore_ms_p90": round(percentile(restore, 90), 2),
         "restore_ms_p99": round(percentile(restore, 99), 2),
-        "fork_wall_ms": round(wall_ms, 2),
-        "parent_pause_ms": round(snap.pause_ms, 2),
-        "dump_ms": round(snap.dump_ms, 2),
-        "rewrite_ms": round(snap.rewrite_ms, 2),
-        "memfile_bytes": snap.memfile_bytes,
-        "image_bytes": snap.image_bytes,
+        "restore_wall_ms_per_clone": round(restore_wall / n, 2),
+        "fork_wall_ms": round(take_ms + restore_wall, 2),
+        **phases,
+        "parent_pause_ms": round(snapshot.record.pause_ms, 2),
+        "call_ms_p50": round(percentile(call_ms, 50), 2) if call_ms else None,
+        "call_ms_p90": round(percentile(call_ms, 90), 2) if call_ms else None,
         "private_bytes_per_clone": round(statistics.fmean(anon0)),
+        "private_bytes_after_call": round(statistics.fmean(anon1)),
         "private_bytes_per_clone_after_work": round(statistics.fmean(anon5)),
         # system-wide (MemTotal - MemAvailable): snapshot and clones, and the clones alone
         "total_added_bytes": used1 - used0,
+        "total_added_bytes_after_call": used_call - used0,
         "total_added_bytes_after_work": used2 - used0,
         "clones_added_system_bytes": used1 - used_snap,
         # the same, added up from its parts (a cross-check that other activity on the host cannot skew)
-        "accounted_bytes": snap.memfile_bytes + snap.image_bytes + clones_bytes,
+        "accounted_bytes": snapshot.record.memfile_bytes + snapshot.record.image_bytes + clones_bytes,
         # what the clones themselves hold beyond the one shared snapshot: their cgroups (user
         # memory, upper-layer files, and kernel memory: namespaces, tasks, page tables)
         "clones_added_bytes": clones_bytes,
         "parent_bytes": parent_bytes,
         "clones_added_share_of_parent": round(clones_bytes / max(parent_bytes, 1), 4),
+        "remove_all_ms": round(remove_ms, 2),
+        "remove_ms_per_clone": round(remove_ms / n, 2),
     }
 
 
@@ -188,8 +286,7 @@ def depth_chain(parent: Workspace, levels: int, progress: Progress) -> list[dict
             src = clone
             progress.advance(task)
     finally:
-        for c in reversed(chain):
-            c.remove()
+        remove_all(chain)
         progress.remove_task(task)
     return rows
 
@@ -209,62 +306,55 @@ def cold_starts(cfg: Config, heap_mib: int, count: int, progress: Progress) -> d
             "start_ms_p99": round(percentile(times, 99), 2)}
 
 
+def host_limits() -> dict[str, Any]:
+    """What bounds the number of clones here (reported with the run)."""
+    def read(path: str) -> int | None:
+        try:
+            return int(Path(path).read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+    return {"pid_max": read("/proc/sys/kernel/pid_max"), "threads_max": read("/proc/sys/kernel/threads-max"),
+            "mount_max": read("/proc/sys/fs/mount-max"), "nr_open": read("/proc/sys/fs/nr_open"),
+            "max_user_namespaces": read("/proc/sys/user/max_user_namespaces"),
+            "load_avg_1m": round(os.getloadavg()[0], 2)}
+
+
 def run(cfg: Config, *, sizes: tuple[int, ...] = (1, 8, 32, 64), heap_mib: int = 256, cold: int = 3,
-        depth: int = 8) -> dict[str, Any]:
+        depth: int = 8, modes: tuple[str, ...] = ("cow", "copy")) -> dict[str, Any]:
     if not sizes or min(sizes) < 1 or heap_mib < 1:
         raise InvalidArgument("sizes and the heap size must be positive", hint="e.g. --sizes 1,8 --heap-mib 64")
-    cap = copy_cap(heap_mib)
-    result: dict[str, Any] = {"heap_mib": heap_mib, "copy_cap": cap, "cpus": os.cpu_count(),
-                              "mem_total_bytes": psutil.virtual_memory().total, "sizes": []}
+    if not modes or set(modes) - {"cow", "copy"}:
+        raise InvalidArgument(f"unknown modes {modes!r}", hint="give cow, copy or both")
+    result: dict[str, Any] = {"heap_mib": heap_mib, "copy_cap": copy_cap(heap_mib), "cpus": os.cpu_count(),
+                              "mem_total_bytes": psutil.virtual_memory().total, "host": host_limits(),
+                              "sizes": []}
+    t_run = time.perf_counter()
     with Progress(console=output.err, transient=True) as progress:
-        top = progress.add_task("bench fork", total=len(sizes) * 2 + 2)
+        top = progress.add_task("bench fork", total=len(sizes) * len(modes) + 3)
+        progress.update(top, description=f"bench fork: starting a {heap_mib} MiB heap")
         parent = start_heap(cfg, heap_mib)
         try:
-            for c in parent.fork(1):  # warm-up: one-time costs (CRIU's own start-up) stay out
-                c.remove()
+            progress.update(top, description="bench fork: first fork")
+            result["first_fork"] = first_fork(parent)
+            progress.advance(top)
             for n in sizes:
-                row: dict[str, Any] = {"clones": n, "bunshin": measure(parent, n, "cow", progress)}
-                progress.advance(top)
-                row["copy"] = measure(parent, min(n, cap), "copy", progress)
-                row["copy"]["capped"] = n > cap
+                row: dict[str, Any] = {"clones": n}
+                for mode in modes:
+                    progress.update(top, description=f"bench fork: {mode} x{n}")
+                    row["bunshin" if mode == "cow" else "copy"] = measure(parent, n, mode, progress, heap_mib,
+                                                                               calls=True)
+                    progress.advance(top)
                 result["sizes"].append(row)
-                progress.advance(top)
-            result["depth"] = depth_chain(parent, depth, progress)
+            if depth:
+                result["depth"] = depth_chain(parent, depth, progress)
             progress.advance(top)
         finally:
             parent.remove()
-        result["cold"] = cold_starts(cfg, heap_mib, cold, progress)
+        result["cold"] = cold_starts(cfg, heap_mib, cold, progress) if cold else {}
         progress.advance(top)
+    result["duration_s"] = round(time.perf_counter() - t_run, 1)
     last = result["sizes"][-1]
-    result["bunshin"], result["copy"] = last["bunshin"], last["copy"]
-    result["parent_pause_ms"] = round(percentile([r["bunshin"]["parent_pause_ms"] for r in result["sizes"]], 50), 2)
+    result["bunshin"], result["copy"] = last.get("bunshin", {}), last.get("copy", {})
+    pauses = [r["bunshin"]["parent_pause_ms"] for r in result["sizes"] if "bunshin" in r]
+    result["parent_pause_ms"] = round(percentile(pauses, 50), 2) if pauses else None
     return result
-
-
-def print_report(r: dict[str, Any]) -> None:
-    hb = output.human_bytes
-    rows = []
-    for size in r["sizes"]:
-        for mode in ("bunshin", "copy"):
-            m = size[mode]
-            n = f"{m['clones']}" + (f" (of {size['clones']}: capped)" if m.get("capped") else "")
-            rows.append((mode, n, m["restore_ms_p50"], m["restore_ms_p99"], m["parent_pause_ms"],
-                         hb(m["private_bytes_per_clone"]), hb(m["private_bytes_per_clone_after_work"]),
-                         hb(m["total_added_bytes"]), hb(m["accounted_bytes"]), hb(m["memfile_bytes"]),
-                         f"{hb(m['clones_added_bytes'])} ({m['clones_added_share_of_parent']:.0%})"))
-    c = r["cold"]
-    rows.append(("cold start", c["starts"], c["start_ms_p50"], c["start_ms_p99"], "", "", "", "", "", "", ""))
-    output.print_table(
-        f"bunshin bench fork: {r['heap_mib']} MiB heap, {r['cpus']} CPUs, {hb(r['mem_total_bytes'])} RAM "
-        f"(copy mode capped at {r['copy_cap']} clones: half the available memory)",
-        ["MODE", "CLONES", "RESTORE P50 MS", "P99 MS", "PARENT PAUSE MS", "PRIVATE/CLONE",
-         f"AFTER {LIGHT_WORK_S:.0f} S", "SYSTEM ADDED", "ACCOUNTED", "MEMORY FILES", "CLONES' CGROUPS (OF PARENT)"],
-        rows,
-    )
-    output.print_table(
-        "forks of a running fork",
-        ["DEPTH", "PAUSE MS", "DUMP MS", "REWRITE MS", "RESTORE MS", "IMAGE (DELTA)", "NEW MEMORY FILES",
-         "CLONE PRIVATE"],
-        [(d["depth"], d["parent_pause_ms"], d["dump_ms"], d["rewrite_ms"], d["restore_ms"], hb(d["image_bytes"]),
-          hb(d["memfile_bytes"]), hb(d["private_bytes"])) for d in r.get("depth", [])],
-    )

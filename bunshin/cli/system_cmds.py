@@ -38,6 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--heap-mib", type=int, default=None, help="heap of the forked process (default 256)")
     b.add_argument("--depth", type=int, default=8, help="forks of forks down to this depth (default 8)")
     b.add_argument("--quick", action="store_true", help="CI-sized: sizes 1,8, heap 64 MiB, 2 cold starts")
+    b.add_argument("--mode", choices=("both", "cow", "copy"), default="both",
+                   help="bunshin's copy-on-write fork, plain CRIU (copy), or both side by side (default)")
+    b.add_argument("--cold", type=int, default=None, help="cold starts to time (default 3, quick 2; 0: none)")
+    b.add_argument("--report", metavar="DIR", help="also write a markdown report, results.json and fork.png here")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_fork, release_tmpfs=True)
     b = bsub.add_parser("clone-memory", help="what a clone owns after its first exec and tool call, per process")
@@ -159,6 +163,7 @@ def cmd_bench_runtime(args: argparse.Namespace) -> int:
 
 def cmd_bench_fork(args: argparse.Namespace) -> int:
     from ..bench import fork as bench_fork
+    from ..bench import fork_report
     from ..errors import InvalidArgument
 
     default_sizes, heap, cold = ("1,8", 64, 2) if args.quick else ("1,8,32,64", 256, 3)
@@ -166,12 +171,15 @@ def cmd_bench_fork(args: argparse.Namespace) -> int:
         sizes = tuple(int(s) for s in (args.sizes or default_sizes).split(","))
     except ValueError:
         raise InvalidArgument(f"malformed --sizes {args.sizes!r}", hint="e.g. --sizes 1,8,32") from None
-    result = bench_fork.run(Config.from_env(), sizes=sizes, heap_mib=args.heap_mib or heap, cold=cold,
-                            depth=args.depth)
+    modes = ("cow", "copy") if args.mode == "both" else (args.mode,)
+    result = bench_fork.run(Config.from_env(), sizes=sizes, heap_mib=args.heap_mib or heap,
+                            cold=cold if args.cold is None else args.cold, depth=args.depth, modes=modes)
+    if args.report:
+        fork_report.write(result, args.report)
     if args.json:
         output.print_json(result)
     else:
-        bench_fork.print_report(result)
+        fork_report.print_report(result)
     return 0
 
 
