@@ -1,0 +1,60 @@
+"""Units of ``runtime/unforkable`` on this process itself (no workspace, no root):
+the ghost limit's sizes, a deleted-but-open file found by size, an inotify watch found
+through fdinfo and mapped to its mount by the kernel's device encoding."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+
+from bunshin.config import DEFAULT_GHOST_LIMIT, Config
+from bunshin.errors import InvalidArgument
+from bunshin.runtime import unforkable
+
+_libc = ctypes.CDLL(None, use_errno=True)
+IN_CREATE = 0x100
+
+
+@pytest.mark.parametrize(("raw", "size"), [(DEFAULT_GHOST_LIMIT, 256 << 20), (123, 123), ("64M", 64 << 20),
+                                           ("1g", 1 << 30), (" 512KiB ", 512 << 10), ("2048", 2048)])
+def test_ghost_limit_sizes(raw, size):
+    assert unforkable.ghost_limit(dataclasses.replace(Config(), ghost_limit=raw)) == size
+
+
+@pytest.mark.parametrize("raw", ["", "lots", "0", "-5", -5, "1T", "1.5G", True, None])
+def test_ghost_limit_that_is_no_size_is_refused_with_a_hint(raw):
+    with pytest.raises(InvalidArgument) as info:
+        unforkable.ghost_limit(dataclasses.replace(Config(), ghost_limit=raw))
+    assert "BUNSHIN_GHOST_LIMIT" in (info.value.hint or "")
+
+
+def test_a_deleted_open_file_is_found_only_above_the_limit(tmp_path: Path):
+    path = tmp_path / "spill"
+    with open(path, "wb") as f:
+        f.write(b"x" * 5000)
+        f.flush()
+        assert unforkable.big_ghost(os.getpid(), 4096) is None, "not deleted yet"
+        path.unlink()
+        found = unforkable.big_ghost(os.getpid(), 4096)
+        assert found == (f.fileno(), str(path), 5000)
+        assert unforkable.big_ghost(os.getpid(), 5000) is None, "at the limit is within it"
+
+
+def test_an_inotify_watch_is_mapped_to_its_mount(tmp_path: Path):
+    fd = _libc.inotify_init1(os.O_CLOEXEC)
+    assert fd >= 0
+    try:
+        assert _libc.inotify_add_watch(fd, b"/proc", IN_CREATE) > 0
+        found = unforkable.stuck_watch(os.getpid())
+        assert found is not None and found[0] == fd
+        _, ino, mount = found
+        assert ino == os.stat("/proc").st_ino
+        assert mount is not None and mount.fs_type == "proc" and mount.mount_point == "/proc"
+        st = os.stat("/proc")
+        assert (mount.major, mount.minor) == (os.major(st.st_dev), os.minor(st.st_dev))
+    finally:
+        os.close(fd)
