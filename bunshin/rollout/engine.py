@@ -113,7 +113,7 @@ class Episode:
             step = Step(self.turn, think_s if i == 0 else 0.0, call, obs, latency)
             self.steps.append(step)
             new.append(step)
-            self.messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": obs.text()})
+            self.messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": obs.content()})
         return new
 
     def final(self, action: Action, think_s: float) -> None:

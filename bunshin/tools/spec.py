@@ -90,7 +90,8 @@ class Observation:
     ``error`` is a tool-level failure (bad arguments, file not found, edit text
     not unique...); ``exit_code`` is ``None`` when there is no exit status (an
     error, or an interrupted command). ``cached``: served from the prefix cache;
-    ``speculated``: computed ahead of time by a speculation.
+    ``speculated``: computed ahead of time by a speculation. ``images``: base64 PNGs
+    (a screenshot), shown to the model as image parts (``content()``).
     """
 
     output: str
@@ -100,6 +101,7 @@ class Observation:
     duration_s: float = 0.0
     cached: bool = False
     speculated: bool = False
+    images: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -116,23 +118,37 @@ class Observation:
             parts.append(f"[error: {self.error}]")
         return "\n".join(p for p in parts if p)
 
+    def content(self) -> str | list[dict[str, Any]]:
+        """The tool message's ``content`` in OpenAI's chat format: the text, or (with
+        images) a text part and one ``image_url`` part (a PNG data URL) per image."""
+        if not self.images:
+            return self.text()
+        text = self.text()
+        parts: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
+        parts += [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64}"}} for b64 in self.images]
+        return parts
+
     def same_result(self, other: Observation) -> bool:
         """True when both calls produced the same result (timing and provenance aside)."""
-        return (self.output, self.exit_code, self.error, self.timed_out) == (
-            other.output, other.exit_code, other.error, other.timed_out,
+        return (self.output, self.exit_code, self.error, self.timed_out, self.images) == (
+            other.output, other.exit_code, other.error, other.timed_out, other.images,
         )
 
     def as_cached(self, *, duration_s: float, speculated: bool = False) -> Observation:
         return replace(self, cached=True, speculated=speculated, duration_s=duration_s)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"output": self.output, "exit_code": self.exit_code, "error": self.error,
-                "timed_out": self.timed_out, "duration_s": self.duration_s}
+        d: dict[str, Any] = {"output": self.output, "exit_code": self.exit_code, "error": self.error,
+             "timed_out": self.timed_out, "duration_s": self.duration_s}
+        if self.images:
+            d["images"] = list(self.images)
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Observation:
         return cls(output=d["output"], exit_code=d.get("exit_code"), error=d.get("error"),
-                   timed_out=bool(d.get("timed_out")), duration_s=float(d.get("duration_s", 0.0)))
+                   timed_out=bool(d.get("timed_out")), duration_s=float(d.get("duration_s", 0.0)),
+                   images=tuple(str(b) for b in d.get("images") or ()))
 
 
 @dataclass(frozen=True)
@@ -158,11 +174,12 @@ class Step:
 
 @dataclass(frozen=True)
 class ToolOutput:
-    """What an executor returns; ``ToolSet`` adds the timing."""
+    """What an executor returns; ``ToolSet`` adds the timing. ``images``: base64 PNGs."""
 
     output: str
     exit_code: int | None = 0
     timed_out: bool = False
+    images: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from ..workspace.protocol import WorkspaceAPI
 from . import schema
 from .builtin import BASH, EDIT, READ_FILE, WRITE_FILE, translate
 from .custom import command_tool, function_tool
+from .desktop import DESKTOP_TOOLS
 from .python_tool import PYTHON
 from .spec import Observation, Tool, ToolContext, ToolError, ToolSpec, call_key
 
@@ -30,6 +31,12 @@ class ToolSet:
     def default(cls, *, workdir: str = "/") -> ToolSet:
         """The built-ins: ``bash``, ``read_file``, ``write_file``, ``edit``, ``python``."""
         return cls([BASH, READ_FILE, WRITE_FILE, EDIT, PYTHON], workdir=workdir)
+
+    @classmethod
+    def desktop(cls, *, workdir: str = "/") -> ToolSet:
+        """The built-ins plus the desktop tools (``screenshot``, clicks, keys, ``launch``...:
+        :mod:`bunshin.tools.desktop`), for a workspace made with a desktop."""
+        return cls([BASH, READ_FILE, WRITE_FILE, EDIT, PYTHON, *DESKTOP_TOOLS], workdir=workdir)
 
     # --- the set --------------------------------------------------------------------
 
@@ -113,7 +120,8 @@ class ToolSet:
             if not isinstance(err, ToolError):
                 raise
             return Observation("", None, err.message, duration_s=time.perf_counter() - t0)
-        return Observation(out.output, out.exit_code, None, out.timed_out, time.perf_counter() - t0)
+        return Observation(out.output, out.exit_code, None, out.timed_out, time.perf_counter() - t0,
+                           images=out.images)
 
     async def run(self, ws: AsyncWorkspace, name: str, args: Mapping[str, Any] | str | None) -> Observation:
         """Run one call in ``ws``, under its lock, in a bridge thread (tools block)."""
