@@ -1,0 +1,114 @@
+"""Integration: a fork carries the whole desktop (real Xvfb, jwm and apps from Debian).
+
+Each clone's first screenshot is the parent's, pixel for pixel, also for a fork of a
+fork; input to one clone reaches only that clone; an editor's unsaved text is in every
+clone, and each clone's edits stay its own.
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+import time
+
+import pytest
+from PIL import Image, ImageChops
+
+from bunshin.workspace.desktop import Desktop
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.criu,
+    pytest.mark.skipif(any(shutil.which(p) is None for p in ("Xvfb", "jwm", "xdotool", "xterm", "xedit", "wish", "dillo")),
+                       reason="needs xvfb, x11-apps, xdotool, jwm, xterm, tk and dillo: run `make install`"),
+]
+
+#: Apps that fork today, each with a place on the 1280x800 screen: a terminal, Xlib (xeyes), Xaw
+#: (xmessage, the xedit editor), Tk (wish) and FLTK (dillo, a browser).
+APPS = [
+    ["xterm", "-geometry", "60x10+0+0"],
+    ["xeyes", "-geometry", "150x150+500+0"],
+    ["xmessage", "-geometry", "+700+200", "hello from xmessage"],
+    ["xedit", "-geometry", "500x300+0+300", "/root/notes.txt"],
+    ["wish", "/root/app.tcl"],
+    ["dillo", "-g", "500x300+700+0", "file:///root/page.html"],
+]
+PAGE = "<html><body><h1>Hello from bunshin</h1><p>a page in dillo</p></body></html>"
+TK_APP = 'wm geometry . 300x200+700+400\ntext .t\npack .t\n.t insert end "a Tk text widget"\n'
+
+
+def _pixels(png: bytes) -> Image.Image:
+    return Image.open(io.BytesIO(png)).convert("RGB")
+
+
+def _same_pixels(a: bytes, b: bytes) -> bool:
+    return ImageChops.difference(_pixels(a), _pixels(b)).getbbox() is None
+
+
+def _desktop_with_apps(family, apps=APPS):
+    ws = family.create(desktop=True)
+    ws.files.write("/root/notes.txt", "first line")
+    ws.files.write("/root/app.tcl", TK_APP)
+    ws.files.write("/root/page.html", PAGE)
+    desk = Desktop.of(ws)
+    for app in apps:
+        desk.launch(app)
+    time.sleep(0.5)  # the last app's first paint
+    return ws, desk
+
+
+def test_first_screenshot_of_every_clone_and_of_a_fork_of_a_fork_is_the_parents(family):
+    ws, desk = _desktop_with_apps(family)
+    assert desk.windows() == ["xterm", "xeyes", "xmessage", "xedit", "app.tcl",
+                             "Dillo: page.html"]
+    parent = desk.screenshot()
+    assert parent == desk.screenshot()  # the screen is still: a fair comparison
+    clones = family.fork(ws, 2)
+    shots = [Desktop.of(c).screenshot() for c in clones]
+    assert all(_same_pixels(s, parent) for s in shots)
+    (grandchild,) = family.fork(clones[1], 1)
+    assert _same_pixels(Desktop.of(grandchild).screenshot(), parent)
+    assert Desktop.of(grandchild).windows() == desk.windows()
+    assert _same_pixels(desk.screenshot(), parent)  # the parent runs on, unchanged
+
+
+def test_input_to_one_clone_never_reaches_another(family):
+    ws, desk = _desktop_with_apps(family, APPS[:1])
+    parent = desk.screenshot()
+    a, b = (Desktop.of(c) for c in family.fork(ws, 2))
+    for d, text in ((a, "echo clone-a; touch /tmp/a"), (b, "echo clone-b-is-other; touch /tmp/b")):
+        d.click(100, 60)
+        d.type_text(text)
+        d.press("Return")
+    time.sleep(0.5)
+    sa, sb = a.screenshot(), b.screenshot()
+    assert not _same_pixels(sa, sb) and not _same_pixels(sa, parent) and not _same_pixels(sb, parent)
+    assert _same_pixels(desk.screenshot(), parent)
+    # the keys ran in each clone's own shell
+    assert [a.ws.exec(["test", "-e", f]).exit_code for f in ("/tmp/a", "/tmp/b")] == [0, 1]
+    assert [b.ws.exec(["test", "-e", f]).exit_code for f in ("/tmp/a", "/tmp/b")] == [1, 0]
+    assert [ws.exec(["test", "-e", f]).exit_code for f in ("/tmp/a", "/tmp/b")] == [1, 1]
+
+
+def _save_xedit(d: Desktop) -> None:
+    d.click(70, 338)  # xedit's Save button (its window at +0+300 under jwm's title bar)
+    time.sleep(0.4)
+
+
+def test_unsaved_editor_text_is_in_every_clone_and_their_edits_stay_private(family):
+    ws, desk = _desktop_with_apps(family, [APPS[3]])
+    desk.click(250, 500)  # into xedit's text, below its one line
+    desk.press("ctrl+e")  # the end of the line
+    desk.type_text(" typed before the fork")
+    time.sleep(0.3)
+    assert ws.files.read_text("/root/notes.txt") == "first line"  # not saved: only in xedit's memory
+    a, b = (Desktop.of(c) for c in family.fork(ws, 2))
+    a.type_text(" then A")
+    b.type_text(" then B")
+    for d in (a, b):
+        _save_xedit(d)
+    assert a.ws.files.read_text("/root/notes.txt") == "first line typed before the fork then A"
+    assert b.ws.files.read_text("/root/notes.txt") == "first line typed before the fork then B"
+    assert ws.files.read_text("/root/notes.txt") == "first line"
+    _save_xedit(desk)  # the parent's xedit still holds its own text
+    assert ws.files.read_text("/root/notes.txt") == "first line typed before the fork"
