@@ -127,7 +127,9 @@ def first_errors(path: Path, limit: int = FIRST_ERRORS) -> list[str]:
                 if m is None or any(h.search(m.group(3)) for h in HARMLESS):
                     continue
                 task, where, what = m.groups()
-                found.append(f"{f'task {task}: ' if task else ''}{what} ({where})")
+                line = f"{f'task {task}: ' if task else ''}{what} ({where})"
+                if line not in found:  # CRIU repeats some as it retries
+                    found.append(line)
                 if len(found) >= limit:
                     break
     except OSError:

@@ -14,6 +14,12 @@ the workspace and its command), the object and what to do:
 - a zombie thread-group leader whose other threads still run (the main thread
   called ``pthread_exit``, ZDTM pthread02): CRIU cannot seize it ("Unable to detach
   from PID: No such process").
+- a process traced by another (strace, gdb): CRIU must seize it with ptrace itself
+  ("Unseizable non-zombie PID found").
+- a descriptor of a kind CRIU has no dumper for: an anonymous inode other than
+  eventfd, epoll, inotify, fanotify, signalfd, timerfd, pidfd (a Landlock ruleset:
+  "Can't dump file 3 of that type"), and secret memory (``memfd_secret``, its
+  descriptor or mapping: "Unknown shit 100600 (/secretmem (deleted))").
 - a namespace of its own other than a mount or network one (ipc, uts, pid, cgroup,
   time, user; also one made for its children only): CRIU dumps nested namespaces of
   those kinds not at all ("Can't dump nested ipc namespace", Firefox's sandbox). A
@@ -30,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +49,9 @@ FOR_CHILDREN = {"pid_for_children": "pid", "time_for_children": "time"}
 _TCP_STATES = {1: "ESTABLISHED", 2: "SYN_SENT", 3: "SYN_RECV", 4: "FIN_WAIT1", 5: "FIN_WAIT2",
                6: "TIME_WAIT", 7: "CLOSE", 8: "CLOSE_WAIT", 9: "LAST_ACK", 10: "LISTEN", 11: "CLOSING"}
 _LISTEN, _CLOSE = 10, 7
+# Anonymous-inode descriptors CRIU 4.2 dumps (criu/files.c); any other kind fails the dump
+ANON_INODES = {"[eventfd]", "[eventpoll]", "inotify", "[fanotify]", "[signalfd]", "[timerfd]", "[pidfd]", "bpf-map"}
+SECRETMEM = "/secretmem"  # what memfd_secret's descriptors and mappings are called
 
 
 @dataclass(frozen=True)
@@ -113,11 +122,59 @@ def refusals(pids: Sequence[int], proc: Path = Path("/proc")) -> list[Refusal]:
         return []  # the workspace's init is gone: the dump says so itself
     out: list[Refusal] = []
     own = _namespaces(root, proc)
+    links: dict[int, dict[str, str]] = {}
     for pid in pids:
+        links[pid] = _fd_links(pid, proc)
         out += _zombie_leader(pid, level, proc)
+        out += _traced(pid, level, proc)
         out += _nested_namespaces(pid, level, own, proc)
-    out += _tcp_connections(pids, level, proc)
+        out += _files(pid, level, links[pid], proc)
+    out += _tcp_connections(pids, links, level, proc)
     return out
+
+
+def _traced(pid: int, level: int, proc: Path) -> list[Refusal]:
+    tracer = 0
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in (proc / str(pid) / "status").read_text().splitlines():
+            if line.startswith("TracerPid:"):
+                tracer = int(line.split()[1])
+    if not tracer:
+        return []
+    by = Task.read(tracer, level, proc)
+    return [Refusal(
+        Task.read(pid, level, proc), f"is traced by process {by.pid} ({by.command})",
+        "CRIU seizes every task with ptrace itself and cannot seize one another tracer holds "
+        "(\"Unseizable non-zombie\")",
+        hint="detach the tracer (end or detach strace or gdb) before forking")]
+
+
+def _files(pid: int, level: int, links: dict[str, str], proc: Path) -> list[Refusal]:
+    """Descriptors and mappings of kinds CRIU has no dumper for (secret memory named once)."""
+    out: list[Refusal] = []
+    secret: list[Refusal] = []
+    for fd, link in sorted(links.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0):
+        kind = link.removeprefix("anon_inode:")
+        if link.startswith("anon_inode:") and kind not in ANON_INODES:
+            out.append(Refusal(
+                Task.read(pid, level, proc), f"holds a {kind} descriptor (fd {fd})",
+                f"CRIU has no dumper for {kind} descriptors (\"Can't dump file {fd} of that type\")",
+                hint=f"close the {kind} descriptor before forking, or fork before the program opens it"))
+        elif link.startswith(SECRETMEM) and not secret:
+            secret = [_secretmem(Task.read(pid, level, proc), f"fd {fd}")]
+    if not secret:
+        with contextlib.suppress(OSError), open(proc / str(pid) / "maps", "rb") as f:
+            if any(line.rstrip().endswith(SECRETMEM.encode() + b" (deleted)") for line in f):
+                secret = [_secretmem(Task.read(pid, level, proc), "a mapping")]
+    return out + secret
+
+
+def _secretmem(task: Task, where: str) -> Refusal:
+    return Refusal(
+        task, f"holds secret memory (memfd_secret, {where})",
+        "its pages are hidden from the kernel's other users, CRIU included (\"Unknown shit 100600 (/secretmem)\")",
+        hint="free the secret memory before forking, or run the program without it (e.g. its option to keep "
+             "keys in plain memory)")
 
 
 def _zombie_leader(pid: int, level: int, proc: Path) -> list[Refusal]:
@@ -171,9 +228,9 @@ def _nested(task: Task, ns: str, how: str) -> Refusal:
              "or end it before forking")
 
 
-def _tcp_connections(pids: Iterable[int], level: int, proc: Path) -> list[Refusal]:
+def _tcp_connections(pids: Sequence[int], links: dict[int, dict[str, str]], level: int, proc: Path
+                     ) -> list[Refusal]:
     """Connected TCP sockets held by ``pids``, from the table of the init's network namespace."""
-    pids = list(pids)
     table: dict[str, tuple[str, str, int]] = {}
     for name in ("tcp", "tcp6"):
         with contextlib.suppress(OSError):
@@ -189,7 +246,8 @@ def _tcp_connections(pids: Iterable[int], level: int, proc: Path) -> list[Refusa
         return []
     out: list[Refusal] = []
     for pid in pids:
-        for inode in _socket_inodes(pid, proc):
+        for link in links.get(pid, {}).values():
+            inode = link[8:-1] if link.startswith("socket:[") else ""
             if inode in table:
                 local, remote, state = table.pop(inode)
                 out.append(Refusal(
@@ -202,15 +260,14 @@ def _tcp_connections(pids: Iterable[int], level: int, proc: Path) -> list[Refusa
     return out
 
 
-def _socket_inodes(pid: int, proc: Path) -> list[str]:
+def _fd_links(pid: int, proc: Path) -> dict[str, str]:
+    """What each open descriptor of ``pid`` is (``/proc/PID/fd``), by fd number."""
     fds = proc / str(pid) / "fd"
-    out = []
+    out: dict[str, str] = {}
     with contextlib.suppress(OSError):
         for fd in os.listdir(fds):
             with contextlib.suppress(OSError):
-                target = os.readlink(fds / fd)
-                if target.startswith("socket:["):
-                    out.append(target[8:-1])
+                out[fd] = os.readlink(fds / fd)
     return out
 
 

@@ -255,3 +255,26 @@ def test_a_failed_restore_names_criu_first_real_error(counters: Counters, criu_b
 
 def test_first_errors_of_a_missing_log_is_empty(tmp_path: Path) -> None:
     assert criu.first_errors(tmp_path / "no-such.log") == []
+
+
+# The error lines of a real failed dump (a workspace holding a process traced by strace,
+# CRIU 4.2.1): CRIU retries seizing the task and logs the same error each time.
+TRACED_DUMP_LOG = """\
+(00.000806) Error (criu/util.c:1534): rlimit: Can't setup RLIMIT_NOFILE for self: Operation not permitted
+(00.003108) Error (compel/src/lib/infect.c:262): Unseizable non-zombie 17520 found, state S, err -1/10
+(00.003412) Error (compel/src/lib/infect.c:262): Unseizable non-zombie 17520 found, state S, err -1/10
+(00.003719) Error (compel/src/lib/infect.c:262): Unseizable non-zombie 17520 found, state S, err -1/10
+(00.004025) Error (compel/src/lib/infect.c:262): Unseizable non-zombie 17520 found, state S, err -1/10
+(00.004330) Error (compel/src/lib/infect.c:262): Unseizable non-zombie 17520 found, state S, err -1/10
+(00.004338) Error (criu/cr-dump.c:1975): Dumping FAILED.
+"""
+
+
+def test_a_repeated_error_is_shown_once(tmp_path: Path) -> None:
+    log = tmp_path / "dump.log"
+    log.write_text(TRACED_DUMP_LOG)
+    assert criu.first_errors(log) == [
+        "Unseizable non-zombie 17520 found, state S, err -1/10 (compel/src/lib/infect.c:262)",
+        "Dumping FAILED. (criu/cr-dump.c:1975)",
+    ]
+    assert criu.first_errors(log, limit=1) == [criu.first_errors(log)[0]]
