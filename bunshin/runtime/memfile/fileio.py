@@ -77,14 +77,23 @@ def _read_exact(src: int, into: memoryview, pos: int) -> None:
         raise RuntimeFailure("a file ended early while its pages were copied")
 
 
-def _nonzero_pages(buf: bytearray | mmap.mmap, start: int = 0, size: int = HUGE) -> int:
-    """How many of the pages of ``buf[start:start+size]`` hold a non-zero byte."""
-    if isinstance(buf, bytearray):
-        starts = buf.startswith  # compares in place, no copies
-        return sum(not (starts(_ZERO_HEAD, p) and starts(_ZERO_PAGE, p, p + PAGE))
-                   for p in range(start, start + size, PAGE))
-    return sum(buf[p : p + 16] != _ZERO_HEAD or buf[p : p + PAGE] != _ZERO_PAGE
-               for p in range(start, start + size, PAGE))
+def _dense(region: mmap.mmap, start: int) -> bool:
+    """Whether at least ``DENSE`` of the pages of the 2 MiB at ``start`` hold a non-zero byte
+    (stops as soon as the answer is known: half the pages of a full region are looked at)."""
+    pages = HUGE // PAGE
+    need = DENSE * pages
+    data = zeros = 0
+    for p in range(start, start + HUGE, PAGE):
+        # cheap test first: most pages with data have some in their first bytes
+        if region[p : p + 16] != _ZERO_HEAD or region[p : p + PAGE] != _ZERO_PAGE:
+            data += 1
+            if data >= need:
+                return True
+        else:
+            zeros += 1
+            if pages - zeros < need:
+                return False
+    return data >= need
 
 
 class _HugeTarget:
@@ -117,7 +126,7 @@ class _HugeTarget:
         off = at - self.base
         with self.view[off : off + HUGE] as part:  # released even when the read fails
             _read_exact(src, part, pos)
-            if _nonzero_pages(self.region, off) >= DENSE * (HUGE // PAGE):
+            if _dense(self.region, off):
                 return HUGE
             view[:] = part  # sparse after all: keep its holes
         punch_hole(self.dst, at, HUGE)
