@@ -3,11 +3,19 @@
 A plain class: :mod:`bunshin.cluster.ray_cluster` makes it a Ray actor pinned to its
 node. It reports the node's state (:class:`~bunshin.cluster.records.HostInfo`) and
 hands the head its server's URL and token (:class:`~bunshin.cluster.records.Endpoint`).
+
+It keeps its home's lease (:mod:`bunshin.cluster.fence`): at start and every
+``RENEW_S`` seconds it compares the home's epoch with the cluster's; a home the head
+fenced (or whose lease ran out while no actor renewed it) is emptied first and served
+again in the cluster's current epoch.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +23,12 @@ import psutil
 
 from ..config import Config
 from ..errors import BunshinError
+from ..runtime.gc import ClusterLease, read_lease, write_lease
+from . import fence
 from .records import Endpoint, HostInfo, HostLimits
 from .serve_proc import ServeProcess, clear_home
+
+log = logging.getLogger(__name__)
 
 
 class HostActor:
@@ -24,12 +36,64 @@ class HostActor:
     parent-death signal follows that thread, which lives as long as the actor)."""
 
     def __init__(self, name: str, node_id: str, home: str | None, *, bind: str, key: bytes,
-                 limits: dict[str, Any] | None = None) -> None:
+                 limits: dict[str, Any] | None = None, lease_s: float = fence.LEASE_S) -> None:
         self.name, self.node_id = name, node_id
         self.limits = HostLimits(**(limits or {}))
+        self.lease_s = lease_s
         self.server = ServeProcess(Path(home) if home else Config.from_env().home, bind=bind, limits=self.limits,
                                    key=key)
-        self.server.start()
+        self._lock = threading.RLock()  # the server and the lease: methods vs the renewing thread
+        self.cleared: list[dict[str, int]] = []  # what each fence removed (status reports the count)
+        self.epoch = self._join()
+        self._stop = threading.Event()
+        self._renewer = threading.Thread(target=self._renew_loop, name="bunshin-lease", daemon=True)
+        self._renewer.start()
+
+    # --- the lease ------------------------------------------------------------------------
+
+    def _lease(self, *, expires: bool = True, fenced: bool = False) -> None:
+        write_lease(self.server.cfg, ClusterLease(self.name, self.epoch,
+                                                  time.time() + self.lease_s if expires else None, fenced))
+
+    def _join(self) -> int:
+        """Serve in the cluster's epoch for this host: what the home holds from an older
+        (fenced) epoch, or from a lease that ran out, is removed first."""
+        with self._lock:
+            cfg, lease = self.server.cfg, read_lease(self.server.cfg)
+            cfg.home.mkdir(parents=True, exist_ok=True)
+            current = fence.epoch(self.name)
+            if current is None:  # a new cluster: it takes the home as it is
+                current = lease.epoch if lease is not None and not lease.lost() else 1
+                fence.set_epoch(self.name, current)
+            elif lease is not None and lease.epoch == current and lease.lost():
+                current = fence.fence(self.name)  # its lease ran out unrenewed: that epoch is over
+            if lease is not None and lease.epoch != current:
+                self.server.stop()
+                self.cleared.append(clear_home(cfg))
+                log.warning("host %s: epoch %d was fenced (now %d): removed %s", self.name, lease.epoch,
+                            current, self.cleared[-1])
+            self.epoch = current
+            self._lease()
+            if not self.server.running():
+                self.server.start()
+            fence.set_serving(self.name, current)
+            return current
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(fence.RENEW_S):
+            try:
+                current = fence.epoch(self.name)
+            except Exception as e:  # the GCS does not answer: no renewal, the lease runs out
+                log.warning("host %s: no answer from the cluster (%s): lease not renewed", self.name, e)
+                continue
+            with self._lock:
+                if self._stop.is_set():
+                    return
+                if current is not None and current != self.epoch:
+                    self._lease(fenced=True)  # a crash while clearing still leaves it to gc
+                    self._join()
+                else:
+                    self._lease()
 
     def endpoint(self) -> Endpoint:
         return Endpoint(self.name, self.server.url, self.server.token())
@@ -57,14 +121,15 @@ class HostActor:
         return HostInfo(name=self.name, node_id=self.node_id, url=self.server.url, home=str(self.server.cfg.home),
                         alive=alive, pid=self.pid(), free_memory=vm.available, total_memory=vm.total,
                         load=round(load, 3), workspaces=workspaces, snapshots=snapshots, limits=self.limits,
-                        error=error).to_dict()
+                        error=error, epoch=self.epoch, fenced=len(self.cleared)).to_dict()
 
     def restart(self) -> Endpoint:
         """Start the server again (after it died): it re-adopts what is still running,
         ``bunshin gc`` style cleanup of the rest is the server's own."""
-        self.server.stop()
-        self.server.start()
-        return self.endpoint()
+        with self._lock:
+            self.server.stop()
+            self.server.start()
+            return self.endpoint()
 
     def kill_server(self) -> None:
         """SIGKILL the server, as a crash of the host's service would (tests, fault drills)."""
@@ -76,19 +141,27 @@ class HostActor:
         from ..runtime import gc
         from ..runtime.store import Store
 
-        self.server.stop()
-        with Store.open(self.server.cfg.db_path) as store:
-            report = gc.collect(self.server.cfg, store, release=True)
-        return {"removed": report.total}
+        with self._lock:
+            self.server.stop()
+            with Store.open(self.server.cfg.db_path) as store:
+                report = gc.collect(self.server.cfg, store, release=True)
+            return {"removed": report.total}
 
     def reclaim(self) -> dict[str, Any]:
         """A host the head gave up on comes back: what it ran was retried elsewhere, so
-        its server is stopped, everything of its home removed (:func:`clear_home`), and
-        the server started again, empty; what was removed, by kind."""
-        self.server.stop()
-        removed = clear_home(self.server.cfg)
-        self.server.start()
-        return removed
+        its epoch is fenced, its server stopped, everything of its home removed
+        (:func:`clear_home`), and the server started again, empty, in the new epoch;
+        what was removed, by kind."""
+        with self._lock:
+            fence.fence(self.name)
+            before = len(self.cleared)
+            self._join()
+            return self.cleared[-1] if len(self.cleared) > before else {"workspaces": 0, "snapshots": 0, "gc": 0}
 
     def stop(self) -> None:
-        self.server.stop()
+        """The server stopped on purpose (``cluster down``): the lease is parked, so the
+        next start in this cluster takes the home back as it is."""
+        self._stop.set()
+        with self._lock:
+            self.server.stop()
+            self._lease(expires=False)

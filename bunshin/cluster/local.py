@@ -14,11 +14,13 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from .ray_cluster import ray_module
+from ..errors import RuntimeFailure
+from .ray_cluster import RESOURCE_PREFIX, ray_module
 
 
 @contextmanager
@@ -35,10 +37,10 @@ def local_ray_cluster(names: Sequence[str]) -> Iterator[Any]:
         os.environ["RAY_TMPDIR"] = tmp
         rc = RayCluster(initialize_head=True, head_node_args={
             "num_cpus": 1, "include_dashboard": False, "temp_dir": tmp,
-            "resources": {f"bunshin-host-{names[0]}": 1}})
+            "resources": {f"{RESOURCE_PREFIX}{names[0]}": 1}})
         try:
             for name in names[1:]:
-                rc.add_node(num_cpus=1, temp_dir=tmp, resources={f"bunshin-host-{name}": 1})
+                add_node(rc, name)
             rc.wait_for_nodes()
             ray.init(address=rc.address, namespace="bunshin", log_to_driver=False)
             try:
@@ -53,3 +55,27 @@ def local_ray_cluster(names: Sequence[str]) -> Iterator[Any]:
             os.environ.pop("RAY_TMPDIR", None)
         else:
             os.environ["RAY_TMPDIR"] = before
+
+
+def add_node(rc: Any, name: str) -> Any:
+    """Start a node for host ``name`` in ``rc`` (inside :func:`local_ray_cluster`): a host
+    coming back; its Ray node object."""
+    return rc.add_node(num_cpus=1, temp_dir=os.environ["RAY_TMPDIR"], resources={f"{RESOURCE_PREFIX}{name}": 1})
+
+
+def kill_node(rc: Any, name: str, *, timeout: float = 60.0) -> None:
+    """Stop the (non-head) node of host ``name`` as a machine that goes down: its raylet
+    goes and its workers are killed (the host actor with them; its server, told by the
+    kernel, stops). Returns once the cluster counts the node dead."""
+    from .ray_cluster import live_nodes
+
+    ray = ray_module()
+    node_id = next(n.node_id for n in live_nodes(ray) if n.name == name)
+    node = next(n for n in rc.list_all_nodes() if n.node_id == node_id)
+    rc.remove_node(node)
+    deadline = time.monotonic() + timeout
+    while any(n.node_id == node_id for n in live_nodes(ray)):
+        if time.monotonic() > deadline:
+            raise RuntimeFailure(f"Ray still counts host {name}'s node alive {timeout:g} s after it was stopped",
+                                 hint="see the Ray session's logs (RAY_TMPDIR)")
+        time.sleep(0.2)

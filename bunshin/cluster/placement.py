@@ -9,7 +9,11 @@ other host a trajectory is placed on (save -> transfer -> load, once per host).
 Faults: when a call fails and its host no longer answers, the host is marked dead
 (no more placements), the trajectory is opened again on another host from the root and
 its calls so far replayed there (deterministic tools give the same state), then the
-failed call is run again; the row's ``placement`` says what happened.
+failed call is run again; the row's ``placement`` says what happened. With a
+``membership`` (the :class:`~bunshin.cluster.Cluster`: :meth:`ClusterPlacement.of`), a host
+marked dead is also fenced (:mod:`bunshin.cluster.fence`): its actor empties its home,
+and once it serves the new epoch and answers again (a partition healed, a node back)
+it takes placements again, its old copies of the roots forgotten.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import uuid
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import httpx
 
@@ -50,6 +54,7 @@ if TYPE_CHECKING:
     from ..client import Client
     from ..client.remote import RemoteSnapshot
     from .ray_cluster import Cluster
+    from .records import Endpoint
 
 log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 3.0
@@ -58,7 +63,19 @@ HEALTH_TIMEOUT_S = 3.0
 #: until its own timeout); an answer is reused for as long.
 WATCH_S = 2.0
 MAX_RETRIES = 3
+#: How often hosts marked dead are looked at again (fenced, serving again, answering?).
+REVIVE_S = 1.0
 T = TypeVar("T")
+
+
+class Membership(Protocol):
+    """What the placement asks of the cluster about hosts it gave up (:class:`Cluster`)."""
+
+    def fence(self, name: str) -> int: ...
+
+    def serving(self, name: str) -> int | None: ...
+
+    def endpoint(self, name: str) -> Endpoint | None: ...
 
 
 @dataclass
@@ -69,6 +86,7 @@ class Counters:
     migrations: int = 0
     retries: int = 0
     dead_hosts: list[str] = field(default_factory=list)
+    revived: list[str] = field(default_factory=list)  # hosts placed on again after a fence
     place_s: float = 0.0  # time spent in the scheduler's decisions
     migrate_s: float = 0.0  # time spent saving and loading roots
 
@@ -78,7 +96,7 @@ class ClusterPlacement:
     the caps each was started with. Close it when done (it closes the clients)."""
 
     def __init__(self, hosts: Mapping[str, Client], *, limits: Mapping[str, HostLimits] | None = None,
-                 spool: Path | None = None) -> None:
+                 spool: Path | None = None, membership: Membership | None = None) -> None:
         if not hosts:
             raise Unreachable("no host to place trajectories on", hint="see `bunshin cluster status`")
         self.hosts = dict(hosts)
@@ -91,13 +109,19 @@ class ClusterPlacement:
         self.counters = Counters()
         self._own_spool = spool is None
         self.spool = Path(spool) if spool is not None else Path(tempfile.mkdtemp(prefix="bunshin-roots-"))
+        self.membership = membership
+        self.fenced: dict[str, int] = {}  # dead host -> the epoch it must serve to be placed on again
+        self.generation = dict.fromkeys(self.hosts, 0)  # a host's epochs seen here: roots held there go
+        self._retired: list[Client] = []  # clients of hosts that came back at another URL
+        self._closed = threading.Event()
+        self._reviver: threading.Thread | None = None
 
     @classmethod
     def of(cls, cluster: Cluster, *, spool: Path | None = None) -> ClusterPlacement:
         """Every live host of ``cluster``."""
         limits = {h.name: h.limits for h in cluster.status() if h.alive}
         clients = {n: c for n, c in cluster.clients().items() if n in limits}
-        return cls(clients, limits=limits, spool=spool)
+        return cls(clients, limits=limits, spool=spool, membership=cluster)
 
     def make_env(self, mode: Mode, task: TaskSpec, tools: ToolRunner, config: Config,
                  options: ModeOptions) -> TaskEnv:
@@ -133,14 +157,63 @@ class ClusterPlacement:
             self._answered[name] = time.monotonic()
         else:
             with self._lock:  # trajectories of one host find it dead at once, from threads
-                if name not in self.dead:
-                    self.dead.add(name)
-                    self.counters.dead_hosts.append(name)
-                    log.warning("host %s does not answer: no more placements there", name)
+                if name in self.dead:
+                    return False
+                self.dead.add(name)
+                self.counters.dead_hosts.append(name)
+                log.warning("host %s does not answer: no more placements there", name)
+            self._fence(name)
         return ok
 
+    def _fence(self, name: str) -> None:
+        """Tell the cluster its work there is given up; watch for it to come back."""
+        if self.membership is None:
+            return
+        try:
+            self.fenced[name] = self.membership.fence(name)
+        except Exception as e:  # the cluster itself does not answer: the host stays dead here
+            log.warning("could not fence host %s: %s", name, e)
+            return
+        with self._lock:
+            if self._reviver is None:
+                self._reviver = threading.Thread(target=self._revive_loop, name="bunshin-revive", daemon=True)
+                self._reviver.start()
+
+    def _revive_loop(self) -> None:
+        while not self._closed.wait(REVIVE_S):
+            for name, epoch in list(self.fenced.items()):
+                try:
+                    self._revive(name, epoch)
+                except Exception as e:
+                    log.debug("host %s not back yet: %s", name, e)
+
+    def _revive(self, name: str, epoch: int) -> None:
+        """Host ``name`` serves ``epoch`` (or later: its home emptied) and answers: placed on again."""
+        assert self.membership is not None
+        serving = self.membership.serving(name)
+        if serving is None or serving < epoch:
+            return
+        ep = self.membership.endpoint(name)
+        if ep is None or httpx.get(f"{ep.url}/v1/health", timeout=HEALTH_TIMEOUT_S).status_code != 200:
+            return
+        with self._lock:
+            if ep.url != self.hosts[name].url:
+                from ..client import Client, Retry
+
+                self._retired.append(self.hosts[name])
+                self.hosts[name] = Client(ep.url, token=ep.token, timeout=300.0, retry=Retry(total_s=60.0))
+            self.generation[name] += 1
+            self.fenced.pop(name, None)
+            self._answered[name] = time.monotonic()
+            self.dead.discard(name)
+            self.counters.revived.append(name)
+        log.warning("host %s serves again (epoch %d): placed on again", name, serving)
+
     def close(self) -> None:
-        for c in self.hosts.values():
+        self._closed.set()
+        if self._reviver is not None:
+            self._reviver.join()
+        for c in [*self.hosts.values(), *self._retired]:
             c.close()
         if self._own_spool:
             shutil.rmtree(self.spool, ignore_errors=True)
@@ -161,6 +234,7 @@ class ClusterEnv(TaskEnv):
         super().__init__(task, tools, config, host=first)
         self.placement, self.mode, self.mode_options = placement, mode, options
         self.subs: dict[str, TaskEnv] = {}
+        self._gen: dict[str, int] = {}  # the host's generation each sub was made in
         self.saved: Path | None = None  # the root, saved on the head
         self.built_on: str | None = None  # the host its setup ran on
         self.memory = parse_size(task.memory) if task.memory else None
@@ -176,7 +250,7 @@ class ClusterEnv(TaskEnv):
 
     def _choose(self) -> tuple[str, bool]:
         t0 = time.perf_counter()
-        c = choose(self.placement.loads(set(self.subs) | self._copying), memory=self.memory,
+        c = choose(self.placement.loads(set(self._current()) | self._copying), memory=self.memory,
                    needs_root=self.needs_root)
         self.placement.counters.place_s += time.perf_counter() - t0
         self.placement.counters.placements += 1
@@ -185,6 +259,15 @@ class ClusterEnv(TaskEnv):
         if c.migrate and self.needs_root:
             self._copying.add(c.host)
         return c.host, c.migrate
+
+    def _current(self) -> dict[str, TaskEnv]:
+        """The subs of hosts still in the generation they were made in (a host fenced and
+        back has lost what it held)."""
+        return {n: s for n, s in self.subs.items() if self._gen.get(n) == self.placement.generation[n]}
+
+    def _keep(self, name: str, sub: TaskEnv) -> None:
+        self.subs[name] = sub
+        self._gen[name] = self.placement.generation[name]
 
     async def prepare(self) -> None:
         """The root on the first host chosen (setup once there), saved on the head."""
@@ -206,7 +289,7 @@ class ClusterEnv(TaskEnv):
             raise Unreachable(f"task {self.task.id}: no host could build its root",
                               hint="see `bunshin cluster status`")
         self.built_on = host
-        self.subs[host] = sub
+        self._keep(host, sub)
         assert isinstance(sub, SnapshotEnv) and sub.root is not None
         root: RemoteSnapshot = sub.root.sync  # type: ignore[assignment]
         dest = self.placement.spool / f"{self.task.id}-{uuid.uuid4().hex[:8]}"
@@ -217,7 +300,7 @@ class ClusterEnv(TaskEnv):
         """The env on host ``name``; its copy of the root loaded first if it has none."""
         lock = self._locks.setdefault(name, asyncio.Lock())
         async with lock:
-            sub = self.subs.get(name)
+            sub = self._current().get(name)
             if sub is not None:
                 return sub
             sub = self._sub(name)
@@ -232,7 +315,7 @@ class ClusterEnv(TaskEnv):
                 await sub.adopt(snap)
                 self.placement.counters.migrations += 1
                 self.placement.counters.migrate_s += time.perf_counter() - t0
-            self.subs[name] = sub
+            self._keep(name, sub)
             return sub
 
     async def open_on(self, events: list[str]) -> tuple[str, TrajectoryEnv]:
@@ -282,10 +365,10 @@ class ClusterEnv(TaskEnv):
         return {"hosts": per_host} if per_host else {}
 
     async def aclose(self) -> None:
-        subs, self.subs = self.subs, {}
+        subs, current, self.subs = self.subs, self._current(), {}
         for name, sub in subs.items():
-            if name in self.placement.dead:
-                continue  # its server is gone: `bunshin gc` on that host cleans what it held
+            if name in self.placement.dead or name not in current:
+                continue  # its server is gone (or was emptied): its own gc or fence cleans what it held
             try:
                 await sub.aclose()
             except Exception as e:
@@ -305,16 +388,18 @@ class ClusterTrajectory:
     def __init__(self, env: ClusterEnv) -> None:
         self.env = env
         self.host = ""
+        self.gen = 0  # the host's generation when this trajectory was placed there
         self.inner: TrajectoryEnv | None = None
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.placement: dict[str, Any] = {"host": "", "hosts": [], "retries": 0, "events": []}
 
     async def start(self) -> None:
         self.host, self.inner = await self.env.open_on(self.placement["events"])
+        self.gen = self.env.placement.generation[self.host]
         self.placement["host"] = self.host
         self.placement["hosts"].append(self.host)
 
-    async def _move(self, why: str) -> None:
+    async def move(self, why: str) -> None:
         """Open again on another host and replay the calls made so far."""
         if self.placement["retries"] >= MAX_RETRIES:
             raise Unreachable(f"trajectory moved {MAX_RETRIES} times: {why}")
@@ -333,7 +418,7 @@ class ClusterTrajectory:
         assert self.inner is not None
         return self.inner
 
-    async def _host_died(self) -> bool:
+    async def host_died(self) -> bool:
         name = self.host
         return not await in_thread(lambda: self.env.placement.alive(name))
 
@@ -342,17 +427,22 @@ class ClusterTrajectory:
             try:
                 obs = await self.env.guarded(self.host, self._inner().call(name, args))
             except Exception as e:
-                if not await self._host_died():
+                if not await self.host_died():
                     raise
-                await self._move(f"{type(e).__name__}: {e}")
+                await self.move(f"{type(e).__name__}: {e}")
                 continue
-            if getattr(obs, "error", None) and await self._host_died():
-                await self._move(str(obs.error)[:200])
+            if getattr(obs, "error", None) and await self.host_died():
+                await self.move(str(obs.error)[:200])
                 continue
             self.calls.append((name, dict(args)))
             return obs
 
     async def workspace(self) -> AsyncWorkspace:
+        """The workspace, its ``exec`` watched: a host that dies under the reward command
+        moves the trajectory (from the root, its calls replayed) and the command runs again."""
+        return cast(AsyncWorkspace, WatchedWorkspace(self, await self.current_workspace()))
+
+    async def current_workspace(self) -> AsyncWorkspace:
         while True:
             inner = self._inner()
             try:
@@ -361,15 +451,38 @@ class ClusterTrajectory:
                     return ws
                 raise Unreachable("the trajectory's workspace is gone")
             except Exception as e:
-                if not await self._host_died():
+                if not await self.host_died():
                     raise
-                await self._move(f"{type(e).__name__}: {e}")
+                await self.move(f"{type(e).__name__}: {e}")
 
     async def close(self) -> None:
         inner, self.inner = self.inner, None
         if inner is None:
             return
         self.env.release(self.host)
-        if self.host in self.env.placement.dead:
-            return  # nothing to free there now: gc on that host does
+        placement = self.env.placement
+        if self.host in placement.dead or placement.generation[self.host] != self.gen:
+            return  # nothing to free there now: that host's fence (or gc) does
         await inner.close()
+
+
+class WatchedWorkspace:
+    """A trajectory's workspace whose ``exec`` (the engine's reward command) is watched
+    like its tool calls; everything else is the workspace's own."""
+
+    def __init__(self, traj: ClusterTrajectory, ws: AsyncWorkspace) -> None:
+        self._traj, self._ws = traj, ws
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ws, name)
+
+    async def exec(self, *args: Any, **kwargs: Any) -> Any:
+        traj = self._traj
+        while True:
+            try:
+                return await traj.env.guarded(traj.host, self._ws.exec(*args, **kwargs))
+            except Exception as e:
+                if not await traj.host_died():
+                    raise
+                await traj.move(f"{type(e).__name__} in exec: {e}")
+                self._ws = await traj.current_workspace()

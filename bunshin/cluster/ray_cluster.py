@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import Config
 from ..errors import BunshinError, HostUnsupported, InvalidArgument, RuntimeFailure, Unreachable
+from . import fence
 from .records import Endpoint, HostInfo, HostLimits
 
 if TYPE_CHECKING:
@@ -114,13 +115,14 @@ class Cluster:
 
     @classmethod
     def up(cls, *, address: str | None = "auto", home_root: Path | None = None, bind: str | None = None,
-           limits: HostLimits | None = None, key: bytes | None = None) -> Cluster:
+           limits: HostLimits | None = None, key: bytes | None = None, lease_s: float | None = None) -> Cluster:
         """A host actor (and its ``bunshin serve``) on every live node that has none yet.
 
         ``home_root``: each node's home is ``home_root/NAME`` (several hosts on one
         machine), else the node's own ``BUNSHIN_HOME``. ``bind``: the address the servers
         listen on (default each node's Ray address). ``key``: the cluster's snapshot key
-        (default this home's ``snapshot.key``), copied into every host's home."""
+        (default this home's ``snapshot.key``), copied into every host's home. ``lease_s``:
+        how long a host's lease lasts unrenewed (:data:`bunshin.cluster.fence.LEASE_S`)."""
         from ..runtime.snapshot_checks import home_key
 
         ray = connect_ray(address)
@@ -145,7 +147,7 @@ class Cluster:
                 name=node.actor_name, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_restarts=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
             ).remote(node.name, node.node_id, home, bind=bind or node.address, key=key,
-                     limits=vars(limits or HostLimits()))
+                     limits=vars(limits or HostLimits()), lease_s=lease_s or fence.LEASE_S)
             started.append((node, handle))
         errors = []
         for node, handle in started:  # the constructor started the server: wait for it
@@ -194,6 +196,23 @@ class Cluster:
         home emptied (workspaces, snapshots, gc) and its server started again."""
         removed: dict[str, int] = self._ray.get(self.actor(name).reclaim.remote(), timeout=START_TIMEOUT_S)
         return removed
+
+    def fence(self, name: str) -> int:
+        """The head gives host ``name``'s current epoch up (its work is retried elsewhere):
+        its actor empties its home and serves again in the new epoch; that epoch."""
+        return fence.fence(name)
+
+    def serving(self, name: str) -> int | None:
+        """The epoch host ``name`` serves now (emptied of everything older)."""
+        return fence.serving(name)
+
+    def endpoint(self, name: str) -> Endpoint | None:
+        """URL and token of host ``name`` (``None``: its actor does not answer)."""
+        try:
+            ep: Endpoint = self._ray.get(self.actor(name).endpoint.remote(), timeout=CALL_TIMEOUT_S)
+            return ep
+        except Exception:
+            return None
 
     def status(self) -> list[HostInfo]:
         """Every live node's host; a node without an answering actor is reported dead."""

@@ -50,6 +50,8 @@ class HostInfo:
     snapshots: list[str] = field(default_factory=list)  # ids of the snapshots it holds
     limits: HostLimits = field(default_factory=HostLimits)
     error: str | None = None  # why it does not answer
+    epoch: int | None = None  # the cluster's epoch for it (bunshin.cluster.fence)
+    fenced: int = 0  # times its home was emptied because the head had given it up
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

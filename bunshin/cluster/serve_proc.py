@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
+import psutil
 
 from ..config import Config
 from ..errors import InvalidArgument, RuntimeFailure
@@ -108,8 +108,10 @@ class ServeProcess:
         env.update(BUNSHIN_HOME=str(self.cfg.home), BUNSHIN_CRIU=str(self.cfg.criu))
         log = open(self.cfg.home / LOG_NAME, "ab")  # the child keeps its own copy
         try:
-            for _ in range(5):  # a port taken between the probe and the bind: try another
-                self.port = free_port(self.bind)
+            for attempt in range(5):  # a port taken between the probe and the bind: try another
+                # a restart keeps its port (the head's URL for it holds), if it is free
+                if attempt or self.port is None:
+                    self.port = free_port(self.bind)
                 self.proc = subprocess.Popen(
                     [sys.executable, "-m", "bunshin.cli.main", "serve", "--host", self.bind, "--port",
                      str(self.port), "--token-file", str(self.token_file), "--shutdown-grace", "5",
@@ -124,19 +126,28 @@ class ServeProcess:
                              hint=f"see {self.cfg.home / LOG_NAME}")
 
     def _wait_healthy(self, timeout: float) -> bool:
+        """Until the child itself listens on its port (uvicorn binds once the app has
+        started): asked of the kernel, not over the network, so a host cut off from the
+        head still knows its server is up, and another process on the port is not taken
+        for it."""
         assert self.proc is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 return False
-            try:
-                if httpx.get(f"{self.url}/v1/health", timeout=2.0).status_code == 200:
-                    return True
-            except httpx.TransportError:
-                pass
+            if self._listening():
+                return True
             time.sleep(0.1)
         self.stop()
         return False
+
+    def _listening(self) -> bool:
+        assert self.proc is not None
+        try:
+            conns = psutil.Process(self.proc.pid).net_connections(kind="tcp")
+        except psutil.Error:
+            return False
+        return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == self.port for c in conns)
 
     def stop(self, *, grace: float = 10.0) -> None:
         """SIGTERM (calls in flight drain), then SIGKILL after ``grace`` seconds."""

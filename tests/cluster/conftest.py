@@ -15,6 +15,7 @@ from tests.conftest import drop_state_tmpfs, leftovers
 
 NAMES = ("a", "b", "c")
 MAX_WORKSPACES = 4  # per host: small, so a group of 6 does not fit on one
+LEASE_S = 3.0  # a host's lease: short, so a test sees one run out
 
 
 def home_config(root: Path, name: str) -> Config:
@@ -71,7 +72,7 @@ def cluster(ray_cluster):
 
     _, homes = ray_cluster
     c = Cluster.up(home_root=homes, bind="127.0.0.1", limits=HostLimits(max_workspaces=MAX_WORKSPACES),
-                   key=b"cluster-test-key-0123456789abcde")
+                   key=b"cluster-test-key-0123456789abcde", lease_s=LEASE_S)
     try:
         yield c
     finally:

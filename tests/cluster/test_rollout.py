@@ -5,17 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
+import threading
+import time
 
 import pytest
 
+from bunshin.cluster import HostLimits
+from bunshin.cluster.local import add_node, kill_node
 from bunshin.cluster.placement import ClusterPlacement
 from bunshin.rollout import ModeOptions, RolloutEngine, Status
+from bunshin.rollout.task import RewardSpec
+from bunshin.runtime.gc import read_lease
 from bunshin.tools import Tool, ToolOutput, ToolSet, ToolSpec
 from tests.conftest import leftovers
 from tests.rollout.test_integration import TASK, check_group, traces
 
-from .conftest import MAX_WORKSPACES
+from .conftest import LEASE_S, MAX_WORKSPACES
+from .netcut import NetCut
 
 pytestmark = [pytest.mark.integration, pytest.mark.criu]
 
@@ -61,24 +67,32 @@ def test_baseline_spreads_by_room_without_a_root(cluster, homes, tmp_path):
 
 
 class HostDrill:
-    """A tool that does ``action`` to one host's server the first time it is called from
-    a workspace on that host (so mid-trajectory there): ``kill`` (SIGKILL) or ``freeze``
-    (SIGSTOP: it stops answering, as behind a network partition)."""
+    """A tool that does ``action`` to one host the first time it is called from a
+    workspace on that host (so mid-trajectory there): ``kill`` (SIGKILL its server),
+    ``node`` (kill its whole Ray node: actor, raylet, and so its server) or ``cut`` (a
+    network cut between the head and its server, :class:`NetCut`)."""
 
-    def __init__(self, cluster, name: str, action: str) -> None:
-        self.cluster, self.name, self.action, self.done = cluster, name, action, False
+    def __init__(self, cluster, name: str, action: str, rc=None) -> None:
+        self.cluster, self.name, self.action, self.rc, self.done = cluster, name, action, rc, False
         self.url = next(e.url for e in cluster.endpoints() if e.name == name)
         self.pid = next(h.pid for h in cluster.status() if h.name == name)
+        self.net = NetCut(int(self.url.rsplit(":", 1)[1]))
 
     def __call__(self, ws, args, ctx) -> ToolOutput:
         if not self.done and ws.client.url == self.url:
             self.done = True
-            if self.action == "kill":
+            if self.action in ("kill", "kill-soon"):
                 import ray
 
-                ray.get(self.cluster.actor(self.name).kill_server.remote())
+                kill = self.cluster.actor(self.name).kill_server.remote
+                if self.action == "kill":
+                    ray.get(kill())
+                else:  # once this call has answered: while the next command runs there
+                    threading.Timer(0.5, lambda: ray.get(kill())).start()
+            elif self.action == "node":
+                kill_node(self.rc, self.name)
             else:
-                os.kill(self.pid, signal.SIGSTOP)
+                self.net.cut()
         return ToolOutput("ok")
 
     def tools(self) -> ToolSet:
@@ -86,28 +100,37 @@ class HostDrill:
                                           self))
 
 
-def drill_policy(n: int):
+def drill_policy(n: int, *, last: bool = False):
+    """``n`` traces; the drill is their first step, or (``last``) their last, so the host
+    goes while the reward command runs."""
     import json
 
     from bunshin.rollout import TraceReplayPolicy, parse_traces
 
+    drill = {"think_s": 0.0, "name": "drill", "arguments": {}}
     return TraceReplayPolicy(parse_traces([json.dumps({"id": f"t{i}", "steps": [
-        {"think_s": 0.0, "name": "drill", "arguments": {}},
+        *([] if last else [drill]),
         {"think_s": 0.05, "name": "bash", "arguments": {"command": "cat hello.txt setup.log; export K=7"}},
         {"think_s": 0.05, "name": "python", "arguments": {"code": f"base += {i}\nbase"}},
         {"think_s": 0.05, "name": "bash", "arguments": {"command": "echo $K"}},
         {"think_s": 0.0, "name": "python", "arguments": {"code": "open('/work/score', 'w').write(str(base))"}},
+        *([drill] if last else []),
     ]}) for i in range(n)]))
 
 
-def run_drill(cluster, tmp_path, drill: HostDrill, task, n: int):
-    with ClusterPlacement.of(cluster, spool=tmp_path) as placement:
+def run_drill(cluster, tmp_path, drill: HostDrill, task, n: int, *, last: bool = False, placement=None):
+    own = placement is None
+    placement = placement or ClusterPlacement.of(cluster, spool=tmp_path)
+    try:
         async def main():
             async with RolloutEngine("bunshin", tools=drill.tools(), options=ModeOptions(cache=False),
                                      cluster=placement) as engine:
-                return await engine.run_group(task, drill_policy(n), n)
+                return await engine.run_group(task, drill_policy(n, last=last), n)
         g = asyncio.run(main())
         dead = list(placement.counters.dead_hosts)
+    finally:
+        if own:
+            placement.close()
     assert drill.done and dead == [drill.name]
     assert [t.status for t in g.trajectories] == [Status.COMPLETED] * n, [t.error for t in g.trajectories]
     assert g.rewards == [40.0 + i for i in range(n)]  # the one-host rewards
@@ -121,34 +144,118 @@ def run_drill(cluster, tmp_path, drill: HostDrill, task, n: int):
     return g
 
 
-def test_a_host_killed_mid_rollout(cluster, homes, tmp_path):
+def wait_for(what, timeout: float = 60.0, every: float = 0.25):
+    deadline = time.monotonic() + timeout
+    while not (got := what()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(every)
+    return got
+
+
+def host(cluster, name: str):
+    return next(h for h in cluster.status() if h.name == name)
+
+
+def clean(cfg) -> bool:
+    return not {k: v for k, v in leftovers(cfg).items() if k != "criu"}
+
+
+def test_a_host_killed_mid_rollout_is_fenced_and_emptied(cluster, homes, tmp_path):
     """b's server dies at the first step there: its trajectories start again from the root
     on another host, their calls replayed; the group completes with the one-host rewards.
-    Then b comes back: what its killed server left is reclaimed and it serves again."""
+    The head fenced b's epoch: b's actor sees it, empties b's home (what the killed server
+    left) and serves again in the new epoch, with no `cluster reclaim`."""
+    before = host(cluster, "b")
     drill = HostDrill(cluster, "b", "kill")
+    run_drill(cluster, tmp_path, drill, TASK, MAX_WORKSPACES + 2)
+    after = wait_for(lambda: (h := host(cluster, "b")).fenced > before.fenced and h.alive and h)
+    assert after.epoch == before.epoch + 1 and after.pid != before.pid
+    assert clean(homes["b"])
+
+
+def test_a_reward_on_a_host_that_dies_after_the_last_call_is_retried(cluster, homes, tmp_path):
+    """b's server dies while the reward command runs there (the last tool call answered):
+    the reward's exec is watched like a call, so the trajectory moves (its calls replayed)
+    and its reward is read elsewhere."""
+    drill = HostDrill(cluster, "b", "kill-soon")
+    task = TASK.model_copy(update={"reward": RewardSpec(command="sleep 2; cat /work/score")})
+    g = run_drill(cluster, tmp_path, drill, task, MAX_WORKSPACES + 2, last=True)
+    assert any("in exec" in e for t in g.trajectories for e in t.placement["events"]), \
+        [t.placement for t in g.trajectories]
+    wait_for(lambda: host(cluster, "b").alive and clean(homes["b"]))
+
+
+def test_a_partition_stops_placements_until_it_heals(cluster, homes, tmp_path):
+    """A network cut between the head and b's server mid-rollout (nftables): calls there
+    hang, b's health check times out, b is fenced and takes no more placements; its
+    trajectories finish elsewhere. b's actor, which still reaches the cluster, empties
+    b's home behind the cut. Once the cut heals, b is placed on again by the same engine,
+    its root copied there anew (the old copy went with the fence)."""
+    drill = HostDrill(cluster, "b", "cut")
+    task = TASK.model_copy(update={"call_timeout": 2.0})
+    n = MAX_WORKSPACES + 2
+    with ClusterPlacement.of(cluster, spool=tmp_path) as placement:
+        async def main():
+            async with RolloutEngine("bunshin", tools=drill.tools(), options=ModeOptions(cache=False),
+                                     cluster=placement) as engine:
+                cut = await engine.run_group(task, drill_policy(n), n)
+                assert f"dport {drill.net.port} drop" in drill.net.rules()
+                await asyncio.to_thread(wait_for, lambda: clean(homes["b"]))  # emptied by its actor, cut off
+                during = await engine.run_group(task, traces(n), n)
+                revived = list(placement.counters.revived)
+                drill.net.heal()
+                await asyncio.to_thread(wait_for, lambda: placement.counters.revived == ["b"], 30)
+                copies = placement.counters.migrations
+                after = await engine.run_group(task, traces(2 * MAX_WORKSPACES + 2), 2 * MAX_WORKSPACES + 2)
+                return cut, during, revived, copies, after
+        try:
+            cut, during, revived, copies, after = asyncio.run(main())
+        finally:
+            drill.net.heal()
+        assert placement.counters.dead_hosts == ["b"]
+        assert [t.status for t in cut.trajectories] == [Status.COMPLETED] * n, [t.error for t in cut.trajectories]
+        assert cut.rewards == [40.0 + i for i in range(n)]
+        assert any(t.placement["retries"] for t in cut.trajectories)
+        check_group(during, n)
+        assert "b" not in hosts_of(during) and revived == []  # no placement behind the cut
+        check_group(after, 2 * MAX_WORKSPACES + 2)
+        # a and c hold the root and are full: b takes the rest, from a new copy of the root
+        assert hosts_of(after) == {"a": MAX_WORKSPACES, "c": MAX_WORKSPACES, "b": 2}
+        assert placement.counters.migrations == copies + 1
+    assert host(cluster, "b").alive
+
+
+def test_a_node_killed_mid_rollout_and_revived_is_cleaned_by_gc(cluster, ray_cluster, homes, tmp_path):
+    """b's whole Ray node dies mid-rollout (its actor with it; its server stops, leaving
+    its workspaces running for a restart to adopt). The group completes elsewhere. With
+    no actor renewing b's lease it runs out, and plain `bunshin gc` on b empties its home.
+    The node comes back: `cluster up` starts b again in the fenced epoch, and it is placed on."""
+    from bunshin.cluster import Cluster
+    from tests.cluster.test_fence import gc_json
+
+    rc, root = ray_cluster
+    before = host(cluster, "b")
+    drill = HostDrill(cluster, "b", "node", rc)
     try:
         run_drill(cluster, tmp_path, drill, TASK, MAX_WORKSPACES + 2)
+        wait_for(lambda: not os.path.exists(f"/proc/{before.pid}"), timeout=30)
+        left = leftovers(homes["b"])
+        assert left.get("records")  # the server's workspaces outlive it, as after a crash
+        assert gc_json(homes["b"])["workspaces"] == []  # the lease still holds: kept
+        wait_for(lambda: (lease := read_lease(homes["b"])) is not None and lease.lost(), timeout=LEASE_S + 5)
+        report = gc_json(homes["b"])
+        assert sorted(report["workspaces"]) == sorted(left["records"]) and report["snapshots"]
+        assert clean(homes["b"])
     finally:
-        left_before = leftovers(homes["b"])
-        removed = cluster.reclaim("b")
-    assert left_before.get("records") and removed["workspaces"] == len(left_before["records"])
-    assert removed["snapshots"] >= 1  # the root copy the head had placed there
-    assert {k: v for k, v in leftovers(homes["b"]).items() if k != "criu"} == {}
-    assert next(h for h in cluster.status() if h.name == "b").alive
-
-
-def test_a_host_that_stops_answering_gets_no_more_placements(cluster, homes, tmp_path):
-    """A partition from the head: b's server is frozen mid-rollout (its connections hang).
-    Calls there run out of time, so does b's health check: b takes no more placements and
-    its trajectories finish elsewhere."""
-    drill = HostDrill(cluster, "b", "freeze")
-    task = TASK.model_copy(update={"call_timeout": 2.0})
-    try:
-        run_drill(cluster, tmp_path, drill, task, MAX_WORKSPACES + 2)
-    finally:
-        os.kill(drill.pid, signal.SIGCONT)
-        cluster.reclaim("b")
-    assert next(h for h in cluster.status() if h.name == "b").alive
+        add_node(rc, "b")
+        Cluster.up(home_root=root, bind="127.0.0.1", limits=HostLimits(max_workspaces=MAX_WORKSPACES),
+                   key=b"cluster-test-key-0123456789abcde", lease_s=LEASE_S)
+    back = host(cluster, "b")
+    assert back.alive and back.epoch == before.epoch + 1  # the head's fence, kept by the cluster
+    with ClusterPlacement.of(cluster, spool=tmp_path) as placement:
+        (g,) = run(placement, "baseline", 3)
+    check_group(g, 3)
+    assert hosts_of(g) == {"a": 1, "b": 1, "c": 1}
 
 
 def test_a_dead_host_is_passed_over_for_the_root(cluster, homes, tmp_path):
