@@ -90,7 +90,7 @@ class CallRequest(Model):
 
 class ObservationOut(Model):
     """``bunshin.tools.Observation`` on the wire (``cached``: served from the prefix cache;
-    ``speculated``: computed ahead of time)."""
+    ``speculated``: computed ahead of time; ``images``: base64 PNGs, e.g. a screenshot)."""
 
     output: str
     exit_code: int | None = None
@@ -99,6 +99,7 @@ class ObservationOut(Model):
     duration_s: float = 0.0
     cached: bool = False
     speculated: bool = False
+    images: tuple[str, ...] = ()
 
 
 class RewardOut(Model):
