@@ -48,6 +48,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--clones", type=int, default=3, help="clones measured one after another (default 3)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_clone_memory, release_tmpfs=True)
+    b = bsub.add_parser("delta-pause", help="forks of a running fork: the parent's pause per CRIU phase")
+    b.add_argument("--forks", type=int, default=8, help="delta forks taken one after another (default 8)")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_delta_pause, release_tmpfs=True)
 
     b = bsub.add_parser("image", help="OCI images against the host image: pull+unpack, storage, create, fork")
     b.add_argument("--clones", type=int, default=64, help="clones per fork (default 64)")
@@ -122,6 +126,17 @@ def cmd_bench_clone_memory(args: argparse.Namespace) -> int:
         output.print_json(r)
     else:
         clone_memory.print_report(r)
+    return 0
+
+
+def cmd_bench_delta_pause(args: argparse.Namespace) -> int:
+    from ..bench import dump_phases
+
+    r = dump_phases.run(Config.from_env(), forks=args.forks)
+    if args.json:
+        output.print_json(r)
+    else:
+        dump_phases.print_report(r)
     return 0
 
 

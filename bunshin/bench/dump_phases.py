@@ -1,0 +1,142 @@
+"""Where a dump's pause goes, and ``bunshin bench delta-pause``.
+
+``parse(log)`` splits the frozen part of one ``criu dump -v4`` log at CRIU's own
+markers and adds up the time spent in each phase (a tree of several processes goes
+through the per-task phases once per process; their times are summed):
+
+- ``seize``: from the freeze to the first task: seizing the threads, collecting
+  mounts, sockets (one netlink query per family) and namespaces;
+- ``task``: a task's mappings (each mapped file's path is checked) and descriptors;
+- ``parasite``: injecting the parasite into a task;
+- ``pages``: a task's page map and pages, and the parasite's cure;
+- ``tree``: namespaces, the process tree, cgroups, the image inventory;
+- ``post_dump``: CRIU's ``post-dump`` action script (bunshin's frozen copy of the upper);
+
+until the tasks are unfrozen. ``run`` forks a running fork ``forks`` times (each a
+delta: its parent is already memory-file backed) and reports the pause (CRIU's
+``frozen_time``) and every phase, p50 and max (``--json``: ``r["pause_ms_p50"]``,
+``r["phases_ms_p50"][name]``, ``r["rounds"]``: each dump's phases).
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .. import console as output
+from ..config import Config
+from ..errors import InvalidArgument
+from ..tools import ToolSet
+from ..workspace import Snapshot, Workspace
+
+_TS = re.compile(r"^\((\d+\.\d+)\)")
+#: (phase the marker starts, what the log line says); the first one starts the pause
+MARKERS = (
+    ("seize", re.compile(r"Detected cgroup V\d freezer|^\(\S+\)\s+Seizing ")),
+    ("task", re.compile(r"Dumping task \(pid")),
+    ("parasite", re.compile(r"Set up parasite blob")),
+    ("pages", re.compile(r"Dumping pages \(type")),
+    ("tree", re.compile(r"Dumping task cwd id|Dumping pstree")),
+    ("post_dump", re.compile(r"Running post-dump scripts")),
+)
+PHASES = tuple(name for name, _ in MARKERS)
+_END = re.compile(r"Unfreezing tasks")
+
+
+@dataclass(frozen=True)
+class DumpPhases:
+    frozen_ms: float  # from the freeze to the thaw, as the log tells it
+    phases_ms: dict[str, float]  # every name of PHASES, summed over the tasks
+
+
+def parse(log: str) -> DumpPhases | None:
+    """The pause of one dump per phase; None for a log without a freeze and a thaw."""
+    spent = dict.fromkeys(PHASES, 0.0)
+    start = phase = last = None
+    for line in log.splitlines():
+        m = _TS.match(line)
+        if not m:
+            continue
+        t = float(m.group(1)) * 1000
+        if start is not None and _END.search(line):
+            assert phase is not None and last is not None
+            spent[phase] += t - last
+            return DumpPhases(round(t - start, 3), {k: round(v, 3) for k, v in spent.items()})
+        for name, pattern in MARKERS:
+            if not pattern.search(line) or (start is None and name != "seize") or name == phase:
+                continue
+            if start is None:
+                start = t
+            else:
+                assert phase is not None and last is not None
+                spent[phase] += t - last
+            phase, last = name, t
+            break
+    return None
+
+
+def of_snapshot(snap: Snapshot) -> DumpPhases | None:
+    """The phases of the dump that made ``snap`` (its ``dump.log`` is kept with the images)."""
+    try:
+        return parse((Path(snap.record.images) / "dump.log").read_text(errors="replace"))
+    except OSError:
+        return None
+
+
+def _p50(values: list[float]) -> float:
+    return round(statistics.median(values), 2)
+
+
+def run(cfg: Config, *, forks: int = 8) -> dict[str, Any]:
+    """Fork a running fork ``forks`` times (one delta snapshot each) and split every pause."""
+    if forks < 1:
+        raise InvalidArgument(f"forks must be at least 1, not {forks}", hint="pass --forks 1 or more")
+    started = time.monotonic()
+    rounds: list[dict[str, Any]] = []
+    root = Workspace.create("host", config=cfg)
+    try:
+        root.exec(["true"])
+        ToolSet.default().run_sync(root, "bash", {"command": "cd /tmp"})  # a shell: two processes to dump
+        first = root.snapshot()
+        try:
+            (fork,) = first.restore(1)
+            try:
+                fork.exec(["true"])
+                for _ in range(forks):
+                    snap = fork.snapshot()
+                    try:
+                        split = of_snapshot(snap)
+                        rounds.append({"pause_ms": snap.record.pause_ms, "dump_ms": snap.record.dump_ms,
+                                       "frozen_ms_in_log": split.frozen_ms if split else None,
+                                       "phases_ms": split.phases_ms if split else None})
+                    finally:
+                        snap.remove()
+            finally:
+                fork.remove()
+        finally:
+            first.remove()
+    finally:
+        root.remove()
+    split_rounds = [r["phases_ms"] for r in rounds if r["phases_ms"] is not None]
+    return {
+        "forks": forks,
+        "pause_ms_p50": _p50([r["pause_ms"] for r in rounds]),
+        "pause_ms_max": max(r["pause_ms"] for r in rounds),
+        "dump_ms_p50": _p50([r["dump_ms"] for r in rounds]),
+        "phases_ms_p50": {k: _p50([p[k] for p in split_rounds]) for k in PHASES} if split_rounds else {},
+        "phases_ms_max": {k: max(p[k] for p in split_rounds) for k in PHASES} if split_rounds else {},
+        "goal_ms": 10.0,
+        "rounds": rounds,
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+
+
+def print_report(r: dict[str, Any]) -> None:
+    rows = [("pause (CRIU frozen_time)", r["pause_ms_p50"], r["pause_ms_max"])]
+    rows += [(name, r["phases_ms_p50"].get(name), r["phases_ms_max"].get(name)) for name in PHASES]
+    output.print_table(f"forks of a running fork: parent pause per phase, ms ({r['forks']} forks; goal <= 10 ms)",
+                       ["phase", "p50", "max"], rows)
