@@ -3,25 +3,27 @@
 ``ClusterGroups(placement).join(key=..., n=..., task=...)`` places this caller's ``n``
 trajectories with the scheduler (hosts whose server already holds the key first, then
 room: ``max_workspaces`` minus the key's open trajectories or the live workspaces
-there, whichever is more) and joins the key on each
-host chosen (``POST /v1/groups``); each host's group has its own root and prefix cache.
-Where a key lives is asked of the hosts (``GET /v1/groups/{key}``), so callers in other
-processes place theirs next to it too.
+there, whichever is more) and joins the key on each host chosen (``POST /v1/groups``);
+each host's group has its own prefix cache. Where a key lives is asked of the hosts
+(``GET /v1/groups/{key}``), so callers in other processes place theirs next to it too.
 
-Limit: a host that does not hold the key yet builds its root from the task itself (its
-setup runs there again): a server group cannot yet start from a copied snapshot *and*
-keep the task's reward command and tools (``POST /v1/groups`` takes one of image,
-snapshot or task), so the root copy :class:`~bunshin.cluster.ClusterPlacement` does for
-the engine is not done here.
+A host that does not hold the key yet gets a copy of a holder's root (save -> transfer
+-> load, through the head's spool) and joins with that snapshot *and* the task: the
+task's setup does not run again there, and its tools and reward apply. Only the first
+host builds the root from the task. The copies are this object's to free
+(:meth:`ClusterGroups.remove`; the groups do not own them).
 """
 
 from __future__ import annotations
 
+import shutil
+import time
+import uuid
 from dataclasses import dataclass
 
 from ..api.groups import GroupOut
 from ..client.groups import RemoteGroup, RemoteTrajectory, TaskLike
-from ..errors import NotFound
+from ..errors import NotFound, StateConflict
 from .placement import ClusterPlacement
 from .scheduler import HostLoad, choose
 
@@ -37,13 +39,14 @@ class Share:
 class ClusterGroups:
     def __init__(self, placement: ClusterPlacement) -> None:
         self.placement = placement
+        self.copies: dict[tuple[str, str], str] = {}  # (key, host) -> the root copy loaded there
 
     def holders(self, key: str) -> set[str]:
         """The live hosts whose server holds the group ``key``."""
-        return set(self._open(key))
+        return set(self._groups(key))
 
-    def _open(self, key: str) -> dict[str, int]:
-        """Per live host holding ``key``: its open trajectories of the key (all callers')."""
+    def _groups(self, key: str) -> dict[str, GroupOut]:
+        """The group ``key`` on every live host holding it."""
         out = {}
         for name, client in self.placement.hosts.items():
             if name in self.placement.dead:
@@ -52,8 +55,58 @@ class ClusterGroups:
                 r = client.request("GET", f"/v1/groups/{key}")
             except NotFound:
                 continue
-            out[name] = len(GroupOut.model_validate(r.json()).trajectories)
+            out[name] = GroupOut.model_validate(r.json())
         return out
+
+    def _open(self, key: str) -> dict[str, int]:
+        """Per live host holding ``key``: its open trajectories of the key (all callers')."""
+        return {name: len(grp.trajectories) for name, grp in self._groups(key).items()}
+
+    def _copy_root(self, key: str, source: str, root: str, target: str) -> str:
+        """The root ``root`` of ``key`` on host ``source`` loaded on ``target``; its id there."""
+        t0 = time.perf_counter()
+        folder = self.placement.spool / f"group-{uuid.uuid4().hex[:12]}"
+        try:
+            self.placement.hosts[source].snapshot(root).save(folder)
+            copy = self.placement.hosts[target].load_snapshot(folder).id
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        self.copies[(key, target)] = copy
+        self.placement.counters.migrations += 1
+        self.placement.counters.migrate_s += time.perf_counter() - t0
+        return copy
+
+    def _join_on(self, host: str, *, key: str, n: int, task: TaskLike | None, image: str | None,
+                 tools: list[str] | None, speculation: bool, held: dict[str, str]) -> RemoteGroup:
+        """``n`` trajectories of ``key`` on ``host``; ``held``: the key's root on each holder."""
+        client = self.placement.hosts[host]
+
+        def join(snapshot: str | None = None) -> RemoteGroup:
+            return client.group(key=key, n=n, task=task, image=None if snapshot else image, snapshot=snapshot,
+                                tools=tools, speculation=speculation)
+
+        if host in held:  # joined as it was made: from the task, or from a copy with the task
+            try:
+                return join()
+            except StateConflict:
+                return join(held[host])
+        if task is not None and held:
+            source = min(held)
+            copy = self._copy_root(key, source, held[source], host)
+            try:
+                return join(copy)
+            except BaseException:
+                self._drop_copy(key, host)
+                raise
+        return join()
+
+    def _drop_copy(self, key: str, host: str) -> None:
+        copy = self.copies.pop((key, host), None)
+        if copy is not None:
+            try:
+                self.placement.hosts[host].snapshot(copy).remove()
+            except NotFound:
+                pass
 
     def _loads(self, key: str) -> list[HostLoad]:
         """A host's load: its live workspaces, or the key's open trajectories there if more
@@ -70,7 +123,7 @@ class ClusterGroups:
     def join(self, *, key: str, n: int, task: TaskLike | None = None, image: str | None = None,
              tools: list[str] | None = None, speculation: bool = True) -> list[Share]:
         """``n`` new trajectories of ``key`` over the hosts (built from ``task`` or
-        ``image`` on a host that has none of the key yet)."""
+        ``image`` on the first host; a task's root copied to the next ones)."""
         loads = {h.name: h for h in self._loads(key)}
         counts: dict[str, int] = {}
         for _ in range(n):
@@ -81,10 +134,12 @@ class ClusterGroups:
             counts[c.host] = counts.get(c.host, 0) + 1
         self.placement.counters.placements += n
         shares = []
+        held = {h: grp.root for h, grp in self._groups(key).items()}
         try:
-            for host, k in counts.items():
-                group = self.placement.hosts[host].group(key=key, n=k, task=task, image=image, tools=tools,
-                                                         speculation=speculation)
+            for host, k in sorted(counts.items(), key=lambda hk: (hk[0] not in held, hk[0])):
+                group = self._join_on(host, key=key, n=k, task=task, image=image, tools=tools,
+                                      speculation=speculation, held=held)
+                held.setdefault(host, group.root)
                 shares.append(Share(host, group))
         except BaseException:
             for s in shares:
@@ -97,6 +152,9 @@ class ClusterGroups:
         held = sorted(self.holders(key))
         for name in held:
             self.placement.hosts[name].request("DELETE", f"/v1/groups/{key}", default_wait=False)
+        for k, host in [c for c in self.copies if c[0] == key]:
+            if host not in self.placement.dead:
+                self._drop_copy(k, host)
         return held
 
 

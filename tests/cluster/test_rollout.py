@@ -278,8 +278,9 @@ def test_a_dead_host_is_passed_over_for_the_root(cluster, homes, tmp_path):
 
 def test_api_groups_over_the_hosts(cluster, homes, tmp_path):
     """Two callers join one group key over HTTP: the first's trajectories go where the key
-    is built, the second's next to them while there is room, then to another host (which
-    builds its own root from the task); every trajectory gives the one-host answers."""
+    is built, the second's next to them while there is room, then to another host, which
+    gets a copy of the root (no second setup) and joins with it and the task; every
+    trajectory gives the one-host answers; removing the key frees the copy too."""
     from bunshin.cluster.groups import ClusterGroups, trajectories
 
     key = "cluster-api-group"
@@ -297,6 +298,14 @@ def test_api_groups_over_the_hosts(cluster, homes, tmp_path):
             # a holds the key and has room for one more (3 of its 4 slots are taken)
             assert [(s.host, len(s.group)) for s in second] == [("a", 1), ("b", 2)]
             assert groups.holders(key) == {"a", "b"}
+            # b's group starts from the copy of a's root loaded there, not from a setup of its own
+            copy = groups.copies[(key, "b")]
+            assert second[1].group.root == copy and placement.counters.migrations == 1
+            assert copy in [x.id for x in placement.hosts["b"].snapshots()]
+            third = groups.join(key=key, n=1, task=TASK, speculation=False)  # b joined as it was made
+            shares += third
+            assert [(s.host, len(s.group)) for s in third] == [("b", 1)] and placement.counters.migrations == 1
+            third[0].group.close()
             rewards = []
             for i, (_, t) in enumerate(trajectories(first + second)):
                 if i >= 3:
@@ -311,4 +320,5 @@ def test_api_groups_over_the_hosts(cluster, homes, tmp_path):
             for s in shares:
                 s.group.close()
             removed = groups.remove(key)
-    assert removed == ["a", "b"]
+        assert removed == ["a", "b"] and groups.copies == {}
+        assert placement.hosts["b"].snapshots() == []
