@@ -21,10 +21,11 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from bunshin.errors import CriuError, HostUnsupported
 
-from . import criu_kdat, criu_launch
+from . import criu_kdat, criu_launch, prepared
 from . import syscalls as sc
 
 LOG_TAIL_LINES = 30
@@ -160,53 +161,62 @@ def _run(
 ) -> float:
     """Run criu; return the wall time in ms or raise CriuError."""
     criu_kdat.ensure(criu)  # its kernel-feature cache: ~20 ms less per run where /run is no tmpfs
+    argv = [*criu_launch.argv(criu), *args]  # the loader directly: no shell (~4 ms)
     with tempfile.TemporaryFile() as out:
         t0 = time.monotonic()
-        try:
-            proc = subprocess.Popen(
-                [*criu_launch.argv(criu), *args],  # the loader directly: no shell (~4 ms)
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                close_fds=True,
-                preexec_fn=placement.enter if placement else None,  # noqa: PLW1509 (syscalls only)
-            )
-        except subprocess.SubprocessError as exc:
+        try:  # forked by a small helper kept warm (``prepared``), else by this process
+            ran = prepared.run(argv, placement, out.fileno(), timeout)
+            returncode, expired = ran if ran is not None else _popen_wait(argv, placement, out, timeout, action)
+        except (subprocess.SubprocessError, prepared.LaunchError) as exc:
             raise CriuError(f"criu {action} could not enter its namespaces or cgroups: {exc}",
                             action=action) from exc
         except FileNotFoundError as exc:
             raise HostUnsupported(
                 f"criu not found at {criu}", hint="install CRIU >= 4.2 (see DESIGN.md)"
             ) from exc
-        # A blocking wait with a timer that kills criu, not ``wait(timeout)``: that polls
-        # with sleeps growing to 50 ms and added ~25 ms to every restore.
-        expired = threading.Event()
-
-        def expire() -> None:
-            expired.set()
-            proc.kill()
-
-        timer = threading.Timer(timeout, expire) if timeout is not None else None
-        if timer is not None:
-            timer.daemon = True
-            timer.start()
-        try:
-            proc.wait()
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            raise
-        finally:
-            if timer is not None:
-                timer.cancel()
-        if expired.is_set():
+        if expired:
             raise CriuError(f"criu {action} timed out after {timeout} s",
                             log_tail=_tail(log) if log else "", action=action)
         duration_ms = (time.monotonic() - t0) * 1000
-        if proc.returncode != 0:
+        if returncode != 0:
             out.seek(0)
-            raise _failure(action, proc.returncode, log, out.read().decode(errors="replace").strip())
+            raise _failure(action, returncode, log, out.read().decode(errors="replace").strip())
     return duration_ms
+
+
+def _popen_wait(argv: list[str], placement: Placement | None, out: IO[bytes], timeout: float | None,
+                action: str) -> tuple[int, bool]:
+    """Fork criu from this process and wait: (exit code, whether the timeout killed it)."""
+    proc = subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        close_fds=True,
+        preexec_fn=placement.enter if placement else None,  # noqa: PLW1509 (syscalls only)
+    )
+    # A blocking wait with a timer that kills criu, not ``wait(timeout)``: that polls
+    # with sleeps growing to 50 ms and added ~25 ms to every restore.
+    expired = threading.Event()
+
+    def expire() -> None:
+        expired.set()
+        proc.kill()
+
+    timer = threading.Timer(timeout, expire) if timeout is not None else None
+    if timer is not None:
+        timer.daemon = True
+        timer.start()
+    try:
+        proc.wait()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        if timer is not None:
+            timer.cancel()
+    return proc.returncode, expired.is_set()
 
 
 def dump(

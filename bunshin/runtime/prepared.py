@@ -1,0 +1,209 @@
+"""criu processes started by a small helper kept warm, not forked from the caller.
+
+``subprocess`` with a ``preexec_fn`` (the ``criu.Placement`` must run between fork and
+exec) cannot use vfork: every criu run forked the whole calling process, ~4 ms here
+for a test process and more for a server or a bench holding 1,024 clones (page tables
+of all its memory, every thread's state). ``CriuLauncher`` starts ``zygote.py`` once
+per process (standard library only, ~10 MiB) and asks it over a socketpair to fork
+and exec each criu run: the fork is of the small helper.
+
+One launcher per process (``launcher()``), started on first use, restarted after a
+``fork`` of the caller (the child gets its own) or when the helper died. The helper
+ends with its caller (its socket closes), so nothing outlives the process for ``gc``
+to find. If it cannot be started, ``launcher()`` is None and criu runs through
+``subprocess`` as before.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ZYGOTE = Path(__file__).with_name("zygote.py")
+START_TIMEOUT_S = 10.0
+
+
+class LaunchError(OSError):
+    """The helper could not start the command (placement or exec failed), or is gone."""
+
+
+@dataclass
+class _Pending:
+    started: threading.Event = field(default_factory=threading.Event)
+    ended: threading.Event = field(default_factory=threading.Event)
+    pid: int | None = None
+    status: int | None = None
+    error: str | None = None
+
+
+class CriuLauncher:
+    """The calling process's end of one ``zygote.py`` helper."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
+        self._proc, self._sock = proc, sock
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._lock = threading.Lock()
+        self._dead = False
+        self._reader = threading.Thread(target=self._read, name="bunshin-criu-launcher", daemon=True)
+        self._reader.start()
+
+    @classmethod
+    def start(cls) -> CriuLauncher:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", str(ZYGOTE), str(theirs.fileno())], pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        finally:
+            theirs.close()
+        mine.set_inheritable(False)
+        return cls(proc, mine)
+
+    @property
+    def alive(self) -> bool:
+        return not self._dead and self._proc.poll() is None
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = self._sock.recv(1 << 16)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            msg = json.loads(data)
+            with self._lock:
+                p = self._pending.get(msg["id"])
+            if p is None:
+                continue
+            if "error" in msg:
+                p.error = msg["error"]
+                p.started.set()
+                p.ended.set()
+            elif "status" in msg:
+                p.status = msg["status"]
+                p.ended.set()
+            else:
+                p.pid = msg["pid"]
+                p.started.set()
+        self._dead = True
+        with self._lock:
+            for p in self._pending.values():
+                if p.error is None and p.status is None:
+                    p.error = p.error or "the criu launcher ended"
+                p.started.set()
+                p.ended.set()
+
+    def spawn(self, argv: list[str], placement: dict[str, Any], out_fd: int) -> tuple[int, _Pending]:
+        """Start ``argv`` with stdout and stderr on ``out_fd`` after ``placement``; its pid."""
+        rid = next(self._ids)
+        p = _Pending()
+        with self._lock:
+            self._pending[rid] = p
+        msg = json.dumps({"id": rid, "argv": argv, "placement": placement}).encode()
+        try:
+            self._sock.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [out_fd]))])
+        except OSError as e:
+            self._forget(rid)
+            raise LaunchError(f"the criu launcher is gone: {e}") from e
+        p.started.wait()
+        if p.error is not None or p.pid is None:
+            self._forget(rid)
+            raise LaunchError(p.error or "the criu launcher gave no pid")
+        return rid, p
+
+    def wait(self, rid: int, p: _Pending, timeout: float | None = None) -> int | None:
+        """The exit code (``-signal`` if killed), or None if it still runs after ``timeout``."""
+        if not p.ended.wait(timeout):
+            return None
+        self._forget(rid)
+        if p.status is None:
+            raise LaunchError(p.error or "the criu launcher ended before its child")
+        return os.waitstatus_to_exitcode(p.status)
+
+    def _forget(self, rid: int) -> None:
+        with self._lock:
+            self._pending.pop(rid, None)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the reader; the helper sees EOF
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(START_TIMEOUT_S)
+
+
+_launcher: CriuLauncher | None = None
+_owner = 0
+_failed = False
+_global = threading.Lock()
+
+
+def launcher() -> CriuLauncher | None:
+    """This process's launcher (started on first use); None if it cannot run here."""
+    global _launcher, _owner, _failed
+    with _global:
+        if _owner != os.getpid():  # a forked child: the parent's helper is not ours
+            _launcher, _owner, _failed = None, os.getpid(), False
+        if _launcher is not None and not _launcher.alive:
+            _launcher.close()
+            _launcher = None
+        if _launcher is None and not _failed:
+            try:
+                _launcher = CriuLauncher.start()
+            except OSError:
+                _failed = True
+        return _launcher
+
+
+def placement_fields(placement: Any) -> dict[str, Any]:
+    """A ``criu.Placement`` as the helper takes it."""
+    return {} if placement is None else {k: (list(v) if isinstance(v, tuple) else v)
+                                         for k, v in asdict(placement).items()}
+
+
+def run(argv: list[str], placement: Any, out_fd: int, timeout: float | None) -> tuple[int, bool] | None:
+    """Run ``argv`` through the launcher and wait: (exit code, whether ``timeout`` killed it).
+
+    None when there is no launcher (the caller runs it itself). Raises
+    ``FileNotFoundError`` when the program is missing, ``LaunchError`` when the
+    placement failed; on an interrupt the child is killed and awaited.
+    """
+    lch = launcher()
+    if lch is None:
+        return None
+    try:
+        rid, pending = lch.spawn(argv, placement_fields(placement), out_fd)
+    except LaunchError as e:
+        if str(e).startswith("FileNotFoundError") and not os.path.exists(argv[0]):
+            raise FileNotFoundError(argv[0]) from e
+        raise
+    pid = pending.pid
+    assert pid is not None
+    try:
+        code = lch.wait(rid, pending, timeout)
+        if code is not None:
+            return code, False
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 9)  # still its helper's child (not reaped): the pid is its own
+        code = lch.wait(rid, pending)
+        return (code if code is not None else -9), True
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 9)
+        lch.wait(rid, pending)
+        raise
