@@ -128,6 +128,26 @@ def _criu_cache(cfg: Config) -> Result:
         f"run bunshin as root with a writable {criu_kdat.RUN}, or mount a tmpfs on {criu_kdat.RUN}")
 
 
+CLONE_TASKS = 4  # tasks of a typical clone: the agent, a shell session, a command, a helper
+
+
+def _clone_capacity() -> Result:
+    """How many live clones the host's pid space holds: kernel.pid_max bounds the count
+    first here (memory per clone is ~1-4 MiB, mounts, cgroups and fds are far from
+    their limits at 1,024 clones)."""
+    from . import snapshot  # noqa: PLC0415 (doctor's other checks need no snapshot code)
+
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    used = int(Path("/proc/loadavg").read_text().split()[3].split("/")[1])  # threads now
+    room = int(pid_max * (1 - snapshot.PID_MARGIN)) - used
+    clones = max(room, 0) // CLONE_TASKS
+    ok = clones >= snapshot.MAX_BATCH
+    detail = (f"kernel.pid_max {pid_max}, {used} tasks now, {int(pid_max * snapshot.PID_MARGIN)} kept spare: "
+              f"room for ~{clones} more clones of {CLONE_TASKS} tasks (one fork makes at most {snapshot.MAX_BATCH})")
+    return ok, detail, None if ok else (
+        "sysctl -w kernel.pid_max=4194304 (and kernel.threads-max if lower) for more live clones")
+
+
 def _pycriu() -> Result:
     import pycriu  # noqa: F401
 
@@ -163,5 +183,6 @@ def run_checks(cfg: Config) -> list[Check]:
         _check("huge pages", lambda: _huge_pages(cfg), required=False),
         _check("criu", lambda: _criu(cfg), required=False),
         _check("criu cache", lambda: _criu_cache(cfg), required=False),
+        _check("clone capacity", _clone_capacity, required=False),
         _check("pycriu", _pycriu, required=False),
     ]
