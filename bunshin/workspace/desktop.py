@@ -8,9 +8,12 @@ workspace's own network namespace), then the window manager, then optionally
 is written to ``/tmp/.bunshin-desktop/desktop.json`` inside, so a clone, a later
 CLI call or a tool finds the desktop it inherited (:meth:`Desktop.of`).
 
-Facts (Debian 12, CRIU 4.2, measured here): Xvfb, openbox, xterm, xeyes, xmessage,
-xedit (Xaw), Tk (wish) and dillo (FLTK) dump and restore with their windows and
-pixels; GLib/GTK apps do not yet (their inotify watches on overlayfs, issue 16).
+Facts (Debian 12, CRIU 4.2, measured here): Xvfb, jwm, xterm, xeyes, xmessage,
+xedit (Xaw), Tk (wish), dillo (FLTK) and, since inotify watches on the workspace's
+overlay fork, the GTK apps mousepad and gnumeric dump and restore with their windows,
+documents and pixels. The window manager is jwm: openbox works too but, inside a
+workspace, manages no window in its first ~10 s (an Xt app waits out its WM timeout).
+GTK's cursor blink is turned off (``GTK_SETTINGS``) so a still screen stays still.
 Screenshots are ``xwd -root`` read into PNG on the caller's side; input is xdotool.
 """
 
@@ -32,6 +35,7 @@ from .protocol import WorkspaceAPI
 #: Inside the workspace: the desktop's spec and its programs' logs.
 STATE_DIR = "/tmp/.bunshin-desktop"
 STATE_FILE = f"{STATE_DIR}/desktop.json"
+GTK_SETTINGS = "/root/.config/gtk-3.0/settings.ini"
 #: What ``start`` needs inside the workspace (Debian: xvfb, x11-apps, x11-utils, xdotool).
 REQUIRED = ("Xvfb", "xwd", "xdotool", "xdpyinfo")
 WINDOW_MANAGERS = ("jwm", "openbox", "none")
@@ -152,6 +156,10 @@ class Desktop:
             raise StateConflict(f"workspace {ws.id} already has a desktop",
                                 hint="use Desktop.of(ws); one desktop per workspace")
         ws.exec(["mkdir", "-p", STATE_DIR])
+        # GTK's text cursor blinks (two screenshots a second apart would differ): off, unless
+        # the image brings its own GTK settings
+        ws.exec(["sh", "-c", f"test -e {GTK_SETTINGS} || {{ mkdir -p {GTK_SETTINGS.rsplit('/', 1)[0]} && "
+                             f"printf '[Settings]\\ngtk-cursor-blink=false\\n' > {GTK_SETTINGS}; }}"])
         d = spec.display
         desk._daemon("xvfb", ["Xvfb", f":{d}", "-screen", "0", f"{spec.width}x{spec.height}x{spec.depth}",
                               "-nolisten", "tcp", "-noreset"])

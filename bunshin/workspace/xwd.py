@@ -4,8 +4,9 @@ Facts of the format (X11's XWDFile.h, file version 7): a header of 25 big-endian
 CARD32s (``header_size`` bytes in all, the window's name after the 100 fixed bytes),
 then ``ncolors`` 12-byte colour entries, then ``bytes_per_line * height`` bytes of
 pixels in ``byte_order`` (0: least significant byte first). Xvfb at depth 24 gives a
-TrueColor ZPixmap of 32 bits per pixel with masks ff0000/ff00/ff, at depth 16 one of
-16 bits (f800/7e0/1f). Only those two are read; anything else is refused.
+TrueColor (or, seen once a GTK app is up, DirectColor: its colormap is applied) ZPixmap
+of 32 bits per pixel with masks ff0000/ff00/ff, at depth 16 one of 16 bits
+(f800/7e0/1f). Only those are read; anything else is refused.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from ..errors import RuntimeFailure
 _HEADER = struct.Struct(">25I")
 _ZPIXMAP = 2
 _TRUECOLOR = 4
+_DIRECTCOLOR = 5
+_COLOR = struct.Struct(">IHHHBB")
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,10 @@ def header(data: bytes) -> XwdHeader:
 
 def _raw_mode(h: XwdHeader) -> str:
     lsb = h.byte_order == 0
-    if h.bits_per_pixel == 32 and h.masks == (0xFF0000, 0xFF00, 0xFF):
+    # xwd on a screen with more than one visual (a GTK app's 32-bit ARGB windows) labels the
+    # dump 24 bits per pixel, DirectColor, yet writes 4 bytes a pixel (its bytes_per_line)
+    padded = h.bits_per_pixel == 24 and h.bytes_per_line >= 4 * h.width
+    if (h.bits_per_pixel == 32 or padded) and h.masks == (0xFF0000, 0xFF00, 0xFF):
         return "BGRX" if lsb else "XRGB"
     if h.bits_per_pixel == 16 and h.masks == (0xF800, 0x7E0, 0x1F) and lsb:
         return "BGR;16"
@@ -65,9 +71,9 @@ def _raw_mode(h: XwdHeader) -> str:
 def to_image(data: bytes) -> Image.Image:
     """The RGB image an XWD dump holds."""
     h = header(data)
-    if h.version != 7 or h.pixmap_format != _ZPIXMAP or h.visual_class != _TRUECOLOR:
+    if h.version != 7 or h.pixmap_format != _ZPIXMAP or h.visual_class not in (_TRUECOLOR, _DIRECTCOLOR):
         raise RuntimeFailure(f"screenshot: XWD version {h.version}, format {h.pixmap_format}, visual "
-                             f"{h.visual_class}: only a version 7 TrueColor ZPixmap is read",
+                             f"{h.visual_class}: only a version 7 TrueColor or DirectColor ZPixmap is read",
                              hint="start the desktop with Xvfb at depth 24 (the default)")
     start = h.header_size + 12 * h.ncolors
     end = start + h.bytes_per_line * h.height
@@ -76,7 +82,22 @@ def to_image(data: bytes) -> Image.Image:
                              hint="the X server went away mid-dump; take the screenshot again")
     img = Image.frombuffer("RGB", (h.width, h.height), data[start:end], "raw", _raw_mode(h),
                            h.bytes_per_line, 1)
-    return img.copy()
+    lut = _direct_lut(h, data) if h.visual_class == _DIRECTCOLOR else None
+    return img.point(lut) if lut is not None else img.copy()
+
+
+def _direct_lut(h: XwdHeader, data: bytes) -> list[int] | None:
+    """DirectColor pixels index a colormap per channel (Xvfb's default visual once a GTK
+    app is up); the lookup table from the dump's colormap, ``None`` when it is the identity
+    (or absent: 8-bit channels read as they are)."""
+    if h.bits_per_pixel not in (24, 32) or h.ncolors != 256:
+        return None
+    red, green, blue = list(range(256)), list(range(256)), list(range(256))
+    for i in range(256):
+        pixel, r, g, b, _flags, _pad = _COLOR.unpack_from(data, h.header_size + 12 * i)
+        red[(pixel >> 16) & 0xFF], green[(pixel >> 8) & 0xFF], blue[pixel & 0xFF] = r >> 8, g >> 8, b >> 8
+    lut = red + green + blue
+    return None if lut == list(range(256)) * 3 else lut
 
 
 def to_png(data: bytes) -> bytes:

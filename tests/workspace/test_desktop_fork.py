@@ -112,3 +112,41 @@ def test_unsaved_editor_text_is_in_every_clone_and_their_edits_stay_private(fami
     assert ws.files.read_text("/root/notes.txt") == "first line"
     _save_xedit(desk)  # the parent's xedit still holds its own text
     assert ws.files.read_text("/root/notes.txt") == "first line typed before the fork"
+
+
+# --- GTK apps: they fork since inotify watches on the workspace's overlay do (issue 16) ---
+
+needs_gtk_apps = pytest.mark.skipif(shutil.which("mousepad") is None or shutil.which("gnumeric") is None,
+                                    reason="needs mousepad and gnumeric: run `make install`")
+
+
+@needs_gtk_apps
+def test_gtk_editor_and_spreadsheet_fork_with_their_unsaved_documents(family):
+    ws, desk = _desktop_with_apps(family, [["mousepad", "/root/notes.txt"]])
+    mousepad = desk.xdotool("search", "--onlyvisible", "--name", "Mousepad").split()[0]
+    desk.xdotool("windowmove", "--sync", mousepad, "0", "0", "windowsize", "--sync", mousepad, "600", "400")
+    desk.launch(["gnumeric", "--geometry=600x400+660+0"])
+    desk.click(300, 250)  # into mousepad's text
+    desk.press("ctrl+End")
+    desk.type_text(" typed before the fork")
+    desk.click(760, 250)  # a cell of gnumeric
+    desk.type_text("42")
+    desk.press("Return")
+    time.sleep(0.5)
+    parent = desk.screenshot()
+    a, b = (Desktop.of(c) for c in family.fork(ws, 2))
+    assert _same_pixels(a.screenshot(), parent) and _same_pixels(b.screenshot(), parent)
+    a.type_text("7")  # into gnumeric's next cell, in clone a only
+    a.press("Return")
+    time.sleep(0.4)
+    assert not _same_pixels(a.screenshot(), b.screenshot())
+    assert _same_pixels(b.screenshot(), parent)
+    for d, word in ((a, " A"), (b, " B")):  # mousepad's unsaved text, edited and saved per clone
+        d.click(300, 250)
+        d.press("ctrl+End")
+        d.type_text(word)
+        d.press("ctrl+s")
+    time.sleep(0.6)
+    assert a.ws.files.read_text("/root/notes.txt") == "first line typed before the fork A"
+    assert b.ws.files.read_text("/root/notes.txt") == "first line typed before the fork B"
+    assert ws.files.read_text("/root/notes.txt") == "first line"

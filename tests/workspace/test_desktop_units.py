@@ -47,13 +47,31 @@ def test_unknown_keys_are_refused(bad):
 
 
 def _xwd(width: int, height: int, pixels: bytes, *, bpp: int = 32, masks=(0xFF0000, 0xFF00, 0xFF),
-         ncolors: int = 0, name: bytes = b"root\0") -> bytes:
+         ncolors: int = 0, name: bytes = b"root\0", visual: int = 4, bpl: int | None = None,
+         colormap: bytes | None = None) -> bytes:
     """An XWD file as xwd writes it (header big-endian, pixels least significant byte first)."""
-    bpl = width * bpp // 8
+    bpl = width * bpp // 8 if bpl is None else bpl
     header_size = 100 + len(name)
-    fields = [header_size, 7, 2, 24, width, height, 0, 0, 32, 0, 32, bpp, bpl, 4, *masks, 8, 256, ncolors,
+    fields = [header_size, 7, 2, 24, width, height, 0, 0, 32, 0, 32, bpp, bpl, visual, *masks, 8, 256, ncolors,
               width, height, 0, 0, 0]
-    return struct.pack(">25I", *fields) + name + b"\0" * 12 * ncolors + pixels
+    colors = b"\0" * 12 * ncolors if colormap is None else colormap
+    return struct.pack(">25I", *fields) + name + colors + pixels
+
+
+def _colormap(f) -> bytes:
+    """256 DirectColor entries: entry i maps channel value i to f(i)."""
+    return b"".join(struct.pack(">IHHHBB", (i << 16) | (i << 8) | i, f(i) * 257, f(i) * 257, f(i) * 257, 7, 0)
+                    for i in range(256))
+
+
+def test_xwd_of_a_screen_with_a_gtk_app_directcolor_labelled_24_bits():
+    """What xwd -root writes once a GTK app (32-bit ARGB windows) is up: DirectColor, 24 bits
+    per pixel in the header, 4 bytes a pixel in fact, and the colormap to apply."""
+    px = bytes([10, 20, 30, 0, 200, 100, 50, 0])
+    same = xwd.to_image(_xwd(2, 1, px, bpp=24, bpl=8, visual=5, ncolors=256, colormap=_colormap(lambda i: i)))
+    assert [same.getpixel((x, 0)) for x in range(2)] == [(30, 20, 10), (50, 100, 200)]
+    inv = xwd.to_image(_xwd(2, 1, px, bpp=24, bpl=8, visual=5, ncolors=256, colormap=_colormap(lambda i: 255 - i)))
+    assert inv.getpixel((0, 0)) == (225, 235, 245)
 
 
 def test_xwd_to_png_keeps_every_pixel():
