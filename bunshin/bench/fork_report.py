@@ -105,6 +105,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
         ax[1][1].plot(n, [m["remove_all_ms"] / 1000 for m in rows], "o-", color=col, label=mode)
     titles = (("restore time per clone", "ms"), ("private memory per clone", "MiB"),
               ("memory added by the clones (and the snapshot)", "GiB"), ("removing all clones", "s"))
+    ax[0][1].set_yscale("log")  # a copied clone holds the heap, a copy-on-write one a few MiB
     for a, (title, unit) in zip(ax.flat, titles, strict=True):
         a.set_title(title)
         a.set_xlabel("clones")
