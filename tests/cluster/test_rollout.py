@@ -240,8 +240,7 @@ def test_a_node_killed_mid_rollout_and_revived_is_cleaned_by_gc(cluster, ray_clu
         run_drill(cluster, tmp_path, drill, TASK, MAX_WORKSPACES + 2)
         wait_for(lambda: not os.path.exists(f"/proc/{before.pid}"), timeout=30)
         left = leftovers(homes["b"])
-        assert left.get("records")  # the server's workspaces outlive it, as after a crash
-        assert gc_json(homes["b"])["workspaces"] == []  # the lease still holds: kept
+        assert left.get("records")  # the server's running workspaces outlive it, as after a crash
         wait_for(lambda: (lease := read_lease(homes["b"])) is not None and lease.lost(), timeout=LEASE_S + 5)
         report = gc_json(homes["b"])
         assert sorted(report["workspaces"]) == sorted(left["records"]) and report["snapshots"]
