@@ -52,6 +52,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--forks", type=int, default=8, help="delta forks taken one after another (default 8)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_delta_pause, release_tmpfs=True)
+    b = bsub.add_parser("memfile-copy", help="dumped pages into memory files: write_data against the kernel's copies, GB/s")
+    b.add_argument("--mib", type=int, default=1024, help="bytes to copy, MiB (default 1024)")
+    b.add_argument("--rounds", type=int, default=3, help="copies per method, alternated (default 3)")
+    b.add_argument("--zero-share", type=float, default=0.0, help="share of zero pages in the source (default 0)")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_memfile_copy, release_tmpfs=True)
 
     b = bsub.add_parser("image", help="OCI images against the host image: pull+unpack, storage, create, fork")
     b.add_argument("--clones", type=int, default=64, help="clones per fork (default 64)")
@@ -137,6 +143,17 @@ def cmd_bench_delta_pause(args: argparse.Namespace) -> int:
         output.print_json(r)
     else:
         dump_phases.print_report(r)
+    return 0
+
+
+def cmd_bench_memfile_copy(args: argparse.Namespace) -> int:
+    from ..bench import memfile_copy
+
+    r = memfile_copy.run(Config.from_env(), mib=args.mib, rounds=args.rounds, zero_share=args.zero_share)
+    if args.json:
+        output.print_json(r)
+    else:
+        memfile_copy.print_report(r)
     return 0
 
 
