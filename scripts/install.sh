@@ -56,6 +56,7 @@ WANT=(
     busybox-static
     libjemalloc2
     procps
+    gcc              # builds the SIGSYS handler of converted memory (memfile/sigsys.c) and the tests' C programs
     skopeo           # image pulls (and the image tests' format conversions)
     buildah          # bunshin image build (Dockerfiles)
     runc             # buildah's RUN steps (--isolation oci, in a user namespace)

@@ -9,6 +9,7 @@ Unit tests of the page-map arithmetic and file plumbing need no CRIU.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import os
 import random
@@ -21,13 +22,23 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from bunshin.config import Config
 from bunshin.errors import NotForkable, RuntimeFailure
-from bunshin.runtime import criu, memfile
-from bunshin.runtime.memfile import PAGE, ZeroFillPolicy, fileio, filemaps, plan, rewrite
+from bunshin.runtime import criu, memfile, seccomp
+from bunshin.runtime.memfile import (
+    PAGE,
+    ZeroFillPolicy,
+    fileio,
+    filemaps,
+    plan,
+    rewrite,
+    trap,
+    trapcode,
+)
 from bunshin.runtime.memfile import criu_images as image_io
 
 from .procs import PR_SET_CHILD_SUBREAPER, kill_and_wait, prctl
@@ -103,8 +114,9 @@ def _digest(directory: Path) -> dict[str, str]:
 class Lab:
     """Runs memprog in pid namespaces, dumps, rewrites, restores; cleans up everything."""
 
-    def __init__(self, criu_bin: Path, memprog: Path, workdir: Path) -> None:
+    def __init__(self, criu_bin: Path, memprog: Path, workdir: Path, trap_cache: Path) -> None:
         self.criu = criu_bin
+        self.trap_cache = trap_cache
         self.memprog = memprog
         self.workdir = workdir
         self.ctl = workdir / "ctl"
@@ -185,6 +197,10 @@ class Lab:
         criu.dump(self.criu, pid, images)
         return images
 
+    def rewrite(self, images: Path, **kwargs: Any) -> memfile.RewriteResult:
+        """``rewrite_images`` into this lab's memory-file folder."""
+        return memfile.rewrite_images(images, self.mem, trap_cache=self.trap_cache, **kwargs)
+
     def restore(self, images: Path) -> int:
         run = criu.restore(self.criu, images, pidfile=self.workdir / f"clone{len(self.pids)}.pid")
         assert run.pid is not None
@@ -242,9 +258,15 @@ def reaper() -> Iterator[None]:
     _reap_all()
 
 
+@pytest.fixture(scope="module")
+def trap_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the SIGSYS handler is built, once for the module."""
+    return tmp_path_factory.mktemp("sigsys")
+
+
 @pytest.fixture
-def lab(criu_bin: Path, memprog: Path, reaper: None, tmp_path: Path) -> Iterator[Lab]:
-    lab = Lab(criu_bin, memprog, tmp_path)
+def lab(criu_bin: Path, memprog: Path, reaper: None, tmp_path: Path, trap_cache: Path) -> Iterator[Lab]:
+    lab = Lab(criu_bin, memprog, tmp_path, trap_cache)
     yield lab
     lab.close()
 
@@ -462,7 +484,7 @@ def test_clones_share_memory_copy_on_write(lab: Lab) -> None:
     kill_and_wait(copy)
 
     images = lab.dump(parent)
-    res = memfile.rewrite_images(images, lab.mem)
+    res = lab.rewrite(images)
     assert res.vmas_converted > 0 and res.bytes_moved >= heap * MIB and not res.left_anonymous
     assert res.image_bytes < 8 * MIB  # what stays in the image: [heap], stacks, libc data ...
     (mf,) = res.files
@@ -509,7 +531,7 @@ def test_fresh_memory_reads_zero_in_clones(lab: Lab) -> None:
     parent = lab.spawn(32, threads=4)
     want = _sums(lab, parent)
     images = lab.dump(parent)
-    memfile.rewrite_images(images, lab.mem)
+    lab.rewrite(images)
     clones = [lab.restore(images) for _ in range(2)]
     for c in clones:
         for _ in range(3):
@@ -527,39 +549,54 @@ def test_fresh_memory_reads_zero_in_clones(lab: Lab) -> None:
 
 
 @pytest.mark.criu
-def test_madv_dontneed_brings_back_dump_bytes(lab: Lab) -> None:
-    """The semantic difference that the zero-fill policy exists for."""
+def test_madv_dontneed_reads_zero_with_the_trap(lab: Lab) -> None:
+    """The trap (default) makes DONTNEED exact; without it the dump-time bytes come back."""
     parent = lab.spawn(8, threads=0)
-    plain = lab.dump(parent)
-    images = lab.dump(parent)
-    memfile.rewrite_images(images, lab.mem)
+    plain, trapped, bare = (lab.dump(parent) for _ in range(3))
+    res = lab.rewrite(trapped)
+    assert res.vmas_converted > 0 and res.left_anonymous == ()
+    lab.rewrite(bare, zero_fill=ZeroFillPolicy.CONVERT)
     assert lab.cmd(lab.restore(plain), "dontneed") == {"nonzero": "0", "dump_bytes": "0"}
-    assert lab.cmd(lab.restore(images), "dontneed")["dump_bytes"] == "1"
+    assert lab.cmd(lab.restore(trapped), "dontneed") == {"nonzero": "0", "dump_bytes": "0"}
+    assert lab.cmd(lab.restore(bare), "dontneed")["dump_bytes"] == "1"
 
 
 @pytest.mark.criu
 @pytest.mark.skipif(not JEMALLOC.exists(), reason="needs libjemalloc2")
-def test_jemalloc_process_is_left_anonymous(lab: Lab) -> None:
+def test_jemalloc_process_is_converted_and_exact(lab: Lab) -> None:
+    """jemalloc relies on DONTNEED zero-fill: with the trap it is shared and its calloc stays zero."""
     env = dict(
         os.environ, LD_PRELOAD=str(JEMALLOC), MALLOC_CONF="dirty_decay_ms:0,muzzy_decay_ms:0"
     )
     parent = lab.spawn(8, threads=2, env=env)
-    images = [lab.dump(parent) for _ in range(2)]
+    trapped, copied, bare = (lab.dump(parent) for _ in range(3))
 
-    with pytest.raises(NotForkable):
-        memfile.rewrite_images(images[0], lab.mem, zero_fill=ZeroFillPolicy.REFUSE)
+    res = lab.rewrite(trapped)  # default: TRAP
+    assert res.vmas_converted > 0 and res.left_anonymous == ()
+    clone = lab.restore(trapped)
+    for _ in range(3):
+        assert lab.cmd(clone, "arena")["stale"] == "0"
+    (grandchild,) = _fork_of(lab, clone)
+    for _ in range(2):
+        assert lab.cmd(grandchild, "arena")["stale"] == "0"
 
-    res = memfile.rewrite_images(images[0], lab.mem)  # default: COPY
+    # COPY: no trap, the heuristic leaves it anonymous
+    res = lab.rewrite(copied, zero_fill=ZeroFillPolicy.COPY)
     assert res.vmas_converted == 0 and [u.pid for u in res.left_anonymous] == [1]
     assert "libjemalloc" in res.left_anonymous[0].reason
-    clone = lab.restore(images[0])
-    for _ in range(2):
-        assert lab.cmd(clone, "arena")["stale"] == "0"
+    assert lab.cmd(lab.restore(copied), "arena")["stale"] == "0"
 
-    # why: converted anyway, jemalloc's calloc hands out purged memory as zeroed
-    res = memfile.rewrite_images(images[1], lab.mem, zero_fill=ZeroFillPolicy.CONVERT)
+    # why: converted without the trap, jemalloc's calloc hands out purged memory as zeroed
+    res = lab.rewrite(bare, zero_fill=ZeroFillPolicy.CONVERT)
     assert res.vmas_converted > 0
-    assert int(lab.cmd(lab.restore(images[1]), "arena")["stale"]) > 0
+    assert int(lab.cmd(lab.restore(bare), "arena")["stale"]) > 0
+
+
+def _fork_of(lab: Lab, pid: int) -> list[int]:
+    """A clone of a clone: dump, rewrite (trap), restore."""
+    images = lab.dump(pid)
+    lab.rewrite(images)
+    return [lab.restore(images)]
 
 
 @pytest.mark.criu
@@ -590,7 +627,7 @@ def test_process_tree(lab: Lab) -> None:
     procs = [parent, *_children(parent)]
     want = {i: _sums(lab, p) for i, p in enumerate(procs)}
     images = lab.dump(parent)
-    res = memfile.rewrite_images(images, lab.mem)
+    res = lab.rewrite(images)
     assert len(res.files) == 3
     for _ in range(2):
         clone = lab.restore(images)
@@ -641,7 +678,7 @@ def test_python_interpreter(lab: Lab) -> None:
     anon: dict[bool, int] = {}
     for convert_heap in (False, True):
         images = lab.dump(parent)
-        res = memfile.rewrite_images(images, lab.mem, convert_heap=convert_heap)
+        res = lab.rewrite(images, convert_heap=convert_heap)
         assert res.vmas_converted > 0
         clones = [lab.restore(images) for _ in range(2)]
         # measured before "sum": Python's refcounting writes to every object it touches
@@ -660,7 +697,7 @@ def test_convert_heap_option(lab: Lab) -> None:
     parent = lab.spawn(4, threads=0)
     want = _sums(lab, parent)
     images = lab.dump(parent)
-    res = memfile.rewrite_images(images, lab.mem, convert_heap=True)
+    res = lab.rewrite(images, convert_heap=True)
     clone = lab.restore(images)
     maps = Path(f"/proc/{clone}/maps").read_text()
     assert "[heap]" not in maps and str(res.files[0].path) in maps
@@ -674,7 +711,7 @@ def test_failed_rewrite_leaves_images_unchanged(lab: Lab) -> None:
     before = _digest(images)
     (lab.mem / f"taken-1{memfile.SUFFIX}").write_bytes(b"")
     with pytest.raises(FileExistsError):
-        memfile.rewrite_images(images, lab.mem, tag="taken")
+        lab.rewrite(images, tag="taken")
     assert _digest(images) == before
     assert [p.name for p in lab.mem.iterdir()] == [f"taken-1{memfile.SUFFIX}"]
     assert not list(images.glob("*.rewrite"))
@@ -693,7 +730,7 @@ def test_forks_of_forks(lab: Lab) -> None:
     deltas, shared, rebased = [], [], []
     for gen in range(depth):
         images = lab.dump(pid)
-        res = memfile.rewrite_images(images, lab.mem, rebase_ratio=0.04)
+        res = lab.rewrite(images, rebase_ratio=0.04)
         deltas.append(res.delta_bytes)
         shared.append(res.vmas_shared + res.vmas_rebased)
         rebased.append(res.vmas_rebased > 0)
@@ -718,7 +755,7 @@ def test_forks_of_forks(lab: Lab) -> None:
 
     # an explicit rebase folds the delta into a fresh file
     images = lab.dump(pid)
-    res = memfile.rebase(images, lab.mem)
+    res = memfile.rebase(images, lab.mem, trap_cache=lab.trap_cache)
     assert res.vmas_rebased > 0 and res.delta_bytes == 0
     clone = lab.restore(images)
     assert _sums(lab, clone) == want
@@ -730,13 +767,13 @@ def test_delta_is_restored_over_the_shared_file(lab: Lab) -> None:
     """Without rebase, a grandchild gets the clone's writes on top of the shared file."""
     parent = lab.spawn(32, threads=0)
     images = lab.dump(parent)
-    memfile.rewrite_images(images, lab.mem)
+    lab.rewrite(images)
     clone = lab.restore(images)
     lab.cmd(clone, "write 4 2 9")
     lab.cmd(clone, "alloc 6")  # new anonymous memory in the clone
     want = _sums(lab, clone)
     images2 = lab.dump(clone)
-    res = memfile.rewrite_images(images2, lab.mem, rebase_ratio=None)
+    res = lab.rewrite(images2, rebase_ratio=None)
     assert res.vmas_shared > 0 and res.vmas_converted > 0 and len(res.files) == 1
     assert res.bytes_moved >= 6 * MIB  # the new area went into a new file
     assert 2 * MIB <= res.delta_bytes < 3 * MIB  # the writes stayed in the image
@@ -806,9 +843,9 @@ def test_written_library_data_is_shared_copy_on_write(lab: Lab, libblob: Path) -
     assert want[2304 * KIB : 5632 * KIB] == blob[2304 * KIB : 5632 * KIB]
 
     anon_only = lab.dump(parent)
-    memfile.rewrite_images(anon_only, lab.mem, convert_heap=True, file_maps=False)
+    lab.rewrite(anon_only, convert_heap=True, file_maps=False)
     dump = lab.dump(parent)
-    res = memfile.rewrite_images(dump, lab.mem, convert_heap=True)
+    res = lab.rewrite(dump, convert_heap=True)
     assert res.vmas_file >= 3  # the blob's three written runs (and other libraries' data)
     assert res.zero_bytes >= 256 * KIB
     (mf,) = res.files
@@ -870,7 +907,7 @@ def test_file_mapping_past_its_end_still_faults(lab: Lab, tmp_path: Path) -> Non
     with pytest.raises(OSError):
         _read_mem(parent, addr + 4 * PAGE, 1)
     images = lab.dump(parent)
-    res = memfile.rewrite_images(images, lab.mem)
+    res = lab.rewrite(images)
     assert res.vmas_file >= 1
     for clone in (lab.restore(images), lab.restore(images)):
         assert _read_mem(clone, addr, 4 * PAGE) == want
@@ -887,10 +924,10 @@ def test_zero_pages_are_not_stored(lab: Lab) -> None:
     lab.cmd(parent, "write 8 16 0")  # 16 MiB of the heap block: written zeros
     want = _sums(lab, parent)
     images = lab.dump(parent)
-    res = memfile.rewrite_images(images, lab.mem)
+    res = lab.rewrite(images)
     (mf,) = res.files
     assert res.zero_bytes >= 16 * MIB - PAGE  # the block starts 16 bytes into a page
-    assert mf.data_bytes <= res.bytes_moved + res.file_bytes - res.zero_bytes
+    assert mf.data_bytes <= res.bytes_moved + res.file_bytes + res.trap_bytes - res.zero_bytes
     for c in (lab.restore(images), lab.restore(images)):
         assert _sums(lab, c) == want
         assert lab.cmd(c, "zero") == {"bad": "0"}
@@ -926,7 +963,7 @@ def test_idle_python_clone_owns_little(lab: Lab) -> None:
     anon: dict[bool, int] = {}
     for file_maps in (False, True):
         images = lab.dump(parent)
-        memfile.rewrite_images(images, lab.mem, convert_heap=True, file_maps=file_maps)
+        lab.rewrite(images, convert_heap=True, file_maps=file_maps)
         clones = [lab.restore(images) for _ in range(2)]
         anon[file_maps] = max(_smaps(c, "Anonymous") for c in clones)
         for c in clones:
@@ -936,3 +973,145 @@ def test_idle_python_clone_owns_little(lab: Lab) -> None:
         f"converted), {anon[True] / KIB:.0f} KiB (written file mappings too)"
     )
     assert anon[True] <= 1 * MIB < anon[False]
+
+
+# ------------------------------------------------------------------ the trap (semprog)
+
+SEM_CHECKS = {
+    "dontneed": {"dn": "0", "dnl": "0"},
+    "mremap": {"tail": "0", "head": "1"},
+    "free": {"free": "0", "errno": "0", "valid": "1"},
+    "wipe": {"wipe": "0", "errno": "0", "child": "0", "keep": "1"},
+    "fmap": {"file": "1", "before": "1"},
+    "blocked": {"dn": "0", "dnl": "0"},
+    "forkchild": {"status": "0"},
+    "exec": {"status": "0"},
+    "spawn": {"r": "0", "status": "0"},
+    "mask": {"kept": "1", "gone": "1"},
+}
+OWN_CHECKS = {"own": {"got": "2", "ret": "4242"}, "resig": {"r": "0", "old": "1"}}
+
+
+@pytest.fixture(scope="module")
+def semprog(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """semprog.c built, and the data file its private file mapping maps."""
+    if shutil.which("gcc") is None:
+        pytest.skip("needs gcc")
+    d = tmp_path_factory.mktemp("semprog")
+    subprocess.run(
+        ["gcc", "-O2", "-pthread", "-o", str(d / "semprog"), str(PROGS / "semprog.c")], check=True
+    )
+    (d / "data.bin").write_bytes(random.Random(16).randbytes(64 * 1024))
+    return d / "semprog", d / "data.bin"
+
+
+def _semantics(lab: Lab, pid: int, checks: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+    """What each check answers in ``pid`` (run twice: a second call sees the first's effects)."""
+    got = {name: lab.cmd(pid, name) for name in checks}
+    got.update({f"{name} again": lab.cmd(pid, name) for name in ("dontneed", "mremap", "wipe")})
+    return got
+
+
+def _want(checks: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+    return {**checks, **{f"{name} again": SEM_CHECKS[name] for name in ("dontneed", "mremap", "wipe")}}
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("own", [False, True], ids=["plain", "own-sigsys-handler"])
+def test_converted_memory_keeps_linux_semantics(lab: Lab, semprog: tuple[Path, Path], own: bool) -> None:
+    """DONTNEED, mremap, FREE, WIPEONFORK, file DONTNEED: as in the parent, in clones and forks of forks.
+
+    Also in a fork() child and a vfork child of a clone, in a thread that blocks every
+    signal, and in a program exec'd in a clone (the filter outlives exec, the handler
+    does not: it must not be trapped). With ``own``, the program's own SIGSYS handler
+    and seccomp trap keep working, also after it installs its handler again.
+    """
+    prog, data = semprog
+    checks = {**SEM_CHECKS, **(OWN_CHECKS if own else {})}
+    parent = lab.start([str(prog), str(lab.ctl), str(data), *(["own"] if own else [])])
+    assert _semantics(lab, parent, checks) == _want(checks)
+    images = lab.dump(parent)
+    res = lab.rewrite(images)
+    assert res.vmas_converted >= 1 and res.vmas_file >= 1 and res.left_anonymous == ()
+    clones = [lab.restore(images), lab.restore(images)]
+    # converted memory is shared: a clone owns a fraction of the parent's memory (until
+    # the checks make parts of it anonymous again: mremap and WIPEONFORK copy their area)
+    assert _smaps(clones[1], "Anonymous") < _smaps(parent, "Anonymous") // 4
+    for c in clones:
+        assert _semantics(lab, c, checks) == _want(checks)
+    (grandchild,) = _fork_of(lab, clones[0])
+    assert _semantics(lab, grandchild, checks) == _want(checks)
+    (great,) = _fork_of(lab, grandchild)
+    assert _semantics(lab, great, checks) == _want(checks)
+
+
+@pytest.mark.criu
+def test_forks_of_forks_replace_the_trap(lab: Lab, semprog: tuple[Path, Path]) -> None:
+    """A clone's dump holds the handler and filter: kept once, the filter replaced, never stacked."""
+    prog, data = semprog
+    pid = lab.start([str(prog), str(lab.ctl), str(data)])
+    for _ in range(3):
+        images = lab.dump(pid)
+        lab.rewrite(images)
+        chain = _filter_chain(images, 1)
+        assert [trapcode.is_ours(f) for f in chain] == [True]
+        pid = lab.restore(images)
+        lab.cmd(pid, "dontneed")  # new anonymous memory for the next rewrite to convert
+        lab.cmd(pid, "mremap")
+    handlers = [line for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if " r-xp " in line
+                and memfile.SUFFIX in line]
+    assert len(handlers) == 1, handlers
+
+
+def _filter_chain(images: Path, tid: int) -> list[bytes]:
+    filters = image_io.load(images / "seccomp.img")["entries"][0]["seccomp_filters"]
+    core = image_io.load(images / f"core-{tid}.img")["entries"][0]["thread_core"]
+    out, i = [], core.get("seccomp_filter")
+    while i is not None:
+        out.append(base64.b64decode(filters[i]["filter"]))
+        i = filters[i].get("prev")
+    return out
+
+
+@pytest.mark.criu
+def test_a_process_that_cannot_get_the_trap_is_copied_or_refused(lab: Lab, tmp_path: Path) -> None:
+    """No room for the handler's table (here: a memory-file view too long for it): exact either way."""
+    parent = lab.spawn(8, threads=0)
+    copied, refused = lab.dump(parent), lab.dump(parent)
+    view = str(lab.mem) + "/" + "v" * 120
+    before = _digest(refused)
+    with pytest.raises(NotForkable) as exc:
+        lab.rewrite(refused, zero_fill=ZeroFillPolicy.REFUSE, memfile_view=view)
+    assert "too long" in str(exc.value) and exc.value.hint
+    assert _digest(refused) == before and not list(lab.mem.iterdir())  # nothing lost, nothing left
+    res = lab.rewrite(copied, memfile_view=view)
+    assert res.vmas_converted == 0 and [u.pid for u in res.left_anonymous] == [1]
+    assert "SIGSYS handler" in res.left_anonymous[0].reason
+    assert lab.cmd(lab.restore(copied), "dontneed") == {"nonzero": "0", "dump_bytes": "0"}
+
+
+def test_merge_spans_joins_the_closest_neighbours() -> None:
+    spans = [(0, 10), (5, 20), (100, 110), (30, 40), (1000, 1010)]
+    assert trapcode.merge_spans(spans, 10) == [(0, 20), (30, 40), (100, 110), (1000, 1010)]
+    assert trapcode.merge_spans(spans, 2) == [(0, 110), (1000, 1010)]
+    assert trapcode.merge_spans([], 3) == []
+
+
+def test_filter_is_recognised_and_fits_bpf_limits() -> None:
+    code = [(i << 32, (i << 32) + (1 << 20)) for i in range(trap.MAX_CODE_SPANS)]
+    conv = [(i << 36, (i << 36) + (1 << 30)) for i in range(1, trap.MAX_CONVERTED_SPANS + 1)]
+    prog = trapcode.filter_program((1 << 44, (1 << 44) + (1 << 20)), code, conv)
+    assert trapcode.is_ours(prog) and not trapcode.is_ours(seccomp.program())
+    assert len(prog) // 8 < 4096  # BPF_MAXINSNS
+
+
+def test_handler_blob_builds_without_relocations(tmp_path: Path) -> None:
+    if shutil.which("gcc") is None:
+        pytest.skip("needs gcc")
+    blob = trapcode.build_blob(tmp_path)
+    assert len(blob.code) % PAGE == 0 and blob.handler < len(blob.code) and blob.restorer < len(blob.code)
+    assert blob.code[blob.restorer : blob.restorer + 7] == b"\xb8\x0f\x00\x00\x00\x0f\x05"  # rt_sigreturn
+    assert trapcode.build_blob(tmp_path) == blob  # cached
+    table = trapcode.table_bytes("/.bunshin/mem", 1, 2, [trapcode.FileEntry(0x1000, 0x3000, 0, "/lib/x.so")])
+    assert trapcode.parse_table(table) == [trapcode.FileEntry(0x1000, 0x3000, 0, "/lib/x.so")]
+    assert trapcode.parse_table(bytes(len(table))) is None

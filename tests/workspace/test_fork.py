@@ -113,15 +113,15 @@ def test_fresh_memory_reads_zero_in_clones(family):
     assert ask(ws, "fresh") == "ok"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "memfile rewrite: MADV_DONTNEED on private anonymous memory that became a private "
-    "mapping of a memory file brings back the file's (dump-time) bytes, not zeros "
-    "(DESIGN.md, known semantic difference; glibc does not rely on it, jemalloc does)"))
 def test_madv_dontneed_on_forked_memory_reads_zero(family):
+    """Converted memory reads zeros after MADV_DONTNEED (the trap), in clones and forks of forks."""
     ws = family.create()
     start_probe(ws)
     (c,) = family.fork(ws, 1)
     assert ask(c, "dontneed") == "zero"
+    (cc,) = family.fork(c, 1)
+    assert ask(cc, "dontneed") == "zero"
+    assert ask(ws, "dontneed") == "zero"
 
 
 def test_madv_dontneed_in_copy_mode_reads_zero(family):

@@ -47,9 +47,10 @@ class Kind(enum.Enum):
     SHARED = 2  # already a memory-file mapping: keep, its pages are a delta
     REBASE = 3  # memory-file mapping -> new memory file (base data + delta)
     FILE = 4  # written private file mapping -> new memory file (file bytes + dumped pages)
+    TRAP = 5  # the SIGSYS handler's code, table or state -> new memory file (``trap``)
 
 
-NEW_SLOT = (Kind.CONVERT, Kind.REBASE, Kind.FILE)
+NEW_SLOT = (Kind.CONVERT, Kind.REBASE, Kind.FILE, Kind.TRAP)
 
 
 @dataclass
@@ -64,6 +65,7 @@ class Proc:
     pieces: list[Piece]
     base_paths: dict[int, Path] = field(default_factory=dict)  # shmid -> host memory file
     sources: dict[int, tuple[int, int]] = field(default_factory=dict)  # shmid -> (fd, size)
+    trap: dict[int, bytes] = field(default_factory=dict)  # vma index -> bytes of a TRAP area
 
     @property
     def vmas(self) -> list[dict[str, Any]]:

@@ -12,6 +12,7 @@ from typing import Any
 from bunshin.errors import InvalidArgument, NotForkable
 
 from ..syscalls import punch_hole
+from . import trap
 from .criu_images import (
     MAP_ANONYMOUS,
     PAGE,
@@ -28,6 +29,7 @@ from .fileio import copy_range, remove_memfile, seal, write_data
 from .filemaps import FileSources
 from .plan import NEW_SLOT, Kind, Proc, plan
 from .rebasing import copy_base
+from .trapcode import build_blob
 from .zerofill import ZeroFillPolicy, zero_fill_risks
 
 HUGE = 2 << 20
@@ -67,6 +69,8 @@ class RewriteResult:
     vmas_file: int = 0  # written private file mappings turned into memory-file mappings
     zero_bytes: int = 0  # of bytes_moved, all-zero pages left as holes
     file_bytes: int = 0  # bytes copied from the original files of those mappings
+    trap_bytes: int = 0  # the SIGSYS handler's code, table and state written (``trap``)
+    processes_trapped: int = 0  # processes given the handler or a new filter for it
 
     @property
     def data_bytes(self) -> int:
@@ -82,6 +86,7 @@ class _Totals:
     moved: int = 0
     zero: int = 0
     file_bytes: int = 0
+    trap_bytes: int = 0
     delta: int = 0
     kept: int = 0
 
@@ -137,6 +142,11 @@ def _fill_base(proc: Proc, offsets: dict[int, int], mem_fd: int, totals: _Totals
                 totals.file_bytes += write_data(
                     fd, v["pgoff"] + a - start, mem_fd, slot + a - start, b - a, src_end=size
                 )
+        elif kind is Kind.TRAP:
+            data = proc.trap[i].rstrip(b"\0")
+            data = data.ljust(-(-len(data) // PAGE) * PAGE, b"\0")
+            os.pwrite(mem_fd, data, slot)
+            totals.trap_bytes += len(data)
 
 
 def _execute(
@@ -184,6 +194,8 @@ def _execute(
         moves: list[list[int]] = []  # [src, dst, n]: CRIU cuts runs of pages at 1 MiB, joined again
         for p in proc.pieces:
             n = p.end - p.start
+            if p.vma is not None and proc.kinds[p.vma] is Kind.TRAP:
+                continue  # a handler's table: rewritten whole, its old pages dropped
             if p.src is not None and p.vma in offsets:
                 slot = offsets[p.vma] + p.start - proc.vmas[p.vma]["start"]
                 if moves and moves[-1][0] + moves[-1][2] == p.src and moves[-1][1] + moves[-1][2] == slot:
@@ -243,7 +255,8 @@ def rewrite_images(
     memfile_dir: Path,
     *,
     convert_heap: bool = False,
-    zero_fill: ZeroFillPolicy = ZeroFillPolicy.COPY,
+    zero_fill: ZeroFillPolicy = ZeroFillPolicy.TRAP,
+    trap_cache: Path | None = None,
     rebase_ratio: float | None = 0.5,
     growth_room: int = DEFAULT_GROWTH_ROOM,
     memfile_view: str | None = None,
@@ -284,36 +297,66 @@ def rewrite_images(
     files = regular_files(files_img["entries"])
     next_id = max((e["id"] for e in files_img["entries"]), default=0) + 1
 
-    risks = {} if zero_fill is ZeroFillPolicy.CONVERT else zero_fill_risks(images_dir, root=root)
-    if risks and zero_fill is ZeroFillPolicy.REFUSE:
-        pid, reason = sorted(risks.items())[0]
-        raise NotForkable(
-            f"process {pid} of the dump {reason}",
-            hint="fork it by copy (zero_fill=COPY) or vouch for it (zero_fill=CONVERT)",
-            pid=pid,
-        )
+    trapping = zero_fill in (ZeroFillPolicy.TRAP, ZeroFillPolicy.REFUSE)
+    blob = build_blob(trap_cache or memfile_dir.parent / "sigsys") if trapping else None
+    risks = zero_fill_risks(images_dir, root=root) if zero_fill is ZeroFillPolicy.COPY else {}
+    seccomp_img = trap.load_seccomp(images_dir) if trapping else None
+    threads = {e["pid"]: list(e.get("threads") or [e["pid"]]) for e in load(images_dir / "pstree.img")["entries"]}
+    left = dict(risks)
 
     created: list[Path] = []
     renames: list[tuple[Path, Path]] = []
     memfiles: list[MemFile] = []
     totals = _Totals()
+    trapped = 0
+
+    def stage(img: dict[str, Any], path: Path) -> None:
+        tmp = path.with_name(path.name + ".rewrite")
+        created.append(tmp)
+        save(img, tmp)
+        renames.append((tmp, path))
+
     try:
         with FileSources(images_dir, files, Path(root)) as sources:
             for pid in pids(images_dir):
-                proc = plan(
-                    images_dir,
-                    pid,
-                    files,
-                    convert_heap=convert_heap,
-                    rebase_ratio=rebase_ratio,
-                    memfile_dir=memfile_dir,
-                    view=view,
-                    split_chunks=split_chunks,
-                    convert_anon=pid not in risks,
-                    sources=sources if file_maps else None,
-                )
+
+                def planned(convert: bool, pid: int = pid) -> Proc | None:
+                    return plan(
+                        images_dir,
+                        pid,
+                        files,
+                        convert_heap=convert_heap,
+                        rebase_ratio=rebase_ratio,
+                        memfile_dir=memfile_dir,
+                        view=view,
+                        split_chunks=split_chunks,
+                        convert_anon=convert and pid not in risks,
+                        sources=sources if file_maps and convert else None,
+                    )
+
+                proc = planned(True)
                 if proc is None:
                     continue
+                setup = None
+                if blob is not None and proc.count(Kind.CONVERT, Kind.FILE):
+                    core = load(images_dir / f"core-{pid}.img")["entries"][0]
+                    try:
+                        setup = trap.prepare(proc, blob, core, files, view)
+                    except trap.TrapUnavailable as exc:
+                        if zero_fill is ZeroFillPolicy.REFUSE:
+                            raise NotForkable(
+                                f"process {pid} of the dump cannot be given the trap that keeps converted "
+                                f"memory exact: {exc}",
+                                hint="fork it with zero_fill=TRAP (its memory is then copied, not shared) "
+                                "or by copy (--mode copy)",
+                                pid=pid,
+                            ) from None
+                        left[pid] = f"cannot get the SIGSYS handler ({exc}): its memory is copied"
+                        proc = planned(False)
+                        if proc is None:
+                            continue
+                    else:
+                        proc.trap = setup.contents
                 name = f"{tag}-{pid}{SUFFIX}"
                 exe = files.get(proc.mm_img["entries"][0].get("exe_file_id", 0), {})
                 mnt_id = exe["reg"]["mnt_id"] if "mnt_id" in exe.get("reg", {}) else None
@@ -334,17 +377,17 @@ def rewrite_images(
                 memfiles.append(memfile)
                 files_img["entries"].append(entry)
                 next_id += 1
-                for img, path in (
-                    (proc.mm_img, images_dir / f"mm-{pid}.img"),
-                    (proc.pm_img, images_dir / f"pagemap-{pid}.img"),
-                ):
-                    tmp = path.with_name(path.name + ".rewrite")
-                    created.append(tmp)
-                    save(img, tmp)
-                    renames.append((tmp, path))
+                stage(proc.mm_img, images_dir / f"mm-{pid}.img")
+                stage(proc.pm_img, images_dir / f"pagemap-{pid}.img")
                 renames.append(
                     (proc.pages_path.with_name(proc.pages_path.name + ".rewrite"), proc.pages_path)
                 )
+                if setup is not None and blob is not None and seccomp_img is not None:
+                    for img, path in trap.install(images_dir, pid, threads[pid], blob, setup, seccomp_img):
+                        stage(img, path)
+                    trapped += 1
+        if trapped and seccomp_img is not None:
+            stage(seccomp_img, images_dir / "seccomp.img")
         if memfiles:
             tmp = images_dir / "files.img.rewrite"
             created.append(tmp)
@@ -364,11 +407,13 @@ def rewrite_images(
         bytes_moved=totals.moved,
         delta_bytes=totals.delta,
         image_bytes=totals.kept,
-        left_anonymous=tuple(Unconverted(pid, r) for pid, r in sorted(risks.items())),
+        left_anonymous=tuple(Unconverted(pid, r) for pid, r in sorted(left.items())),
         duration_ms=(time.monotonic() - t0) * 1000,
         vmas_file=totals.file,
         zero_bytes=totals.zero,
         file_bytes=totals.file_bytes,
+        trap_bytes=totals.trap_bytes,
+        processes_trapped=trapped,
     )
 
 

@@ -36,11 +36,21 @@ _CHUNK = 4 << 20
 
 
 class ZeroFillPolicy(enum.Enum):
-    """What to do with a process whose allocator relies on MADV_DONTNEED zero-fill."""
+    """How converted memory keeps anonymous memory's semantics (``MADV_DONTNEED`` zero-fill and the rest).
 
-    COPY = "copy"  # leave its anonymous memory alone: restored by copy, correct, not shared
-    REFUSE = "refuse"  # raise NotForkable
-    CONVERT = "convert"  # convert anyway (the caller vouches for the process)
+    ``TRAP`` (default): convert every process and give it the SIGSYS handler that
+    makes the differing calls exact (``trap``); a process that cannot get it keeps
+    its memory anonymous (copied, exact) and is listed in ``left_anonymous``.
+    ``REFUSE``: the same, but such a process raises ``NotForkable``. ``COPY``: no
+    trap; a process this module's heuristic finds relying on zero-fill keeps its
+    anonymous memory (the others get the differences). ``CONVERT``: no trap, no
+    heuristic (the caller vouches for the processes).
+    """
+
+    TRAP = "trap"
+    REFUSE = "refuse"
+    COPY = "copy"
+    CONVERT = "convert"
 
 
 class _ScanCache:

@@ -1,0 +1,423 @@
+/*
+ * The SIGSYS handler a rewrite adds to each converted process (see trap.py).
+ *
+ * Built with gcc -nostdlib -fPIC -O2 into one position-independent blob: no
+ * libc, raw syscalls only, no writable globals. The blob is mapped r-x at a free
+ * address; right after its code lie a read-only TABLE (written by the rewrite
+ * for each dump) and a private writable STATE page (the program's own SIGSYS
+ * action). A seccomp filter returns SECCOMP_RET_TRAP (data TRAP_DATA) for the
+ * calls whose semantics differ on converted memory; this handler makes them
+ * exact, then issues the real call (the filter lets calls made from this code
+ * through) and puts its result in the interrupted context.
+ *
+ *   madvise DONTNEED / DONTNEED_LOCKED: converted anonymous memory becomes
+ *     fresh anonymous memory (zeros); a converted private file mapping maps its
+ *     file again at its offset (the file's bytes).
+ *   madvise FREE: converted anonymous memory becomes fresh anonymous memory.
+ *   madvise WIPEONFORK, mremap: converted anonymous memory becomes anonymous
+ *     memory holding the same bytes (pages of zeros are left as holes).
+ *   rt_sigaction(SIGSYS): kept in STATE; traps that are not ours go to it (in a
+ *     vfork child, which shares STATE with its parent, it is ignored: exec follows).
+ *   rt_sigprocmask, rt_sigaction's sa_mask: SIGSYS is taken out of what gets
+ *     blocked. A trap while SIGSYS is blocked would kill the process (the kernel
+ *     resets a blocked SIGSYS to its default action), so SIGSYS is never blocked.
+ */
+#include <stddef.h>
+#include <stdint.h>
+
+#define NR_READ 0
+#define NR_CLOSE 3
+#define NR_MMAP 9
+#define NR_MPROTECT 10
+#define NR_MUNMAP 11
+#define NR_RT_SIGACTION 13
+#define NR_RT_SIGPROCMASK 14
+#define NR_MREMAP 25
+#define NR_MADVISE 28
+#define NR_GETPID 39
+#define NR_GETTID 186
+#define NR_TGKILL 234
+#define NR_OPENAT 257
+#define NR_KCMP 312
+#define KCMP_VM 1
+#define SIG_UNBLOCK 1
+#define SIGSYS_BIT (1UL << (SIGSYS - 1))
+
+#define MADV_DONTNEED 4
+#define MADV_FREE 8
+#define MADV_WIPEONFORK 18
+#define MADV_DONTNEED_LOCKED 24
+#define MAP_PRIVATE 0x02
+#define MAP_FIXED 0x10
+#define MAP_ANONYMOUS 0x20
+#define MREMAP_MAYMOVE 1
+#define MREMAP_FIXED 2
+#define PROT_READ 1
+#define PROT_WRITE 2
+#define PROT_EXEC 4
+#define SIGSYS 31
+#define SYS_SECCOMP 1
+#define SA_SIGINFO 4
+#define SA_RESETHAND 0x80000000UL
+#define SIG_DFL 0
+#define SIG_IGN 1
+#define O_RDONLY 0
+#define O_CLOEXEC 02000000
+#define AT_FDCWD (-100)
+#define EINVAL 22
+#define EFAULT 14
+#define PAGE 4096UL
+
+#define MAGIC 0x50415254534e5542ULL /* "BUNSTRAP" */
+#define VERSION 1
+#define TRAP_DATA 0x6b5
+
+/* ucontext: greg indices (x86-64 sigcontext order); the mask sigreturn restores */
+#define UC_GREGS 40
+#define UC_SIGMASK 296
+enum { R_R8 = 0, R_R9, R_R10, R_R11, R_R12, R_R13, R_R14, R_R15, R_RDI, R_RSI, R_RBP,
+       R_RBX, R_RDX, R_RAX, R_RCX, R_RSP, R_RIP };
+
+struct ksigaction {
+    uint64_t handler, flags, restorer, mask;
+};
+
+struct fent { /* a converted private file mapping: what DONTNEED brings back */
+    uint64_t start, end, off; /* [start, end) maps path at off */
+    char path[232];
+};
+
+struct table {
+    uint64_t magic;
+    uint32_t version, nfile;
+    uint64_t blob_lo, blob_hi; /* this blob: never treated as converted memory */
+    char view[112];            /* converted memory maps files under this prefix */
+    struct fent files[];
+};
+
+struct state {
+    uint64_t magic;
+    struct ksigaction prog; /* the program's SIGSYS action */
+    int64_t owner;          /* the process whose memory this is (a vfork child shares it) */
+};
+
+extern char __blob_start[] __attribute__((visibility("hidden")));
+extern char __code_end[] __attribute__((visibility("hidden")));
+#define TABLE_SIZE (64 * 1024UL)
+#define TABLE ((const struct table *)__code_end)
+#define STATE ((struct state *)(__code_end + TABLE_SIZE))
+
+static inline long sys6(long n, long a, long b, long c, long d, long e, long f) {
+    register long r10 __asm__("r10") = d;
+    register long r8 __asm__("r8") = e;
+    register long r9 __asm__("r9") = f;
+    long ret;
+    __asm__ volatile("syscall"
+                     : "=a"(ret)
+                     : "a"(n), "D"(a), "S"(b), "d"(c), "r"(r10), "r"(r8), "r"(r9)
+                     : "rcx", "r11", "memory");
+    return ret;
+}
+#define sys(n, a, b, c) sys6(n, (long)(a), (long)(b), (long)(c), 0, 0, 0)
+
+/* the restorer of our sigaction: the kernel returns into it */
+__asm__(".text\n.globl bunshin_sigsys_restorer\n.hidden bunshin_sigsys_restorer\n"
+        "bunshin_sigsys_restorer:\n\tmov $15, %eax\n\tsyscall\n\thlt\n");
+
+static int prefix(const char *s, const char *p) {
+    while (*p)
+        if (*s++ != *p++)
+            return 0;
+    return 1;
+}
+
+static uint64_t hex(const char **s) {
+    uint64_t v = 0;
+    for (;; (*s)++) {
+        char c = **s;
+        if (c >= '0' && c <= '9')
+            v = v * 16 + (uint64_t)(c - '0');
+        else if (c >= 'a' && c <= 'f')
+            v = v * 16 + (uint64_t)(c - 'a' + 10);
+        else
+            return v;
+    }
+}
+
+struct area {
+    uint64_t start, end;
+    int prot;
+    int converted;
+};
+
+/* parse one /proc/self/maps line */
+static void parse(const char *l, struct area *a) {
+    a->start = hex(&l);
+    l++;
+    a->end = hex(&l);
+    l++;
+    a->prot = (l[0] == 'r' ? PROT_READ : 0) | (l[1] == 'w' ? PROT_WRITE : 0) |
+              (l[2] == 'x' ? PROT_EXEC : 0);
+    a->converted = 0;
+    for (int field = 0; field < 4 && *l; field++) { /* perms, offset, dev, inode */
+        while (*l && *l != ' ')
+            l++;
+        while (*l == ' ')
+            l++;
+    }
+    const struct table *t = TABLE;
+    if (l[0] == '/' && prefix(l, t->view) && !(a->start < t->blob_hi && a->end > t->blob_lo))
+        a->converted = 1;
+}
+
+typedef long (*area_fn)(const struct area *, uint64_t a, uint64_t b, int advice);
+
+/*
+ * Call fn for the part of each converted area inside [lo, hi). /proc/self/maps
+ * is read in chunks into a small stack buffer (a long line is cut; only its
+ * start matters). Areas change while we go: each fn call only replaces the
+ * mapping it is given, which later lines do not overlap.
+ */
+static long each_converted(uint64_t lo, uint64_t hi, area_fn fn, int advice) {
+    char buf[2048], line[320];
+    size_t n = 0, have = 0, pos = 0;
+    long fd = sys(NR_OPENAT, AT_FDCWD, "/proc/self/maps", O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return fd;
+    long ret = 0;
+    for (;;) {
+        if (pos == have) {
+            long r = sys(NR_READ, fd, buf, sizeof buf);
+            if (r <= 0)
+                break;
+            have = (size_t)r;
+            pos = 0;
+        }
+        char c = buf[pos++];
+        if (c != '\n') {
+            if (n < sizeof line - 1)
+                line[n++] = c;
+            continue;
+        }
+        line[n] = 0;
+        n = 0;
+        struct area a;
+        parse(line, &a);
+        if (a.start >= hi)
+            break;
+        if (!a.converted || a.end <= lo)
+            continue;
+        ret = fn(&a, a.start > lo ? a.start : lo, a.end < hi ? a.end : hi, advice);
+        if (ret < 0)
+            break;
+    }
+    sys(NR_CLOSE, fd, 0, 0);
+    return ret;
+}
+
+static const struct fent *file_of(uint64_t addr) {
+    const struct table *t = TABLE;
+    for (uint32_t i = 0; i < t->nfile; i++)
+        if (t->files[i].start <= addr && addr < t->files[i].end)
+            return &t->files[i];
+    return 0;
+}
+
+/* the first file entry starting in (a, b), or b */
+static uint64_t next_file(uint64_t a, uint64_t b) {
+    const struct table *t = TABLE;
+    uint64_t next = b;
+    for (uint32_t i = 0; i < t->nfile; i++)
+        if (t->files[i].start > a && t->files[i].start < next)
+            next = t->files[i].start;
+    return next;
+}
+
+static long zero_map(uint64_t a, uint64_t b, int prot) {
+    long r = sys6(NR_MMAP, (long)a, (long)(b - a), prot, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+    return r < 0 ? r : 0;
+}
+
+static long file_map(const struct fent *f, uint64_t a, uint64_t b, int prot) {
+    long fd = sys(NR_OPENAT, AT_FDCWD, f->path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0; /* the file is gone: its dump-time bytes stay */
+    long r = sys6(NR_MMAP, (long)a, (long)(b - a), prot, MAP_PRIVATE | MAP_FIXED, fd,
+                  (long)(f->off + (a - f->start)));
+    sys(NR_CLOSE, fd, 0, 0);
+    return r < 0 ? r : 0;
+}
+
+/* anonymous memory holding what [a, b) holds; pages of zeros stay holes */
+static long anonymize(uint64_t a, uint64_t b, int prot) {
+    uint64_t n = b - a;
+    long s = sys6(NR_MMAP, 0, (long)n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (s < 0)
+        return s;
+    if (!(prot & PROT_READ))
+        sys(NR_MPROTECT, a, n, prot | PROT_READ);
+    for (uint64_t off = 0; off < n; off += PAGE) {
+        const volatile uint64_t *src = (const volatile uint64_t *)(a + off);
+        size_t i = 0;
+        while (i < PAGE / 8 && src[i] == 0)
+            i++;
+        if (i == PAGE / 8)
+            continue;
+        volatile uint64_t *dst = (volatile uint64_t *)((uint64_t)s + off);
+        for (i = 0; i < PAGE / 8; i++)
+            dst[i] = src[i];
+    }
+    if (prot != (PROT_READ | PROT_WRITE))
+        sys(NR_MPROTECT, s, n, prot);
+    long r = sys6(NR_MREMAP, s, (long)n, (long)n, MREMAP_MAYMOVE | MREMAP_FIXED, (long)a, 0);
+    if (r < 0) {
+        sys(NR_MUNMAP, s, n, 0);
+        if (!(prot & PROT_READ))
+            sys(NR_MPROTECT, a, n, prot);
+        return r;
+    }
+    return 0;
+}
+
+/* one converted area's part [a, b) before the real call with this advice */
+static long prepare(const struct area *ar, uint64_t a, uint64_t b, int advice) {
+    while (a < b) {
+        const struct fent *f = file_of(a);
+        uint64_t end = f ? (f->end < b ? f->end : b) : next_file(a, b);
+        long r = 0;
+        if (f) {
+            if (advice == MADV_DONTNEED || advice == MADV_DONTNEED_LOCKED)
+                r = file_map(f, a, end, ar->prot);
+            /* FREE, WIPEONFORK on a file mapping: the real call refuses, as it would */
+        } else if (advice == MADV_DONTNEED || advice == MADV_DONTNEED_LOCKED || advice == MADV_FREE) {
+            r = zero_map(a, end, ar->prot);
+        } else {
+            r = anonymize(a, end, ar->prot);
+        }
+        if (r < 0)
+            return r;
+        a = end;
+    }
+    return 0;
+}
+
+#define MREMAP_PREP (-1)
+
+static long do_madvise(uint64_t addr, uint64_t len, int advice) {
+    uint64_t rlen = (len + PAGE - 1) & ~(PAGE - 1);
+    if (!(addr & (PAGE - 1)) && len && rlen >= len && addr + rlen > addr) {
+        long r = each_converted(addr, addr + rlen, prepare, advice);
+        if (r < 0)
+            return r;
+    }
+    return sys(NR_MADVISE, addr, len, advice); /* invalid input: the kernel's own answer */
+}
+
+static long do_mremap(const long *g) {
+    uint64_t addr = (uint64_t)g[R_RDI], old_len = (uint64_t)g[R_RSI];
+    uint64_t rlen = (old_len + PAGE - 1) & ~(PAGE - 1);
+    if (!(addr & (PAGE - 1)) && old_len && addr + rlen > addr) {
+        long r = each_converted(addr, addr + rlen, prepare, MREMAP_PREP);
+        if (r < 0)
+            return r;
+    }
+    return sys6(NR_MREMAP, g[R_RDI], g[R_RSI], g[R_RDX], g[R_R10], g[R_R8], 0);
+}
+
+static long do_sigaction(const long *g) {
+    struct state *st = STATE;
+    struct ksigaction *act = (struct ksigaction *)g[R_RSI], *old = (struct ksigaction *)g[R_RDX];
+    if (g[R_R10] != 8)
+        return -EINVAL;
+    if ((int)g[R_RDI] != SIGSYS) {
+        if (!act)
+            return sys6(NR_RT_SIGACTION, g[R_RDI], 0, (long)old, 8, 0, 0);
+        struct ksigaction mine = *act;
+        mine.mask &= ~SIGSYS_BIT;
+        return sys6(NR_RT_SIGACTION, g[R_RDI], (long)&mine, (long)old, 8, 0, 0);
+    }
+    struct ksigaction prev = st->prog;
+    long pid = sys(NR_GETPID, 0, 0, 0);
+    /* a fork() child has its own copy of STATE; a vfork child shares its parent's */
+    int shared = pid != st->owner && sys6(NR_KCMP, pid, st->owner, KCMP_VM, 0, 0, 0) == 0;
+    if (act && !shared) {
+        st->owner = pid;
+        st->prog = *act;
+        st->prog.mask &= ~SIGSYS_BIT;
+    }
+    if (old)
+        *old = prev;
+    return 0;
+}
+
+/*
+ * The mask the program asks for goes into the interrupted context: sigreturn sets
+ * it (a mask set by a real call here would be undone by sigreturn).
+ */
+static long do_sigprocmask(const long *g, void *uc) {
+    const uint64_t *set = (const uint64_t *)g[R_RSI];
+    uint64_t *old = (uint64_t *)g[R_RDX];
+    uint64_t *mask = (uint64_t *)((char *)uc + UC_SIGMASK);
+    if (g[R_R10] != 8)
+        return -EINVAL;
+    uint64_t cur = *mask, want;
+    if (g[R_RDI] == 0) /* SIG_BLOCK */
+        want = cur | *set;
+    else if (g[R_RDI] == SIG_UNBLOCK)
+        want = cur & ~*set;
+    else if (g[R_RDI] == 2) /* SIG_SETMASK */
+        want = *set;
+    else
+        return -EINVAL;
+    if (old)
+        *old = cur;
+    *mask = want & ~(SIGSYS_BIT | (1UL << 8) | (1UL << 18)); /* nor SIGKILL, SIGSTOP */
+    return 0;
+}
+
+/* a SIGSYS that is not our trap: what the program's own action would do */
+static void chain(int sig, void *info, void *uc, int seccomp) {
+    struct state *st = STATE;
+    struct ksigaction p = st->prog;
+    if (p.handler == SIG_IGN && !seccomp)
+        return;
+    if (p.handler == SIG_DFL || p.handler == SIG_IGN) {
+        /* default action (a seccomp trap is never ignored): die by SIGSYS on return */
+        struct ksigaction dfl = {SIG_DFL, 0, 0, 0};
+        sys6(NR_RT_SIGACTION, SIGSYS, (long)&dfl, 0, 8, 0, 0);
+        sys(NR_TGKILL, sys(NR_GETPID, 0, 0, 0), sys(NR_GETTID, 0, 0, 0), SIGSYS);
+        return;
+    }
+    if (p.flags & SA_RESETHAND)
+        st->prog.handler = SIG_DFL;
+    uint64_t mask = p.mask, saved;
+    sys6(NR_RT_SIGPROCMASK, 0 /* SIG_BLOCK */, (long)&mask, (long)&saved, 8, 0, 0);
+    if (p.flags & SA_SIGINFO)
+        ((void (*)(int, void *, void *))p.handler)(sig, info, uc);
+    else
+        ((void (*)(int))p.handler)(sig);
+    sys6(NR_RT_SIGPROCMASK, 2 /* SIG_SETMASK */, (long)&saved, 0, 8, 0, 0);
+}
+
+void bunshin_sigsys(int sig, void *info, void *uc) {
+    const int *si = (const int *)info; /* si_signo, si_errno, si_code */
+    int seccomp = si[2] == SYS_SECCOMP;
+    if (!seccomp || si[1] != TRAP_DATA || TABLE->magic != MAGIC) {
+        chain(sig, info, uc, seccomp);
+        return;
+    }
+    long *g = (long *)((char *)uc + UC_GREGS);
+    int nr = *(const int *)((const char *)info + 24); /* si_syscall */
+    long ret;
+    if (nr == NR_MADVISE)
+        ret = do_madvise((uint64_t)g[R_RDI], (uint64_t)g[R_RSI], (int)g[R_RDX]);
+    else if (nr == NR_MREMAP)
+        ret = do_mremap(g);
+    else if (nr == NR_RT_SIGACTION)
+        ret = do_sigaction(g);
+    else if (nr == NR_RT_SIGPROCMASK)
+        ret = do_sigprocmask(g, uc);
+    else /* not one we trap: issue it as it was */
+        ret = sys6(nr, g[R_RDI], g[R_RSI], g[R_RDX], g[R_R10], g[R_R8], g[R_R9]);
+    g[R_RAX] = ret;
+}
