@@ -75,6 +75,8 @@ class Task:
         if not command:
             with contextlib.suppress(OSError):
                 command = f"[{(base / 'comm').read_text().strip()}]"
+        # the workspace wrote it: no control characters into messages and terminals
+        command = "".join(c if c.isprintable() else "?" for c in command)
         return cls(host_pid=host_pid, pid=inside, command=command[:120])
 
 

@@ -7,6 +7,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -38,12 +39,12 @@ def spawn() -> Iterator:
 
 
 def _settled(pid: int, command: str, timeout: float = 10) -> int:
-    """``pid`` once it runs ``command`` (after unshare's exec), or its only child that does."""
+    """``pid`` once its command name starts with ``command`` (after unshare's exec), or its child's does."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for cand in [pid, *map(int, open(f"/proc/{pid}/task/{pid}/children").read().split())]:
             with open(f"/proc/{cand}/comm") as f:
-                if f.read().strip() == command:
+                if f.read().strip().startswith(command):
                     return cand
         time.sleep(0.01)
     raise TimeoutError(f"{pid} does not run {command}")
@@ -90,6 +91,14 @@ def test_a_connected_socket_is_found_with_both_ends():
                 port, peer = lsk.getsockname()[1], client.getsockname()[1]
     assert f"holds a TCP connection [::1]:{peer} -> [::1]:{port} (ESTABLISHED)" in found
     assert f"holds a TCP connection [::1]:{port} -> [::1]:{peer} (ESTABLISHED)" in found
+
+
+def test_a_command_is_named_without_its_control_characters(spawn):
+    _needs_root()
+    code = "import time; time.sleep(60)"
+    pid = _settled(spawn("unshare", "--ipc", sys.executable, "-c", code, "\x1b[2J\nforged line"), "python")
+    (found,) = fork_checks.refusals([os.getpid(), pid])
+    assert found.task.command.endswith(f" -c {code} ?[2J?forged line")
 
 
 def test_an_empty_tree_passes():
