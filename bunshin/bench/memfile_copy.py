@@ -11,7 +11,12 @@ tmpfs by each method, ``rounds`` times, methods alternated:
 - ``copy_file_range``: the kernel's copy (``fileio.copy_range``), zero pages written too;
 - ``pread_pwrite``: 2 MiB reads and writes through a buffer, zero pages written too.
 
-Each copy is checked byte for byte against the source. Result (``--json``):
+Each copy is checked byte for byte against the source. On a VM that reports free memory
+to its host (virtio-balloon free page reporting: ``/sys/module/page_reporting``), memory
+freed a few seconds ago is slow to allocate again, huge pages most: with every method in a
+run, each copy takes memory the previous ones freed and the host took back (the slow case);
+``--methods write_data_huge`` alone reuses the last copy's huge pages at once (the rewrite's
+case: it punches the image's pages as it fills the memory file). Result (``--json``):
 ``r["methods"][name]["gb_per_s"]`` (every round), ``..._p50``, ``["huge_mib"]`` (the
 system-wide ``ShmemHugePages`` growth during each copy: other work on the machine shows in
 it too) and ``["data_mib"]`` (the memory file's blocks: zero pages left as holes do not count).

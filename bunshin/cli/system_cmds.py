@@ -56,6 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--mib", type=int, default=1024, help="bytes to copy, MiB (default 1024)")
     b.add_argument("--rounds", type=int, default=3, help="copies per method, alternated (default 3)")
     b.add_argument("--zero-share", type=float, default=0.0, help="share of zero pages in the source (default 0)")
+    b.add_argument("--methods", default=None,
+                   help="comma-separated (default all): write_data_huge,write_data,copy_file_range,pread_pwrite")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_memfile_copy, release_tmpfs=True)
 
@@ -149,7 +151,9 @@ def cmd_bench_delta_pause(args: argparse.Namespace) -> int:
 def cmd_bench_memfile_copy(args: argparse.Namespace) -> int:
     from ..bench import memfile_copy
 
-    r = memfile_copy.run(Config.from_env(), mib=args.mib, rounds=args.rounds, zero_share=args.zero_share)
+    methods = tuple(args.methods.split(",")) if args.methods else tuple(memfile_copy.METHODS)
+    r = memfile_copy.run(Config.from_env(), mib=args.mib, rounds=args.rounds, zero_share=args.zero_share,
+                         methods=methods)
     if args.json:
         output.print_json(r)
     else:
