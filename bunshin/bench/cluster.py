@@ -99,11 +99,28 @@ def _size(k: int, work: wl.Workload, plan: Plan, cfg: Config) -> dict[str, Any]:
         # one prefix tree per host: a group split over hosts shares its calls only within each host
         "cached_calls": sum(bool(st.observation is not None and st.observation.cached) for t in trajs for st in t.steps),
         "calls": sum(len(t.steps) for t in trajs),
+        **hit_bounds(trajs),
         "peak_mib_per_host": {n: round(s.series.ws_peak() / MiB, 1) for n, s in samplers.items()},
         "migrations": c.migrations, "migrate_s": round(c.migrate_s, 3),
         "placements": c.placements, "place_us_per_placement": round(c.place_s / max(c.placements, 1) * 1e6, 1),
         "rewards": {f"{t.task_id}/{t.index}": t.reward for t in trajs},
     }
+
+
+def hit_bounds(trajs: list[Any]) -> dict[str, int]:
+    """The most calls a prefix cache could serve from what ran: every call whose call
+    sequence since the task's root another trajectory also made (each distinct sequence
+    run once), with one tree per host (``per_host_tree_hit_bound``) and with one tree
+    shared by the hosts (``shared_tree_hit_bound``: what sharing results could add, at
+    most; each such hit on another host's state would cost a snapshot copy or a replay).
+    Speculation may serve calls beyond these (run ahead of the first trajectory to make them)."""
+    def key(t: Any, i: int) -> tuple[str, ...]:
+        return (t.task_id, *(f"{st.tool_call.name}:{st.tool_call.key or sorted(st.tool_call.arguments.items())}" for st in t.steps[:i + 1]))
+
+    calls = sum(len(t.steps) for t in trajs)
+    shared = {key(t, i) for t in trajs for i in range(len(t.steps))}
+    per_host = {(t.placement.get("host"), *key(t, i)) for t in trajs for i in range(len(t.steps))}
+    return {"per_host_tree_hit_bound": calls - len(per_host), "shared_tree_hit_bound": calls - len(shared)}
 
 
 async def _rollouts(placement: ClusterPlacement, work: wl.Workload, plan: Plan) -> list[Any]:
@@ -144,10 +161,12 @@ def print_report(r: dict[str, Any]) -> None:
     output.print_table(f"bench cluster: {r['plan']['workload']}, {r['plan']['tasks']} tasks x {r['plan']['group']} "
                        f"(this machine: {r['cpus']} CPUs shared by every simulated host)",
                        ["hosts", "makespan s", "per host", "peak MiB per host", "migrations", "copy s",
-                        "place us", "cached calls", "failed", "same rewards"],
+                        "place us", "cached calls", "bound: tree per host / shared", "failed", "same rewards"],
                        [[s["hosts"], s["makespan_s"], " ".join(str(v) for v in s["trajectories_per_host"].values()),
                          " ".join(str(v) for v in s["peak_mib_per_host"].values()), s["migrations"], s["migrate_s"],
-                         s["place_us_per_placement"], f"{s['cached_calls']}/{s['calls']}", s["failed"], "yes" if s["same_rewards_as_first"] else "NO"]
+                         s["place_us_per_placement"], f"{s['cached_calls']}/{s['calls']}",
+                         f"{s['per_host_tree_hit_bound']} / {s['shared_tree_hit_bound']}", s["failed"],
+                         "yes" if s["same_rewards_as_first"] else "NO"]
                         for s in r["sizes"]])
     print("the placement rule alone, us per decision by hosts: "
           + ", ".join(f"{k}: {v}" for k, v in r["scheduler_us_per_placement"].items()))

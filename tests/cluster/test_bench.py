@@ -28,6 +28,9 @@ def test_bench_cluster_small_plan(tmp_path, capsys):
     # one task on two hosts of 2 slots: half stay on the holder, the root is copied once
     assert two["trajectories_per_host"] == {"h0": 2, "h1": 2} and two["migrations"] == 1 and two["migrate_s"] > 0
     assert set(r["scheduler_us_per_placement"]) == {"1", "2", "4", "16", "64"}
+    for s in r["sizes"]:  # sharing a tree over hosts can only add hits
+        assert 0 < s["per_host_tree_hit_bound"] <= s["shared_tree_hit_bound"] < s["calls"]
+    assert one["per_host_tree_hit_bound"] == one["shared_tree_hit_bound"]  # one host: one tree either way
     assert not list(cfg.paths.bench.iterdir())  # the simulated hosts' homes are gone
 
 
