@@ -1,4 +1,4 @@
-"""CLI commands on a workspace's desktop: screenshot, windows, launch, vnc."""
+"""CLI commands on a workspace's desktop: screenshot, windows, launch, osworld, vnc."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 from .. import console as output
 from ..errors import InvalidArgument, StateConflict
 from ..workspace import Workspace
-from ..workspace.desktop import Desktop
+from ..workspace.desktop import OSWORLD_PORT, Desktop, forward_command
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,6 +33,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--json", action="store_true")
     s.add_argument("cmd", nargs="*", help="-- APP [ARGS...]")
     s.set_defaults(func=cmd_launch)
+
+    s = dsub.add_parser("osworld", help="start OSWorld's VM server (:5000 on the workspace's loopback) and print "
+                                        "how to reach it")
+    s.add_argument("workspace")
+    s.add_argument("--port", type=int, default=5000, help="the host loopback port to suggest (default 5000)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_osworld)
 
     s = dsub.add_parser("vnc", help="start x11vnc on the workspace's loopback and print how to watch it")
     s.add_argument("workspace")
@@ -75,14 +82,6 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return 0
 
 
-def vnc_forward(host_pid: int, vnc_port: int, port: int) -> str:
-    """The command that serves a workspace's loopback VNC port on the host's loopback:
-    a host socat listening on 127.0.0.1:``port``, each connection joined to a socat in the
-    workspace's network namespace (only that namespace: no path of the workspace is used)."""
-    inner = f"nsenter --net=/proc/{host_pid}/ns/net socat STDIO TCP:127.0.0.1:{vnc_port}"
-    return f"socat TCP-LISTEN:{port},bind=127.0.0.1,reuseaddr,fork EXEC:{shlex.quote(inner)}"
-
-
 def cmd_vnc(args: argparse.Namespace) -> int:
     ws = Workspace.get(args.workspace)
     desk = Desktop.of(ws)
@@ -91,7 +90,7 @@ def cmd_vnc(args: argparse.Namespace) -> int:
         desk.start_vnc()
     if ws.record.pid is None:
         raise StateConflict(f"workspace {ws.id} has no running init", hint="it is not running; create a new one")
-    forward = vnc_forward(ws.record.pid, desk.spec.vnc_port, args.port)
+    forward = " ".join(shlex.quote(a) for a in forward_command(ws.record.pid, desk.spec.vnc_port, args.port))
     if args.json:
         output.print_json({"workspace": ws.id, "vnc_port": desk.spec.vnc_port, "started": not running,
                            "forward": forward, "viewer": f"vncviewer 127.0.0.1:{args.port}"})
@@ -100,4 +99,23 @@ def cmd_vnc(args: argparse.Namespace) -> int:
         print("To watch from this host, run:")
         print(f"  {forward}")
         print(f"  vncviewer 127.0.0.1:{args.port}")
+    return 0
+
+
+def cmd_osworld(args: argparse.Namespace) -> int:
+    ws = Workspace.get(args.workspace)
+    desk = Desktop.of(ws)
+    running = ws.exec(["pgrep", "-f", "[b]unshin_agent.osworld"]).exit_code == 0
+    if not running:
+        desk.start_osworld()
+    if ws.record.pid is None:
+        raise StateConflict(f"workspace {ws.id} has no running init", hint="it is not running; create a new one")
+    forward = " ".join(shlex.quote(a) for a in forward_command(ws.record.pid, OSWORLD_PORT, args.port))
+    if args.json:
+        output.print_json({"workspace": ws.id, "port": OSWORLD_PORT, "started": not running, "forward": forward,
+                           "url": f"http://127.0.0.1:{args.port}"})
+    else:
+        print(f"OSWorld's server listens on 127.0.0.1:{OSWORLD_PORT} inside {ws.id}. To reach it from this host:")
+        print(f"  {forward}")
+        print(f"  then point OSWorld's controllers at http://127.0.0.1:{args.port}")
     return 0

@@ -12,7 +12,7 @@ Facts (Debian 12, CRIU 4.2, measured here): Xvfb, jwm, xterm, xeyes, xmessage,
 xedit (Xaw), Tk (wish), dillo (FLTK) and, since inotify watches on the workspace's
 overlay fork, the GTK apps mousepad and gnumeric dump and restore with their windows,
 documents and pixels. The window manager is jwm: openbox works too but, inside a
-workspace, manages no window in its first ~10 s (an Xt app waits out its WM timeout).
+workspace, manages no window in its first ~10 s after it starts (measured; cause not found).
 GTK's cursor blink is turned off (``GTK_SETTINGS``) so a still screen stays still.
 Screenshots are ``xwd -root`` read into PNG on the caller's side; input is xdotool.
 """
@@ -25,9 +25,11 @@ import shlex
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidArgument, RuntimeFailure, StateConflict
+from ..runtime.agent_bundle import AgentBundle
 from . import xwd
 from .keys import xdotool_combo
 from .protocol import WorkspaceAPI
@@ -54,6 +56,12 @@ JWMRC = """<?xml version="1.0"?>
   </WindowStyle>
 </JWM>
 """
+#: Where ``install_pyautogui`` puts the stand-in (the OSWorld server uses the same folder).
+PYAUTOGUI_DIR = f"{STATE_DIR}/pyautogui"
+#: OSWorld's VM server port (its controllers' default).
+OSWORLD_PORT = 5000
+_PORT_PROBE = ("import socket,sys; s=socket.socket(); s.settimeout(1); "
+               "sys.exit(s.connect_ex(('127.0.0.1', {port})))")
 _URL = re.compile(r"^(https?|file)://", re.IGNORECASE)
 
 
@@ -130,6 +138,15 @@ class DesktopSpec:
         raise InvalidArgument(f"desktop {value!r}: expected true, WIDTHxHEIGHT[xDEPTH] or a mapping")
 
 
+def forward_command(host_pid: int, inner_port: int, port: int) -> list[str]:
+    """The host command that serves a workspace's loopback ``inner_port`` on the host's
+    127.0.0.1:``port``: socat listening on the host, each connection joined to a socat in
+    the workspace's network namespace only (``host_pid``: the workspace's init, as the host
+    sees it; no path or socket of the workspace is used)."""
+    inner = f"nsenter --net=/proc/{host_pid}/ns/net socat STDIO TCP\\:127.0.0.1\\:{inner_port}"  # socat: \\: is a colon
+    return ["socat", f"TCP-LISTEN:{port},bind=127.0.0.1,reuseaddr,fork", f"EXEC:{inner}"]
+
+
 class Desktop:
     """The desktop running in one workspace: screenshots, input, launching apps.
 
@@ -194,14 +211,35 @@ class Desktop:
                                 hint="create a new desktop workspace")
         return cls(ws, DesktopSpec.from_dict(data))
 
+    def start_osworld(self, port: int = OSWORLD_PORT, *, timeout: float = 20.0) -> int:
+        """Start OSWorld's VM server contract (``bunshin_agent.osworld``) on the workspace's
+        loopback ``port``, under the agent's own Python (any image); its pid."""
+        bundle = AgentBundle(Path("/"))
+        python = bundle.argv[:4]
+        pid = self.ws.commands.spawn(["sh", "-c", " ".join(shlex.quote(a) for a in [
+            *python, "-s", "-B", "-m", "bunshin_agent.osworld", "--port", str(port)]) +
+            f" >{STATE_DIR}/osworld.log 2>&1 </dev/null"], env={**bundle.env, **self.spec.env})
+        self._wait([*python, "-c", _PORT_PROBE.format(port=port)], timeout, "the OSWorld server", "osworld",
+                   env=bundle.env)
+        return pid
+
+    def install_pyautogui(self) -> None:
+        """Put bunshin's stand-in ``pyautogui`` (xdotool underneath) at ``PYAUTOGUI_DIR``, for
+        action code where the image has no pyautogui (``PYTHONPATH=PYAUTOGUI_DIR``)."""
+        r = self.ws.exec(["sh", "-c", f"mkdir -p {PYAUTOGUI_DIR} && cp {AgentBundle.PACKAGE_DIR}/pyautogui_shim.py "
+                                      f"{PYAUTOGUI_DIR}/pyautogui.py"])
+        if r.exit_code != 0:
+            raise RuntimeFailure(f"could not install the stand-in pyautogui: {r.stderr.strip()}",
+                                 hint="is /tmp writable in the workspace?")
+
     def start_vnc(self, *, timeout: float = 20.0) -> int:
         """Start x11vnc on the workspace's loopback (``spec.vnc_port``); its pid."""
         self._require("x11vnc", "x11vnc")
         pid = self._daemon("vnc", ["x11vnc", "-display", f":{self.spec.display}", "-localhost", "-rfbport",
                                    str(self.spec.vnc_port), "-forever", "-shared", "-nopw", "-quiet"])
-        probe = ("import socket,sys; s=socket.socket(); s.settimeout(1); "
-                 f"sys.exit(s.connect_ex(('127.0.0.1', {self.spec.vnc_port})))")
-        self._wait(["python3", "-c", probe], timeout, "x11vnc", "vnc")
+        bundle = AgentBundle(Path("/"))
+        self._wait([*bundle.argv[:4], "-c", _PORT_PROBE.format(port=self.spec.vnc_port)], timeout, "x11vnc", "vnc",
+                   env=bundle.env)
         return pid
 
     def _check_programs(self) -> None:
@@ -223,10 +261,11 @@ class Desktop:
         line = " ".join(shlex.quote(a) for a in argv)
         return self.ws.commands.spawn(["sh", "-c", f"exec {line} >{log} 2>&1 </dev/null"], env=self.spec.env)
 
-    def _wait(self, probe: Sequence[str], timeout: float, what: str, log: str) -> None:
+    def _wait(self, probe: Sequence[str], timeout: float, what: str, log: str,
+              env: Mapping[str, str] | None = None) -> None:
         deadline = time.monotonic() + timeout
         while True:
-            if self.ws.exec(list(probe), env=self.spec.env, timeout=10).exit_code == 0:
+            if self.ws.exec(list(probe), env=dict(env or self.spec.env), timeout=10).exit_code == 0:
                 return
             if time.monotonic() > deadline:
                 tail = self.ws.exec(["tail", "-c", "2000", f"{STATE_DIR}/{log}.log"]).stdout

@@ -102,6 +102,9 @@ def test_cli_create_screenshot_windows_vnc(no_leaks, tmp_path):
         ws_obj = Workspace.get(ws["id"], config=cfg)
         assert "RFB 003.008" in ws_obj.exec(["python3", "-c", probe]).stdout  # x11vnc answers inside
         assert not json.loads(bunshin(cfg, "desktop", "vnc", ws["id"], "--json").stdout)["started"]
+        r = json.loads(bunshin(cfg, "desktop", "osworld", ws["id"], "--json").stdout)
+        assert r["started"] and r["port"] == 5000 and "TCP\\:127.0.0.1\\:5000" in r["forward"]
+        assert not json.loads(bunshin(cfg, "desktop", "osworld", ws["id"], "--json").stdout)["started"]
         r = bunshin(cfg, "create", "--vnc", "--json", check=False)
         assert r.returncode != 0 and "--vnc needs --desktop" in r.stderr
     finally:
