@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Config
-from . import criu, criu_kdat, idmap, init, mountinfo, seccomp, statefs
+from . import criu, criu_kdat, host_limits, idmap, init, mountinfo, seccomp, snapshot, statefs
 from .cgroups import Layout
 
 MIN_CRIU = (4, 2)
@@ -135,8 +135,6 @@ def _clone_capacity() -> Result:
     """How many live clones the host's pid space holds: kernel.pid_max bounds the count
     first here (memory per clone is ~1-4 MiB, mounts, cgroups and fds are far from
     their limits at 1,024 clones)."""
-    from . import snapshot  # noqa: PLC0415 (doctor's other checks need no snapshot code)
-
     pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
     used = int(Path("/proc/loadavg").read_text().split()[3].split("/")[1])  # threads now
     room = int(pid_max * (1 - snapshot.PID_MARGIN)) - used
@@ -146,6 +144,17 @@ def _clone_capacity() -> Result:
               f"room for ~{clones} more clones of {CLONE_TASKS} tasks (one fork makes at most {snapshot.MAX_BATCH})")
     return ok, detail, None if ok else (
         "sysctl -w kernel.pid_max=4194304 (and kernel.threads-max if lower) for more live clones")
+
+
+def _pipe_buffers() -> Result:
+    """Pipe buffers of the one host user every workspace's root is (``host_limits``)."""
+    allowed = host_limits.pipes_allowed()
+    if allowed is None:
+        return True, "fs.pipe-user-pages-soft 0: no soft limit on the workspaces' pipe buffers", None
+    ok = allowed >= snapshot.MAX_BATCH + 64
+    detail = (f"fs.pipe-user-pages-soft {host_limits.pipe_soft_pages()} pages: ~{allowed} pipes of 64 KiB for all "
+              "workspaces together (one host user); a clone holds one or more, restores beyond it fail")
+    return ok, detail, None if ok else host_limits.PIPE_HINT
 
 
 def _pycriu() -> Result:
@@ -184,5 +193,6 @@ def run_checks(cfg: Config) -> list[Check]:
         _check("criu", lambda: _criu(cfg), required=False),
         _check("criu cache", lambda: _criu_cache(cfg), required=False),
         _check("clone capacity", _clone_capacity, required=False),
+        _check("pipe buffers", _pipe_buffers, required=False),
         _check("pycriu", _pycriu, required=False),
     ]

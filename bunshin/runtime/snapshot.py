@@ -49,7 +49,7 @@ from ..errors import (
     SnapshotNotFound,
     StateConflict,
 )
-from . import container, criu, memfile, statefs, unforkable, upper_copy
+from . import container, criu, host_limits, memfile, statefs, unforkable, upper_copy
 from . import syscalls as sc
 from .agent_client import quiesced
 from .cgroups import Layout, WorkspaceCgroup
@@ -387,8 +387,11 @@ def restore(cfg: Config, store: Store, snap: SnapshotRecord, n: int) -> list[Wor
             done = [store.update_workspace(rec.id, _unowned) or _unowned(rec) for rec in done]
         pool.shutdown()
         return done
-    except BaseException:
+    except BaseException as exc:
         _roll_back(cfg, store, pool, futures)
+        limit = host_limits.explain_restore_failure(exc, n) if isinstance(exc, CriuError) else None
+        if limit is not None:
+            raise limit from exc
         raise
 
 

@@ -24,3 +24,20 @@ def test_clone_capacity_is_what_pid_max_leaves(cfg):
     assert cap.ok == (int(m[3]) >= snapshot.MAX_BATCH)
     assert cap.ok or "kernel.pid_max=" in (cap.fix or "")
     assert checks["criu cache"].ok, checks["criu cache"].detail  # made on first use where /run is no tmpfs
+
+
+def test_a_restore_out_of_pipe_buffers_says_which_host_limit_and_what_to_do(cfg):
+    from bunshin.errors import CriuError, ResourceExhausted
+    from bunshin.runtime import host_limits
+
+    err = CriuError("criu restore failed with exit code 1",
+                    first_errors="task 1: Can't restore pipe size: Operation not permitted (criu/pipes.c:165)")
+    out = host_limits.explain_restore_failure(err, 1024)
+    assert isinstance(out, ResourceExhausted) and "1024 clones" in str(out)
+    assert "fs.pipe-user-pages-soft" in out.hint and "pipe buffers" in str(out)
+    other = CriuError("criu restore failed", first_errors="task 1: Can't open file (criu/files-reg.c:2000)")
+    assert host_limits.explain_restore_failure(other, 3) is None
+    check = {c.name: c for c in doctor.run_checks(cfg)}["pipe buffers"]
+    allowed = host_limits.pipes_allowed()
+    assert check.ok == (allowed is None or allowed >= snapshot.MAX_BATCH + 64)
+    assert check.ok or check.fix == host_limits.PIPE_HINT
