@@ -209,7 +209,7 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
                 extra += mount_externals(rec.mounts, dump=True)
                 run = criu.dump(cfg.criu, rec.pid or 0, images, leave_running=True, extra=extra, placement=inside)
         except CriuError as e:  # what CRIU cannot carry, named (a ghost over the limit, a watch it cannot record)
-            refusal = unforkable.find(cfg, rec.id, rec.pid)
+            refusal = unforkable.find(cfg, rec.id, rec.pid, str(e))
             if refusal is None:
                 raise
             raise refusal from e

@@ -111,8 +111,18 @@ def _kdev(major: int, minor: int) -> int:
     return (major << 20) | minor
 
 
-def _exports_handles(m: mountinfo.MountEntry) -> bool:
-    return m.fs_type == "overlay" and "nfs_export=on" in m.super_options.split(",")
+# Filesystems without export operations: open_by_handle_at(2) fails on them. (Disk
+# filesystems and tmpfs decode handles: a watch on a shared host folder forks.)
+_NO_HANDLES = frozenset({"proc", "devpts", "sysfs", "mqueue", "debugfs", "tracefs", "securityfs", "pstore",
+                         "bpf", "cgroup", "configfs", "fusectl", "hugetlbfs", "binfmt_misc"})
+
+
+def decodes_handles(m: mountinfo.MountEntry) -> bool:
+    """Whether CRIU can open a watch's file handle on ``m``'s filesystem (and so record its
+    path): an overlay only if mounted ``nfs_export=on`` (``container.EXPORT_OPTIONS``)."""
+    if m.fs_type == "overlay":
+        return "nfs_export=on" in m.super_options.split(",")
+    return m.fs_type not in _NO_HANDLES
 
 
 def stuck_watch(host_pid: int) -> tuple[int, int, mountinfo.MountEntry | None] | None:
@@ -136,7 +146,7 @@ def stuck_watch(host_pid: int) -> tuple[int, int, mountinfo.MountEntry | None] |
                 continue
             ino, sdev = int(w.group(1), 16), int(w.group(2), 16)
             m = mounts.get(sdev)
-            if m is None or not _exports_handles(m):
+            if m is None or not decodes_handles(m):
                 return fd, ino, m
     return None
 
@@ -145,12 +155,14 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
-def find(cfg: Config, workspace_id: str, pid: int | None) -> NotForkable | None:
+def find(cfg: Config, workspace_id: str, pid: int | None, criu_said: str) -> NotForkable | None:
     """The refusal that explains a failed dump of the workspace whose pid 1 is ``pid``
-    (host pid), or None if nothing known is found."""
+    (host pid), given what CRIU said (its error's text: a kind is looked for only if CRIU
+    named it); None if nothing known is found."""
     limit = ghost_limit(cfg)
-    for host_pid in _tree(pid):
-        ghost = big_ghost(host_pid, limit)
+    ghosts, watches = "ghost file" in criu_said, "fsnotify" in criu_said
+    for host_pid in _tree(pid) if ghosts or watches else []:
+        ghost = big_ghost(host_pid, limit) if ghosts else None
         if ghost is not None and (who := _holder(host_pid)) is not None:
             fd, path, size = ghost
             return NotForkable(
@@ -160,7 +172,7 @@ def find(cfg: Config, workspace_id: str, pid: int | None) -> NotForkable | None:
                      "BUNSHIN_GHOST_LIMIT (Config.ghost_limit): each clone then gets its own copy of it",
                 process=who.pid, command=who.command, path=path, size=size, ghost_limit=limit,
             )
-        watch = stuck_watch(host_pid)
+        watch = stuck_watch(host_pid) if watches else None
         if watch is not None and (who := _holder(host_pid)) is not None:
             fd, ino, m = watch
             where = f"{m.fs_type} filesystem at {m.mount_point}" if m is not None else "a filesystem it has no mount of"

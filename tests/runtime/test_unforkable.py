@@ -13,7 +13,7 @@ import pytest
 
 from bunshin.config import DEFAULT_GHOST_LIMIT, Config
 from bunshin.errors import InvalidArgument
-from bunshin.runtime import unforkable
+from bunshin.runtime import mountinfo, unforkable
 
 _libc = ctypes.CDLL(None, use_errno=True)
 IN_CREATE = 0x100
@@ -54,7 +54,32 @@ def test_an_inotify_watch_is_mapped_to_its_mount(tmp_path: Path):
         _, ino, mount = found
         assert ino == os.stat("/proc").st_ino
         assert mount is not None and mount.fs_type == "proc" and mount.mount_point == "/proc"
+        assert not unforkable.decodes_handles(mount)
         st = os.stat("/proc")
         assert (mount.major, mount.minor) == (os.major(st.st_dev), os.minor(st.st_dev))
     finally:
         os.close(fd)
+
+
+def test_which_filesystems_decode_handles():
+    def entry(fs: str, opts: str = "rw") -> mountinfo.MountEntry:
+        return mountinfo.MountEntry.parse(f"36 35 0:5 / /x rw - {fs} src {opts}")
+
+    assert unforkable.decodes_handles(entry("overlay", "rw,lowerdir=/a,upperdir=/u,index=on,nfs_export=on"))
+    assert not unforkable.decodes_handles(entry("overlay", "rw,lowerdir=/a,upperdir=/u"))
+    assert unforkable.decodes_handles(entry("ext4")) and unforkable.decodes_handles(entry("tmpfs"))
+    assert not unforkable.decodes_handles(entry("devpts")) and not unforkable.decodes_handles(entry("proc"))
+
+
+def test_nothing_is_looked_for_that_criu_did_not_name(tmp_path: Path):
+    """A ghost above the limit does not explain a failure CRIU gave another reason for."""
+    path = tmp_path / "spill"
+    with open(path, "wb") as f:
+        f.write(b"x" * 5000)
+        f.flush()
+        path.unlink()
+        cfg = dataclasses.replace(Config(), ghost_limit=4096)
+        assert unforkable.find(cfg, "ws-x", os.getpid(), "Error (criu/sk-inet.c): no") is None
+        err = unforkable.find(cfg, "ws-x", os.getpid(), "Error (criu/files-reg.c): Can't dump ghost file")
+        assert err is not None and err.details["path"] == str(path) and err.details["size"] == 5000
+        assert "pytest" in err.details["command"] and str(path) in err.message

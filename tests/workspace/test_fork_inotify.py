@@ -9,7 +9,8 @@ a file and a folder of the image's lower layer (/etc/hostname, /etc/default); in
 clones all four are in lower layers (the parent's upper frozen). Each clone must see
 the changes made in it, and none made in its parent or sibling. A watch on /proc
 cannot be recorded by CRIU (procfs decodes no handles): the fork is refused, naming
-the process and the watch, and the workspace is left running as it was.
+the process and the watch, and the workspace is left running as it was. A watch on a
+folder shared from the host (a disk filesystem, which decodes handles) forks too.
 """
 
 from __future__ import annotations
@@ -126,3 +127,20 @@ def test_a_watch_criu_cannot_record_is_refused_naming_process_and_watch(family, 
     touch(ws, f"kill {pid}")
     (clone,) = family.fork(ws, 1)
     assert clone.exec("cat /tmp/watch.log").stdout == ws.exec("cat /tmp/watch.log").stdout
+
+
+def test_a_watch_on_a_shared_host_folder_fires_in_each_clone(family, watcher, tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # root inside is an unprivileged host uid: it writes where all may
+    ws = family.create(mounts=[f"{shared}:/data:rw"])
+    start_watcher(ws, watcher, ["/data"])
+    a, b = family.fork(ws, 2)
+    for c in (a, b):
+        assert watches(c, int(c.files.read_text(f"{LOG}.ready"))) == 1
+    touch(a, "touch /data/a1")
+    touch(b, "touch /data/b1")
+    # the folder is shared on purpose: every watch on it sees every workspace's changes
+    for c in (a, b, ws):
+        wait_events(c, 0, ["/data a1", "/data b1"])
+    assert sorted(p.name for p in shared.iterdir()) == ["a1", "b1"]
