@@ -1090,6 +1090,30 @@ def test_a_process_that_cannot_get_the_trap_is_copied_or_refused(lab: Lab, tmp_p
     assert lab.cmd(lab.restore(copied), "dontneed") == {"nonzero": "0", "dump_bytes": "0"}
 
 
+@pytest.mark.criu
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_a_non_pie_program(lab: Lab, semprog: tuple[Path, Path], tmp_path: Path, static: bool) -> None:
+    """A copy it execs loads its text at the same addresses (and meets the filter without a handler).
+
+    Dynamically linked (as Debian's python3): its calls go through the randomised C
+    library, it is converted and exact. Statically linked: refused, copied.
+    """
+    _, data = semprog
+    prog = tmp_path / "semprog-nopie"
+    flags = ["-no-pie", *(["-static"] if static else [])]
+    subprocess.run(["gcc", "-O2", "-pthread", *flags, "-o", str(prog), str(PROGS / "semprog.c")], check=True)
+    parent = lab.start([str(prog), str(lab.ctl), str(data)])
+    images = lab.dump(parent)
+    res = lab.rewrite(images)
+    if static:
+        assert res.vmas_converted == 0 and res.vmas_file == 0 and res.processes_trapped == 0
+        assert "statically linked and not position-independent" in res.left_anonymous[0].reason
+    else:
+        assert res.vmas_converted > 0 and res.processes_trapped == 1 and res.left_anonymous == ()
+    clone = lab.restore(images)
+    assert _semantics(lab, clone, SEM_CHECKS) == _want(SEM_CHECKS)
+
+
 def test_merge_spans_joins_the_closest_neighbours() -> None:
     spans = [(0, 10), (5, 20), (100, 110), (30, 40), (1000, 1010)]
     assert trapcode.merge_spans(spans, 10) == [(0, 20), (30, 40), (100, 110), (1000, 1010)]
@@ -1100,9 +1124,12 @@ def test_merge_spans_joins_the_closest_neighbours() -> None:
 def test_filter_is_recognised_and_fits_bpf_limits() -> None:
     code = [(i << 32, (i << 32) + (1 << 20)) for i in range(trap.MAX_CODE_SPANS)]
     conv = [(i << 36, (i << 36) + (1 << 30)) for i in range(1, trap.MAX_CONVERTED_SPANS + 1)]
-    prog = trapcode.filter_program((1 << 44, (1 << 44) + (1 << 20)), code, conv)
+    sites = tuple(sorted({0x7F0000000000 + random.Random(i).randrange(1 << 30) for i in range(1000)}))
+    prog = trapcode.filter_program((1 << 44, (1 << 44) + (1 << 20)), sites, code, conv)
     assert trapcode.is_ours(prog) and not trapcode.is_ours(seccomp.program())
-    assert len(prog) // 8 < 4096  # BPF_MAXINSNS
+    assert len(prog) // 8 <= trapcode.BPF_MAXINSNS
+    with pytest.raises(ValueError, match="instructions"):
+        trapcode.filter_program((0, 1), tuple(range(0, 8000, 4)), code, conv)
 
 
 def test_handler_blob_builds_without_relocations(tmp_path: Path) -> None:

@@ -124,6 +124,17 @@ def test_madv_dontneed_on_forked_memory_reads_zero(family):
     assert ask(ws, "dontneed") == "zero"
 
 
+def test_programs_exec_d_in_a_clone_are_not_trapped(family):
+    """The filter outlives exec, the handler does not: Python exec'ing Python (same addresses for
+    its non-PIE executable) and madvising runs as it would, in a clone and a fork of a fork."""
+    ws = family.create()
+    start_probe(ws)
+    (c,) = family.fork(ws, 1)
+    (cc,) = family.fork(c, 1)
+    for w in (c, cc):
+        assert ask(w, "spawn 20") == "failed 0"
+
+
 def test_madv_dontneed_in_copy_mode_reads_zero(family):
     ws = family.create()
     start_probe(ws)

@@ -341,7 +341,7 @@ def rewrite_images(
                 if blob is not None and proc.count(Kind.CONVERT, Kind.FILE):
                     core = load(images_dir / f"core-{pid}.img")["entries"][0]
                     try:
-                        setup = trap.prepare(proc, blob, core, files, view)
+                        setup = trap.prepare(proc, blob, core, files, view, Path(root))
                     except trap.TrapUnavailable as exc:
                         if zero_fill is ZeroFillPolicy.REFUSE:
                             raise NotForkable(

@@ -22,6 +22,7 @@ from typing import Any
 
 from .criu_images import MAP_PRIVATE, PAGE, PROT_EXEC, load, save, split
 from .plan import Kind, Proc
+from .sites import SitesUnavailable, syscall_sites
 from .trapcode import (
     SA_NODEFER,
     SA_ONSTACK,
@@ -42,7 +43,7 @@ from .trapcode import (
 )
 
 PROT_READ, PROT_RW = 0x1, 0x3
-MAX_CODE_SPANS, MAX_CONVERTED_SPANS = 8, 24
+MAX_CODE_SPANS, MAX_CONVERTED_SPANS = 4, 16
 _LOW, _HIGH = 1 << 40, 0x7FF000000000  # where a handler may be placed
 _CONVERTED = (Kind.CONVERT, Kind.FILE, Kind.SHARED, Kind.REBASE)
 _SIGSYS_SLOT = SIGSYS - 3  # CRIU's sigactions skip SIGKILL and SIGSTOP
@@ -58,9 +59,11 @@ class TrapSetup:
 
     base: int
     existing: bool
+    sites: tuple[int, ...]
     code_spans: list[tuple[int, int]]
     converted_spans: list[tuple[int, int]]
     contents: dict[int, bytes] = field(default_factory=dict)  # vma index -> bytes of a TRAP area
+    program: bytes = b""  # the filter
 
     def blob_range(self, blob: Blob) -> tuple[int, int]:
         return self.base, self.base + blob.size
@@ -130,7 +133,7 @@ def _area(start: int, size: int, prot: int) -> dict[str, Any]:
 
 
 def prepare(
-    proc: Proc, blob: Blob, core: dict[str, Any], files: dict[int, dict[str, Any]], view: str
+    proc: Proc, blob: Blob, core: dict[str, Any], files: dict[int, dict[str, Any]], view: str, root: Path
 ) -> TrapSetup:
     """Plan the trap of one process (adds or marks its TRAP areas); raises TrapUnavailable."""
     mode = core.get("thread_core", {}).get("seccomp_mode", "disabled")
@@ -144,15 +147,22 @@ def prepare(
     if found is None and mine:
         raise TrapUnavailable("the handler's address range is taken")
     outside = [(i, v) for i, v in enumerate(proc.vmas) if not (v["start"] < hi and v["end"] > lo)]
-    code = merge_spans([(v["start"], v["end"]) for _, v in outside if v["prot"] & PROT_EXEC],
-                       MAX_CODE_SPANS)
+    try:
+        found_sites = syscall_sites(core, proc.mm_img["entries"][0], proc.vmas, files, root, (lo, hi))
+    except SitesUnavailable as exc:
+        raise TrapUnavailable(str(exc)) from None
+    code = merge_spans(list(found_sites.spans), MAX_CODE_SPANS)
     converted = merge_spans([(v["start"], v["end"]) for i, v in outside if proc.kinds[i] in _CONVERTED],
                             MAX_CONVERTED_SPANS)
     entries = _file_entries(proc, files, old_entries, outside)
     table = table_bytes(view, lo, hi, entries) if len(view) < 111 else b""
     if not table:
         raise TrapUnavailable(f"the memory-file view {view!r} is too long for the handler")
-    setup = TrapSetup(base, found is not None, code, converted)
+    setup = TrapSetup(base, found is not None, found_sites.addresses, code, converted)
+    try:
+        setup.program = filter_program((lo, hi), setup.sites, code, converted)
+    except ValueError as exc:
+        raise TrapUnavailable(str(exc)) from None
     if found is None:
         idx = _insert(proc, [
             _area(code_at, len(blob.code), PROT_READ | PROT_EXEC),
@@ -200,7 +210,7 @@ def install(
 
     ``seccomp_img`` is changed in place (one image for the whole dump).
     """
-    prog = filter_program(setup.blob_range(blob), setup.code_spans, setup.converted_spans)
+    prog = setup.program
     filters: list[dict[str, Any]] = seccomp_img["entries"][0].setdefault("seccomp_filters", [])
     made: dict[int | None, int] = {}
     out = []

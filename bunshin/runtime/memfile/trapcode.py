@@ -6,8 +6,8 @@ followed by a read-only table (``TABLE_SIZE``) and a writable state page: the
 layout the C code assumes. The filter is classic BPF, appended to the process's
 seccomp chain: for ``madvise`` with advice DONTNEED, DONTNEED_LOCKED, FREE or
 WIPEONFORK and for ``mremap`` it returns ``SECCOMP_RET_TRAP`` only when the call
-comes from code the process had at dump time (its executable areas) and aims at
-memory converted then; from that code too ``rt_sigaction`` (of SIGSYS, or setting
+comes from a system call site of the code the process had at dump time (``sites``)
+and aims at memory converted then; from that code too ``rt_sigaction`` (of SIGSYS, or setting
 an action) and ``rt_sigprocmask`` that may block: the handler keeps SIGSYS
 unblocked (a seccomp trap while SIGSYS is blocked kills the process). Calls from
 the blob itself always pass. Both limits keep a program exec'd in a clone (which
@@ -283,8 +283,42 @@ def merge_spans(spans: list[tuple[int, int]], limit: int) -> list[tuple[int, int
     return [(a, b) for a, b in out]
 
 
-def filter_program(blob: tuple[int, int], code: list[tuple[int, int]], converted: list[tuple[int, int]]) -> bytes:
-    """The filter for one process (``code`` and ``converted`` already merged)."""
+BPF_MAXINSNS = 4096
+_BLOCK = 32  # call sites compared one by one after a range test
+
+
+def _ip_in_sites(p: _Asm, sites: tuple[int, ...], ok: str, no: str) -> None:
+    """if the instruction pointer is one of ``sites`` (sorted) goto ok else no."""
+    groups: dict[int, list[int]] = {}
+    for a in sites:
+        groups.setdefault(a >> 32, []).append(a & 0xFFFFFFFF)
+    for hi, los in sorted(groups.items()):
+        other = p.fresh()
+        p.op(_LD_ABS, _IP + 4)
+        p.jump(_JEQ, hi, here := p.fresh(), other)
+        p.label(here)
+        p.op(_LD_ABS, _IP)
+        for i in range(0, len(los), _BLOCK):
+            block, after = los[i : i + _BLOCK], p.fresh()
+            p.jump(_JGT, block[-1], after, inside := p.fresh())
+            p.label(inside)
+            for lo in block:
+                p.code.append((_JEQ, 0, 1, lo))
+                p.op(_JA, ok)
+            p.op(_JA, no)
+            p.label(after)
+        p.op(_JA, no)
+        p.label(other)
+    p.op(_JA, no)
+
+
+def filter_program(
+    blob: tuple[int, int],
+    sites: tuple[int, ...],
+    code: list[tuple[int, int]],
+    converted: list[tuple[int, int]],
+) -> bytes:
+    """The filter for one process: calls from ``sites`` or ``code`` spans, on ``converted`` memory."""
     p = _Asm()
     ip = ((_LD_ABS, _IP + 4), (_LD_ABS, _IP))
     a0 = ((_LD_ABS, _arg(0, True)), (_LD_ABS, _arg(0)))
@@ -336,7 +370,7 @@ def filter_program(blob: tuple[int, int], code: list[tuple[int, int]], converted
         p.label(f"ip{i}")
         p.in64(*ip, a, b, "ip_ok", f"ip{i + 1}")
     p.label(f"ip{len(code)}")
-    p.op(_JA, "allow")
+    _ip_in_sites(p, sites, "ip_ok", "allow")
     p.label("ip_ok")
     p.op(_LD_MEM, 2)
     p.jump(_JEQ, 2, "trap", "k1")
@@ -383,6 +417,8 @@ def filter_program(blob: tuple[int, int], code: list[tuple[int, int]], converted
     p.op(_RET, RET_TRAP | TRAP_DATA)
     p.label("allow")
     p.op(_RET, RET_ALLOW)
+    if len(p.code) > BPF_MAXINSNS:
+        raise ValueError(f"the trap's filter needs {len(p.code)} instructions, BPF allows {BPF_MAXINSNS}")
     return p.assemble()
 
 

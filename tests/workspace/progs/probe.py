@@ -6,12 +6,14 @@ Holds a HEAP_MIB heap (every page non-zero), an 8 MiB raw mmap to grow with
 mremap, a 4 MiB raw mmap to MADV_DONTNEED and an 8 MiB malloc'd block to realloc.
 The host writes one request line to /tmp/probe.req (temp name, then rename); the
 answer appears in /tmp/probe.out. Requests: sum, write TEXT, fresh, mremap MIB,
-realloc MIB, dontneed. /tmp/probe.ready holds the first checksum.
+realloc MIB, dontneed, spawn N (N copies of this Python exec'd, each
+madvising fresh memory: how many failed). /tmp/probe.ready holds the first checksum.
 """
 
 import ctypes
 import hashlib
 import os
+import subprocess
 import sys
 import time
 
@@ -103,6 +105,22 @@ def dontneed() -> str:
     return "zero" if data.count(0) == len(data) else f"stale: {len(data) - data.count(0)} non-zero bytes"
 
 
+CHILD = """
+import ctypes, mmap
+libc = ctypes.CDLL(None, use_errno=True)
+libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+m = mmap.mmap(-1, 1 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+m.write(b"x" * (1 << 20))
+addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+assert libc.madvise(addr, 1 << 20, 4) == 0 and m[:] == bytes(1 << 20)
+"""
+
+
+def spawn(n: int) -> str:
+    bad = sum(subprocess.run([sys.executable, "-c", CHILD]).returncode != 0 for _ in range(n))
+    return f"failed {bad}"
+
+
 def answer(line: str) -> str:
     op, _, arg = line.strip().partition(" ")
     if op == "sum":
@@ -120,6 +138,8 @@ def answer(line: str) -> str:
         return realloc(int(arg))
     if op == "dontneed":
         return dontneed()
+    if op == "spawn":
+        return spawn(int(arg))
     return f"unknown request {op!r}"
 
 
