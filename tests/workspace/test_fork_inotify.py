@@ -10,7 +10,9 @@ clones all four are in lower layers (the parent's upper frozen). Each clone must
 the changes made in it, and none made in its parent or sibling. A watch on /proc
 cannot be recorded by CRIU (procfs decodes no handles): the fork is refused, naming
 the process and the watch, and the workspace is left running as it was. A watch on a
-folder shared from the host (a disk filesystem, which decodes handles) forks too.
+folder shared from the host (a disk filesystem, which decodes handles) forks too, and so
+does one on a deep image's files (its layers one read-only overlay below the root's,
+mounted ``nfs_export=on`` too: ``idmap.stack``).
 """
 
 from __future__ import annotations
@@ -21,8 +23,13 @@ from pathlib import Path
 
 import pytest
 
+from bunshin.config import Config
 from bunshin.errors import NotForkable
+from bunshin.runtime import gc, idmap
+from bunshin.runtime.oci import store as oci_store
+from bunshin.runtime.store import Store
 from bunshin.workspace import Workspace
+from tests.runtime import oci_images as oi
 from tests.workspace.test_fork import wait_file
 
 pytestmark = [pytest.mark.integration, pytest.mark.criu]
@@ -144,3 +151,39 @@ def test_a_watch_on_a_shared_host_folder_fires_in_each_clone(family, watcher, tm
     for c in (a, b, ws):
         wait_events(c, 0, ["/data a1", "/data b1"])
     assert sorted(p.name for p in shared.iterdir()) == ["a1", "b1"]
+
+
+def test_a_watch_on_a_deep_images_files_fires_in_each_clone(watcher, tmp_path: Path, cfg: Config, no_leaks):
+    layers = [oi.busybox_base()]
+    layers += [oi.Layer(compress="none").add(f"l{i}", "dir").add("top", "file", f"{i}\n") for i in range(30)]
+    oi.build_layout(tmp_path / "deep", layers)
+    with Store.open(cfg.db_path) as store:
+        (rec,) = oci_store.load(cfg, store, tmp_path / "deep", tags=["test/deep-watch:1"])
+    clones: list[Workspace] = []
+    ws = None
+    try:
+        ws = Workspace.create("test/deep-watch:1", memory="256M", config=cfg)
+        lowers = ws.exec("grep ' / / ' /proc/self/mountinfo").stdout
+        assert "stack-" in lowers, f"the image's layers are not one stacked overlay: {lowers}"
+        assert any(t.name.startswith("stack-") and "nfs_export=on" in m.super_options
+                   for t, m in ((Path(m.mount_point), m) for m in idmap.mountinfo.read()))
+        # the watcher runs from the upper: a process running a file of a stacked layer does not
+        # fork (CRIU: "Can't lookup mount=N for fd=-3", the stack's mount is not the workspace's)
+        start_watcher(ws, watcher, ["/top", "/l0", "/l29"])
+        clones = ws.fork(2)
+        a, b = clones
+        touch(a, "echo a >> /top", "touch /l0/a1")
+        touch(b, "touch /l29/b1")
+        wait_events(a, 0, ["/top -", "/l0 a1"])
+        wait_events(b, 0, ["/l29 b1"])
+        time.sleep(0.3)
+        assert [ln for ln in events_after(b, 0) if not ln.endswith(" b1")] == [], "b saw a's changes"
+        assert events_after(ws, 0) == [], "the parent saw its clones' changes"
+    finally:
+        for c in clones:
+            c.remove()
+        if ws is not None:
+            ws.remove()
+        with Store.open(cfg.db_path) as store:
+            oci_store.remove(store, rec.id)
+            gc.free_image_layers(cfg, store)
