@@ -44,6 +44,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--report", metavar="DIR", help="also write a markdown report, results.json and fork.png here")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_fork, release_tmpfs=True)
+    b = bsub.add_parser("desktop", help="a desktop with an app open: fork vs plain CRIU vs cold start, and a "
+                                        "computer-use rollout group (baseline vs bunshin)")
+    b.add_argument("--app", default="gnumeric", help="the app open on the desktop: gnumeric (default), mousepad, xedit")
+    b.add_argument("--clones", type=int, default=16, help="clones per side (default 16)")
+    b.add_argument("--cold", type=int, default=3, help="cold starts (default 3)")
+    b.add_argument("--group", type=int, default=8, help="trajectories of the rollout group (default 8)")
+    b.add_argument("--no-rollout", action="store_true", help="skip the rollout group")
+    b.add_argument("--report", metavar="DIR", help="write report.md, results.json and the screens (PNG) here")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_desktop, release_tmpfs=True)
     b = bsub.add_parser("clone-memory", help="what a clone owns after its first exec and tool call, per process")
     b.add_argument("--clones", type=int, default=3, help="clones measured one after another (default 3)")
     b.add_argument("--json", action="store_true")
@@ -216,6 +226,22 @@ def cmd_bench_fork(args: argparse.Namespace) -> int:
         output.print_json(result)
     else:
         fork_report.print_report(result)
+    return 0
+
+
+def cmd_bench_desktop(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ..bench import desktop as bench_desktop
+
+    plan = bench_desktop.DesktopPlan(app=args.app, clones=args.clones, cold=args.cold, group=args.group,
+                                     rollout=not args.no_rollout)
+    say = (lambda _m: None) if args.json else (lambda m: output.err.print(f"[dim]{m}[/dim]"))
+    result = bench_desktop.run(Config.from_env(), plan, out=Path(args.report) if args.report else None, say=say)
+    if args.json:
+        output.print_json(result)
+    else:
+        bench_desktop.print_report(result)
     return 0
 
 
