@@ -62,12 +62,13 @@ class HostActor:
             cfg, lease = self.server.cfg, read_lease(self.server.cfg)
             cfg.home.mkdir(parents=True, exist_ok=True)
             current = fence.epoch(self.name)
-            if current is None:  # a new cluster: it takes the home as it is
-                current = lease.epoch if lease is not None and not lease.lost() else 1
+            stale = lease is not None and (lease.lost() or (current is not None and lease.epoch != current))
+            if current is None:  # a new cluster: it takes a home whose lease holds as it is
+                current = lease.epoch + int(stale) if lease is not None else 1
                 fence.set_epoch(self.name, current)
             elif lease is not None and lease.epoch == current and lease.lost():
                 current = fence.fence(self.name)  # its lease ran out unrenewed: that epoch is over
-            if lease is not None and lease.epoch != current:
+            if lease is not None and stale:
                 self.server.stop()
                 self.cleared.append(clear_home(cfg))
                 log.warning("host %s: epoch %d was fenced (now %d): removed %s", self.name, lease.epoch,

@@ -71,3 +71,50 @@ def test_a_planted_lease_is_not_followed(no_leaks, tmp_path):
         assert read_lease(no_leaks) is None
     finally:
         lease_path(no_leaks).unlink(missing_ok=True)
+
+
+@pytest.fixture
+def kv(monkeypatch):
+    """Ray's GCS key-value store as a dict: the host actor alone, in this process."""
+    from bunshin.cluster import fence
+
+    store: dict[str, int] = {}
+    monkeypatch.setattr(fence, "_get", store.get)
+    monkeypatch.setattr(fence, "_put", store.__setitem__)
+    return store
+
+
+@pytest.mark.parametrize("lease, kv_epoch, kept, epoch", [
+    (ClusterLease("h", 2, None), None, True, 2),  # parked, a new cluster: taken as it is
+    (ClusterLease("h", 2, None), 2, True, 2),  # parked, the same cluster: taken as it is
+    (ClusterLease("h", 2, None), 3, False, 3),  # the head fenced epoch 2 meanwhile
+    (ClusterLease("h", 2, time.time() - 1), 2, False, 3),  # ran out: that epoch is over
+    (ClusterLease("h", 2, time.time() - 1), None, False, 3),  # ran out, a new cluster: no one's
+])
+def test_a_host_starting_on_a_home_keeps_only_what_the_cluster_owns(no_leaks, kv, lease, kv_epoch, kept, epoch):
+    from bunshin.cluster.actor import HostActor
+
+    ws = Workspace.create("host", memory="128M", config=no_leaks)
+    write_lease(no_leaks, lease)
+    if kv_epoch is not None:
+        kv["epoch/h"] = kv_epoch
+    actor = None
+    try:
+        actor = HostActor("h", "node", str(no_leaks.home), bind="127.0.0.1", key=b"k" * 32)
+        assert actor.epoch == epoch and kv["epoch/h"] == epoch and kv["serving/h"] == epoch
+        assert ws.is_alive() == kept and len(actor.cleared) == (not kept)
+        assert read_lease(no_leaks).epoch == epoch and not read_lease(no_leaks).lost()
+        kv["epoch/h"] = epoch + 1  # the head fences it now: the actor sees it within a renewal or two
+        deadline = time.time() + 15
+        while kv.get("serving/h") != epoch + 1:  # emptied, then served again in the new epoch
+            assert time.time() < deadline, "the fence was not seen"
+            time.sleep(0.1)
+        assert not ws.is_alive() and actor.epoch == epoch + 1 and actor.server.running()
+    finally:
+        if actor is not None:
+            actor.stop()
+        write_lease(no_leaks, None)
+        try:
+            ws.remove()
+        except Exception:
+            pass
