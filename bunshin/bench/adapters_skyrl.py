@@ -30,7 +30,7 @@ from .. import console as output
 from ..config import Config
 from ..rollout.policies import Trace
 from ..rollout.task import TaskSpec
-from .adapters import group_result, group_task, report_cells
+from .framework_group import group_result, group_task, report_cells
 from .rollout import settle
 from .sampler import MemorySampler, idle_used
 from .stats import summary
