@@ -58,6 +58,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 3.0
+#: A host that does not answer its health checks for this long is given up (fenced); one
+#: where nothing listens, at once.
+DEAD_AFTER_S = 10.0
 #: While a call on a host runs longer than this, the host's health is checked this often
 #: (a host that stops answering, e.g. behind a partition, would otherwise hold the call
 #: until its own timeout); an answer is reused for as long.
@@ -149,10 +152,7 @@ class ClusterPlacement:
             return False
         if time.monotonic() - self._answered.get(name, -1e9) < max_age:
             return True
-        try:
-            ok = httpx.get(f"{self.hosts[name].url}/v1/health", timeout=HEALTH_TIMEOUT_S).status_code == 200
-        except httpx.HTTPError:
-            ok = False
+        ok = self._health(name)
         if ok:
             self._answered[name] = time.monotonic()
         else:
@@ -164,6 +164,19 @@ class ClusterPlacement:
                 log.warning("host %s does not answer: no more placements there", name)
             self._fence(name)
         return ok
+
+    def _health(self, name: str) -> bool:
+        """A health check: nothing listening there is an answer at once; no answer in
+        time (a busy host, or one cut off) is asked again until :data:`DEAD_AFTER_S`."""
+        deadline = time.monotonic() + DEAD_AFTER_S
+        while True:
+            try:
+                return httpx.get(f"{self.hosts[name].url}/v1/health", timeout=HEALTH_TIMEOUT_S).status_code == 200
+            except httpx.ConnectError:
+                return False
+            except httpx.HTTPError:
+                if time.monotonic() >= deadline:
+                    return False
 
     def _fence(self, name: str) -> None:
         """Tell the cluster its work there is given up; watch for it to come back."""

@@ -40,3 +40,29 @@ def test_its_own_spool_is_removed_a_given_one_kept(tmp_path):
     with ClusterPlacement({"a": Client("http://127.0.0.1:9", token="t" * 20)}, spool=tmp_path):
         pass
     assert tmp_path.is_dir()
+
+
+def test_a_host_that_is_slow_to_answer_is_asked_again_before_it_is_given_up(tmp_path, monkeypatch):
+    """Nothing listening: dead at once. A listener that never answers (a host cut off, or
+    too busy to answer in time): asked again until DEAD_AFTER_S, then dead."""
+    import socket
+    import time
+
+    from bunshin.cluster import placement as pl
+
+    monkeypatch.setattr(pl, "HEALTH_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(pl, "DEAD_AFTER_S", 1.0)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # connections are taken by the kernel, nothing is ever answered
+        port = silent.getsockname()[1]
+        hosts = {"slow": Client(f"http://127.0.0.1:{port}", token="t" * 20),
+                 "gone": Client("http://127.0.0.1:9", token="t" * 20)}
+        with ClusterPlacement(hosts, spool=tmp_path) as p:
+            t0 = time.monotonic()
+            assert not p.alive("gone")
+            assert time.monotonic() - t0 < 0.5
+            t0 = time.monotonic()
+            assert not p.alive("slow")
+            assert time.monotonic() - t0 >= 1.0
+            assert p.dead == {"gone", "slow"}
