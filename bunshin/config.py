@@ -37,6 +37,10 @@ class Config:
     # ``runtime.unforkable.ghost_limit``). The dump copies such a file's bytes into the
     # snapshot's images and every clone gets a copy of its own, charged to its memory.
     ghost_limit: int | str = DEFAULT_GHOST_LIMIT
+    # How a copy-on-write fork keeps converted memory's Linux semantics: a
+    # ``runtime.memfile.ZeroFillPolicy`` value ("trap": the SIGSYS handler; "copy": the
+    # older allocator heuristic without it; "refuse"; "convert").
+    memory_semantics: str = "trap"
 
     @classmethod
     def from_env(cls) -> Config:
@@ -108,6 +112,11 @@ class Paths:
     def server_token(self) -> Path:
         """The API token of ``bunshin serve`` (made on first start, mode 0600)."""
         return self.home / "server.token"
+
+    @property
+    def sigsys(self) -> Path:
+        """The SIGSYS handler converted memory gets, built once (``runtime.memfile.trapcode``)."""
+        return self.home / "sigsys"
 
     @property
     def bench(self) -> Path:

@@ -15,7 +15,10 @@ side in one run:
 - ``bunshin``: copy-on-write (one dump, memory files, N restores);
 - ``copy``: plain CRIU restore of the same kind of dump (every page copied), capped
   at the number of clones that fits in half the memory available after its dump;
-- ``cold``: create a workspace and rebuild the heap, a few times.
+- ``cold``: create a workspace and rebuild the heap, a few times;
+- ``untrapped`` (``modes`` with ``cow-untrapped``): the copy-on-write fork without the
+  SIGSYS trap that keeps converted memory exact (``Config.memory_semantics="copy"``,
+  the default before it): what the trap costs, side by side.
 
 Per size: restore latency per clone p50/p90/p99 (criu's run) and the batch's wall time
 per clone, parent pause, private memory per clone (``Anonymous`` of the clone's
@@ -36,6 +39,7 @@ forks; CRIU's own ``frozen_time``), ``r["first_fork"]`` (its phases);
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -78,6 +82,8 @@ while True:  # light work: read one byte of each page of a 1 MiB window that wal
     i += 1
 """
 TOOLS = ToolSet.default()
+UNTRAPPED = "cow-untrapped"
+ROW = {"cow": "bunshin", "copy": "copy", UNTRAPPED: "untrapped"}
 CALL = ("bash", {"command": "echo called"})
 
 
@@ -186,7 +192,11 @@ def measure(parent: Workspace, n: int, mode: str, progress: Progress, heap_mib: 
     parent_bytes = parent.stats().memory.cgroup_bytes
     progress.update(task, description=f"{mode} x{n}: snapshot")
     t0 = time.perf_counter()
-    snapshot = parent.snapshot(mode=mode)
+    if mode == UNTRAPPED:
+        untrapped = dataclasses.replace(parent.config, memory_semantics="copy")
+        snapshot = Workspace.get(parent.id, config=untrapped).snapshot(mode="cow")
+    else:
+        snapshot = parent.snapshot(mode=mode)
     take_ms = (time.perf_counter() - t0) * 1000
     phases = snapshot_phases(snapshot, take_ms)  # now: its images go with it
     asked, n = n, (min(n, copy_cap(heap_mib)) if mode == "copy" else n)
@@ -323,8 +333,8 @@ def run(cfg: Config, *, sizes: tuple[int, ...] = (1, 8, 32, 64), heap_mib: int =
         depth: int = 8, modes: tuple[str, ...] = ("cow", "copy")) -> dict[str, Any]:
     if not sizes or min(sizes) < 1 or heap_mib < 1:
         raise InvalidArgument("sizes and the heap size must be positive", hint="e.g. --sizes 1,8 --heap-mib 64")
-    if not modes or set(modes) - {"cow", "copy"}:
-        raise InvalidArgument(f"unknown modes {modes!r}", hint="give cow, copy or both")
+    if not modes or set(modes) - {"cow", "copy", UNTRAPPED}:
+        raise InvalidArgument(f"unknown modes {modes!r}", hint=f"give cow, copy or {UNTRAPPED}")
     result: dict[str, Any] = {"heap_mib": heap_mib, "copy_cap": copy_cap(heap_mib), "cpus": os.cpu_count(),
                               "mem_total_bytes": psutil.virtual_memory().total, "host": host_limits(),
                               "sizes": []}
@@ -341,7 +351,7 @@ def run(cfg: Config, *, sizes: tuple[int, ...] = (1, 8, 32, 64), heap_mib: int =
                 row: dict[str, Any] = {"clones": n}
                 for mode in modes:
                     progress.update(top, description=f"bench fork: {mode} x{n}")
-                    row["bunshin" if mode == "cow" else "copy"] = measure(parent, n, mode, progress, heap_mib,
+                    row[ROW[mode]] = measure(parent, n, mode, progress, heap_mib,
                                                                                calls=True)
                     progress.advance(top)
                 result["sizes"].append(row)
@@ -355,6 +365,7 @@ def run(cfg: Config, *, sizes: tuple[int, ...] = (1, 8, 32, 64), heap_mib: int =
     result["duration_s"] = round(time.perf_counter() - t_run, 1)
     last = result["sizes"][-1]
     result["bunshin"], result["copy"] = last.get("bunshin", {}), last.get("copy", {})
+    result["untrapped"] = last.get("untrapped", {})
     pauses = [r["bunshin"]["parent_pause_ms"] for r in result["sizes"] if "bunshin" in r]
     result["parent_pause_ms"] = round(percentile(pauses, 50), 2) if pauses else None
     return result

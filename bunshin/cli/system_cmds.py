@@ -38,12 +38,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--heap-mib", type=int, default=None, help="heap of the forked process (default 256)")
     b.add_argument("--depth", type=int, default=8, help="forks of forks down to this depth (default 8)")
     b.add_argument("--quick", action="store_true", help="CI-sized: sizes 1,8, heap 64 MiB, 2 cold starts")
-    b.add_argument("--mode", choices=("both", "cow", "copy"), default="both",
-                   help="bunshin's copy-on-write fork, plain CRIU (copy), or both side by side (default)")
+    b.add_argument("--mode", choices=("both", "cow", "copy", "trap"), default="both",
+                   help="bunshin's copy-on-write fork, plain CRIU (copy), or both side by side (default); "
+                        "trap: the copy-on-write fork with and without the SIGSYS trap of converted memory")
     b.add_argument("--cold", type=int, default=None, help="cold starts to time (default 3, quick 2; 0: none)")
     b.add_argument("--report", metavar="DIR", help="also write a markdown report, results.json and fork.png here")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_fork, release_tmpfs=True)
+    b = bsub.add_parser("trap", help="what one call the SIGSYS trap of converted memory intercepts costs")
+    b.add_argument("--rounds", type=int, default=5, help="timing rounds, clone and parent alternately (default 5)")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_trap, release_tmpfs=True)
     b = bsub.add_parser("desktop", help="a desktop with an app open: fork vs plain CRIU vs cold start, and a "
                                         "computer-use rollout group (baseline vs bunshin)")
     b.add_argument("--app", default="gnumeric", help="the app open on the desktop: gnumeric (default), mousepad, xedit")
@@ -217,7 +222,7 @@ def cmd_bench_fork(args: argparse.Namespace) -> int:
         sizes = tuple(int(s) for s in (args.sizes or default_sizes).split(","))
     except ValueError:
         raise InvalidArgument(f"malformed --sizes {args.sizes!r}", hint="e.g. --sizes 1,8,32") from None
-    modes = ("cow", "copy") if args.mode == "both" else (args.mode,)
+    modes = {"both": ("cow", "copy"), "trap": ("cow", bench_fork.UNTRAPPED)}.get(args.mode, (args.mode,))
     result = bench_fork.run(Config.from_env(), sizes=sizes, heap_mib=args.heap_mib or heap,
                             cold=cold if args.cold is None else args.cold, depth=args.depth, modes=modes)
     if args.report:
@@ -226,6 +231,19 @@ def cmd_bench_fork(args: argparse.Namespace) -> int:
         output.print_json(result)
     else:
         fork_report.print_report(result)
+    return 0
+
+
+def cmd_bench_trap(args: argparse.Namespace) -> int:
+    from ..bench import trap_cost
+
+    result = trap_cost.run(Config.from_env(), rounds=args.rounds)
+    if args.json:
+        output.print_json(result)
+    else:
+        sides = ("parent", "clone", "trap_overhead_ns")
+        output.print_table("ns per call (median of the rounds)", ["", *trap_cost.KEYS],
+                           [[side, *(result[side][k] for k in trap_cost.KEYS)] for side in sides])
     return 0
 
 

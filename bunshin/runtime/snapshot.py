@@ -224,6 +224,7 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
                 # anonymous a Python clone owns ~85 MiB instead of ~2 MiB. glibc stays correct.
                 convert_heap=True,
                 huge_pages=huge_memfiles, consume_pages=True,
+                zero_fill=memfile.ZeroFillPolicy(cfg.memory_semantics), trap_cache=cfg.paths.sigsys,
             )
             files = tuple(str(f.path) for f in result.files)
             rewrite_ms, mem_bytes = result.duration_ms, result.data_bytes

@@ -50,3 +50,11 @@ def test_bad_sizes_and_modes_are_refused(no_leaks):
         fork_bench.run(no_leaks, sizes=(0,))
     with pytest.raises(InvalidArgument, match="unknown modes"):
         fork_bench.run(no_leaks, sizes=(1,), modes=("fast",))
+
+
+def test_with_and_without_the_trap_side_by_side(no_leaks):
+    r = fork_bench.run(no_leaks, sizes=(1,), heap_mib=16, cold=0, depth=0, modes=("cow", fork_bench.UNTRAPPED))
+    trapped, untrapped = r["bunshin"], r["untrapped"]
+    assert r["copy"] == {} and trapped["clones"] == untrapped["clones"] == 1
+    for m in (trapped, untrapped):  # both share the heap
+        assert m["memfile_bytes"] >= 16 << 20 and m["private_bytes_per_clone"] < (8 << 20)

@@ -39,6 +39,12 @@
 #define NR_TGKILL 234
 #define NR_OPENAT 257
 #define NR_KCMP 312
+#define NR_IOCTL 16
+#define PROCMAP_QUERY 0xC0686611UL
+#define Q_COVERING_OR_NEXT 0x10
+#define Q_FILE_BACKED 0x20
+#define ENOTTY 25
+#define ENAMETOOLONG 36
 #define KCMP_VM 1
 #define SIG_UNBLOCK 1
 #define SIGSYS_BIT (1UL << (SIGSYS - 1))
@@ -150,6 +156,11 @@ struct area {
     int converted;
 };
 
+static int is_converted(const char *name, uint64_t start, uint64_t end) {
+    const struct table *t = TABLE;
+    return name[0] == '/' && prefix(name, t->view) && !(start < t->blob_hi && end > t->blob_lo);
+}
+
 /* parse one /proc/self/maps line */
 static void parse(const char *l, struct area *a) {
     a->start = hex(&l);
@@ -165,25 +176,15 @@ static void parse(const char *l, struct area *a) {
         while (*l == ' ')
             l++;
     }
-    const struct table *t = TABLE;
-    if (l[0] == '/' && prefix(l, t->view) && !(a->start < t->blob_hi && a->end > t->blob_lo))
-        a->converted = 1;
+    a->converted = is_converted(l, a->start, a->end);
 }
 
 typedef long (*area_fn)(const struct area *, uint64_t a, uint64_t b, int advice);
 
-/*
- * Call fn for the part of each converted area inside [lo, hi). /proc/self/maps
- * is read in chunks into a small stack buffer (a long line is cut; only its
- * start matters). Areas change while we go: each fn call only replaces the
- * mapping it is given, which later lines do not overlap.
- */
-static long each_converted(uint64_t lo, uint64_t hi, area_fn fn, int advice) {
+/* the text of /proc/self/maps, walked line by line (kernels without PROCMAP_QUERY) */
+static long each_converted_text(long fd, uint64_t lo, uint64_t hi, area_fn fn, int advice) {
     char buf[2048], line[320];
     size_t n = 0, have = 0, pos = 0;
-    long fd = sys(NR_OPENAT, AT_FDCWD, "/proc/self/maps", O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return fd;
     long ret = 0;
     for (;;) {
         if (pos == have) {
@@ -210,6 +211,60 @@ static long each_converted(uint64_t lo, uint64_t hi, area_fn fn, int advice) {
         ret = fn(&a, a.start > lo ? a.start : lo, a.end < hi ? a.end : hi, advice);
         if (ret < 0)
             break;
+    }
+    return ret;
+}
+
+struct procmap_query { /* linux/fs.h, PROCMAP_QUERY (Linux >= 6.11) */
+    uint64_t size, query_flags, query_addr, vma_start, vma_end, vma_flags, vma_page_size;
+    uint64_t vma_offset, inode;
+    uint32_t dev_major, dev_minor, vma_name_size, build_id_size;
+    uint64_t vma_name_addr, build_id_addr;
+};
+
+/*
+ * Call fn for the part of each converted area inside [lo, hi). Areas are found
+ * with PROCMAP_QUERY (file-backed areas only, one ioctl each); on an older kernel
+ * /proc/self/maps is read in chunks into a small stack buffer (a long line is cut;
+ * only its start matters). Each fn call only replaces the mapping it is given,
+ * which later areas do not overlap.
+ */
+static long each_converted(uint64_t lo, uint64_t hi, area_fn fn, int advice) {
+    long fd = sys(NR_OPENAT, AT_FDCWD, "/proc/self/maps", O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return fd;
+    long ret = 0;
+    char name[160];
+    uint64_t at = lo;
+    while (at < hi) {
+        struct procmap_query q = {0};
+        q.size = sizeof q;
+        q.query_flags = Q_COVERING_OR_NEXT | Q_FILE_BACKED;
+        q.query_addr = at;
+        q.vma_name_addr = (uint64_t)name;
+        q.vma_name_size = sizeof name;
+        long r = sys(NR_IOCTL, fd, PROCMAP_QUERY, &q);
+        if (r == -ENAMETOOLONG) { /* longer than any memory file's name: not converted */
+            q.vma_name_addr = 0;
+            q.vma_name_size = 0;
+            r = sys(NR_IOCTL, fd, PROCMAP_QUERY, &q);
+        }
+        if (r == -ENOTTY || r == -EINVAL) {
+            ret = each_converted_text(fd, lo, hi, fn, advice);
+            break;
+        }
+        if (r < 0 || q.vma_start >= hi)
+            break; /* ENOENT: no area after */
+        if (!q.vma_name_size)
+            name[0] = 0;
+        name[sizeof name - 1] = 0;
+        if (is_converted(name, q.vma_start, q.vma_end)) {
+            struct area a = {q.vma_start, q.vma_end, (int)(q.vma_flags & 7), 1};
+            ret = fn(&a, a.start > lo ? a.start : lo, a.end < hi ? a.end : hi, advice);
+            if (ret < 0)
+                break;
+        }
+        at = q.vma_end;
     }
     sys(NR_CLOSE, fd, 0, 0);
     return ret;
