@@ -66,7 +66,7 @@ WANT=(
     # desktops (bunshin create --desktop; host-image workspaces see the host's /usr):
     xvfb x11-apps x11-utils xdotool jwm openbox x11vnc socat
     xterm tk dillo mousepad gnumeric  # the desktop tests' apps: terminal, editors (xedit, in x11-apps; mousepad),
-                                      # Tk, a browser (dillo), a spreadsheet
+    firefox-esr chromium              # Tk, browsers (dillo, Firefox, Chromium), a spreadsheet
 )
 # The python needs a working venv module (Debian's python3 splits it out).
 need_venv_pkg=0

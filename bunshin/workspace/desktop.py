@@ -9,9 +9,9 @@ is written to ``/tmp/.bunshin-desktop/desktop.json`` inside, so a clone, a later
 CLI call or a tool finds the desktop it inherited (:meth:`Desktop.of`).
 
 Facts (Debian 12, CRIU 4.2, measured here): Xvfb, jwm, xterm, xeyes, xmessage,
-xedit (Xaw), Tk (wish), dillo (FLTK) and, since inotify watches on the workspace's
-overlay fork, the GTK apps mousepad and gnumeric dump and restore with their windows,
-documents and pixels. The window manager is jwm: openbox works too but, inside a
+xedit (Xaw), Tk (wish), dillo (FLTK), Firefox ESR, Chromium (``--no-sandbox``, as
+root requires) and, since inotify watches on the workspace's overlay fork, the GTK apps
+mousepad and gnumeric dump and restore with their windows, documents and pixels. The window manager is jwm: openbox works too but, inside a
 workspace, manages no window in its first ~10 s after it starts (measured; cause not found).
 GTK's cursor blink is turned off (``GTK_SETTINGS``) so a still screen stays still.
 Screenshots are ``xwd -root`` read into PNG on the caller's side; input is xdotool.

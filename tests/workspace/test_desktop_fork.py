@@ -150,3 +150,46 @@ def test_gtk_editor_and_spreadsheet_fork_with_their_unsaved_documents(family):
     assert a.ws.files.read_text("/root/notes.txt") == "first line typed before the fork A"
     assert b.ws.files.read_text("/root/notes.txt") == "first line typed before the fork B"
     assert ws.files.read_text("/root/notes.txt") == "first line"
+
+
+# --- browsers: Firefox (its sandbox stays within what the fork carries here) and Chromium
+# (as root it must run with --no-sandbox; its large deleted-but-open files are within the
+# ghost limit) ---
+
+BROWSERS = {
+    "firefox-esr": ["firefox-esr", "--no-remote", "--new-instance", "file:///root/a.html"],
+    "chromium": ["chromium", "--no-sandbox", "--no-first-run", "--no-default-browser-check", "file:///root/a.html"],
+}
+
+
+def _still(desk: Desktop, timeout: float = 30.0) -> bytes:
+    """A screenshot once the screen stopped changing (a browser's first paints settle)."""
+    last, deadline = desk.screenshot(), time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = desk.screenshot()
+        if _same_pixels(now, last):
+            return now
+        last = now
+    raise AssertionError("the screen never settled")
+
+
+@pytest.mark.parametrize("browser", list(BROWSERS))
+def test_a_browser_forks_with_its_page_and_each_clone_navigates_alone(family, browser):
+    if shutil.which(browser) is None:
+        pytest.skip(f"needs {browser}: run `make install`")
+    ws = family.create(desktop=True, memory="2G", pids=2048)
+    ws.files.write("/root/a.html", "<html><body><h1>Page A</h1></body></html>")
+    ws.files.write("/root/b.html", "<html><body style='background:#c00'><h1>Page B, only here</h1></body></html>")
+    desk = Desktop.of(ws)
+    desk.launch(BROWSERS[browser], wait=60)
+    assert desk.windows(), f"{browser} showed no window"
+    parent = _still(desk)
+    a, b = (Desktop.of(c) for c in family.fork(ws, 2))
+    assert _same_pixels(a.screenshot(), parent) and _same_pixels(b.screenshot(), parent)
+    a.press("ctrl+l")
+    a.type_text("file:///root/b.html")
+    a.press("Return")
+    shot_a = _still(a)
+    assert not _same_pixels(shot_a, parent)
+    assert _same_pixels(b.screenshot(), parent) and _same_pixels(desk.screenshot(), parent)
