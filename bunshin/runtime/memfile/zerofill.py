@@ -1,7 +1,8 @@
-"""Which dumped processes rely on ``MADV_DONTNEED`` zero-filling their anonymous memory.
+"""The memory-semantics policy, and which dumped processes rely on ``MADV_DONTNEED`` zero-fill.
 
-A converted area brings back the memory file's bytes after ``MADV_DONTNEED``, not
-zeros. glibc's malloc never depends on it; jemalloc does (a purged extent is
+The heuristic serves ``ZeroFillPolicy.COPY`` only (with the default ``TRAP`` converted
+memory is exact). Without the trap a converted area brings back the memory file's
+bytes after ``MADV_DONTNEED``, not zeros. glibc's malloc never depends on it; jemalloc does (a purged extent is
 marked zeroed and a later ``calloc`` skips the memset), and mimalloc may. A
 process is at risk if it maps ``libjemalloc``/``libmimalloc`` or if its
 executable or an executable mapping contains jemalloc's message prefix (static
