@@ -25,7 +25,16 @@ from ..errors import BunshinError, InvalidArgument
 from ..workspace import LocalHost
 from ..workspace.aio import default_bridge
 from ..workspace.protocol import HostAPI
-from .envs import EnvPlacement, Mode, ModeOptions, TaskEnv, ToolRunner, TrajectoryEnv, make_env
+from .envs import (
+    EnvPlacement,
+    Mode,
+    ModeOptions,
+    TaskEnv,
+    ToolRunner,
+    TrajectoryEnv,
+    make_env,
+    with_task_tools,
+)
 from .policies import Policy, PolicyContext
 from .records import (
     Action,
@@ -295,7 +304,7 @@ class RolloutEngine:
         if n < 1:
             raise InvalidArgument(f"group size {n}", hint="give --group N with N >= 1")
         gid = group_id or new_id(f"{task.id}-g")
-        tool_schemas(self.tools, task)  # a bad tool list fails the call, not each trajectory
+        tool_schemas(with_task_tools(self.tools, task), task)  # a bad tool list fails the call, not each trajectory
         t0 = time.perf_counter()
         self._emit("group_start", task=task.id, group_id=gid, n=n)
         try:

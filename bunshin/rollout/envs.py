@@ -31,6 +31,7 @@ from ..errors import InvalidArgument, SetupFailed
 from ..runtime.records import SnapshotMode
 from ..speculate import SpeculationPolicy
 from ..tools import Tool, ToolSet
+from ..tools.desktop import DESKTOP_TOOLS
 from ..workspace import LocalHost
 from ..workspace.aio import AsyncSnapshot, AsyncWorkspace, default_bridge
 from ..workspace.desktop import Desktop, DesktopSpec
@@ -117,14 +118,25 @@ async def setup_workspace(ws: AsyncWorkspace, task: TaskSpec, tools: ToolRunner)
             raise SetupFailed(f"{what} {why}", hint=(r.stderr or r.stdout)[-500:] or None, step=i)
 
 
+def with_task_tools(tools: ToolRunner, task: TaskSpec) -> ToolRunner:
+    """``tools`` plus, for a task with a desktop, the desktop tools the set lacks."""
+    if not isinstance(tools, ToolSet) or task.desktop is None:
+        return tools
+    missing = [t for t in DESKTOP_TOOLS if t.name not in tools]
+    return ToolSet([*tools, *missing], workdir=tools.workdir) if missing else tools
+
+
 def scope_tools(tools: ToolRunner, task: TaskSpec) -> ToolRunner:
-    """The task's view of a ``bunshin.tools.ToolSet``: only its tools, its timeout, its workdir.
+    """The task's view of a ``bunshin.tools.ToolSet``: only its tools, its timeout, its workdir
+    (and, for a task with a desktop, the desktop tools the set lacks).
 
     Any other tool runner is used as it is.
     """
     if not isinstance(tools, ToolSet):
         return tools
-    picked = [t for t in tools if task.tools is None or t.name in task.tools]
+    full = with_task_tools(tools, task)
+    assert isinstance(full, ToolSet)
+    picked = [t for t in full if task.tools is None or t.name in task.tools]
     return ToolSet([replace(t, spec=replace(t.spec, timeout=task.call_timeout)) for t in picked
                     if isinstance(t, Tool)], workdir=task.workdir)
 

@@ -62,3 +62,34 @@ def test_task_root_has_its_desktop_and_setup_ran_on_it(no_leaks):
 
     dims, windows = asyncio.run(run())
     assert "400x300 pixels" in dims and windows.strip() == "xterm"
+
+
+def test_a_desktop_task_has_the_desktop_tools_in_the_default_set():
+    from bunshin.rollout.envs import scope_tools, with_task_tools
+
+    plain, desk = parse_task({"id": "a"}), parse_task({"id": "a", "desktop": True, "tools": ["bash", "screenshot"]})
+    default = ToolSet.default()
+    assert "screenshot" not in with_task_tools(default, plain)
+    assert [t.name for t in scope_tools(default, desk)] == ["bash", "screenshot"]  # type: ignore[union-attr]
+
+
+@pytest.mark.integration
+@pytest.mark.criu
+@pytest.mark.skipif(shutil.which("Xvfb") is None or shutil.which("jwm") is None,
+                    reason="needs xvfb, xdotool and jwm: run `make install`")
+def test_engine_runs_a_desktop_task_with_its_default_tools_and_sends_the_screenshot_as_an_image(no_leaks):
+    from bunshin.rollout import RolloutEngine, TraceReplayPolicy, parse_traces
+
+    task = parse_task({"id": "desk-engine", "desktop": "320x240", "memory": "1G", "tools": ["screenshot", "bash"],
+                       "reward": "echo 1"})
+    traces = parse_traces(['{"id": "t", "task": "desk-engine", "steps": [{"name": "screenshot", "arguments": {}}]}'])
+
+    async def run():
+        async with RolloutEngine("bunshin", config=no_leaks) as engine:
+            return await engine.run_group(task, TraceReplayPolicy(traces), 1)
+
+    (traj,) = asyncio.run(run()).trajectories
+    assert traj.reward == 1.0 and traj.error is None
+    (msg,) = [m for m in traj.messages if m["role"] == "tool"]
+    assert msg["content"][0] == {"type": "text", "text": "screenshot 320x240"}
+    assert msg["content"][1]["image_url"]["url"].startswith("data:image/png;base64,")
