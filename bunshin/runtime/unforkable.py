@@ -94,15 +94,16 @@ def _fds(host_pid: int) -> Iterator[tuple[int, str]]:
 
 
 def big_ghost(host_pid: int, limit: int) -> tuple[int, str, int] | None:
-    """(fd, path, size) of the first deleted-but-open regular file of ``host_pid`` larger
-    than ``limit``, if any."""
+    """(fd, path, bytes) of the first deleted-but-open regular file of ``host_pid`` holding
+    more than ``limit`` bytes, if any. As CRIU, what counts is what the file has allocated
+    (``st_blocks``): a sparse file's holes are not copied."""
     for fd, target in _fds(host_pid):
         if not target.endswith(_DELETED):
             continue
         with contextlib.suppress(OSError):
             st = os.stat(f"/proc/{host_pid}/fd/{fd}")
-            if stat.S_ISREG(st.st_mode) and st.st_nlink == 0 and st.st_size > limit:
-                return fd, target.removesuffix(_DELETED), st.st_size
+            if stat.S_ISREG(st.st_mode) and st.st_nlink == 0 and st.st_blocks * 512 > limit:
+                return fd, target.removesuffix(_DELETED), st.st_blocks * 512
     return None
 
 
@@ -166,7 +167,7 @@ def find(cfg: Config, workspace_id: str, pid: int | None, criu_said: str) -> Not
         if ghost is not None and (who := _holder(host_pid)) is not None:
             fd, path, size = ghost
             return NotForkable(
-                f"cannot fork {workspace_id}: {who} holds the deleted file {path} open (fd {fd}, {_mib(size)}), "
+                f"cannot fork {workspace_id}: {who} holds the deleted file {path!r} open (fd {fd}, {_mib(size)}), "
                 f"larger than the fork's ghost limit of {_mib(limit)}",
                 hint="close the file in the workspace, keep it under a name until the fork, or raise "
                      "BUNSHIN_GHOST_LIMIT (Config.ghost_limit): each clone then gets its own copy of it",
