@@ -20,6 +20,7 @@ import asyncio
 import math
 import os
 import shutil
+import statistics
 import time
 import uuid
 from dataclasses import dataclass
@@ -100,6 +101,10 @@ def _size(k: int, work: wl.Workload, plan: Plan, cfg: Config) -> dict[str, Any]:
         "cached_calls": sum(bool(st.observation is not None and st.observation.cached) for t in trajs for st in t.steps),
         "calls": sum(len(t.steps) for t in trajs),
         **hit_bounds(trajs),
+        # what a hit saves: the mean time of a call the cache did not serve
+        "miss_call_s": round(statistics.fmean(misses), 4) if (misses := [
+            st.latency_s for t in trajs for st in t.steps
+            if not (st.observation is not None and st.observation.cached)]) else 0.0,
         "peak_mib_per_host": {n: round(s.series.ws_peak() / MiB, 1) for n, s in samplers.items()},
         "migrations": c.migrations, "migrate_s": round(c.migrate_s, 3),
         "placements": c.placements, "place_us_per_placement": round(c.place_s / max(c.placements, 1) * 1e6, 1),
