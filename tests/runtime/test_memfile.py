@@ -36,6 +36,7 @@ from bunshin.runtime.memfile import (
     filemaps,
     plan,
     rewrite,
+    sites,
     trap,
     trapcode,
 )
@@ -1112,6 +1113,21 @@ def test_a_non_pie_program(lab: Lab, semprog: tuple[Path, Path], tmp_path: Path,
         assert res.vmas_converted > 0 and res.processes_trapped == 1 and res.left_anonymous == ()
     clone = lab.restore(images)
     assert _semantics(lab, clone, SEM_CHECKS) == _want(SEM_CHECKS)
+
+
+@pytest.mark.criu
+def test_code_full_of_syscall_bytes_is_refused_early(lab: Lab, semprog: tuple[Path, Path], tmp_path: Path) -> None:
+    """A process mapping 64 MiB of 0f 05 as code: the scan stops at the limit, the process is copied."""
+    prog, data = semprog
+    code = tmp_path / "code.bin"
+    code.write_bytes(b"\x0f\x05" * (32 << 20))
+    env = dict(os.environ, SEMPROG_EXEC_MAP=str(code))
+    parent = lab.start([str(prog), str(lab.ctl), str(data)], env=env)
+    images = lab.dump(parent)
+    res = lab.rewrite(images)
+    assert res.processes_trapped == 0 and res.vmas_converted == 0
+    assert f"more than {sites.MAX_SITES} system call sites" in res.left_anonymous[0].reason
+    assert lab.cmd(lab.restore(images), "dontneed") == SEM_CHECKS["dontneed"]
 
 
 def test_merge_spans_joins_the_closest_neighbours() -> None:

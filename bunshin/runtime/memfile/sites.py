@@ -33,6 +33,8 @@ from .fileio import open_in_root
 
 _SYSCALL = re.compile(b"\x0f\x05", re.DOTALL)
 _SCAN_LIMIT = 256 << 20  # executable bytes of one process scanned at most
+MAX_SITES = 1500  # more cannot be compared within BPF's 4,096 instructions anyway
+_READ = 16 << 20
 _ET_EXEC, _PT_INTERP = 2, 3
 ADDR_NO_RANDOMIZE = 0x0040000
 VMA_AREA_VSYSCALL, VMA_AREA_VDSO, VMA_AREA_VVAR = 0x4, 0x8, 0x1000
@@ -52,18 +54,25 @@ class _Cache:
     """Offsets of ``0f 05`` in a file range, by (device, inode, size, mtime, offset, length)."""
 
     def __init__(self, limit: int = 1024) -> None:
-        self._seen: dict[tuple[int, ...], tuple[int, ...]] = {}
+        self._seen: dict[tuple[int, ...], list[int]] = {}
         self._lock = threading.Lock()
         self._limit = limit
 
-    def offsets(self, fd: int, off: int, length: int) -> tuple[int, ...]:
+    def offsets(self, fd: int, off: int, length: int) -> list[int]:
         st = os.fstat(fd)
         key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, off, length)
         with self._lock:
             if key in self._seen:
                 return self._seen[key]
-        data = os.pread(fd, length, off)
-        found = tuple(m.start() for m in _SYSCALL.finditer(data))
+        found: list[int] = []
+        pos = 0
+        while pos < length and len(found) <= MAX_SITES:  # a hostile file of 0f 05 stops early
+            data = os.pread(fd, min(_READ, length - pos) + 1, off + pos)  # one byte over: pairs across reads
+            if not data:
+                break
+            found += [pos + m.start() for m in _SYSCALL.finditer(data) if pos + m.start() + 1 < length]
+            pos += _READ
+        found = sorted(set(found))[: MAX_SITES + 1]
         with self._lock:
             if len(self._seen) >= self._limit:
                 self._seen.clear()
@@ -112,6 +121,8 @@ def syscall_sites(
                 addresses.add(start + off + 2)
         finally:
             os.close(fd)
+        if len(addresses) > MAX_SITES:
+            raise SitesUnavailable(f"its code has more than {MAX_SITES} system call sites")
     return Sites(tuple(sorted(addresses)), tuple(spans))
 
 

@@ -7,7 +7,8 @@
  * Holds anonymous areas with patterns and a private mapping of DATA_FILE whose
  * first 16 KiB it wrote. With "own" it installs a SIGSYS handler and a seccomp
  * filter of its own that traps getppid() (data 0x42): the handler counts and
- * makes the call return 4242.
+ * makes the call return 4242. With SEMPROG_EXEC_MAP=PATH in the environment it also
+ * maps PATH executable (a hostile "code" file).
  *
  * Commands (answers are key=value words):
  *   dontneed  MADV_DONTNEED / DONTNEED_LOCKED on written anonymous pages: dn, dnl =
@@ -362,6 +363,16 @@ int main(int argc, char **argv) {
     if (argc > 3 && !strcmp(argv[3], "own")) {
         install_sigsys();
         install_own_filter();
+    }
+    const char *code = getenv("SEMPROG_EXEC_MAP");
+    if (code) {
+        int cfd = open(code, O_RDONLY | O_CLOEXEC);
+        off_t clen = cfd >= 0 ? lseek(cfd, 0, SEEK_END) : -1;
+        if (clen <= 0 || mmap(NULL, (size_t)clen, PROT_READ | PROT_EXEC, MAP_PRIVATE, cfd, 0) == MAP_FAILED) {
+            perror(code);
+            return 2;
+        }
+        close(cfd);
     }
     struct sigaction sa = {0};
     sa.sa_handler = on_usr1;
