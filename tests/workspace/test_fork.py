@@ -135,6 +135,22 @@ def test_programs_exec_d_in_a_clone_are_not_trapped(family):
         assert ask(w, "spawn 20") == "failed 0"
 
 
+def test_a_program_started_in_a_clone_is_exact_in_its_forks(family):
+    """A program exec'd in a clone inherits the clone's filter without its handler; forked, it
+    gets a handler of its own and the inherited filter is replaced."""
+    ws = family.create()
+    (c,) = family.fork(ws, 1)
+    start_probe(c)
+    assert ask(c, "dontneed") == "zero"  # never converted: not trapped
+    (cc,) = family.fork(c, 1)
+    for req, want in (("dontneed", "zero"), ("mremap 64", "ok"), ("fresh", "ok"), ("spawn 3", "failed 0")):
+        assert ask(cc, req) == want
+    probe = next(p for p in psutil.Process(cc.record.pid).children(recursive=True)
+                 if "probe.py" in " ".join(p.cmdline()))
+    status = Path(f"/proc/{probe.pid}/status").read_text()
+    assert "Seccomp_filters:\t2" in status  # bunshin's and one trap filter, not two
+
+
 def test_madv_dontneed_in_copy_mode_reads_zero(family):
     ws = family.create()
     start_probe(ws)
