@@ -233,10 +233,11 @@ class Desktop:
                                  hint="is /tmp writable in the workspace?")
 
     def start_vnc(self, *, timeout: float = 20.0) -> int:
-        """Start x11vnc on the workspace's loopback (``spec.vnc_port``); its pid."""
+        """Start x11vnc on the workspace's loopback (``spec.vnc_port``), view-only (a person
+        watches; input is the agent's); its pid."""
         self._require("x11vnc", "x11vnc")
         pid = self._daemon("vnc", ["x11vnc", "-display", f":{self.spec.display}", "-localhost", "-rfbport",
-                                   str(self.spec.vnc_port), "-forever", "-shared", "-nopw", "-quiet"])
+                                   str(self.spec.vnc_port), "-forever", "-shared", "-nopw", "-viewonly", "-quiet"])
         bundle = AgentBundle(Path("/"))
         self._wait([*bundle.argv[:4], "-c", _PORT_PROBE.format(port=self.spec.vnc_port)], timeout, "x11vnc", "vnc",
                    env=bundle.env)

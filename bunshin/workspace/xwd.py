@@ -20,6 +20,8 @@ from PIL import Image
 from ..errors import RuntimeFailure
 
 _HEADER = struct.Struct(">25I")
+#: The largest screen side read (what a workspace sends is untrusted: no giant images).
+MAX_SIDE = 16384
 _ZPIXMAP = 2
 _TRUECOLOR = 4
 _DIRECTCOLOR = 5
@@ -75,9 +77,14 @@ def to_image(data: bytes) -> Image.Image:
         raise RuntimeFailure(f"screenshot: XWD version {h.version}, format {h.pixmap_format}, visual "
                              f"{h.visual_class}: only a version 7 TrueColor or DirectColor ZPixmap is read",
                              hint="start the desktop with Xvfb at depth 24 (the default)")
+    if not (0 < h.width <= MAX_SIDE and 0 < h.height <= MAX_SIDE and 100 <= h.header_size <= 65536
+            and h.ncolors <= 65536 and h.bytes_per_line >= h.width * h.bits_per_pixel // 8):
+        raise RuntimeFailure(f"screenshot: an XWD header that describes no screen ({h.width}x{h.height}, "
+                             f"{h.bytes_per_line} bytes a line, header {h.header_size} bytes)",
+                             hint="something in the workspace answered in xwd's place; create a new desktop")
     start = h.header_size + 12 * h.ncolors
     end = start + h.bytes_per_line * h.height
-    if h.width <= 0 or h.height <= 0 or len(data) < end:
+    if len(data) < end:
         raise RuntimeFailure(f"screenshot: XWD of {h.width}x{h.height} is cut short ({len(data)} of {end} bytes)",
                              hint="the X server went away mid-dump; take the screenshot again")
     img = Image.frombuffer("RGB", (h.width, h.height), data[start:end], "raw", _raw_mode(h),

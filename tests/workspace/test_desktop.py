@@ -109,3 +109,18 @@ def test_cli_create_screenshot_windows_vnc(no_leaks, tmp_path):
         assert r.returncode != 0 and "--vnc needs --desktop" in r.stderr
     finally:
         bunshin(cfg, "rm", ws["id"])
+
+
+def test_a_planted_xwd_lying_about_its_size_gets_a_clear_error(family):
+    """The workspace is hostile: a program it plants in xwd's place (first on PATH) answers
+    with a header claiming a 100000x100000 screen; the host refuses it without building it."""
+    from bunshin.errors import RuntimeFailure
+
+    ws = family.create(desktop="320x240")
+    fake = ("#!/usr/bin/python3\nimport struct, sys\n"
+            "h = [105, 7, 2, 24, 100000, 100000, 0, 0, 32, 0, 32, 32, 400000, 4, 0xff0000, 0xff00, 0xff, 8, 256, 0,"
+            " 100000, 100000, 0, 0, 0]\n"
+            "sys.stdout.buffer.write(struct.pack('>25I', *h) + b'root\\0' + b'\\0' * 4096)\n")
+    ws.files.write("/usr/local/bin/xwd", fake, mode=0o755)
+    with pytest.raises(RuntimeFailure, match="describes no screen|cut short"):
+        Desktop.of(ws).screenshot()

@@ -96,3 +96,10 @@ def test_xwd_refuses_what_it_cannot_read():
         xwd.to_png(_xwd(4, 4, b"\0" * 20))
     with pytest.raises(RuntimeFailure, match="not read here"):
         xwd.to_png(_xwd(1, 1, b"\0\0\0\0", masks=(0xFF, 0xFF00, 0xFF0000)))
+
+
+@pytest.mark.parametrize(("width", "height", "bpl"), [(100000, 1, 400000), (0, 5, 0), (10, 10, 1), (5, 99999, 20)])
+def test_xwd_headers_that_describe_no_screen_are_refused(width, height, bpl):
+    """A workspace answers in xwd's place: lying sizes give a clear error, never a giant image."""
+    with pytest.raises(RuntimeFailure, match="describes no screen|cut short"):
+        xwd.to_png(_xwd(width, height, b"\0" * 64, bpl=bpl))
