@@ -67,6 +67,7 @@ WANT=(
     xvfb x11-apps x11-utils xdotool jwm openbox x11vnc socat
     xterm tk dillo mousepad gnumeric  # the desktop tests' apps: terminal, editors (xedit, in x11-apps; mousepad),
     firefox-esr chromium              # Tk, browsers (dillo, Firefox, Chromium), a spreadsheet
+    libglib2.0-bin   # gio monitor: GLib's file monitor (inotify), forked in test_fork_inotify
 )
 # The python needs a working venv module (Debian's python3 splits it out).
 need_venv_pkg=0

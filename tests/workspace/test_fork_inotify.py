@@ -17,6 +17,7 @@ mounted ``nfs_export=on`` too: ``idmap.stack``).
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -131,7 +132,7 @@ def test_a_watch_criu_cannot_record_is_refused_naming_process_and_watch(family, 
     touch(ws, "touch /tmp/wd/after")
     wait_events(ws, 0, ["/tmp/wd after"])
     # without the watcher the fork goes through
-    touch(ws, f"kill {pid}")
+    touch(ws, f"kill {pid}", f"while [ -e /proc/{pid} ]; do sleep 0.02; done")  # ended and reaped
     (clone,) = family.fork(ws, 1)
     assert clone.exec("cat /tmp/watch.log").stdout == ws.exec("cat /tmp/watch.log").stdout
 
@@ -187,3 +188,29 @@ def test_a_watch_on_a_deep_images_files_fires_in_each_clone(watcher, tmp_path: P
         with Store.open(cfg.db_path) as store:
             oci_store.remove(store, rec.id)
             gc.free_image_layers(cfg, store)
+
+
+@pytest.mark.skipif(shutil.which("gio") is None, reason="needs GLib's gio (libglib2.0-bin): run `make install`")
+def test_glibs_file_monitor_follows_each_clone(family):
+    """A program nobody here wrote: GLib's file monitor (``gio monitor``, what every GTK app
+    uses), on inotify, reports in each clone the changes made in it. (GNU ``tail -f`` polls
+    on an overlay, which coreutils counts as remote: no inotify to test there.)"""
+    ws = family.create()
+    touch(ws, "mkdir /tmp/d")
+    ws.commands.spawn(["sh", "-c", "exec gio monitor /tmp/d > /tmp/gio.out 2>&1"])
+    has_watch = "p=$(pidof gio) && ls -l /proc/$p/fd | grep -q inotify"
+    deadline = time.monotonic() + 20
+    while ws.exec(["sh", "-c", has_watch]).exit_code != 0:
+        assert time.monotonic() < deadline, "gio never made its inotify watch"
+        time.sleep(0.05)
+    a, b = family.fork(ws, 2)
+    touch(a, "touch /tmp/d/a1")
+    touch(b, "touch /tmp/d/b1")
+    for c, own, other in ((a, "a", "b"), (b, "b", "a")):
+        deadline = time.monotonic() + 20
+        while f"/tmp/d/{own}1: created" not in (out := c.files.read_text("/tmp/gio.out")):
+            assert time.monotonic() < deadline, out
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert f"{other}1" not in c.files.read_text("/tmp/gio.out"), "a sibling's change"
+    assert ws.files.read_text("/tmp/gio.out") == "", "the parent saw its clones' changes"
