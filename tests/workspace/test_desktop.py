@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import shutil
@@ -124,3 +125,29 @@ def test_a_planted_xwd_lying_about_its_size_gets_a_clear_error(family):
     ws.files.write("/usr/local/bin/xwd", fake, mode=0o755)
     with pytest.raises(RuntimeFailure, match="describes no screen|cut short"):
         Desktop.of(ws).screenshot()
+
+
+@pytest.mark.criu
+def test_a_desktop_on_a_remote_workspace_over_http(no_leaks):
+    """Desktop and the desktop tools use only the workspace protocol: the same over HTTP,
+    fork included."""
+    from bunshin.client import Client
+    from bunshin.server.thread import serve_in_thread
+    from bunshin.tools import ToolSet
+
+    token = "desktop-remote-token-0123456789"
+    with serve_in_thread(no_leaks, token) as url, Client(url, token=token) as client:
+        ws = client.create(memory="1G")
+        try:
+            desk = Desktop.start(ws, DesktopSpec(width=320, height=240))
+            desk.launch("xterm")
+            obs = ToolSet.desktop().run_sync(ws, "screenshot", {})
+            assert obs.ok and _image(base64.b64decode(obs.images[0])).size == (320, 240)
+            (clone,) = ws.fork(1)
+            try:
+                assert Desktop.of(clone).windows() == ["xterm"]
+                assert Desktop.of(clone).screenshot() == desk.screenshot()
+            finally:
+                clone.remove()
+        finally:
+            ws.remove()
