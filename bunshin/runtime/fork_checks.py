@@ -129,7 +129,8 @@ def refusals(pids: Sequence[int], proc: Path = Path("/proc")) -> list[Refusal]:
         links[pid] = _fd_links(pid, proc)
         out += _zombie_leader(pid, level, proc)
         out += _traced(pid, level, proc)
-        out += _nested_namespaces(pid, level, own, proc)
+        if not _zombie(pid, proc):  # a zombie's namespaces are gone: nothing to nest
+            out += _nested_namespaces(pid, level, own, proc)
         out += _files(pid, level, links[pid], proc)
     out += _tcp_connections(pids, links, level, proc)
     return out
@@ -193,6 +194,14 @@ def _zombie_leader(pid: int, level: int, proc: Path) -> list[Refusal]:
         "its main thread exited (pthread_exit) and CRIU cannot dump a zombie thread-group leader",
         hint="fork before the main thread exits or after the process has ended; a program can keep its "
              "main thread waiting (pthread_join) instead of exiting it")]
+
+
+def _zombie(pid: int, proc: Path) -> bool:
+    """Whether ``pid`` has exited and waits to be reaped (its namespaces but pid read ENOENT)."""
+    try:
+        return (proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _namespaces(pid: int, proc: Path) -> dict[str, str]:

@@ -103,3 +103,18 @@ def test_a_command_is_named_without_its_control_characters(spawn):
 
 def test_an_empty_tree_passes():
     assert fork_checks.refusals([]) == []
+
+
+def test_a_zombie_waiting_to_be_reaped_passes():
+    """An exited child its parent has not waited for yet: its namespaces read ENOENT but pid's."""
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    try:
+        deadline = time.monotonic() + 10
+        while open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert fork_checks.refusals([os.getpid(), child]) == []
+    finally:
+        os.waitpid(child, 0)
