@@ -185,12 +185,15 @@ def test_a_reward_on_a_host_that_dies_after_the_last_call_is_retried(cluster, ho
     wait_for(lambda: host(cluster, "b").alive and clean(homes["b"]))
 
 
-def test_a_partition_stops_placements_until_it_heals(cluster, homes, tmp_path):
+def test_a_partition_stops_placements_until_it_heals(cluster, homes, tmp_path, monkeypatch):
     """A network cut between the head and b's server mid-rollout (nftables): calls there
     hang, b's health check times out, b is fenced and takes no more placements; its
     trajectories finish elsewhere. b's actor, which still reaches the cluster, empties
     b's home behind the cut. Once the cut heals, b is placed on again by the same engine,
     its root copied there anew (the old copy went with the fence)."""
+    from bunshin.cluster import placement as pl
+
+    monkeypatch.setattr(pl, "DEAD_AFTER_S", 4.0)  # given up sooner than the default 10 s
     drill = HostDrill(cluster, "b", "cut")
     task = TASK.model_copy(update={"call_timeout": 2.0})
     n = MAX_WORKSPACES + 2
