@@ -73,10 +73,10 @@ class HostActor:
                 self.cleared.append(clear_home(cfg))
                 log.warning("host %s: epoch %d was fenced (now %d): removed %s", self.name, lease.epoch,
                             current, self.cleared[-1])
+            if not self.server.running():
+                self.server.start()  # fails: the epoch stays the old one, the next renewal tries again
             self.epoch = current
             self._lease()
-            if not self.server.running():
-                self.server.start()
             fence.set_serving(self.name, current)
             return current
 
@@ -90,11 +90,14 @@ class HostActor:
             with self._lock:
                 if self._stop.is_set():
                     return
-                if current is not None and current != self.epoch:
-                    self._lease(fenced=True)  # a crash while clearing still leaves it to gc
-                    self._join()
-                else:
-                    self._lease()
+                try:
+                    if current is not None and current != self.epoch:
+                        self._lease(fenced=True)  # a crash while clearing still leaves it to gc
+                        self._join()
+                    else:
+                        self._lease()
+                except Exception as e:  # tried again at the next renewal; the lease runs out meanwhile
+                    log.error("host %s: renewing its lease failed: %s", self.name, e)
 
     def endpoint(self) -> Endpoint:
         return Endpoint(self.name, self.server.url, self.server.token())
