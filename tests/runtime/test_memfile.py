@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from bunshin.config import Config
-from bunshin.errors import NotForkable, RuntimeFailure
+from bunshin.errors import InvalidArgument, NotForkable, RuntimeFailure
 from bunshin.runtime import criu, memfile, seccomp
 from bunshin.runtime.memfile import (
     PAGE,
@@ -1128,6 +1128,13 @@ def test_code_full_of_syscall_bytes_is_refused_early(lab: Lab, semprog: tuple[Pa
     assert res.processes_trapped == 0 and res.vmas_converted == 0
     assert f"more than {sites.MAX_SITES} system call sites" in res.left_anonymous[0].reason
     assert lab.cmd(lab.restore(images), "dontneed") == SEM_CHECKS["dontneed"]
+
+
+def test_an_unknown_policy_is_refused_clearly() -> None:
+    assert ZeroFillPolicy("trap") is ZeroFillPolicy.TRAP
+    with pytest.raises(InvalidArgument, match="unknown memory-semantics policy 'fast'") as exc:
+        ZeroFillPolicy("fast")
+    assert "trap, refuse, copy, convert" in (exc.value.hint or "")
 
 
 def test_merge_spans_joins_the_closest_neighbours() -> None:

@@ -19,6 +19,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from bunshin.errors import InvalidArgument
+
 from .criu_images import (
     PROT_EXEC,
     VMA_FILE_PRIVATE,
@@ -52,6 +54,13 @@ class ZeroFillPolicy(enum.Enum):
     REFUSE = "refuse"
     COPY = "copy"
     CONVERT = "convert"
+
+    @classmethod
+    def _missing_(cls, value: object) -> ZeroFillPolicy:
+        raise InvalidArgument(
+            f"unknown memory-semantics policy {value!r}",
+            hint=f"use one of {', '.join(p.value for p in cls)} (Config.memory_semantics)",
+        )
 
 
 class _ScanCache:
