@@ -1018,18 +1018,20 @@ def _want(checks: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
 
 
 @pytest.mark.criu
-@pytest.mark.parametrize("own", [False, True], ids=["plain", "own-sigsys-handler"])
-def test_converted_memory_keeps_linux_semantics(lab: Lab, semprog: tuple[Path, Path], own: bool) -> None:
+@pytest.mark.parametrize("variant", ["plain", "own", "noquery"], ids=["plain", "own-sigsys-handler", "no-procmap-query"])
+def test_converted_memory_keeps_linux_semantics(lab: Lab, semprog: tuple[Path, Path], variant: str) -> None:
     """DONTNEED, mremap, FREE, WIPEONFORK, file DONTNEED: as in the parent, in clones and forks of forks.
 
     Also in a fork() child and a vfork child of a clone, in a thread that blocks every
     signal, and in a program exec'd in a clone (the filter outlives exec, the handler
-    does not: it must not be trapped). With ``own``, the program's own SIGSYS handler
-    and seccomp trap keep working, also after it installs its handler again.
+    does not: it must not be trapped). ``own``: the program's own SIGSYS handler and
+    seccomp trap keep working, also after it installs its handler again. ``noquery``:
+    its own filter refuses PROCMAP_QUERY (as kernels before 6.11 do), the handler reads
+    the maps text instead.
     """
     prog, data = semprog
-    checks = {**SEM_CHECKS, **(OWN_CHECKS if own else {})}
-    parent = lab.start([str(prog), str(lab.ctl), str(data), *(["own"] if own else [])])
+    checks = {**SEM_CHECKS, **(OWN_CHECKS if variant == "own" else {})}
+    parent = lab.start([str(prog), str(lab.ctl), str(data), *([variant] if variant != "plain" else [])])
     assert _semantics(lab, parent, checks) == _want(checks)
     images = lab.dump(parent)
     res = lab.rewrite(images)

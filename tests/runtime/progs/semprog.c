@@ -1,13 +1,14 @@
 /*
  * semprog: checks the memory semantics Linux promises, in a parent and in its clones.
  *
- *   semprog CTL_DIR DATA_FILE [own]     serve commands (protocol of memprog.c)
+ *   semprog CTL_DIR DATA_FILE [own|noquery]   serve commands (protocol of memprog.c)
  *   semprog child                       the checks of an exec'd program (exit 0: all held)
  *
  * Holds anonymous areas with patterns and a private mapping of DATA_FILE whose
  * first 16 KiB it wrote. With "own" it installs a SIGSYS handler and a seccomp
  * filter of its own that traps getppid() (data 0x42): the handler counts and
- * makes the call return 4242. With SEMPROG_EXEC_MAP=PATH in the environment it also
+ * makes the call return 4242. With "noquery" its filter refuses the PROCMAP_QUERY
+ * ioctl (ENOTTY, as a kernel before 6.11 does). With SEMPROG_EXEC_MAP=PATH in the environment it also
  * maps PATH executable (a hostile "code" file).
  *
  * Commands (answers are key=value words):
@@ -109,6 +110,23 @@ static void install_own_filter(void) {
         BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
         BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_getppid, 0, 1),
         BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_TRAP | 0x42),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+    };
+    struct sock_fprog prog = {sizeof f / sizeof f[0], f};
+    prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
+    if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog)) {
+        perror("seccomp");
+        exit(2);
+    }
+}
+
+static void install_noquery_filter(void) {
+    struct sock_filter f[] = {
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_ioctl, 0, 3),
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, args[1])),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 0xC0686611, 0, 1),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | ENOTTY),
         BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
     };
     struct sock_fprog prog = {sizeof f / sizeof f[0], f};
@@ -364,6 +382,8 @@ int main(int argc, char **argv) {
         install_sigsys();
         install_own_filter();
     }
+    if (argc > 3 && !strcmp(argv[3], "noquery"))
+        install_noquery_filter();
     const char *code = getenv("SEMPROG_EXEC_MAP");
     if (code) {
         int cfd = open(code, O_RDONLY | O_CLOEXEC);
