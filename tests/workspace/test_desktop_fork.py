@@ -193,3 +193,33 @@ def test_a_browser_forks_with_its_page_and_each_clone_navigates_alone(family, br
     shot_a = _still(a)
     assert not _same_pixels(shot_a, parent)
     assert _same_pixels(b.screenshot(), parent) and _same_pixels(desk.screenshot(), parent)
+
+
+@needs_gtk_apps
+def test_undo_history_and_an_open_dialog_fork_with_the_app(family):
+    """mousepad's undo history and an open Save As dialog are in each clone: one clone undoes
+    and saves, the other cancels the dialog and keeps its text; neither sees the other."""
+    ws, desk = _desktop_with_apps(family, [["mousepad", "/root/notes.txt"]])
+    desk.click(300, 250)
+    desk.press("ctrl+End")
+    desk.type_text(" plus an edit")
+    time.sleep(0.3)
+    desk.press("ctrl+shift+s")  # Save As: a dialog over the editor
+    time.sleep(1.5)
+    assert any("Save" in w for w in desk.windows()), desk.windows()
+    parent = desk.screenshot()
+    a, b = (Desktop.of(c) for c in family.fork(ws, 2))
+    assert _same_pixels(a.screenshot(), parent) and _same_pixels(b.screenshot(), parent)
+    for d in (a, b):
+        d.press("Escape")  # close each clone's own dialog
+    time.sleep(0.5)
+    assert not any("Save" in w for w in a.windows()) and not any("Save" in w for w in b.windows())
+    assert any("Save" in w for w in desk.windows())  # the parent's dialog is still open
+    for _ in range(6):  # a's undo history holds the typed edit (undone a word at a time)
+        a.press("ctrl+z")
+    time.sleep(0.3)
+    for d in (a, b):
+        d.press("ctrl+s")
+    time.sleep(0.6)
+    assert a.ws.files.read_text("/root/notes.txt") == "first line"
+    assert b.ws.files.read_text("/root/notes.txt") == "first line plus an edit"
