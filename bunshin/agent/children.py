@@ -45,6 +45,8 @@ BASE_ENV = {
 # launcher) but for PID1_ONLY_CAP. Nothing inside has CAP_SYS_PTRACE.
 DROPPED_CAPS = {
     "CAP_DAC_READ_SEARCH": 2,
+    "CAP_NET_ADMIN": 12,
+    "CAP_NET_RAW": 13,
     "CAP_SYS_MODULE": 16,
     "CAP_SYS_RAWIO": 17,
     "CAP_SYS_PTRACE": 19,

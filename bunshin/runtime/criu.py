@@ -97,6 +97,7 @@ class Placement:
             sc.new_netns()
             if self.sysfs is not None:
                 sc.mount_sysfs(self.sysfs)
+                sc.hold_netns(self.sysfs + ".netns")  # the sysfs's devices live with it
 
 
 def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:

@@ -5,12 +5,6 @@ found here by reading ``/proc`` of the workspace's processes, before anything is
 frozen or written, and raised as ``NotForkable`` naming the process (its pid inside
 the workspace and its command), the object and what to do:
 
-- an established TCP connection (any connected TCP socket): CRIU restores one in
-  repair mode (``TCP_REPAIR``), which needs CAP_NET_ADMIN over the clone's network
-  namespace; the network namespace is the host's (made by bunshin, owned by the
-  host's user namespace) and restored tasks run in the workspace's user namespace,
-  so the restore fails ("Can't turn TCP repair mode ON: Operation not permitted").
-  Listening sockets are not connections and fork fine.
 - a zombie thread-group leader whose other threads still run (the main thread
   called ``pthread_exit``, ZDTM pthread02): CRIU cannot seize it ("Unable to detach
   from PID: No such process").
@@ -26,15 +20,17 @@ the workspace and its command), the object and what to do:
   workspace cannot make one today (no CAP_SYS_ADMIN inside, new user namespaces
   refused by seccomp); the check keeps a fork from failing late if that changes.
 
+TCP connections fork (``netns_image``: a clone's network namespace is its user
+namespace's, where CRIU's restorer may repair them); listening sockets always did.
+
 Measured cost, with the tree walk: 4.1 ms p50, 8.1 ms p95 for a workspace of six
-processes (2-core VM at load 5); it runs before the dump, so the pause is unchanged. The state can change between the check and the freeze; a connection
+processes (2-core VM at load 5); it runs before the dump, so the pause is unchanged. The state can change between the check and the freeze; a descriptor
 opened in that window still fails the restore, with CRIU's first error.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,9 +42,6 @@ from ..errors import NotForkable
 NESTED_NS = ("ipc", "uts", "pid", "cgroup", "time", "user")
 # ... and the ones a process sets for its children: equal to its own unless it unshared
 FOR_CHILDREN = {"pid_for_children": "pid", "time_for_children": "time"}
-_TCP_STATES = {1: "ESTABLISHED", 2: "SYN_SENT", 3: "SYN_RECV", 4: "FIN_WAIT1", 5: "FIN_WAIT2",
-               6: "TIME_WAIT", 7: "CLOSE", 8: "CLOSE_WAIT", 9: "LAST_ACK", 10: "LISTEN", 11: "CLOSING"}
-_LISTEN, _CLOSE = 10, 7
 # Anonymous-inode descriptors CRIU 4.2 dumps (criu/files.c); any other kind fails the dump
 ANON_INODES = {"[eventfd]", "[eventpoll]", "inotify", "[fanotify]", "[signalfd]", "[timerfd]", "[pidfd]", "bpf-map"}
 SECRETMEM = "/secretmem"  # what memfd_secret's descriptors and mappings are called
@@ -124,15 +117,12 @@ def refusals(pids: Sequence[int], proc: Path = Path("/proc")) -> list[Refusal]:
         return []  # the workspace's init is gone: the dump says so itself
     out: list[Refusal] = []
     own = _namespaces(root, proc)
-    links: dict[int, dict[str, str]] = {}
     for pid in pids:
-        links[pid] = _fd_links(pid, proc)
         out += _zombie_leader(pid, level, proc)
         out += _traced(pid, level, proc)
         if not _zombie(pid, proc):  # a zombie's namespaces are gone: nothing to nest
             out += _nested_namespaces(pid, level, own, proc)
-        out += _files(pid, level, links[pid], proc)
-    out += _tcp_connections(pids, links, level, proc)
+        out += _files(pid, level, _fd_links(pid, proc), proc)
     return out
 
 
@@ -239,38 +229,6 @@ def _nested(task: Task, ns: str, how: str) -> Refusal:
              "or end it before forking")
 
 
-def _tcp_connections(pids: Sequence[int], links: dict[int, dict[str, str]], level: int, proc: Path
-                     ) -> list[Refusal]:
-    """Connected TCP sockets held by ``pids``, from the table of the init's network namespace."""
-    table: dict[str, tuple[str, str, int]] = {}
-    for name in ("tcp", "tcp6"):
-        with contextlib.suppress(OSError):
-            for line in (proc / str(pids[0]) / "net" / name).read_text().splitlines()[1:]:
-                f = line.split()
-                if len(f) < 10:
-                    continue
-                state = int(f[3], 16)
-                if f[2].endswith(":0000") or state in (_LISTEN, _CLOSE):
-                    continue
-                table[f[9]] = (_address(f[1]), _address(f[2]), state)
-    if not table:
-        return []
-    out: list[Refusal] = []
-    for pid in pids:
-        for link in links.get(pid, {}).values():
-            inode = link[8:-1] if link.startswith("socket:[") else ""
-            if inode in table:
-                local, remote, state = table.pop(inode)
-                out.append(Refusal(
-                    Task.read(pid, level, proc), f"holds a TCP connection {local} -> {remote} ({_TCP_STATES.get(state, state)})",
-                    "CRIU restores a connection in TCP repair mode, which needs CAP_NET_ADMIN over the network "
-                    "namespace, and a workspace's processes have none over the one bunshin makes",
-                    hint="close TCP connections before forking (reconnect after the fork: the clones keep "
-                         "listening sockets), or fork while the program holds none")
-                )
-    return out
-
-
 def _fd_links(pid: int, proc: Path) -> dict[str, str]:
     """What each open descriptor of ``pid`` is (``/proc/PID/fd``), by fd number."""
     fds = proc / str(pid) / "fd"
@@ -280,12 +238,3 @@ def _fd_links(pid: int, proc: Path) -> dict[str, str]:
             with contextlib.suppress(OSError):
                 out[fd] = os.readlink(fds / fd)
     return out
-
-
-def _address(field: str) -> str:
-    """``0100007F:1F90`` (as /proc/net/tcp writes it) -> ``127.0.0.1:8080``."""
-    host, port = field.split(":")
-    raw = bytes.fromhex(host)  # host-order 32-bit words
-    packed = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-    addr = str(ipaddress.IPv4Address(packed)) if len(packed) == 4 else f"[{ipaddress.IPv6Address(packed)}]"
-    return f"{addr}:{int(port, 16)}"

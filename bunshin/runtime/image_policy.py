@@ -18,7 +18,7 @@ from typing import Any
 
 from ..config import Config
 from ..errors import InvalidArgument
-from . import seccomp
+from . import netns_image, seccomp
 from .memfile import criu_images
 
 # mountpoints FsType numbers (criu/include/fs-magic.h order in images/mnt.proto)
@@ -30,6 +30,7 @@ def check(images: Path, cfg: Config) -> None:
     """Refuse (InvalidArgument) an image set that is not a bunshin workspace of ``cfg``."""
     try:
         _check_user_namespace(images, cfg)
+        _check_network_namespace(images, cfg)
         _check_mounts(images)
         _check_seccomp(images)
     except InvalidArgument:
@@ -64,6 +65,22 @@ def _check_user_namespace(images: Path, cfg: Config) -> None:
             got = [{k: int(m[k]) for k in ("first", "lower_first", "count")} for m in entry.get(key, [])]
             if got != want:
                 raise _refuse(images, f"map the user namespace's ids onto {got} instead of {want}")
+
+
+def _check_network_namespace(images: Path, cfg: Config) -> None:
+    """A restore makes the namespace the images describe (links, addresses, routes,
+    rules, tables: CRIU runs ``ip`` and nft on them): only what ``netns_image.add``
+    writes for this dump (lo, the groups' ping range, CRIU's lock), or nothing."""
+    found = {f.name: f for f in images.iterdir() if netns_image.NET_IMAGE.fullmatch(f.name)}
+    if not found:
+        return
+    net = netns_image.tree_netns(images)
+    run_id = str(_entries(images / "inventory.img")[0].get("dump_criu_run_id", ""))
+    want = netns_image.expected(net, run_id, cfg.id_count)
+    for name, path in sorted(found.items()):
+        content = want.get(name)
+        if content is None or (path.read_text() if isinstance(content, str) else criu_images.load(path)) != content:
+            raise _refuse(images, f"describe a network namespace of their own ({name}) other than a workspace's")
 
 
 def _check_mounts(images: Path) -> None:

@@ -5,10 +5,11 @@ creating process. It joins the workspace's cgroups and forks a child that
 unshares a user namespace; the launcher maps the child's ids 0..n-1 to the
 unprivileged host range ``spec["ids"]`` (so uid 0 inside holds no capability in
 the host's namespace), and the child unshares the other namespaces (owned by that user
-namespace; the network namespace, lo only, is made by the launcher, as a clone's
-is made by the host) and forks the workspace's first process, pid 1 inside. The launcher
-mounts a read-only sysfs of that network namespace at /sys (in a mount namespace
-of its own: nothing appears on the host); pid 1 mounts /proc (with runc's masked
+namespace, the network namespace too, lo up: CRIU repairs TCP connections in a clone's
+with that namespace's capabilities, which no workspace process keeps) and forks the
+workspace's first process, pid 1 inside. The launcher joins the network namespace and
+mounts its read-only sysfs at /sys (in a mount namespace of its own: nothing appears on
+the host); pid 1 mounts /proc (with runc's masked
 and read-only paths), masks parts of /sys and mounts a private devpts inside the already-mounted overlay root, pivots into it, drops the
 capabilities no workspace process keeps, joins a keyring of its own, sets
 no_new_privs with the seccomp filter (``seccomp``) and execs the in-workspace
@@ -31,6 +32,9 @@ from bunshin.agent.children import DROPPED_CAPS, PID1_ONLY_CAP
 
 from . import seccomp
 from . import syscalls as sc
+
+# as ``netns_image`` sets it in a clone's (not imported: it loads the memfile package)
+UNPRIVILEGED_PORT_START = "0"
 
 # As runc: /proc files that show the host (bound to /dev/null), folders emptied
 # (an empty read-only folder of the agent layer bound over them), folders read-only.
@@ -125,6 +129,14 @@ def _in_user_namespace(spec: dict[str, Any], unshared: int, mapped: int) -> None
     os.setgroups([])
     os.setresgid(0, 0, 0)
     os.setresuid(0, 0, 0)
+    # The network namespace is this user namespace's (so CRIU's restorer, which holds
+    # its capabilities, can repair TCP connections in a clone's); nothing inside keeps
+    # CAP_NET_ADMIN or CAP_NET_RAW over it (``_lock_down``). The launcher mounts its sysfs.
+    sc.unshare(sc.CLONE_NEWNET)
+    sc.loopback_up()
+    os.write(unshared, b"n")
+    if os.read(mapped, 1) != b"s":
+        raise RuntimeError("the launcher did not mount the workspace's sysfs")
     sc.unshare(sc.CLONE_NEWNS | sc.CLONE_NEWUTS | sc.CLONE_NEWIPC | sc.CLONE_NEWPID)
     pid = os.fork()
     if pid:
@@ -171,6 +183,21 @@ def _bind_shared(root: str, mounts: list[dict[str, Any]], owner: int) -> None:
             os.close(fd)
 
 
+def _enter_netns(pid: int, ids: list[int]) -> None:
+    """Join the child's network namespace (a sysfs shows the mounter's) and set what
+    the workspace has in it: any port to bind, ICMP echo sockets for all its groups
+    (the host's ids: the sysctls are written from the host's user namespace)."""
+    fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
+    try:
+        sc.setns(fd, sc.CLONE_NEWNET)
+    finally:
+        os.close(fd)
+    base, count = ids
+    for key, value in (("ip_unprivileged_port_start", UNPRIVILEGED_PORT_START), ("ping_group_range", f"{base} {base + count - 1}")):
+        with open(f"/proc/sys/net/ipv4/{key}", "w") as f:
+            f.write(value)
+
+
 def _map_ids(pid: int, base: int, count: int) -> None:
     for name in ("uid_map", "gid_map"):
         with open(f"/proc/{pid}/{name}", "w") as f:
@@ -182,13 +209,10 @@ def main() -> None:
     for procs in spec["cgroup_procs"]:
         with open(procs, "w") as f:
             f.write(str(os.getpid()))
-    # The network namespace is the host's (lo only), like a restored clone's. A sysfs
-    # needs its owner's capability, so the launcher mounts /sys, in a mount namespace
-    # of its own from which the workspace's is copied.
-    sc.new_netns()
+    # The launcher's mount namespace, from which the workspace's is copied: /sys (the
+    # sysfs of the workspace's network namespace, ``_enter_netns``) and shared folders.
     sc.unshare(sc.CLONE_NEWNS)
     sc.mount("none", "/", None, sc.MS_REC | sc.MS_PRIVATE)
-    _mount_sysfs(spec["root"], spec["ids"][0])
     _bind_shared(spec["root"], spec.get("mounts", []), spec["ids"][0])
     unshared_r, unshared_w = os.pipe()
     mapped_r, mapped_w = os.pipe()
@@ -208,6 +232,10 @@ def main() -> None:
         if os.read(unshared_r, 1) == b"u":
             _map_ids(pid, *spec["ids"])
             os.write(mapped_w, b"m")
+            if os.read(unshared_r, 1) == b"n":
+                _enter_netns(pid, spec["ids"])
+                _mount_sysfs(spec["root"], spec["ids"][0])
+                os.write(mapped_w, b"s")
     finally:
         os.close(mapped_w)
         _, status = os.waitpid(pid, 0)

@@ -49,7 +49,7 @@ from ..errors import (
     SnapshotNotFound,
     StateConflict,
 )
-from . import container, criu, host_limits, memfile, statefs, unforkable, upper_copy
+from . import container, criu, host_limits, memfile, netns_image, statefs, unforkable, upper_copy
 from . import syscalls as sc
 from .agent_client import quiesced
 from .cgroups import Layout, WorkspaceCgroup
@@ -64,8 +64,8 @@ MEM_VIEW = "/.bunshin/mem"
 MODES = tuple(SnapshotMode)  # the values a caller may give, "cow" first
 RESTORE_CONCURRENCY = 2
 # CRIU runs inside the workspace's network namespace (``criu.Placement``), so the
-# namespace itself is not dumped and no network lock is needed: every peer of a
-# socket inside is frozen along with it.
+# namespace itself is not dumped and the dump needs no network lock: every peer of a
+# socket inside is frozen along with it. A restore locks the clone's (``netns_image``).
 _COMMON = ["--network-lock", "skip", "--file-locks", "--tcp-established", "--link-remap"]
 # /sys is a sysfs the host mounts (a workspace's user namespace may not: see
 # ``init``): external to CRIU, a fresh one for each clone (``Placement.sysfs``).
@@ -215,6 +215,7 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
             raise refusal from e
         if not layer.is_dir():
             raise BunshinError(f"the upper layer of {rec.id} was not frozen", hint="see the dump log")
+        netns_image.add(images, cfg.id_count)  # a clone's network namespace is its user namespace's
         files: tuple[str, ...] = ()
         rewrite_ms, mem_bytes, layer_bytes = 0.0, 0, _du(layer)
         if mode is SnapshotMode.COW:
@@ -523,6 +524,7 @@ def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout
             keep_log=False,  # written from inside the clone's cgroup: it would be charged to it
         )
         assert run.pid is not None
+        netns_image.restored(run.pid)
         # owner_pid stays set until ``restore`` commits the whole batch
         started = {"state": WorkspaceState.RUNNING, "pid": run.pid, "pid_start": psutil.Process(run.pid).create_time(),
                    "extra": {"restore_ms": round(run.duration_ms, 2)}}

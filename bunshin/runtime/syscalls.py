@@ -145,6 +145,14 @@ def mount_sysfs(target: str) -> None:
     mount("sysfs", target, "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
 
 
+def hold_netns(target: str) -> None:
+    """Bind the caller's network namespace at ``target`` (a file made here): a sysfs
+    shows its namespace's devices only while the namespace lives, and a restore's criu
+    leaves the one it ran in (the clone's own is made by CRIU, inside its user namespace)."""
+    os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+    mount("/proc/self/ns/net", target, None, MS_BIND)
+
+
 def open_dir_beneath(top: str | os.PathLike[str], parts: Iterable[str], *, path_only: bool = False,
                      make: bool = False, owner: int | None = None) -> int:
     """A descriptor of the folder ``top/parts...``, each component opened with

@@ -1,5 +1,5 @@
 """fork_checks against real processes of the host: nested namespaces (which a
-workspace cannot make today), connected TCP sockets, and what is left alone."""
+workspace cannot make today), and what is left alone (connected TCP sockets too)."""
 
 from __future__ import annotations
 
@@ -80,17 +80,14 @@ def test_processes_of_the_same_namespaces_and_listening_sockets_pass(spawn):
         fork_checks.check("ws-x", [os.getpid(), pid])  # raises nothing
 
 
-def test_a_connected_socket_is_found_with_both_ends():
+def test_a_connected_socket_is_not_refused():
     with socket.socket(socket.AF_INET6) as lsk:
         lsk.bind(("::1", 0))
         lsk.listen(1)
-        with socket.create_connection(lsk.getsockname()[:2]) as client:
+        with socket.create_connection(lsk.getsockname()[:2]):
             server, _ = lsk.accept()
             with server:
-                found = [r.what for r in fork_checks.refusals([os.getpid()])]
-                port, peer = lsk.getsockname()[1], client.getsockname()[1]
-    assert f"holds a TCP connection [::1]:{peer} -> [::1]:{port} (ESTABLISHED)" in found
-    assert f"holds a TCP connection [::1]:{port} -> [::1]:{peer} (ESTABLISHED)" in found
+                assert fork_checks.refusals([os.getpid()]) == []  # CRIU carries it (netns_image)
 
 
 def test_a_command_is_named_without_its_control_characters(spawn):

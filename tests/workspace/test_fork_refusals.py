@@ -16,24 +16,6 @@ from bunshin.errors import CriuError, NotForkable
 pytestmark = [pytest.mark.integration, pytest.mark.criu]
 
 PROGS = Path(__file__).parent / "progs"
-# a connected pair on loopback (IPv4 or IPv6), idle; on /tmp/ping the client sends "ping",
-# and what the server receives goes to /tmp/pong
-PAIR = r"""
-import os, socket, sys, time
-family, host = (socket.AF_INET6, "::1") if sys.argv[1] == "6" else (socket.AF_INET, "127.0.0.1")
-lsk = socket.socket(family)
-lsk.bind((host, 0))
-lsk.listen(1)
-client = socket.create_connection(lsk.getsockname()[:2])
-server, _ = lsk.accept()
-open("/tmp/pair.ready", "w").close()
-while True:
-    if os.path.exists("/tmp/ping"):
-        os.unlink("/tmp/ping")
-        client.sendall(b"ping")
-        open("/tmp/pong", "w").write(server.recv(4).decode())
-    time.sleep(0.02)
-"""
 
 
 def _wait_for(ws, path: str, timeout: float = 30) -> None:
@@ -41,24 +23,6 @@ def _wait_for(ws, path: str, timeout: float = 30) -> None:
     while ws.exec(["test", "-e", path]).exit_code != 0:
         assert time.monotonic() < deadline, f"{path} did not appear in {ws.id}"
         time.sleep(0.05)
-
-
-@pytest.mark.parametrize("version", ["4", "6"])
-def test_an_idle_tcp_connection_is_refused_and_still_works(family, version):
-    ws = family.create(memory="256M")
-    ws.files.write("/root/pair.py", PAIR.encode())
-    pid = ws.commands.spawn(["python3", "/root/pair.py", version])
-    _wait_for(ws, "/tmp/pair.ready")
-    with pytest.raises(NotForkable) as info:
-        family.fork(ws, 1)
-    err = info.value
-    loop = "127.0.0.1" if version == "4" else "[::1]"
-    assert f"process {pid} (python3 /root/pair.py {version}) holds a TCP connection {loop}:" in err.message
-    assert err.details == {**err.details, "process": pid, "command": f"python3 /root/pair.py {version}"}
-    assert "CAP_NET_ADMIN" in err.message and "reconnect after the fork" in (err.hint or "")
-    ws.exec(["touch", "/tmp/ping"])  # the parent's connection still carries data
-    _wait_for(ws, "/tmp/pong")
-    assert ws.files.read_text("/tmp/pong") == "ping"
 
 
 def _zombie_leader(tmp_path: Path) -> Path:

@@ -1,10 +1,14 @@
-"""Integration: a loopback TCP stream with data in flight inside a workspace, forked.
+"""Integration: TCP connections inside a workspace, forked.
 
-CRIU restores a connected TCP socket in repair mode, which needs CAP_NET_ADMIN over
-the clone's network namespace; a workspace's tasks run in its own user namespace and
-the network namespace is the host's, so the restore would fail ("Can't turn TCP
-repair mode ON"). The fork is refused before the parent is frozen, and the stream
-in the parent goes on: every byte once, in order (tests/workspace/progs/tcpstream.py).
+CRIU restores a connected socket in repair mode (``TCP_REPAIR``: CAP_NET_ADMIN over
+the socket's network namespace). A workspace's network namespace is its user
+namespace's, and a clone's is made by CRIU's restore inside the clone's user namespace
+(``netns_image``), where the restorer holds that capability until it restores the
+tasks' credentials. So a stream with data in flight (both queues full) goes on in the
+parent and in every clone, every byte once and in order (tests/workspace/progs/
+tcpstream.py: the server checks each counter and keeps a sha256); an idle pair keeps
+working in both address families; a listening server takes new clients in a clone;
+a fork of a fork carries the stream again.
 """
 
 from __future__ import annotations
@@ -15,12 +19,47 @@ from pathlib import Path
 
 import pytest
 
-from bunshin.errors import NotForkable
-
 pytestmark = [pytest.mark.integration, pytest.mark.criu]
 
-PROG = Path(__file__).parent / "progs" / "tcpstream.py"
+PROGS = Path(__file__).parent / "progs"
 TOTAL = 6_000_000  # ~2 s at the reader's pace
+# a connected pair on loopback (IPv4 or IPv6), idle; on /tmp/ping the client sends "ping",
+# and what the server receives goes to /tmp/pong
+PAIR = r"""
+import os, socket, sys, time
+family, host = (socket.AF_INET6, "::1") if sys.argv[1] == "6" else (socket.AF_INET, "127.0.0.1")
+lsk = socket.socket(family)
+lsk.bind((host, 0))
+lsk.listen(1)
+client = socket.create_connection(lsk.getsockname()[:2])
+server, _ = lsk.accept()
+open("/tmp/pair.ready", "w").close()
+while True:
+    if os.path.exists("/tmp/ping"):
+        os.unlink("/tmp/ping")
+        client.sendall(b"ping")
+        open("/tmp/pong", "w").write(server.recv(4).decode())
+    time.sleep(0.02)
+"""
+# an echo server on 127.0.0.1:7007 (one thread per client) and one client that stays
+# connected; /tmp/echo.ready when it listens
+ECHO = r"""
+import socket, threading
+lsk = socket.socket()
+lsk.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+lsk.bind(("127.0.0.1", 7007))
+lsk.listen(8)
+def serve(conn):
+    while data := conn.recv(4096):
+        conn.sendall(data)
+held = socket.create_connection(("127.0.0.1", 7007))
+open("/tmp/echo.ready", "w").close()
+while True:
+    conn, _ = lsk.accept()
+    threading.Thread(target=serve, args=(conn,), daemon=True).start()
+"""
+CLIENT = ("import socket, sys; s = socket.create_connection(('127.0.0.1', 7007), timeout=10); "
+          "s.sendall(sys.argv[1].encode()); print(s.recv(64).decode())")
 
 
 def _wait_for(ws, path: str, timeout: float = 60) -> None:
@@ -41,26 +80,60 @@ def _queues(ws) -> list[tuple[int, int]]:
     return out
 
 
-def test_a_stream_in_flight_is_refused_and_goes_on_in_the_parent(family):
+def _result(ws) -> dict:
+    _wait_for(ws, "/tmp/ts/result")
+    return json.loads(ws.files.read_text("/tmp/ts/result"))
+
+
+def _start_stream(family):
     ws = family.create(memory="512M")
-    ws.files.write("/root/tcpstream.py", PROG.read_bytes())
+    ws.files.write("/root/tcpstream.py", (PROGS / "tcpstream.py").read_bytes())
     ws.exec(["mkdir", "-p", "/tmp/ts"])
     ws.commands.spawn(["python3", "/root/tcpstream.py", str(TOTAL), "/tmp/ts"])
     _wait_for(ws, "/tmp/ts/progress")
     queues = _queues(ws)
     assert any(tx > 0 for tx, _ in queues) and any(rx > 0 for _, rx in queues), queues  # data in flight
-    with pytest.raises(NotForkable) as info:
-        family.fork(ws, 2)
-    err = info.value
-    assert "TCP connection 127.0.0.1:" in err.message and "ESTABLISHED" in err.message
-    holders = {int(p) for p in ws.exec(["pgrep", "-f", "tcpstream.py"]).stdout.split()}  # server and client
-    assert "tcpstream.py" in err.details["command"] and err.details["process"] in holders
-    assert f"process {err.details['process']} (" in err.message
-    assert "close TCP connections before forking" in (err.hint or "")
-    assert not any(family.cfg.paths.snapshots.glob("*")), "nothing is dumped"
-    _wait_for(ws, "/tmp/ts/result")
-    result = json.loads(ws.files.read_text("/tmp/ts/result"))
-    assert result == {**result, "ok": True, "bytes": TOTAL, "error": None}
-    # the connection is gone: the same workspace forks, and the clone has the result
+    return ws
+
+
+def test_a_stream_in_flight_goes_on_in_the_parent_and_every_clone(family):
+    ws = _start_stream(family)
+    clones = family.fork(ws, 2)
+    assert ws.exec(["test", "-e", "/tmp/ts/result"]).exit_code != 0, "the fork came before the stream's end"
+    results = [_result(w) for w in (ws, *clones)]
+    assert results[0] == {**results[0], "ok": True, "bytes": TOTAL, "error": None}
+    assert results[1:] == [results[0]] * 2  # every byte once, in order: the same checksum
+    for c in clones:  # CRIU's lock is gone from each clone's namespace
+        assert c.exec(["sh", "-c", "cat /proc/net/dev | grep -c lo:"]).stdout.strip() == "1"
+
+
+def test_a_fork_of_a_fork_carries_the_stream_again(family):
+    ws = _start_stream(family)
+    (child,) = family.fork(ws, 1)
+    (grandchild,) = family.fork(child, 1)
+    results = [_result(w) for w in (ws, child, grandchild)]
+    assert results[0]["ok"] and results == [results[0]] * 3
+
+
+@pytest.mark.parametrize("version", ["4", "6"])
+def test_an_idle_connection_works_in_the_parent_and_the_clone(family, version):
+    ws = family.create(memory="256M")
+    ws.files.write("/root/pair.py", PAIR.encode())
+    ws.commands.spawn(["python3", "/root/pair.py", version])
+    _wait_for(ws, "/tmp/pair.ready")
     (clone,) = family.fork(ws, 1)
-    assert json.loads(clone.files.read_text("/tmp/ts/result")) == result
+    for w in (ws, clone):
+        w.exec(["touch", "/tmp/ping"])
+        _wait_for(w, "/tmp/pong")
+        assert w.files.read_text("/tmp/pong") == "ping"
+
+
+def test_a_listening_server_takes_new_clients_in_the_clone(family):
+    ws = family.create(memory="256M")
+    ws.files.write("/root/echo.py", ECHO.encode())
+    ws.commands.spawn(["python3", "/root/echo.py"])
+    _wait_for(ws, "/tmp/echo.ready")
+    clones = family.fork(ws, 2)
+    for i, w in enumerate((ws, *clones)):
+        r = w.exec(["python3", "-c", CLIENT, f"hello-{i}"], timeout=30)
+        assert r.exit_code == 0 and r.stdout.strip() == f"hello-{i}", r.stderr
