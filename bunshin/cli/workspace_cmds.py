@@ -16,6 +16,7 @@ from .. import console as output
 from ..errors import InvalidArgument
 from ..runtime.limits import check_timeout
 from ..workspace import Snapshot, Workspace
+from ..workspace.batch import remove_all
 from ..workspace.desktop import DesktopSpec
 
 
@@ -169,15 +170,34 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
+    """Workspaces are removed together (``remove_all``: one kill, one wait, one store
+    transaction), then snapshots; a batch that fails is retried one by one."""
     removed, failed = [], []
+    found: list[tuple[str, Workspace]] = []
     for ref in args.workspaces:
+        if ref.startswith("snap-"):
+            continue
         try:
-            if ref.startswith("snap-"):
-                Snapshot.get(ref).remove()
-            else:
-                Workspace.get(ref).remove()
-            removed.append(ref)
+            found.append((ref, Workspace.get(ref)))
         except Exception as e:  # keep going: remove what can be removed, report the rest
+            failed.append(ref)
+            output.print_error(e)
+    try:
+        remove_all([ws for _, ws in found])
+        removed += [ref for ref, _ in found]
+    except Exception:  # noqa: BLE001 (each one again, each failure reported)
+        for ref, ws in found:
+            try:
+                ws.remove()
+                removed.append(ref)
+            except Exception as e:
+                failed.append(ref)
+                output.print_error(e)
+    for ref in (r for r in args.workspaces if r.startswith("snap-")):
+        try:
+            Snapshot.get(ref).remove()
+            removed.append(ref)
+        except Exception as e:
             failed.append(ref)
             output.print_error(e)
     if args.json:

@@ -190,3 +190,17 @@ def test_gc_removes_agent_layers_of_older_agent_versions(no_leaks):
         assert bunshin(no_leaks, "exec", ws_id, "--", "true").returncode == 0
     finally:
         bunshin(no_leaks, "rm", ws_id)
+
+
+def test_rm_of_many_workspaces_removes_them_together_and_reports_the_rest(no_leaks):
+    root = bunshin(no_leaks, "create", "--memory", "128M").stdout.strip()
+    clones: list[str] = []
+    try:
+        clones = [c["id"] for c in json.loads(bunshin(no_leaks, "fork", root, "-n", "3", "--json").stdout)["clones"]]
+        r = bunshin(no_leaks, "rm", *clones, "ws-nosuch", root, "--json", check=False)
+    finally:
+        bunshin(no_leaks, "rm", *clones, root, check=False)  # whatever is left, if anything failed
+    out = json.loads(r.stdout)
+    assert r.returncode == 1 and out["failed"] == ["ws-nosuch"] and "no workspace" in r.stderr
+    assert sorted(out["removed"]) == sorted([*clones, root])
+    assert json.loads(bunshin(no_leaks, "ls", "--json").stdout) == []
