@@ -989,6 +989,7 @@ SEM_CHECKS = {
     "exec": {"status": "0"},
     "spawn": {"r": "0", "status": "0"},
     "mask": {"kept": "1", "gone": "1"},
+    "locked": {"r": "-1", "errno": "22", "kept": "1"},
 }
 OWN_CHECKS = {"own": {"got": "2", "ret": "4242"}, "resig": {"r": "0", "old": "1"}}
 

@@ -45,6 +45,7 @@
 #define Q_FILE_BACKED 0x20
 #define ENOTTY 25
 #define ENAMETOOLONG 36
+#define ENOMEM 12
 #define KCMP_VM 1
 #define SIG_UNBLOCK 1
 #define SIGSYS_BIT (1UL << (SIGSYS - 1))
@@ -358,9 +359,23 @@ static long prepare(const struct area *ar, uint64_t a, uint64_t b, int advice) {
 
 #define MREMAP_PREP (-1)
 
+/*
+ * DONTNEED: the real call first, so that what it refuses (EINVAL: a locked area,
+ * bad input) is refused as it would be and nothing changes; a hole in the range
+ * (ENOMEM) still lets it act on the rest. The others cannot go first: on a file
+ * mapping the kernel refuses them.
+ */
 static long do_madvise(uint64_t addr, uint64_t len, int advice) {
     uint64_t rlen = (len + PAGE - 1) & ~(PAGE - 1);
-    if (!(addr & (PAGE - 1)) && len && rlen >= len && addr + rlen > addr) {
+    int valid = !(addr & (PAGE - 1)) && len && rlen >= len && addr + rlen > addr;
+    if (advice == MADV_DONTNEED || advice == MADV_DONTNEED_LOCKED) {
+        long r = sys(NR_MADVISE, addr, len, advice);
+        if ((r < 0 && r != -ENOMEM) || !valid)
+            return r;
+        long p = each_converted(addr, addr + rlen, prepare, advice);
+        return p < 0 ? p : r;
+    }
+    if (valid) {
         long r = each_converted(addr, addr + rlen, prepare, advice);
         if (r < 0)
             return r;

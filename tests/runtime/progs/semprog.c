@@ -29,6 +29,8 @@
  *   spawn     posix_spawn "semprog child" (a vfork child resetting every action):
  *             status = its exit status
  *   blocked   dontneed in a thread that blocks every signal: its answer
+ *   locked    MADV_DONTNEED on an mlock'ed page: errno = EINVAL (22), kept = 1 if its
+ *             bytes stayed
  *   mask      block SIGUSR2 and SIGTTOU, read the mask back: kept = 1 if both are in
  *             it, then unblock: gone = 1 if neither is
  */
@@ -300,6 +302,17 @@ static void check_blocked(char *out, size_t len) {
     snprintf(out, len, "%s", thread_out);
 }
 
+static void check_locked(char *out, size_t len) {
+    uint8_t *p = anon + 9 * PAGE;
+    memset(p, 0x77, PAGE);
+    mlock(p, PAGE);
+    int r = madvise(p, PAGE, MADV_DONTNEED);
+    int e = r ? errno : 0;
+    int kept = all(p, PAGE, 0x77);
+    munlock(p, PAGE);
+    snprintf(out, len, "r=%d errno=%d kept=%d", r, e, kept);
+}
+
 static void check_mask(char *out, size_t len) {
     sigset_t set, cur;
     sigemptyset(&set);
@@ -323,6 +336,7 @@ static void handle(const char *cmd, char *out, size_t len) {
         {"wipe", check_wipe}, {"fmap", check_fmap}, {"own", check_own},
         {"resig", check_resig}, {"exec", check_exec}, {"forkchild", check_forkchild},
         {"spawn", check_spawn}, {"blocked", check_blocked}, {"mask", check_mask},
+        {"locked", check_locked},
     };
     for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++)
         if (!strncmp(cmd, cmds[i].name, strlen(cmds[i].name))) {
