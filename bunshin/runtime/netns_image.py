@@ -9,7 +9,7 @@ socket's namespace) is refused to them. ``add`` gives the inventory's ``root_ids
 namespaces criu was in) a network namespace id of its own and writes the tree's
 namespace as a workspace's always is (nothing inside can change it: no workspace
 process keeps CAP_NET_ADMIN or CAP_NET_RAW): ``lo`` up, ``ping_group_range`` over the
-workspace's groups, and CRIU's network lock. CRIU's restore then unshares the clone's
+workspace's groups, and CRIU's network lock where the dump holds a TCP connection. CRIU's restore then unshares the clone's
 network namespace in the root task after its user namespace, so the namespace is the
 user namespace's, and the restorer, which holds that namespace's capabilities until it
 restores the tasks' credentials last, repairs the connections.
@@ -38,6 +38,7 @@ LO_MTU = 65536
 SOCCR_MARK = 0xC114  # the mark of CRIU's own repair-mode packets (criu/soccr)
 LOCK_ID_CHARS = 21  # "inet CRIU-" + 21 characters fill CRIU's 32-byte table name
 UNPRIVILEGED_PORT_START = "0"  # net.ipv4.ip_unprivileged_port_start in a workspace
+IPPROTO_TCP, TCP_CLOSE, TCP_LISTEN = 6, 7, 10
 NETWORK_LOCK_NFTABLES = 1  # InventoryEntry.network_lock_method (criu/include/cr_options.h)
 # The images CRIU keeps of one network namespace (criu/image-desc.c), by id
 NET_IMAGE = re.compile(r"(?:netdev|ifaddr|route6?|rule|ip6?tables|nftables|netns|netnf-ct|netnf-exp)-(\d+)\.img")
@@ -61,6 +62,15 @@ def expected(net: int, run_id: str, groups: int) -> dict[str, Any]:
             {"ipv4_sysctl": [{"type": "CTL_STR", "sarg": f"0\t{groups - 1}"}]}]},
         f"nftables-{net}.img": lock_table(run_id),
     }
+
+
+def has_connections(images: Path) -> bool:
+    """Whether the dump holds a TCP socket that is neither listening nor closed."""
+    for e in load(images / "files.img")["entries"]:
+        isk = e.get("isk") or {}
+        if isk.get("proto") == IPPROTO_TCP and isk.get("state") not in (TCP_CLOSE, TCP_LISTEN):
+            return True
+    return False
 
 
 def tree_netns(images: Path) -> int:
@@ -87,6 +97,8 @@ def add(images: Path, groups: int) -> int:
     # a restore takes the lock method from the dump, not from its options
     entry["network_lock_method"] = NETWORK_LOCK_NFTABLES
     for name, content in expected(net, entry["dump_criu_run_id"], groups).items():
+        if name.startswith("nftables-") and not has_connections(images):
+            continue  # nothing to lock: a restore without it skips two nft runs
         if isinstance(content, str):
             (images / name).write_text(content)
         else:

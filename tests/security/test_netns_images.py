@@ -5,6 +5,7 @@ addresses, routes and nft rules, run as CRIU), and a dump gets it once."""
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -17,11 +18,25 @@ from bunshin.workspace import Workspace
 pytestmark = [pytest.mark.integration, pytest.mark.criu]
 
 
+PAIR = ("import socket, time; l = socket.socket(); l.bind(('127.0.0.1', 0)); l.listen(1); "
+        "c = socket.create_connection(l.getsockname()); s, _ = l.accept(); open('/tmp/ready', 'w').close(); "
+        "time.sleep(600)")
+
+
+def _wait_for(ws, path: str) -> None:
+    deadline = time.monotonic() + 30
+    while ws.exec(["test", "-e", path]).exit_code != 0:
+        assert time.monotonic() < deadline, path
+        time.sleep(0.05)
+
+
 @pytest.fixture
 def images(no_leaks, tmp_path):
-    """A copy of the images of a real snapshot of a workspace."""
+    """A copy of the images of a real snapshot of a workspace holding a TCP connection."""
     ws = Workspace.create("host", memory="256M", pids=64, config=no_leaks)
     try:
+        ws.commands.spawn(["python3", "-c", PAIR])
+        _wait_for(ws, "/tmp/ready")
         snap = ws.snapshot()
         try:
             out = tmp_path / "images"
@@ -49,6 +64,20 @@ def test_a_dump_restores_its_own_namespace_with_lo_the_ping_range_and_the_lock(i
     assert netns_image.add(images, no_leaks.id_count) == net  # a second add changes nothing
     assert criu_images.load(images / "inventory.img")["entries"][0] == inv
     image_policy.check(images, no_leaks)
+
+
+def test_a_dump_without_connections_gets_no_lock(no_leaks):
+    ws = Workspace.create("host", memory="256M", pids=64, config=no_leaks)
+    try:
+        snap = ws.snapshot()
+        try:
+            images = Path(snap.record.images)
+            assert not netns_image.has_connections(images)
+            assert not list(images.glob("nftables-*.img")) and (images / f"netdev-{_net(images)}.img").is_file()
+        finally:
+            snap.remove()
+    finally:
+        ws.remove()
 
 
 def test_a_link_of_its_own_is_refused(images, no_leaks):
