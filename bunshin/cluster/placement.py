@@ -115,7 +115,7 @@ class ClusterPlacement:
         self.membership = membership
         self.fenced: dict[str, int] = {}  # dead host -> the epoch it must serve to be placed on again
         self.generation = dict.fromkeys(self.hosts, 0)  # a host's epochs seen here: roots held there go
-        self._retired: list[Client] = []  # clients of hosts that came back at another URL
+        self._retired: list[Client] = []  # clients of hosts given up, then back
         self._closed = threading.Event()
         self._reviver: threading.Thread | None = None
 
@@ -161,6 +161,9 @@ class ClusterPlacement:
                     return False
                 self.dead.add(name)
                 self.counters.dead_hosts.append(name)
+                # closed at once: calls still retrying there stop, so none lands on the host once
+                # it serves again (emptied, in its next epoch) and makes what nobody tracks
+                self.hosts[name].close()
                 log.warning("host %s does not answer: no more placements there", name)
             self._fence(name)
         return ok
@@ -209,12 +212,11 @@ class ClusterPlacement:
         ep = self.membership.endpoint(name)
         if ep is None or httpx.get(f"{ep.url}/v1/health", timeout=HEALTH_TIMEOUT_S).status_code != 200:
             return
-        with self._lock:
-            if ep.url != self.hosts[name].url:
-                from ..client import Client, Retry
+        from ..client import Client, Retry
 
-                self._retired.append(self.hosts[name])
-                self.hosts[name] = Client(ep.url, token=ep.token, timeout=300.0, retry=Retry(total_s=60.0))
+        with self._lock:
+            self._retired.append(self.hosts[name])  # closed when it was given up
+            self.hosts[name] = Client(ep.url, token=ep.token, timeout=300.0, retry=Retry(total_s=60.0))
             self.generation[name] += 1
             self.fenced.pop(name, None)
             self._answered[name] = time.monotonic()
