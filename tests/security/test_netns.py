@@ -13,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import os
 import subprocess
+import time
 
 import pytest
 
@@ -21,6 +22,9 @@ from bunshin.workspace import Workspace
 pytestmark = [pytest.mark.integration, pytest.mark.criu]
 
 NET_ADMIN, NET_RAW = 12, 13
+PAIR = ("import socket, time; l = socket.socket(); l.bind(('127.0.0.1', 0)); l.listen(1); "
+        "c = socket.create_connection(l.getsockname()); s, _ = l.accept(); "
+        "open('/tmp/pair.ready', 'w').close(); time.sleep(3600)")
 NS_GET_USERNS = 0xB701  # _IO(0xb7, 0x1): the user namespace that owns a namespace
 ATTACKS = {
     "nft": "nft add table inet bunshin_evil && nft add chain inet bunshin_evil c '{ type filter hook output priority 0; }'",
@@ -58,6 +62,13 @@ def ws(request, no_leaks):
     parent = Workspace.create("host", memory="256M", pids=128, config=no_leaks)
     made = [parent]
     try:
+        # a connection held across the fork: the clone's namespace is then made by CRIU in
+        # its user namespace (netns_image), the case where the restorer may repair TCP
+        parent.commands.spawn(["python3", "-c", PAIR])
+        deadline = time.monotonic() + 30
+        while parent.exec(["test", "-e", "/tmp/pair.ready"]).exit_code != 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         if request.param == "clone":
             made += parent.fork(1)
         yield made[-1]
