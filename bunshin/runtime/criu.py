@@ -76,6 +76,10 @@ class Placement:
     # external /sys mount; it stays until the clone's folder is unmounted). A mount
     # namespace of criu's own would cost ~5 ms more per restore: its teardown.
     sysfs: str | None = None
+    # with sysfs: keep this namespace alive with it (a bind of it beside the sysfs) when the
+    # restored tasks get a namespace of their own (``netns_image``): the sysfs's devices
+    # live only as long as it does. Not otherwise: a mount more to copy in every restore.
+    hold_netns: bool = False
 
     def enter(self) -> None:
         """Runs in the criu child between fork and exec: plain syscalls only."""
@@ -97,7 +101,8 @@ class Placement:
             sc.new_netns()
             if self.sysfs is not None:
                 sc.mount_sysfs(self.sysfs)
-                sc.hold_netns(self.sysfs + ".netns")  # the sysfs's devices live with it
+                if self.hold_netns:
+                    sc.hold_netns(self.sysfs + ".netns")
 
 
 def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:

@@ -77,6 +77,11 @@ def has_connections(images: Path) -> bool:
     return False
 
 
+def restores_netns(images: Path) -> bool:
+    """Whether a restore of ``images`` makes the clone's network namespace (``add`` wrote it)."""
+    return any(images.glob("netdev-*.img"))
+
+
 def tree_netns(images: Path) -> int:
     """The network namespace id of the dumped tree (one for all its tasks)."""
     nets = {int(load(p)["entries"][0]["net_ns_id"]) for p in images.glob("ids-*.img")}

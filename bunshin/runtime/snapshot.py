@@ -515,6 +515,7 @@ def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout
         sysfs = str(wdir / "sys")  # beneath the clone's folder: unmounted with it
         os.mkdir(sysfs, 0o755)
         into = criu.Placement(new_netns=True, own_keyring=True, sysfs=sysfs,
+                              hold_netns=netns_image.restores_netns(Path(snap.images)),
                               cgroup_procs=tuple(str(p / "cgroup.procs") for p in cg.paths))
         run = criu.restore(
             cfg.criu, Path(snap.images), pidfile=wdir / "pid", root=Path(rec.root),

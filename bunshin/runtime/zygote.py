@@ -71,7 +71,8 @@ def enter(sc: Any, p: dict[str, Any], *, netns_ready: bool = False) -> None:
             sc.new_netns()
         if p.get("sysfs") is not None:
             sc.mount_sysfs(p["sysfs"])
-            sc.hold_netns(p["sysfs"] + ".netns")
+            if p.get("hold_netns"):
+                sc.hold_netns(p["sysfs"] + ".netns")
 
 
 def _exec(sc: Any, req: dict[str, Any], out_fd: int, err_w: int, *, netns_ready: bool = False) -> None:
