@@ -16,5 +16,5 @@ def test_row_steps_carry_the_wire_call_and_the_observation():
     step = row["steps"][0]
     assert step["tool_call"] == {"name": "bash", "arguments": {"command": "ls"}, "id": "call-0"}
     assert step["observation"] == {"output": "a\n", "exit_code": 0, "error": None, "timed_out": False,
-                                   "duration_s": 0.0, "cached": False, "speculated": False}
+                                   "duration_s": 0.0, "cached": False, "speculated": False, "images": []}
     assert (step["turn"], step["think_s"], step["latency_s"], row["turns"]) == (1, 0.25, 0.1, 1)

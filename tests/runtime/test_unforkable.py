@@ -1,4 +1,4 @@
-"""Units of ``runtime/unforkable`` on this process itself (no workspace, no root):
+"""Units of ``runtime/unforkable`` on this process and fresh ones (no workspace, no root):
 the ghost limit's sizes, a deleted-but-open file found by size, an inotify watch found
 through fdinfo and mapped to its mount by the kernel's device encoding."""
 
@@ -7,6 +7,9 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -32,26 +35,43 @@ def test_ghost_limit_that_is_no_size_is_refused_with_a_hint(raw):
     assert "BUNSHIN_GHOST_LIMIT" in (info.value.hint or "")
 
 
-def test_a_deleted_open_file_is_found_only_above_the_limit(tmp_path: Path):
+@pytest.fixture
+def holder() -> Iterator[Callable[[Path, int, int], tuple[int, int]]]:
+    """A fresh process (none of this one's descriptors: a test run may hold deleted logs of
+    its own) that opens a file, writes ``size`` bytes, makes it ``length`` long, and keeps it
+    open: (its pid, the descriptor's number)."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(path: Path, size: int, length: int) -> tuple[int, int]:
+        code = (f"import os, sys; f = open({str(path)!r}, 'wb'); f.write(b'x' * {size}); f.flush(); "
+                f"f.truncate({length}); print(f.fileno(), flush=True); sys.stdin.read()")
+        p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        procs.append(p)
+        assert p.stdout is not None
+        return p.pid, int(p.stdout.readline())
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def test_a_deleted_open_file_is_found_only_above_the_limit(tmp_path: Path, holder):
     path = tmp_path / "spill"
-    with open(path, "wb") as f:
-        f.write(b"x" * 5000)
-        f.flush()
-        assert unforkable.big_ghost(os.getpid(), 4096) is None, "not deleted yet"
-        path.unlink()
-        held = os.fstat(f.fileno()).st_blocks * 512  # what CRIU counts: the bytes allocated
-        assert held >= 5000
-        found = unforkable.big_ghost(os.getpid(), 4096)
-        assert found == (f.fileno(), str(path), held)
-        assert unforkable.big_ghost(os.getpid(), held) is None, "at the limit is within it"
+    pid, fd = holder(path, 5000, 5000)
+    assert unforkable.big_ghost(pid, 4096) is None, "not deleted yet"
+    path.unlink()
+    held = os.stat(f"/proc/{pid}/fd/{fd}").st_blocks * 512  # what CRIU counts: the bytes allocated
+    assert held >= 5000
+    assert unforkable.big_ghost(pid, 4096) == (fd, str(path), held)
+    assert unforkable.big_ghost(pid, held) is None, "at the limit is within it"
 
 
-def test_a_sparse_deleted_file_counts_by_what_it_holds(tmp_path: Path):
+def test_a_sparse_deleted_file_counts_by_what_it_holds(tmp_path: Path, holder):
     path = tmp_path / "sparse"
-    with open(path, "wb") as f:
-        f.truncate(1 << 30)  # 1 GiB long, nothing written
-        path.unlink()
-        assert unforkable.big_ghost(os.getpid(), 1 << 20) is None
+    pid, _ = holder(path, 0, 1 << 30)  # 1 GiB long, nothing written
+    path.unlink()
+    assert unforkable.big_ghost(pid, 1 << 20) is None
 
 
 def test_an_inotify_watch_is_mapped_to_its_mount(tmp_path: Path):
