@@ -213,10 +213,12 @@ class ClusterPlacement:
         if ep is None or httpx.get(f"{ep.url}/v1/health", timeout=HEALTH_TIMEOUT_S).status_code != 200:
             return
         from ..client import Client, Retry
+        from .transport import keepalive_transport
 
         with self._lock:
             self._retired.append(self.hosts[name])  # closed when it was given up
-            self.hosts[name] = Client(ep.url, token=ep.token, timeout=300.0, retry=Retry(total_s=60.0))
+            self.hosts[name] = Client(ep.url, token=ep.token, timeout=300.0, retry=Retry(total_s=60.0),
+                                      transport=keepalive_transport())
             self.generation[name] += 1
             self.fenced.pop(name, None)
             self._answered[name] = time.monotonic()

@@ -243,9 +243,10 @@ class Cluster:
     def clients(self, *, timeout: float | None = 300.0) -> dict[str, Client]:
         """A :class:`bunshin.client.Client` per host, by name (close them when done)."""
         from ..client import Client, Retry
+        from .transport import keepalive_transport
 
-        return {e.name: Client(e.url, token=e.token, timeout=timeout, retry=Retry(total_s=60.0))
-                for e in self.endpoints()}
+        return {e.name: Client(e.url, token=e.token, timeout=timeout, retry=Retry(total_s=60.0),
+                               transport=keepalive_transport()) for e in self.endpoints()}
 
     # --- internals ------------------------------------------------------------------------
 

@@ -66,3 +66,49 @@ def test_a_host_that_is_slow_to_answer_is_asked_again_before_it_is_given_up(tmp_
             assert not p.alive("slow")
             assert time.monotonic() - t0 >= 1.0
             assert p.dead == {"gone", "slow"}
+
+
+@pytest.mark.integration
+def test_a_call_waiting_on_a_host_that_is_cut_off_ends_in_seconds():
+    """A call that has been sent and waits for its answer sends nothing more; when the
+    host is cut off (nftables drops its port) the head's keepalive probes go unanswered
+    and the call ends with a transport error, not at the client's timeout."""
+    import socket
+    import threading
+    import time
+
+    import httpx
+
+    from bunshin.cluster.transport import (
+        KEEPALIVE_COUNT,
+        KEEPALIVE_IDLE_S,
+        KEEPALIVE_INTERVAL_S,
+        keepalive_transport,
+    )
+
+    from .netcut import NetCut
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(4)
+        port = server.getsockname()[1]
+        accepted = []
+        threading.Thread(target=lambda: accepted.append(server.accept()), daemon=True).start()
+        net = NetCut(port)
+        with httpx.Client(transport=keepalive_transport(), timeout=120.0) as client:
+            def cut_soon():
+                while not accepted:
+                    time.sleep(0.05)
+                net.cut()  # the request is in; its answer never comes
+
+            threading.Thread(target=cut_soon, daemon=True).start()
+            t0 = time.monotonic()
+            try:
+                with pytest.raises(httpx.TransportError):
+                    client.get(f"http://127.0.0.1:{port}/v1/health")
+            finally:
+                net.heal()
+                for conn, _ in accepted:
+                    conn.close()
+            took = time.monotonic() - t0
+    assert took < KEEPALIVE_IDLE_S + KEEPALIVE_INTERVAL_S * (KEEPALIVE_COUNT + 3), took
