@@ -73,6 +73,11 @@ class Task:
         return cls(host_pid=host_pid, pid=inside, command=command[:120])
 
 
+def pid_level(init: int, proc: Path = Path("/proc")) -> int:
+    """The depth of the workspace's pid namespace (its init ``init``'s, the host's being 0)."""
+    return len(_nspids(init, proc)) - 1
+
+
 def _nspids(pid: int, proc: Path) -> list[int]:
     """The process's pid in each pid namespace it is in, the host's first (``NSpid``)."""
     for line in (proc / str(pid) / "status").read_text().splitlines():
@@ -112,7 +117,7 @@ def refusals(pids: Sequence[int], proc: Path = Path("/proc")) -> list[Refusal]:
         return []
     root = pids[0]
     try:
-        level = len(_nspids(root, proc)) - 1
+        level = pid_level(root, proc)
     except OSError:
         return []  # the workspace's init is gone: the dump says so itself
     out: list[Refusal] = []

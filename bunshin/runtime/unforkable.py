@@ -25,13 +25,13 @@ import os
 import re
 import stat
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import psutil
 
 from ..config import Config
 from ..errors import InvalidArgument, NotForkable
 from . import mountinfo
+from .fork_checks import Task, pid_level
 
 _SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _WATCH = re.compile(r"^inotify wd:\S+ ino:([0-9a-f]+) sdev:([0-9a-f]+) ")
@@ -50,27 +50,17 @@ def ghost_limit(cfg: Config) -> int:
     return int(number) * _SUFFIXES[unit]
 
 
-@dataclass(frozen=True)
-class Holder:
-    """A process of the workspace."""
-
-    host_pid: int
-    pid: int  # as the workspace sees it
-    command: str
-
-    def __str__(self) -> str:
-        return f"process {self.pid} ({self.command!r})"
+def _holder(host_pid: int, level: int) -> Task | None:
+    """The workspace process ``host_pid`` as its owner knows it (None once it is gone)."""
+    task = Task.read(host_pid, level)
+    return task if psutil.pid_exists(host_pid) else None
 
 
-def _holder(host_pid: int) -> Holder | None:
+def _level(init: int) -> int:
     try:
-        p = psutil.Process(host_pid)
-        command = " ".join(p.cmdline()) or p.name()
-        with open(f"/proc/{host_pid}/status", encoding="utf-8") as f:
-            nspid = next((ln.split()[-1] for ln in f if ln.startswith("NSpid:")), str(host_pid))
-        return Holder(host_pid, int(nspid), command[:200])
-    except (psutil.Error, OSError, ValueError):
-        return None
+        return pid_level(init)
+    except OSError:
+        return 0
 
 
 def _tree(pid: int | None) -> list[int]:
@@ -162,23 +152,25 @@ def find(cfg: Config, workspace_id: str, pid: int | None, criu_said: str) -> Not
     named it); None if nothing known is found."""
     limit = ghost_limit(cfg)
     ghosts, watches = "ghost file" in criu_said, "fsnotify" in criu_said
-    for host_pid in _tree(pid) if ghosts or watches else []:
+    tree = _tree(pid) if ghosts or watches else []
+    level = _level(tree[0]) if tree else 0
+    for host_pid in tree:
         ghost = big_ghost(host_pid, limit) if ghosts else None
-        if ghost is not None and (who := _holder(host_pid)) is not None:
+        if ghost is not None and (who := _holder(host_pid, level)) is not None:
             fd, path, size = ghost
             return NotForkable(
-                f"cannot fork {workspace_id}: {who} holds the deleted file {path!r} open (fd {fd}, {_mib(size)}), "
+                f"cannot fork {workspace_id}: process {who.pid} ({who.command}) holds the deleted file {path!r} open (fd {fd}, {_mib(size)}), "
                 f"larger than the fork's ghost limit of {_mib(limit)}",
                 hint="close the file in the workspace, keep it under a name until the fork, or raise "
                      "BUNSHIN_GHOST_LIMIT (Config.ghost_limit): each clone then gets its own copy of it",
                 process=who.pid, command=who.command, path=path, size=size, ghost_limit=limit,
             )
         watch = stuck_watch(host_pid) if watches else None
-        if watch is not None and (who := _holder(host_pid)) is not None:
+        if watch is not None and (who := _holder(host_pid, level)) is not None:
             fd, ino, m = watch
             where = f"{m.fs_type} filesystem at {m.mount_point}" if m is not None else "a filesystem it has no mount of"
             return NotForkable(
-                f"cannot fork {workspace_id}: {who} has an inotify watch (fd {fd}) on inode {ino} of the {where}, "
+                f"cannot fork {workspace_id}: process {who.pid} ({who.command}) has an inotify watch (fd {fd}) on inode {ino} of the {where}, "
                 "which cannot decode file handles, so CRIU cannot record the watch",
                 hint="watch files of the workspace's own tree instead (its root overlay carries watches), "
                      "or stop the watcher before forking",
