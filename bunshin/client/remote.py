@@ -145,7 +145,8 @@ class RemoteWorkspace:
 
     def run_tool(self, name: str, arguments: dict[str, Any] | str | None = None, *,
                  workdir: str = "/") -> Observation:
-        """One call of the server's built-in tool set in this workspace (no cache)."""
+        """One call of the server's built-in tool set (desktop tools included) in this workspace
+        (no cache)."""
         r = self._client.request("POST", f"{self._path}/tools/{name}", default_wait=False,
                                  json={"arguments": arguments or {}, "workdir": workdir})
         return Observation(**r.json())

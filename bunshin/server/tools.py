@@ -1,6 +1,8 @@
 """Tool calls over HTTP: ``POST /v1/workspaces/{id}/tools/{name}`` runs one call of the
-built-in tool set in a workspace (no cache: groups' trajectories have it), ``GET /v1/tools``
-lists the tools in the OpenAI function-calling form."""
+built-in tool set in a workspace (no cache: groups' trajectories have it), the desktop tools
+included (``ToolSet.desktop``: in a workspace without a desktop they answer a tool error that
+says how to get one); ``GET /v1/tools`` lists the tools in the OpenAI function-calling form
+(``?desktop=true``: with the desktop tools)."""
 
 from __future__ import annotations
 
@@ -25,12 +27,12 @@ def router(ctx: ServerContext) -> APIRouter:
     api = APIRouter(prefix="/v1")
 
     @api.get("/tools")
-    def tools() -> list[dict[str, Any]]:
-        return ToolSet.default().openai_tools()
+    def tools(desktop: bool = False) -> list[dict[str, Any]]:
+        return (ToolSet.desktop() if desktop else ToolSet.default()).openai_tools()
 
     @api.post("/workspaces/{ws_id}/tools/{name}")
     def call_tool(ws_id: str, name: str, req: ToolCallRequest) -> g.ObservationOut:
-        tools = ToolSet.default(workdir=req.workdir)
+        tools = ToolSet.desktop(workdir=req.workdir)
         obs = ctx.locked(ws_id, lambda ws: tools.run_sync(ws, name, req.arguments))
         return g.ObservationOut(**asdict(obs))
 

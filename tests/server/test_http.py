@@ -185,3 +185,9 @@ def test_tool_calls_over_http(served):
         bad = ws.run_tool("read_file", {"path": "/nope"})
         assert bad.error and "no such file" in bad.error
         assert "unknown tool" in (ws.run_tool("nope").error or "")
+        desk = [t["function"]["name"] for t in httpx.get(
+            f"{served.url}/v1/tools", params={"desktop": "true"},
+            headers={"Authorization": f"Bearer {served.token}"}).json()]
+        assert {"screenshot", "left_click", "press_key"} <= set(desk) and "screenshot" not in names
+        no_desktop = ws.run_tool("screenshot")  # a workspace made without one: a tool error saying how
+        assert not no_desktop.ok and "desktop" in (no_desktop.error or "")

@@ -143,6 +143,9 @@ def test_a_desktop_on_a_remote_workspace_over_http(no_leaks):
             desk.launch("xterm")
             obs = ToolSet.desktop().run_sync(ws, "screenshot", {})
             assert obs.ok and _image(base64.b64decode(obs.images[0])).size == (320, 240)
+            served = ws.run_tool("screenshot")  # the server's own tool route runs it too
+            assert served.ok and _image(base64.b64decode(served.images[0])).size == (320, 240)
+            assert "off the 320x240 screen" in (ws.run_tool("left_click", {"x": 999, "y": 5}).error or "")
             (clone,) = ws.fork(1)
             try:
                 assert Desktop.of(clone).windows() == ["xterm"]
