@@ -71,6 +71,9 @@ class HostActor:
             if lease is not None and stale:
                 self.server.stop()
                 self.cleared.append(clear_home(cfg))
+                # a new token with the new epoch: a call the head still retries from before the
+                # fence is refused rather than making what nobody tracks
+                self.server.token_file.unlink(missing_ok=True)
                 log.warning("host %s: epoch %d was fenced (now %d): removed %s", self.name, lease.epoch,
                             current, self.cleared[-1])
             if not self.server.running():

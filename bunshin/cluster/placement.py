@@ -161,9 +161,6 @@ class ClusterPlacement:
                     return False
                 self.dead.add(name)
                 self.counters.dead_hosts.append(name)
-                # closed at once: calls still retrying there stop, so none lands on the host once
-                # it serves again (emptied, in its next epoch) and makes what nobody tracks
-                self.hosts[name].close()
                 log.warning("host %s does not answer: no more placements there", name)
             self._fence(name)
         return ok
@@ -216,7 +213,8 @@ class ClusterPlacement:
         from .transport import keepalive_transport
 
         with self._lock:
-            self._retired.append(self.hosts[name])  # closed when it was given up
+            # the old client's calls still retrying meet the new epoch's token: refused (401)
+            self._retired.append(self.hosts[name])
             self.hosts[name] = Client(ep.url, token=ep.token, timeout=300.0, retry=Retry(total_s=60.0),
                                       transport=keepalive_transport())
             self.generation[name] += 1
