@@ -169,8 +169,8 @@ def test_a_host_killed_mid_rollout_is_fenced_and_emptied(cluster, homes, tmp_pat
     token = next(e.token for e in cluster.endpoints() if e.name == "b")
     drill = HostDrill(cluster, "b", "kill")
     run_drill(cluster, tmp_path, drill, TASK, MAX_WORKSPACES + 2)
-    after = wait_for(lambda: (h := host(cluster, "b")).fenced > before.fenced and h.alive and h)
-    assert after.epoch == before.epoch + 1 and after.pid != before.pid
+    after = wait_for(lambda: (h := host(cluster, "b")).epoch == before.epoch + 1 and h.alive and h)
+    assert after.fenced == before.fenced + 1 and after.pid != before.pid
     # a new token with the new epoch: the head's calls from before the fence are refused
     assert next(e.token for e in cluster.endpoints() if e.name == "b") != token
     assert clean(homes["b"])
