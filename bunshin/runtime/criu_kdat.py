@@ -73,16 +73,7 @@ def _binary_id(criu: Path) -> str:
 @functools.cache
 def run_is_tmpfs() -> bool:
     """Is /run a tmpfs (asked once per process: mountinfo grows with every clone)?"""
-    return _fstype(RUN) == "tmpfs"
-
-
-def _fstype(path: Path) -> str:
-    best, fstype = "", "?"
-    real = os.path.realpath(path)
-    for m in mountinfo.read():
-        if m.holds(real) and len(m.mount_point) >= len(best):
-            best, fstype = m.mount_point, m.fs_type
-    return fstype
+    return mountinfo.fs_type_of(RUN) == "tmpfs"
 
 
 def _stamp_for(criu: Path, data: bytes) -> dict[str, str]:

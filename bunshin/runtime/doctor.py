@@ -71,7 +71,7 @@ def _cgroups() -> Result:
 
 def _tmpfs(cfg: Config) -> Result:
     cfg.tmpfs.mkdir(parents=True, exist_ok=True)
-    fstype = _fstype(cfg.tmpfs)
+    fstype = mountinfo.fs_type_of(cfg.tmpfs)
     st = os.statvfs(cfg.tmpfs)
     free = st.f_bavail * st.f_frsize
     ok = fstype == "tmpfs"
@@ -93,15 +93,6 @@ def _huge_pages(cfg: Config) -> Result:
     fix = ("with nothing running, `bunshin gc` then remove the folder (it is remounted on next use), "
            "or point BUNSHIN_TMPFS at a new path")
     return ok, detail, None if ok else fix
-
-
-def _fstype(path: Path) -> str:
-    best, fstype = "", "?"
-    real = os.path.realpath(path)
-    for m in mountinfo.read():
-        if m.holds(real) and len(m.mount_point) >= len(best):
-            best, fstype = m.mount_point, m.fs_type
-    return fstype
 
 
 def _criu(cfg: Config) -> Result:

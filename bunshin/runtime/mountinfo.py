@@ -87,6 +87,16 @@ def at(path: str | os.PathLike[str]) -> MountEntry | None:
     return found
 
 
+def fs_type_of(path: str | os.PathLike[str]) -> str:
+    """The type of the filesystem ``path`` (resolved) lies on: its deepest, latest mount's; "?" if none."""
+    best, fstype = "", "?"
+    real = os.path.realpath(path)
+    for m in read():
+        if m.holds(real) and len(m.mount_point) >= len(best):
+            best, fstype = m.mount_point, m.fs_type
+    return fstype
+
+
 def below(folder: str | os.PathLike[str]) -> list[str]:
     """Mount points strictly below ``folder`` (resolved), in order."""
     base = os.path.realpath(folder).rstrip("/") + "/"

@@ -70,3 +70,11 @@ def test_a_real_mount_with_a_space_in_its_path(tmp_path):
     finally:
         sc.umount(str(folder))
     assert mountinfo.at(folder) is None and not container.is_mounted(str(folder))
+
+
+def test_fs_type_of_is_the_deepest_mount_holding_the_path():
+    assert mountinfo.fs_type_of("/proc/self/status") == "proc"
+    assert mountinfo.fs_type_of("/proc") == "proc"
+    assert mountinfo.fs_type_of("/dev/shm") == "tmpfs"
+    root = next(m for m in reversed(mountinfo.read()) if m.mount_point == "/")
+    assert mountinfo.fs_type_of("/") == root.fs_type
