@@ -73,6 +73,13 @@ def test_a_planted_lease_is_not_followed(no_leaks, tmp_path):
         lease_path(no_leaks).unlink(missing_ok=True)
 
 
+def _home_key(cfg) -> bytes:
+    """The cluster's key as this (session-wide) home already holds one: an earlier test's
+    snapshot may have made it, and a host refuses a home holding another key."""
+    path = cfg.snapshot_key_path
+    return path.read_bytes() if path.exists() else b"k" * 32
+
+
 @pytest.fixture
 def kv(monkeypatch):
     """Ray's GCS key-value store as a dict: the host actor alone, in this process."""
@@ -100,7 +107,7 @@ def test_a_host_starting_on_a_home_keeps_only_what_the_cluster_owns(no_leaks, kv
         kv["epoch/h"] = kv_epoch
     actor = None
     try:
-        actor = HostActor("h", "node", str(no_leaks.home), bind="127.0.0.1", key=b"k" * 32)
+        actor = HostActor("h", "node", str(no_leaks.home), bind="127.0.0.1", key=_home_key(no_leaks))
         assert actor.epoch == epoch and kv["epoch/h"] == epoch and kv["serving/h"] == epoch
         assert ws.is_alive() == kept and len(actor.cleared) == (not kept)
         assert read_lease(no_leaks).epoch == epoch and not read_lease(no_leaks).lost()

@@ -1168,3 +1168,20 @@ def test_handler_blob_builds_without_relocations(tmp_path: Path) -> None:
     table = trapcode.table_bytes("/.bunshin/mem", 1, 2, [trapcode.FileEntry(0x1000, 0x3000, 0, "/lib/x.so")])
     assert trapcode.parse_table(table) == [trapcode.FileEntry(0x1000, 0x3000, 0, "/lib/x.so")]
     assert trapcode.parse_table(bytes(len(table))) is None
+
+
+def test_remove_memfile_when_another_sweep_removed_it_first(tmp_path, monkeypatch):
+    """Two forks' sweeps race for one orphan: the one that finds it gone meanwhile returns."""
+    from bunshin.runtime.memfile import fileio
+
+    victim = tmp_path / "snap-x-1.bunshin-mem"
+    victim.write_bytes(b"m" * 4096)
+    real = fileio._open_regular
+
+    def raced(name, dir_fd):  # the other sweep unlinks it between our stat and our open
+        os.unlink(name, dir_fd=dir_fd)
+        return real(name, dir_fd)
+
+    monkeypatch.setattr(fileio, "_open_regular", raced)
+    fileio.remove_memfile(victim)  # no FileNotFoundError
+    assert not victim.exists()

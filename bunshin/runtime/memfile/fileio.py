@@ -299,7 +299,10 @@ def remove_memfile_at(dir_fd: int, name: str) -> None:
         return
     if stat.S_ISDIR(mode):
         return
-    fd = _open_regular(name, dir_fd) if stat.S_ISREG(mode) else None
+    try:
+        fd = _open_regular(name, dir_fd) if stat.S_ISREG(mode) else None
+    except FileNotFoundError:
+        return  # removed meanwhile (two sweeps of concurrent forks race for the same orphan)
     try:
         flags = 0
         if fd is not None:
