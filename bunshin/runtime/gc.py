@@ -27,6 +27,7 @@ from ..config import Config
 from . import agent_bundle, container, idmap, snapshot, statefs
 from . import syscalls as sc
 from .cgroups import Layout, WorkspaceCgroup
+from .entries import remove_entry
 from .oci import store as oci_store
 from .records import WorkspaceState
 from .store import Store
@@ -200,10 +201,7 @@ def stale_transfers(cfg: Config) -> list[str]:
         parts = p.name.split(".")[0].split("-")
         pid = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
         if (pid is not None and not psutil.pid_exists(pid)) or (pid is None and not _recent(p)):
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                p.unlink(missing_ok=True)
+            remove_entry(p)
             gone.append(str(p))
     return gone
 

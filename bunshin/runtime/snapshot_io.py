@@ -61,6 +61,7 @@ from ..errors import (
 from . import agent_bundle, container, image_policy, images, memfile, statefs
 from . import snapshot as rsnap
 from . import syscalls as sc
+from .entries import remove_entry
 from .snapshot_checks import (
     _IMAGE_NAME,
     _SHA256,
@@ -132,10 +133,7 @@ def save(cfg: Config, snap: rsnap.SnapshotRecord, dest: Path) -> Path:
             shutil.rmtree(dest, ignore_errors=True)
         else:
             for p in dest.iterdir():
-                if p.is_dir() and not p.is_symlink():
-                    shutil.rmtree(p, ignore_errors=True)
-                else:
-                    p.unlink(missing_ok=True)
+                remove_entry(p)
         raise
 
 

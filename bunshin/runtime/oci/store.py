@@ -22,6 +22,7 @@ import psutil
 
 from ...config import Config
 from ...errors import ImageNotFound, InvalidArgument
+from ..entries import remove_entry
 from ..records import WorkspaceRecord
 from ..store import Store
 from .records import KIND, LAYER_KIND, ImageConfig, ImageRecord
@@ -265,10 +266,7 @@ def free(cfg: Config, store: Store, snapshot_lowers: Iterable[str]) -> list[str]
         loading = bool(store.list_objects(PENDING_KIND))
         for d in cfg.paths.image_staging.iterdir():
             if not loading or time.time() - d.lstat().st_mtime > _STALE_S:
-                if d.is_dir() and not d.is_symlink():
-                    shutil.rmtree(d, ignore_errors=True)
-                else:
-                    d.unlink(missing_ok=True)
+                remove_entry(d)
                 out.append(str(d))
     return out
 
