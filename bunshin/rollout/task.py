@@ -182,7 +182,7 @@ def resolve_image(task: TaskSpec, config: Config) -> str:
     from ..runtime import images  # noqa: PLC0415 (the runtime only when a root is built)
     from ..runtime.store import Store  # noqa: PLC0415
 
-    if task.image == images.HOST or Path(task.image).is_dir():
+    if images.names_folder(task.image):
         return task.image
     with Store.open(config.db_path) as store:
         base = images.resolve(config, store, task.image)

@@ -48,12 +48,18 @@ def resolve(cfg: Config, store: Store, image: str, *, pull: bool = True) -> Base
     if not isinstance(image, str) or not image.strip():
         raise InvalidArgument(f"image {image!r} is empty",
                               hint="give 'host', an image reference or the path of a root filesystem folder")
-    if not IMAGE_ID.fullmatch(image) and (
-            image == HOST or Path(image).is_dir() or image.startswith(("/", "./", "../"))
-            or not looks_like_ref(image) and not image.startswith("sha256:")):
+    if names_folder(image):
         return BaseImage(tuple(lower_layers(cfg, image)))
     rec = stored_image(cfg, store, image, pull=pull)
     return BaseImage(tuple(oci_store.lowers(cfg, rec)), rec.id, rec.config)
+
+
+def names_folder(image: str) -> bool:
+    """Whether ``image`` means 'host' or a root filesystem folder rather than a stored image:
+    the one rule every caller decides by (a full image id never names a folder)."""
+    return not IMAGE_ID.fullmatch(image) and (
+        image == HOST or Path(image).is_dir() or image.startswith(("/", "./", "../"))
+        or not looks_like_ref(image) and not image.startswith("sha256:"))
 
 
 def stored_image(cfg: Config, store: Store, ref: str, *, pull: bool = True) -> ImageRecord:

@@ -43,3 +43,18 @@ def test_image_task_pulls_on_first_use_and_keys_its_root_by_digest(tmp_path: Pat
     with pytest.raises(ImageNotFound, match="neither a folder nor a stored image"):
         resolve_image(parse_task({"id": "t3", "image": "not/pulled:1"}), cfg)
     assert resolve_image(parse_task({"id": "t4"}), cfg) == "host"
+
+
+def test_an_image_id_is_never_a_folder_even_when_one_of_that_name_exists(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The task and the runtime decide 'folder or stored image' by one rule: a folder in the
+    working directory named like a full image id does not stand in for the image."""
+    cfg = Config.for_home(tmp_path / "home")
+    image_id = "sha256:" + "ab" * 32
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / image_id).mkdir()
+    with pytest.raises(ImageNotFound, match="neither a folder nor a stored image"):
+        resolve_image(parse_task({"id": "t", "image": image_id}), cfg)
+    folder = tmp_path / "rootfs"
+    folder.mkdir()
+    assert resolve_image(parse_task({"id": "t", "image": str(folder)}), cfg) == str(folder)
