@@ -1,0 +1,148 @@
+"""Stop every thread of a live process and issue system calls in it from the host.
+
+``Stopped(pid)`` seizes each thread (``PTRACE_SEIZE`` with
+``PTRACE_O_SUSPEND_SECCOMP``, as CRIU does for its parasite: the workspace's
+filter is never opened for us; the call runs with the process's own creds),
+interrupts it and waits until all are stopped; threads created meanwhile are
+seized too, until the set is stable (a stopped thread cannot clone).
+``syscall(nr, *args)`` saves the leader's registers, points ``rip`` at a
+``syscall`` instruction the process already maps (``site``), single-steps it and
+restores the registers (a call the thread was blocked in restarts as it would
+after any signal). Leaving the block detaches every thread, re-delivering a
+signal a stop took. The host process must stay in one thread for all of it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from types import TracebackType
+
+from . import ptrace
+from .site import NoSite, syscall_site
+
+_MAX_ERRNO = 4095
+_MAX_SIGNALS = 64
+
+
+class InjectionFailed(Exception):
+    """A call could not be injected (the reason is the message); the process is left as it was."""
+
+
+class Stopped:
+    """All threads of ``pid`` stopped under the host's ptrace; see the module doc."""
+
+    def __init__(self, pid: int, proc: Path = Path("/proc")) -> None:
+        self.pid = pid
+        self._proc = proc
+        self._held: dict[int, int] = {}  # tid -> signal to give back on detach
+        self._site: int | None = None
+        self._more: list[tuple[int, int]] = []
+
+    def __enter__(self) -> Stopped:
+        try:
+            self._stop_all()
+        except BaseException:
+            self._release()
+            raise
+        return self
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self._release()
+
+    @property
+    def threads(self) -> tuple[int, ...]:
+        return tuple(sorted(self._held))
+
+    def _tids(self) -> set[int]:
+        try:
+            return {int(t) for t in os.listdir(self._proc / str(self.pid) / "task")}
+        except FileNotFoundError:
+            raise InjectionFailed(f"process {self.pid} is gone") from None
+
+    def _stop_all(self) -> None:
+        while True:
+            new = self._tids() - set(self._held)
+            if not new:
+                break
+            for tid in sorted(new):
+                try:
+                    ptrace.seize(tid)
+                except ptrace.PtraceError as exc:
+                    if exc.errno == errno.ESRCH:
+                        continue  # exited between the listing and the seize
+                    raise InjectionFailed(f"cannot trace thread {tid}: {exc.strerror}") from None
+                self._held[tid] = 0
+                ptrace.interrupt(tid)
+                stop = ptrace.wait(tid)
+                if stop.exited:
+                    del self._held[tid]
+                    continue
+                self._held[tid] = stop.signal  # a signal-delivery stop: given back on detach
+        if self.pid not in self._held:
+            raise InjectionFailed(f"process {self.pid} exited while being stopped")
+
+    def _keep(self, tid: int, sig: int) -> None:
+        if not self._held.get(tid):
+            self._held[tid] = sig
+        elif self._held[tid] != sig:
+            self._more.append((tid, sig))  # a second signal: sent again after the detach
+
+    def _release(self) -> None:
+        for tid, sig in self._held.items():
+            try:
+                ptrace.detach(tid, sig)
+            except ptrace.PtraceError:
+                pass  # exited (or killed) meanwhile
+        self._held.clear()
+        for tid, sig in self._more:
+            ptrace.tgkill(self.pid, tid, sig)
+        self._more.clear()
+
+    def syscall(self, nr: int, *args: int) -> int:
+        """Issue system call ``nr`` in the leader; its result (a negative errno on failure)."""
+        if len(args) > 6:
+            raise ValueError("a system call takes at most six arguments")
+        if self.pid not in self._held:
+            raise InjectionFailed(f"process {self.pid} is not stopped")
+        if self._site is None:
+            try:
+                self._site = syscall_site(self.pid, self._proc)
+            except (NoSite, OSError) as exc:
+                raise InjectionFailed(str(exc)) from None
+        tid = self.pid
+        saved = ptrace.get_regs(tid)
+        regs = saved.copy()
+        regs.rax, regs.orig_rax, regs.rip = nr, (1 << 64) - 1, self._site  # orig_rax -1: no restart
+        for name, value in zip(("rdi", "rsi", "rdx", "r10", "r8", "r9"), args, strict=False):
+            setattr(regs, name, value & ((1 << 64) - 1))
+        try:
+            ptrace.set_regs(tid, regs)
+            for _ in range(_MAX_SIGNALS):
+                ptrace.singlestep(tid)
+                stop = ptrace.wait(tid)
+                if stop.exited:
+                    del self._held[tid]
+                    raise InjectionFailed(f"process {self.pid} died during an injected system call {nr}")
+                if stop.signal == ptrace.SIGTRAP:
+                    break
+                # a signal arrived before the call ran: kept for the detach, the step retried
+                self._keep(tid, stop.signal)
+            else:
+                raise InjectionFailed(f"signals keep arriving: the system call {nr} was not injected")
+            after = ptrace.get_regs(tid)
+            if after.rip != self._site + 2:
+                raise InjectionFailed(f"the injected system call {nr} did not return to its site")
+            res = int(after.rax)
+        finally:
+            if tid in self._held:
+                ptrace.set_regs(tid, saved)
+        return res - (1 << 64) if res > (1 << 64) - _MAX_ERRNO - 1 else res
+
+
+def check(res: int, what: str) -> int:
+    """``res`` of an injected call, or InjectionFailed naming ``what`` and its errno."""
+    if res < 0:
+        raise InjectionFailed(f"{what} failed in the process: {os.strerror(-res)}")
+    return res
