@@ -10,7 +10,6 @@ checked by ``image_policy``.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import hmac
 import json
 import os
@@ -22,16 +21,17 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config
-from ..errors import InvalidArgument, RuntimeFailure
+from ..errors import InvalidArgument
 from . import agent_bundle, images, memfile
 from . import snapshot as rsnap
 from .cgroups import parse_size
+from .keys import home_key as home_key  # re-exported: snapshot_io, cluster
+from .keys import mac as mac
 from .records import SnapshotMode
 
 FORMAT = "bunshin-snapshot/2"
 _UNSIGNED_FORMATS = ("bunshin-snapshot/1",)  # older folders: no hashes, no MAC (load with trust)
 _ROLES = {"base", "mask", "agent", "snapshot", "image"}
-_MAC_PREFIX = "hmac-sha256:"
 _TRUST_HINT = "load only folders this home saved, or pass --trust (Python: trust=True) for a folder you trust"
 
 # What every id and name in a folder must look like (``take``, ``AgentBundle``, ``images``, ``memfile``)
@@ -58,46 +58,6 @@ _NUMBERS = ("created_at", "dump_ms", "pause_ms", "rewrite_ms", "memfile_bytes", 
 
 
 # --------------------------------------------------------------- authentication
-
-
-def home_key(cfg: Config, *, create: bool) -> bytes | None:
-    """This home's snapshot key (32 random bytes, mode 0600), made on first save."""
-    path = cfg.snapshot_key_path
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        if not create:
-            return None
-        path.parent.mkdir(parents=True, exist_ok=True)
-        key = os.urandom(32)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}-{key[:4].hex()}")
-        wfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(wfd, key)
-            os.fsync(wfd)
-            os.close(wfd)
-            os.link(tmp, path)  # all or nothing: a concurrent first save keeps its own key
-            return key
-        except FileExistsError:
-            return home_key(cfg, create=False)
-        finally:
-            tmp.unlink(missing_ok=True)
-    try:
-        key = os.read(fd, 64)
-    finally:
-        os.close(fd)
-    if len(key) != 32:
-        raise RuntimeFailure(f"{path} is not a snapshot key (32 bytes)",
-                             hint="remove it: folders saved before then need --trust")
-    return key
-
-
-def mac(key: bytes | None, manifest: dict[str, Any]) -> str:
-    """The MAC of a manifest: HMAC-SHA256 of its canonical JSON without the ``mac`` field."""
-    assert key is not None
-    body = {k: v for k, v in manifest.items() if k != "mac"}
-    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
-    return _MAC_PREFIX + hmac.new(key, text.encode(), hashlib.sha256).hexdigest()
 
 
 def _authenticate(cfg: Config, src: Path, manifest: dict[str, Any]) -> None:

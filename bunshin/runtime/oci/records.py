@@ -11,6 +11,7 @@ from ...errors import InvalidArgument
 
 KIND = "image"  # the store's object kind of image records
 LAYER_KIND = "image-layer"  # and of layer records (size, files)
+LAYER_TAR_KIND = "image-layer-tar"  # a layer's exported tar: its sha256 and size (``layer_tar``)
 
 
 def _strings(value: Any, what: str) -> tuple[str, ...]:

@@ -25,10 +25,10 @@ from ...errors import ImageNotFound, InvalidArgument
 from ..entries import remove_entry
 from ..records import WorkspaceRecord
 from ..store import Store
-from .records import KIND, LAYER_KIND, ImageConfig, ImageRecord
+from .records import KIND, LAYER_KIND, LAYER_TAR_KIND, ImageConfig, ImageRecord
 from .refs import Reference
 from .sources import ImageParts, Source, images_in, open_source
-from .unpack import unpack
+from .unpack import Unpacked, unpack
 
 PENDING_KIND = "image-pending"
 Progress = Callable[[str], None]
@@ -109,6 +109,19 @@ def _take_names(store: Store, image_id: str, names: tuple[str, ...]) -> None:
             store.put_object(KIND, other.id, _replace(other, names=kept).to_json())
 
 
+def record(store: Store, rec: ImageRecord) -> ImageRecord:
+    """Store ``rec`` (an image moved here: ``exchange``), its names taken over and merged
+    with an earlier record of the same image."""
+    with store.transaction():
+        old = get(store, rec.id)
+        _take_names(store, rec.id, rec.names)
+        if old is not None:
+            rec = _replace(rec, created_at=old.created_at, names=tuple(dict.fromkeys((*old.names, *rec.names))),
+                           digests=tuple(dict.fromkeys((*old.digests, *rec.digests))))
+        store.put_object(KIND, rec.id, rec.to_json())
+    return rec
+
+
 def complete(cfg: Config, store: Store, image_id: str) -> ImageRecord | None:
     """The stored image ``image_id`` if every one of its layers is in the store."""
     rec = get(store, image_id)
@@ -138,18 +151,12 @@ def _replace(rec: ImageRecord, **changes: object) -> ImageRecord:
 def _ensure_layer(cfg: Config, store: Store, src: Source, rel: str, blob_digest: str | None, diff_id: str,
                   label: str, progress: Progress, mapped_from: int | None = None) -> int:
     """The layer ``diff_id`` in the store (unpacked unless there); its size in bytes."""
-    final = cfg.paths.image_layer(diff_id)
-    known = store.get_object(LAYER_KIND, diff_id)
-    if final.is_dir() and known is not None:
+    known = stored_layer_size(cfg, store, diff_id)
+    if known is not None:
         progress(f"layer {label} {diff_id[7:19]} already stored")
-        return int(known.split()[0])
-    cfg.paths.image_layers.mkdir(parents=True, exist_ok=True)
-    os.chmod(cfg.paths.images, 0o700)
-    cfg.paths.image_staging.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".layer-{diff_id[7:19]}-", dir=cfg.paths.image_staging))
-    try:
-        os.chmod(tmp, 0o755)
-        os.chown(tmp, cfg.id_base, cfg.id_base)
+        return known
+
+    def fill(tmp: Path) -> Unpacked:
         progress(f"layer {label} {diff_id[7:19]} unpacking")
         try:
             f = src.open(rel)
@@ -157,8 +164,33 @@ def _ensure_layer(cfg: Config, store: Store, src: Source, rel: str, blob_digest:
             raise InvalidArgument(f"layer {rel} of the image is missing ({e})",
                                   hint="the archive or folder is incomplete: make or download it again") from None
         with f:
-            done = unpack(f, str(tmp), id_base=cfg.id_base, id_count=cfg.id_count, blob_digest=blob_digest,
+            return unpack(f, str(tmp), id_base=cfg.id_base, id_count=cfg.id_count, blob_digest=blob_digest,
                           diff_id=diff_id, name=diff_id[7:19], mapped_from=mapped_from)
+
+    return stage_layer(cfg, store, diff_id, fill).size_bytes
+
+
+def stored_layer_size(cfg: Config, store: Store, diff_id: str) -> int | None:
+    """The size of the layer ``diff_id`` if the store holds it whole (folder and record)."""
+    known = store.get_object(LAYER_KIND, diff_id)
+    if known is None or not cfg.paths.image_layer(diff_id).is_dir():
+        return None
+    return int(known.split()[0])
+
+
+def stage_layer(cfg: Config, store: Store, diff_id: str, fill: Callable[[Path], Unpacked]) -> Unpacked:
+    """Make the layer ``diff_id``: ``fill`` unpacks it into an empty staging folder (and
+    checks it), which is then renamed into place and recorded; whatever ``fill`` raises,
+    the staging folder is removed and nothing is stored under the layer's name."""
+    final = cfg.paths.image_layer(diff_id)
+    cfg.paths.image_layers.mkdir(parents=True, exist_ok=True)
+    os.chmod(cfg.paths.images, 0o700)
+    cfg.paths.image_staging.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".layer-{diff_id[7:19]}-", dir=cfg.paths.image_staging))
+    try:
+        os.chmod(tmp, 0o755)
+        os.chown(tmp, cfg.id_base, cfg.id_base)
+        done = fill(tmp)
         try:
             if final.is_dir():
                 shutil.rmtree(final)  # a folder without its record: an interrupted rename, redone
@@ -167,7 +199,7 @@ def _ensure_layer(cfg: Config, store: Store, src: Source, rel: str, blob_digest:
             if not final.is_dir():
                 raise
         store.put_object(LAYER_KIND, diff_id, f"{done.size_bytes} {done.entries}")
-        return done.size_bytes
+        return done
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -261,6 +293,7 @@ def free(cfg: Config, store: Store, snapshot_lowers: Iterable[str]) -> list[str]
             if f"sha256:{d.name}" not in held:
                 shutil.rmtree(d, ignore_errors=True)
                 store.delete_object(LAYER_KIND, f"sha256:{d.name}")
+                store.delete_object(LAYER_TAR_KIND, f"sha256:{d.name}")
                 out.append(str(d))
     if cfg.paths.image_staging.is_dir():
         loading = bool(store.list_objects(PENDING_KIND))

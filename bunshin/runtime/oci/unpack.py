@@ -64,6 +64,9 @@ class HashingReader(io.RawIOBase):
         if not data:
             return 0
         n = len(data)
+        if self.limit is not None and self.count + n > self.limit:
+            raise InvalidArgument(f"the layer stream is longer than the {self.limit} bytes it was announced with",
+                                  hint="the stream is corrupt or was replaced: fetch the layer again")
         b[:n] = data
         self.sha.update(data)
         self.count += n
@@ -109,7 +112,8 @@ class Unpacked:
 
 
 def unpack(blob: IO[bytes], dest: str, *, id_base: int, id_count: int,
-           blob_digest: str | None, diff_id: str, name: str, mapped_from: int | None = None) -> Unpacked:
+           blob_digest: str | None, diff_id: str, name: str, mapped_from: int | None = None,
+           limit: int | None = None, told_by: str = "the image config") -> Unpacked:
     """Unpack the layer ``blob`` (compressed or not) into the empty folder ``dest``.
 
     ``blob_digest`` (the manifest's, None when the layer comes uncompressed from a
@@ -117,9 +121,10 @@ def unpack(blob: IO[bytes], dest: str, *, id_base: int, id_count: int,
     ``InvalidArgument`` for a refused or damaged layer and ``ResourceExhausted`` when
     the disk is full; the caller removes ``dest`` then. ``mapped_from``: ids at or above
     it were written through that mapping (a build's user namespace: ``oci.build``) and
-    count from it.
+    count from it. ``limit``: bytes ``blob`` may hold at most; ``told_by``: who named
+    ``diff_id`` (for the error).
     """
-    raw = HashingReader(blob)
+    raw = HashingReader(blob, limit)
     try:
         inner = HashingReader(decompressed(raw))
         writer = _Writer(dest, id_base, id_count, name, mapped_from)
@@ -152,7 +157,7 @@ def unpack(blob: IO[bytes], dest: str, *, id_base: int, id_count: int,
         raise InvalidArgument(f"layer {name}: its blob's digest is {raw.digest}, the manifest says {blob_digest}",
                               hint="the blob is corrupt or was replaced: fetch the image again")
     if inner.digest != diff_id:
-        raise InvalidArgument(f"layer {name}: its tar's digest is {inner.digest}, the image config says {diff_id}",
+        raise InvalidArgument(f"layer {name}: its tar's digest is {inner.digest}, {told_by} says {diff_id}",
                               hint="the layer is corrupt or was replaced: fetch the image again")
     return Unpacked(raw.digest, inner.digest, writer.bytes, writer.entries)
 
