@@ -9,7 +9,7 @@ import json as _json
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -24,6 +24,7 @@ from ..errors import BunshinError, InvalidArgument, RateLimited, RequestInProgre
 from ..runtime.snapshot_io import MANIFEST
 from ..workspace.protocol import HostAPI
 from .groups import RemoteGroup, TaskLike, join
+from .images import RemoteImages
 from .remote import RemoteSnapshot, RemoteWorkspace
 
 DEFAULT_URL = "http://127.0.0.1:8770"
@@ -131,6 +132,23 @@ class Client:
                 yield from r.iter_bytes(CHUNK)
         except httpx.TransportError as exc:
             raise _unreachable(method, f"{self.url}{path}", wait_s, exc) from None
+
+    def upload(self, method: str, path: str, chunks: Iterable[bytes], *,
+               headers: dict[str, str] | None = None) -> httpx.Response:
+        """A call whose body is streamed from ``chunks`` (sent once: a body cannot be resent)."""
+        try:
+            r = self._http.request(method, path, content=chunks, headers=headers,
+                                   timeout=httpx.Timeout(self.timeout, connect=10.0))
+        except httpx.TransportError as exc:
+            raise _unreachable(method, f"{self.url}{path}", self.timeout, exc) from None
+        if r.status_code >= 400:
+            raise _error_of(r)
+        return r
+
+    @property
+    def images(self) -> RemoteImages:
+        """The host's image store (``bunshin.client.images``)."""
+        return RemoteImages(self)
 
     def stream_lines(self, method: str, path: str, *, json: Any = None,
                      wait_s: float | None = None) -> Iterator[dict[str, Any]]:

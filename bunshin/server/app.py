@@ -26,7 +26,7 @@ from .. import __version__
 from ..api import models as m
 from ..config import Config
 from ..errors import BunshinError, InvalidArgument, Unauthorized
-from . import groups, rollouts, snapshots, streaming, swerex, tools, transfer, workspaces
+from . import groups, images, rollouts, snapshots, streaming, swerex, tools, transfer, workspaces
 from .admission import Limits
 from .context import CallerGone, ServerContext
 from .leases import SWEEP_EVERY_S
@@ -103,6 +103,7 @@ def create_app(config: Config, token: str, *, limits: Limits | None = None,
     app.include_router(workspaces.router(ctx), dependencies=auth)
     app.include_router(snapshots.router(ctx), dependencies=auth)
     app.include_router(transfer.router(ctx), dependencies=auth)
+    app.include_router(images.router(ctx), dependencies=auth)
     app.include_router(groups.router(ctx), dependencies=auth)
     app.include_router(rollouts.router(ctx), dependencies=auth)
     app.include_router(tools.router(ctx), dependencies=auth)

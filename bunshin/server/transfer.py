@@ -84,23 +84,24 @@ DISK_MARGIN = 256 << 20
 
 
 class UploadBudget:
-    """How large an upload into ``folder`` may grow: ``cap`` bytes, and what the disk holds."""
+    """How large an upload into ``folder`` may grow: ``cap`` bytes, and what the disk holds.
+    ``what``: what is uploaded (a snapshot, an image layer), for the errors."""
 
-    def __init__(self, folder: Path, cap: int | None) -> None:
-        self.folder, self.cap = folder, cap
+    def __init__(self, folder: Path, cap: int | None, *, what: str = "snapshot") -> None:
+        self.folder, self.cap, self.what = folder, cap, what
         self._room: int | None = None  # bytes the disk had for the body when first asked
 
     def check(self, size: int) -> None:
         if self.cap is not None and size > self.cap:
             raise PayloadTooLarge(
-                f"snapshot upload of {size} bytes or more: over this server's limit of {self.cap}",
-                hint="raise it with `bunshin serve --max-upload SIZE`, or move a smaller snapshot")
+                f"{self.what} upload of {size} bytes or more: over this server's limit of {self.cap}",
+                hint=f"raise it with `bunshin serve --max-upload SIZE`, or move a smaller {self.what}")
         if self._room is None:
             st = os.statvfs(self.folder)
             self._room = (st.f_bavail * st.f_frsize - DISK_MARGIN) // 2
         if size > self._room:
             raise ResourceExhausted(
-                f"snapshot upload of {size} bytes or more: the disk under {self.folder} has room for "
+                f"{self.what} upload of {size} bytes or more: the disk under {self.folder} has room for "
                 f"{max(self._room, 0)} (the upload and its unpacked copy, {DISK_MARGIN >> 20} MiB spare)",
                 hint="free space on the server's BUNSHIN_HOME disk (`bunshin gc`), or place the group "
                      "on another host")
