@@ -18,7 +18,7 @@ UFFDIO_API, UFFDIO_REGISTER, UFFDIO_UNREGISTER = 0xC018AA3F, 0xC020AA00, 0x8010A
 UFFDIO_WRITEPROTECT = 0xC018AA06
 PAGEMAP_SCAN = 0xC0606610
 PM_SCAN_WP_MATCHING, PM_SCAN_CHECK_WPASYNC = 1 << 0, 1 << 1
-PAGE_IS_WPALLOWED, PAGE_IS_WRITTEN = 1 << 0, 1 << 1
+PAGE_IS_WPALLOWED, PAGE_IS_WRITTEN, PAGE_IS_PRESENT, PAGE_IS_SWAPPED = 1 << 0, 1 << 1, 1 << 3, 1 << 4
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -95,14 +95,22 @@ class Run:
 
 def scan_written(pagemap_fd: int, start: int, end: int, *, protect: bool, batch: int = 4096) -> list[Run]:
     """The written runs in ``[start, end)``; with ``protect`` they are write-protected again, atomically."""
+    return _scan(pagemap_fd, start, end, (PM_SCAN_WP_MATCHING | PM_SCAN_CHECK_WPASYNC) if protect else 0,
+                 PAGE_IS_WRITTEN, 0, batch)
+
+
+def scan_populated(pagemap_fd: int, start: int, end: int, batch: int = 4096) -> list[Run]:
+    """The runs in ``[start, end)`` that hold pages (in memory or swapped out); holes read as zeros."""
+    return _scan(pagemap_fd, start, end, 0, 0, PAGE_IS_PRESENT | PAGE_IS_SWAPPED, batch)
+
+
+def _scan(pagemap_fd: int, start: int, end: int, flags: int, mask: int, anyof: int, batch: int) -> list[Run]:
     vec = (PageRegion * batch)()
     out: list[Run] = []
     pos = start
     while pos < end:
-        arg = PmScanArg(size=ctypes.sizeof(PmScanArg),
-                        flags=(PM_SCAN_WP_MATCHING | PM_SCAN_CHECK_WPASYNC) if protect else 0,
-                        start=pos, end=end, vec=ctypes.addressof(vec), vec_len=batch,
-                        category_mask=PAGE_IS_WRITTEN, return_mask=PAGE_IS_WRITTEN)
+        arg = PmScanArg(size=ctypes.sizeof(PmScanArg), flags=flags, start=pos, end=end, vec=ctypes.addressof(vec),
+                        vec_len=batch, category_mask=mask, category_anyof_mask=anyof, return_mask=mask | anyof)
         n = fcntl.ioctl(pagemap_fd, PAGEMAP_SCAN, arg)
         out += [Run(vec[i].start, vec[i].end) for i in range(n)]
         if arg.walk_end <= pos:

@@ -99,6 +99,10 @@ class Tracker:
                 return None  # unmapped, remapped or changed since it was registered
             raise
 
+    def populated(self, start: int, end: int) -> list[Run]:
+        """The runs of ``[start, end)`` that hold pages (the rest reads as zeros)."""
+        return kernel.scan_populated(self._pagemap, start, end)
+
     def close(self) -> None:
         """Stop tracking: every area unregistered (what is still mapped), the fds closed."""
         if self._uffd < 0:

@@ -1,0 +1,213 @@
+"""Live conversion: a running process's anonymous areas moved into a memory file, pre-copied while it runs.
+
+``convert_live`` (the mechanism of issue 17's pre-copy; not yet on the fork path):
+
+1. *pre-copy*, the process running: each area is tracked (``dirty.Tracker``:
+   async write-protect) and its populated pages are copied into the memory file
+   (holes stay holes) from ``/proc/PID/mem``;
+2. *stop*: every thread stopped (``inject.Stopped``); each area must still be
+   mapped whole as it was, else nothing is changed and ``LiveUnavailable`` says why;
+3. *dirty copy*: only the pages written since their copy are copied again;
+4. *remap*: the file is sealed, opened in the process (its own path, ``view``,
+   verified from the host by device and inode before anything maps it) and each
+   area is replaced by a ``MAP_PRIVATE | MAP_FIXED`` mapping of its slot, same
+   address and protection; the anonymous pages are freed.
+
+The process then reads the same bytes from the shared file, as a restored
+clone does, and a CRIU dump of it holds only what it writes afterwards. What a
+clone also gets and this does not yet: the trap (``trap``) that keeps
+``MADV_DONTNEED``/``mremap`` exact; until it is installed live, a converted
+process has the semantic differences the package doc lists, which is why no
+fork uses this yet.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bunshin.runtime.dirty import Run, Tracker, TrackingUnavailable
+from bunshin.runtime.inject import InjectionFailed, Stopped, check
+
+from .criu_images import PAGE
+from .fileio import remove_memfile, seal, write_data
+from .rewrite import DEFAULT_GROWTH_ROOM, Slots
+
+NR_MMAP, NR_MUNMAP, NR_CLOSE, NR_OPENAT = 9, 11, 3, 257
+PROT_RW = 0x3
+MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS = 0x02, 0x10, 0x20
+O_RDONLY, O_NONBLOCK, O_NOFOLLOW, O_CLOEXEC, O_NOCTTY = 0, 0o4000, 0o400000, 0o2000000, 0o400
+AT_FDCWD = -100
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 1, 2
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
+
+
+class LiveUnavailable(Exception):
+    """The process cannot be converted live (the reason is the message); it was left as it was."""
+
+
+class _PartlyMapped(LiveUnavailable):
+    """Some areas map the file already (their bytes are the same): the file must stay."""
+
+
+@dataclass(frozen=True)
+class LiveArea:
+    start: int
+    end: int
+    prot: int
+    offset: int  # of its slot in the memory file
+
+
+@dataclass
+class LiveResult:
+    """What a live conversion did, and how long each phase took (ms)."""
+
+    path: Path
+    areas: list[LiveArea]
+    precopy_ms: float = 0.0  # while the process ran
+    stop_ms: float = 0.0  # stopping every thread
+    dirty_ms: float = 0.0  # copying the pages written during the pre-copy (stopped)
+    remap_ms: float = 0.0  # replacing the areas (stopped)
+    pause_ms: float = 0.0  # the whole time the process was stopped
+    precopy_bytes: int = 0
+    dirty_bytes: int = 0
+    rounds: list[int] = field(default_factory=list)  # bytes written during each pre-copy round
+
+
+def _area_prot(pid: int, start: int, end: int) -> int | None:
+    """The protection of the area mapped exactly ``[start, end)``, anonymous and private; else None."""
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        parts = line.split()
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        if lo == start and hi == end:
+            perms, inode = parts[1], parts[4]
+            if perms[3] != "p" or inode != "0":
+                return None
+            return (1 if perms[0] == "r" else 0) | (2 if perms[1] == "w" else 0) | (4 if perms[2] == "x" else 0)
+    return None
+
+
+def _punch(fd: int, off: int, length: int) -> None:
+    if _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, off, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def _copy(mem: int, dst: int, area: LiveArea, runs: list[Run], fresh: bool) -> int:
+    total = 0
+    for lo, hi in ((r.start, r.end) for r in runs):
+        at = area.offset + lo - area.start
+        if not fresh:
+            _punch(dst, at, hi - lo)  # the older copy out: a page now all zeros becomes a hole
+        total += write_data(mem, lo, dst, at, hi - lo)
+    return total
+
+
+def convert_live(
+    pid: int, areas: list[tuple[int, int]], path: Path, view: str, *,
+    growth_room: int = DEFAULT_GROWTH_ROOM, rounds: int = 2,
+) -> LiveResult:
+    """Move ``areas`` (whole private anonymous areas of ``pid``) into a new memory file at ``path``.
+
+    ``view`` is the file's path as the process resolves it. ``rounds``: pre-copy
+    passes while it runs (each copies what the previous one saw written).
+    Raises ``LiveUnavailable`` (the process unchanged, the file removed), but
+    for an ``mmap`` failing after others succeeded: the areas mapped already
+    hold the same bytes from the file, which stays.
+    """
+    slots = Slots(growth_room)
+    planned = []
+    for start, end in sorted(areas):
+        prot = _area_prot(pid, start, end)
+        if prot is None:
+            raise LiveUnavailable(f"{start:#x}-{end:#x} is not one private anonymous area of process {pid}")
+        planned.append(LiveArea(start, end, prot, slots.place(start, end - start)))
+    dst = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    done = False
+    try:
+        os.ftruncate(dst, slots.cursor)
+        result = LiveResult(path, planned)
+        try:
+            with Tracker.open(pid) as tracker:
+                _run(pid, tracker, planned, dst, view, result, rounds)
+        except _PartlyMapped:
+            done = True
+            raise
+        except (TrackingUnavailable, InjectionFailed, OSError) as exc:
+            raise LiveUnavailable(str(exc)) from None
+        done = True
+        return result
+    finally:
+        os.close(dst)
+        if not done:
+            remove_memfile(path)  # sealed already if the remap was refused
+
+
+def _run(pid: int, tracker: Tracker, planned: list[LiveArea], dst: int, view: str,
+         result: LiveResult, rounds: int) -> None:
+    t0 = time.perf_counter()
+    for a in planned:
+        tracker.track(a.start, a.end)
+    mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        tracked = dict(zip(planned, tracker.areas, strict=True))
+        for a in planned:  # round 1: what each area holds now
+            result.precopy_bytes += _copy(mem, dst, a, tracker.populated(a.start, a.end), fresh=True)
+        for _ in range(max(rounds - 1, 0)):  # later rounds: what was written meanwhile
+            n = 0
+            for a in planned:
+                runs = tracker.written(tracked[a])
+                if runs is None:
+                    raise LiveUnavailable(f"area {a.start:#x}-{a.end:#x} changed during the pre-copy")
+                n += _copy(mem, dst, a, runs, fresh=False)
+            result.rounds.append(n)
+        result.precopy_ms = (time.perf_counter() - t0) * 1000
+        t1 = time.perf_counter()
+        with Stopped(pid) as s:
+            t2 = time.perf_counter()
+            result.stop_ms = (t2 - t1) * 1000
+            for a in planned:
+                runs = tracker.written(tracked[a])
+                if runs is None or _area_prot(pid, a.start, a.end) != a.prot:
+                    raise LiveUnavailable(f"area {a.start:#x}-{a.end:#x} changed during the pre-copy")
+                result.dirty_bytes += _copy(mem, dst, a, runs, fresh=False)
+            seal(dst)
+            t3 = time.perf_counter()
+            result.dirty_ms = (t3 - t2) * 1000
+            _remap(s, pid, dst, view, planned)
+            result.remap_ms = (time.perf_counter() - t3) * 1000
+        result.pause_ms = (time.perf_counter() - t1) * 1000
+    finally:
+        os.close(mem)
+
+
+def _remap(s: Stopped, pid: int, dst: int, view: str, planned: list[LiveArea]) -> None:
+    """Open the file in the process by ``view``, check it is ours, map each area from it."""
+    raw = view.encode() + b"\0"
+    if len(raw) > PAGE or b"\0" in raw[:-1]:
+        raise LiveUnavailable(f"bad memory-file path {view!r}")
+    scratch = check(s.syscall(NR_MMAP, 0, PAGE, PROT_RW, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0), "mmap of a scratch page")
+    fd = -1
+    try:
+        mem = os.open(f"/proc/{pid}/mem", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            os.pwrite(mem, raw, scratch)
+        finally:
+            os.close(mem)
+        fd = check(s.syscall(NR_OPENAT, AT_FDCWD, scratch, O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_NOCTTY | O_CLOEXEC),
+                   f"open of {view}")
+        got, want = os.stat(f"/proc/{pid}/fd/{fd}"), os.fstat(dst)
+        if (got.st_dev, got.st_ino) != (want.st_dev, want.st_ino):
+            raise LiveUnavailable(f"{view} in process {pid} is not the memory file")
+        for a in planned:  # same bytes, same address: the process cannot tell but by its maps
+            at = s.syscall(NR_MMAP, a.start, a.end - a.start, a.prot, MAP_PRIVATE | MAP_FIXED, fd, a.offset)
+            if at != a.start:
+                raise _PartlyMapped(f"mmap of {a.start:#x}-{a.end:#x} from the memory file failed ({at})")
+    finally:
+        if fd >= 0:
+            s.syscall(NR_CLOSE, fd)
+        s.syscall(NR_MUNMAP, scratch, PAGE)

@@ -1,0 +1,138 @@
+"""Live conversion (memfile.live) on a real running process: pre-copy while it writes, a short stop, exact bytes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bunshin.runtime.memfile import remove_memfile
+from bunshin.runtime.memfile.live import LiveUnavailable, convert_live
+
+from .procs import kill_and_wait
+
+MIB = 1 << 20
+
+# An area of its own (guard pages either side) half filled with random bytes, the
+# rest never touched; a thread keeps writing into it (mostly a hot 4 MiB, sometimes
+# anywhere, holes too) and into a shadow copy elsewhere. "stop" ends the writer;
+# each line is answered with the area's hash and whether it equals the shadow.
+PROG = r"""
+import ctypes, hashlib, random, sys, threading, time
+N = int(sys.argv[1])
+libc = ctypes.CDLL(None)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+addr = libc.mmap(None, N + 8192, 3, 0x22, -1, 0) + 4096
+libc.mprotect(ctypes.c_void_p(addr - 4096), 4096, 1)
+libc.mprotect(ctypes.c_void_p(addr + N), 4096, 1)
+mv = memoryview((ctypes.c_char * N).from_address(addr)).cast("B")
+with open("/dev/urandom", "rb") as f:
+    f.readinto(mv[: N // 2])
+shadow = bytearray(mv)
+stop = False
+def writer():
+    rnd, i = random.Random(3), 0
+    while not stop:
+        at = rnd.randrange(4 << 20) if i % 10 else rnd.randrange(N)
+        mv[at] = shadow[at] = i & 255
+        i += 1
+        if i % 100 == 0:
+            time.sleep(0.001)
+t = threading.Thread(target=writer, daemon=True)
+t.start()
+time.sleep(0.2)
+print(hex(addr), flush=True)
+for line in sys.stdin:
+    if line.strip() == "stop":
+        stop = True
+        t.join()
+    elif line.startswith("w "):
+        mv[int(line.split()[1])] ^= 0xFF
+        shadow[int(line.split()[1])] ^= 0xFF
+    print(hashlib.sha256(mv).hexdigest(), mv == shadow, flush=True)
+"""
+
+
+class Prog:
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.p = subprocess.Popen([sys.executable, "-c", PROG, str(size)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        self.addr = int(self.p.stdout.readline(), 16)
+
+    def ask(self, line: str) -> tuple[str, bool]:
+        self.p.stdin.write(line + "\n")
+        self.p.stdin.flush()
+        digest, same = self.p.stdout.readline().split()
+        return digest, same == "True"
+
+    def anon_kib(self) -> int:
+        lines = Path(f"/proc/{self.p.pid}/smaps").read_text().splitlines()
+        i = next(i for i, ln in enumerate(lines) if ln.startswith(f"{self.addr:x}-"))
+        return int(next(ln for ln in lines[i + 1:] if ln.startswith("Anonymous:")).split()[1])
+
+    def close(self) -> None:
+        kill_and_wait(self.p.pid)
+        self.p.stdin.close()
+        self.p.stdout.close()
+
+
+@pytest.fixture
+def prog(request):
+    p = Prog(getattr(request, "param", 64 * MIB))
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def memfile_path(tmp_path: Path):
+    path = tmp_path / "live.mem"
+    yield path
+    remove_memfile(path)
+
+
+@pytest.mark.integration
+def test_converted_while_it_writes(prog: Prog, memfile_path: Path) -> None:
+    assert prog.anon_kib() > 30 * 1024
+    res = convert_live(prog.p.pid, [(prog.addr, prog.addr + prog.size)], memfile_path, str(memfile_path))
+    assert res.precopy_bytes >= 32 * MIB  # the random half, copied while it ran
+    assert res.rounds and res.rounds[0] > 0  # the writer kept writing meanwhile: a second round copied that
+    assert res.dirty_bytes < 16 * MIB  # while stopped: only what it wrote during the last round
+    assert res.pause_ms >= res.dirty_ms + res.remap_ms
+    maps = Path(f"/proc/{prog.p.pid}/maps").read_text()
+    assert f"{prog.addr:x}-{prog.addr + prog.size:x} rw-p" in maps and str(memfile_path) in maps
+    assert prog.anon_kib() < 8 * 1024  # its anonymous copy is gone: the file holds the bytes
+    digest, same = prog.ask("stop")
+    assert same  # every byte it wrote before, during and after the conversion is there
+    assert prog.ask(f"w {prog.size - 5}") == (prog.ask("h")[0], True)  # and it writes on (copy-on-write)
+    assert memfile_path.stat().st_mode & 0o777 == 0o444
+    def head() -> bytes:
+        with memfile_path.open("rb") as f:
+            f.seek(res.areas[0].offset)
+            return f.read(8 * MIB)
+    before = head()
+    prog.ask("w 7")
+    assert head() == before  # its writes stay private, never in the file
+
+
+@pytest.mark.integration
+def test_refusals_leave_the_process_as_it_was(prog: Prog, memfile_path: Path, tmp_path: Path) -> None:
+    with pytest.raises(LiveUnavailable, match="not one private anonymous area"):
+        convert_live(prog.p.pid, [(prog.addr, prog.addr + prog.size // 2)], memfile_path, str(memfile_path))
+    assert not memfile_path.exists()
+    planted = tmp_path / "planted.mem"
+    planted.write_bytes(b"\0" * prog.size * 2)  # what the path leads to is not the host's file
+    with pytest.raises(LiveUnavailable, match="is not the memory file"):
+        convert_live(prog.p.pid, [(prog.addr, prog.addr + prog.size)], memfile_path, str(planted))
+    assert not memfile_path.exists()
+    maps = Path(f"/proc/{prog.p.pid}/maps").read_text()
+    assert "planted" not in maps and "live.mem" not in maps
+    assert not any("userfaultfd" in p.resolve().name for p in Path(f"/proc/{prog.p.pid}/fd").iterdir())
+    assert "uw" not in Path(f"/proc/{prog.p.pid}/smaps").read_text().split(f"{prog.addr:x}-", 1)[1].split("VmFlags:")[1].split("\n")[0]
+    assert prog.ask("stop")[1]  # its memory untouched, still anonymous
+    assert prog.anon_kib() > 30 * 1024
+    with pytest.raises(LiveUnavailable, match="gone"):
+        convert_live(2**22 + 99, [], memfile_path, str(memfile_path))
