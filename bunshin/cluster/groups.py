@@ -19,11 +19,13 @@ from __future__ import annotations
 import shutil
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..api.groups import GroupOut
 from ..client.groups import RemoteGroup, RemoteTrajectory, TaskLike
 from ..errors import NotFound, StateConflict
+from .images import ImageMove
 from .placement import ClusterPlacement
 from .scheduler import HostLoad, choose
 
@@ -34,6 +36,7 @@ class Share:
 
     host: str
     group: RemoteGroup
+    image: ImageMove | None = None  # the task's image moved to this host for it
 
 
 class ClusterGroups:
@@ -137,10 +140,11 @@ class ClusterGroups:
         held = {h: grp.root for h, grp in self._groups(key).items()}
         try:
             for host, k in sorted(counts.items(), key=lambda hk: (hk[0] not in held, hk[0])):
+                move = self.placement.images.ensure(_image_of(task, image), host)
                 group = self._join_on(host, key=key, n=k, task=task, image=image, tools=tools,
                                       speculation=speculation, held=held)
                 held.setdefault(host, group.root)
-                shares.append(Share(host, group))
+                shares.append(Share(host, group, move))
         except BaseException:
             for s in shares:
                 s.group.close()
@@ -156,6 +160,14 @@ class ClusterGroups:
             if host not in self.placement.dead:
                 self._drop_copy(k, host)
         return held
+
+
+def _image_of(task: TaskLike | None, image: str | None) -> str | None:
+    """The image a group's root stands on: the task's, else the one given."""
+    if task is None:
+        return image
+    named = task.get("image") if isinstance(task, Mapping) else task.image
+    return named if isinstance(named, str) else "host"
 
 
 def trajectories(shares: list[Share]) -> list[tuple[str, RemoteTrajectory]]:

@@ -47,6 +47,7 @@ from ..rollout.envs import (
 from ..rollout.task import TaskSpec
 from ..runtime.cgroups import parse_size
 from ..workspace.aio import AsyncWorkspace
+from .images import ImageMove, ImageMover
 from .records import HostLimits
 from .scheduler import HostLoad, choose
 
@@ -118,6 +119,7 @@ class ClusterPlacement:
         self._retired: list[Client] = []  # clients of hosts given up, then back
         self._closed = threading.Event()
         self._reviver: threading.Thread | None = None
+        self.images = ImageMover(self.hosts, self.dead)  # a task's image onto a host lacking it
 
     @classmethod
     def of(cls, cluster: Cluster, *, spool: Path | None = None) -> ClusterPlacement:
@@ -255,6 +257,7 @@ class ClusterEnv(TaskEnv):
         self.memory = parse_size(task.memory) if task.memory else None
         self._locks: dict[str, asyncio.Lock] = {}
         self._copying: set[str] = set()  # hosts the root is being copied to
+        self.image_moves: dict[str, ImageMove] = {}  # host -> the move that brought the task's image
         probe = make_env(mode, task, tools, config, options, host=first)
         self.options = dict(probe.options)
         self.needs_root = isinstance(probe, SnapshotEnv)
@@ -293,6 +296,7 @@ class ClusterEnv(TaskEnv):
             host = self.placement.root_host(self.memory)
             sub = self._sub(host)
             try:
+                await self._image_on(host)
                 await self.guarded(host, sub.prepare())
                 break
             except Exception:
@@ -324,6 +328,7 @@ class ClusterEnv(TaskEnv):
                 t0 = time.perf_counter()
                 client, saved = self.placement.hosts[name], self.saved
                 try:
+                    await self._image_on(name)  # the root's image layers are named, not carried
                     snap = await in_thread(lambda: client.load_snapshot(saved), undo=lambda s: s.remove())
                 finally:
                     self._copying.discard(name)
@@ -332,6 +337,12 @@ class ClusterEnv(TaskEnv):
                 self.placement.counters.migrate_s += time.perf_counter() - t0
             self._keep(name, sub)
             return sub
+
+    async def _image_on(self, name: str) -> None:
+        """The task's image on host ``name``, moved from a holder if it lacks it."""
+        move = await in_thread(lambda: self.placement.images.ensure(self.task.image, name))
+        if move is not None:
+            self.image_moves[name] = move
 
     async def open_on(self, events: list[str]) -> tuple[str, TrajectoryEnv]:
         """A trajectory on the host the scheduler picks; a host that fails and no longer
@@ -413,6 +424,9 @@ class ClusterTrajectory:
         self.gen = self.env.placement.generation[self.host]
         self.placement["host"] = self.host
         self.placement["hosts"].append(self.host)
+        move = self.env.image_moves.get(self.host)
+        if move is not None:  # the task's image came to this host for this group
+            self.placement["image"] = move.to_dict()
 
     async def move(self, why: str) -> None:
         """Open again on another host and replay the calls made so far."""

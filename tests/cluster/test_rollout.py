@@ -26,10 +26,10 @@ from .netcut import NetCut
 pytestmark = [pytest.mark.integration, pytest.mark.criu]
 
 
-def run(placement, mode, n, *, options=None, tools=None, groups=1):
+def run(placement, mode, n, *, options=None, tools=None, groups=1, task=TASK):
     async def main():
         async with RolloutEngine(mode, options=options, tools=tools, cluster=placement) as engine:
-            return [await engine.run_group(TASK, traces(n), n) for _ in range(groups)]
+            return [await engine.run_group(task, traces(n), n) for _ in range(groups)]
     return asyncio.run(main())
 
 
@@ -64,6 +64,38 @@ def test_baseline_spreads_by_room_without_a_root(cluster, homes, tmp_path):
         assert placement.counters.migrations == 0
     check_group(g, 3)
     assert hosts_of(g) == {"a": 1, "b": 1, "c": 1}
+
+
+def test_a_group_on_a_host_lacking_its_image_gets_only_the_layers_it_lacks(cluster, homes, tmp_path):
+    """The image is on a, its two lower layers on b, nothing on c: the group's root is built
+    on a, and the host its overflow goes to (b) is sent the two upper layers only."""
+    from bunshin.runtime.oci import exchange
+    from bunshin.runtime.store import Store
+
+    from .image_task import placed, remove_images, task
+
+    n = MAX_WORKSPACES + 2
+    try:
+        with placed(tmp_path / "img", homes["a"], homes["b"]):
+            with Store.open(homes["a"].db_path) as sa:
+                doc = exchange.manifest(homes["a"], sa, "test/cluster-img:v1")
+            with ClusterPlacement.of(cluster, spool=tmp_path / "spool") as placement:
+                (g,) = run(placement, "bunshin", n, options=ModeOptions(speculation=False), task=task())
+                moves = placement.images.done.moves
+            check_group(g, n)  # the rewards and outputs of the one-host test, on the image
+            assert hosts_of(g) == {"a": MAX_WORKSPACES, "b": 2}
+            (move,) = moves
+            upper = doc["layers"][2:]
+            assert (move.host, move.source, move.layers_sent, move.layers_skipped) == ("b", "a", 2, 2)
+            assert move.bytes == sum(e["size"] for e in upper)
+            for t in g.trajectories:  # each row says how the image came to its host
+                assert t.placement.get("image", {}).get("bytes") == (move.bytes if t.placement["host"] == "b" else None)
+            with Store.open(homes["b"].db_path) as sb:
+                assert exchange.missing(homes["b"], sb, exchange.check_manifest(homes["b"], doc)[0]) == []
+            with Store.open(homes["c"].db_path) as sc:
+                assert exchange.oci_store.list_images(sc) == [], "c got nothing: no group went there"
+    finally:
+        remove_images(homes["a"], homes["b"], homes["c"])
 
 
 class HostDrill:
