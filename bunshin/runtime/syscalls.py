@@ -124,18 +124,41 @@ def join_session_keyring(name: str | None = None) -> None:
         raise OSError(err, f"keyctl(JOIN_SESSION_KEYRING): {os.strerror(err)}")
 
 
+#: Buckets of the TCP connection table of a network namespace ``new_netns`` makes. One
+#: made from the host's shares the host's table (262,144 buckets here), which every
+#: socket-diag dump of TCP sockets walks whole: CRIU's, once per family in every dump,
+#: 1.45 ms each against 0.28 ms with a table of its own (8 KiB at this size).
+NETNS_TCP_BUCKETS = 1024
+_TCP_CHILD_BUCKETS = "/proc/sys/net/ipv4/tcp_child_ehash_entries"  # Linux >= 5.19
+
+
+def _write_proc(path: str, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
 def new_netns() -> None:
-    """Unshare a network namespace with ``lo`` up, in which root of a user namespace
-    the host made may still bind ports below 1024 and ping (it has no capability
-    there: the namespace belongs to the host)."""
+    """Unshare a network namespace with ``lo`` up and a TCP table of its own, in which
+    root of a user namespace the host made may still bind ports below 1024 and ping (it
+    has no capability there: the namespace belongs to the host).
+
+    A namespace's table is sized by the one it is made from, so a first namespace (dropped
+    at once) only sets that size; the namespace kept sets it too, for the one CRIU makes
+    inside it (a clone with TCP connections)."""
     unshare(CLONE_NEWNET)
+    try:
+        _write_proc(_TCP_CHILD_BUCKETS, str(NETNS_TCP_BUCKETS))
+    except OSError:
+        pass  # an older kernel: the host's table, as before
+    else:
+        unshare(CLONE_NEWNET)
+        _write_proc(_TCP_CHILD_BUCKETS, str(NETNS_TCP_BUCKETS))
     loopback_up()
     for key, value in (("ip_unprivileged_port_start", "0"), ("ping_group_range", "0 2147483647")):
-        fd = os.open(f"/proc/sys/net/ipv4/{key}", os.O_WRONLY)
-        try:
-            os.write(fd, value.encode())
-        finally:
-            os.close(fd)
+        _write_proc(f"/proc/sys/net/ipv4/{key}", value)
 
 
 def mount_sysfs(target: str) -> None:
