@@ -36,6 +36,7 @@ from ..config import Config
 from ..errors import InvalidArgument
 from ..rollout import ModeOptions, RolloutEngine, TraceReplayPolicy
 from ..runtime import statefs
+from . import image_move
 from . import workloads as wl
 from .sampler import MemorySampler
 
@@ -158,8 +159,9 @@ def run(cfg: Config, plan: Plan) -> dict[str, Any]:
     base = sizes[0]["rewards"]
     for s in sizes:
         s["same_rewards_as_first"] = s.pop("rewards") == base
+    output.err.print("[dim]an image moved between two hosts by digest[/]")
     return {"plan": vars(plan), "workload": work.description, "cpus": os.cpu_count(), "sizes": sizes,
-            "scheduler_us_per_placement": scheduler_overhead()}
+            "scheduler_us_per_placement": scheduler_overhead(), "image_move": image_move.run(cfg)}
 
 
 def print_report(r: dict[str, Any]) -> None:
@@ -175,3 +177,8 @@ def print_report(r: dict[str, Any]) -> None:
                         for s in r["sizes"]])
     print("the placement rule alone, us per decision by hosts: "
           + ", ".join(f"{k}: {v}" for k, v in r["scheduler_us_per_placement"].items()))
+    mv = r["image_move"]
+    output.print_table(f"an image of {mv['image_layers']} layers moved between two hosts' servers by digest",
+                       ["move", "layers sent", "skipped", "MiB", "seconds", "MiB/s"],
+                       [[m["move"], m["layers_sent"], m["layers_skipped"], round(m["bytes"] / MiB, 1), m["seconds"],
+                         m["mib_per_s"]] for m in mv["rows"]])

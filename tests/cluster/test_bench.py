@@ -31,6 +31,11 @@ def test_bench_cluster_small_plan(tmp_path, capsys):
     for s in r["sizes"]:  # sharing a tree over hosts can only add hits
         assert 0 < s["per_host_tree_hit_bound"] <= s["shared_tree_hit_bound"] < s["calls"]
     assert one["per_host_tree_hit_bound"] == one["shared_tree_hit_bound"]  # one host: one tree either way
+    # the image-move row: all 4 layers to an empty host, the 2 upper ones to a host holding
+    # the lower 2, nothing to one holding it all
+    full, partial, again = r["image_move"]["rows"]
+    assert (full["layers_sent"], partial["layers_sent"], partial["layers_skipped"], again["layers_sent"]) == (4, 2, 2, 0)
+    assert full["bytes"] > partial["bytes"] > 0 == again["bytes"] and full["seconds"] > 0
     assert not list(cfg.paths.bench.iterdir())  # the simulated hosts' homes are gone
 
 
