@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, _exit_on_signal)
-    agent = Agent(os.path.abspath(args.run_dir))
+    # jobs and sessions listen beside the agent's socket
+    agent = Agent(os.path.abspath(args.run_dir), os.path.dirname(os.path.abspath(args.socket)))
     server = AgentServer(agent, os.path.abspath(args.socket))
     agent.start()
     try:

@@ -4,19 +4,28 @@ A host that holds a connection open into a workspace cannot let it be checkpoint
 (CRIU refuses a unix socket whose peer is outside). So a long ``exec`` or
 ``session_run`` is started as a job (``job_start``) and its answer fetched by
 ``job_wait`` long-polls of at most a few seconds each. Between two polls no
-connection is open, a fork can happen, and the job (its thread, its child, its
-session) is forked with the agent: each clone finishes it and keeps its own answer.
+connection is open, a fork can happen, and the job is forked with the agent:
+each clone finishes it and keeps its own answer.
+
+A job is a process of its own (named ``bunshin-job``), forked by the worker that
+serves ``job_start``: it runs the inner request in a thread and answers
+``job_wait`` on ``<run>/jobs/<id>.sock``; once its answer is fetched (or after
+``KEEP_FINISHED_S`` unfetched) it removes the socket and ends, and every page
+the call wrote ends with it.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import socket
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from .protocol import AgentFailure, arg_any, arg_str, invalid
+from . import forks
+from .protocol import AgentFailure, arg_any, arg_str, failure, invalid, parse_request
 from .wire import (
     JOB_ID,
     JOB_REQUEST,
@@ -26,63 +35,123 @@ from .wire import (
     OP,
     RESUMABLE_OPS,
     ErrorCode,
+    LineReader,
+    Op,
     ok_line,
+    request_line,
 )
 
 KEEP_FINISHED_S = 600.0  # answers nobody fetched are dropped after this
-
-
-class _Job:
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.answer = b""
-        self.finished_at = 0.0
+_JOB_ID = re.compile(r"[0-9a-f]{16}")
 
 
 class Jobs:
-    """Runs requests in threads; ``answer(line)`` is the server's request->reply function."""
+    """Starts job processes in ``folder``; ``answer(request)`` gives a request's answer line."""
 
-    def __init__(self, answer: Callable[[dict[str, Any]], bytes]) -> None:
+    def __init__(self, folder: str, answer: Callable[[dict[str, Any]], bytes]) -> None:
+        self._folder = folder
         self._answer = answer
-        self._jobs: dict[str, _Job] = {}
-        self._lock = threading.Lock()
+
+    def _socket(self, job_id: str) -> str:
+        return os.path.join(self._folder, f"{job_id}.sock")
 
     def start(self, req: dict[str, Any]) -> bytes:
         inner = arg_any(req, JOB_REQUEST)
         if not isinstance(inner, dict) or inner.get(OP) not in RESUMABLE_OPS:
             raise invalid(f'"{JOB_REQUEST}" must be an object whose op is one of {", ".join(RESUMABLE_OPS)}')
         job_id = os.urandom(8).hex()
-        job = _Job()
-        with self._lock:
-            self._forget_old()
-            self._jobs[job_id] = job
-        threading.Thread(target=self._run, args=(job, inner), name=f"job-{job_id}", daemon=True).start()
-        return ok_line({JOB_ID: job_id})
-
-    def _run(self, job: _Job, inner: dict[str, Any]) -> None:
+        os.makedirs(self._folder, mode=0o700, exist_ok=True)
+        path = self._socket(job_id)
+        listen = forks.listen_at(path)  # before the answer: a job_wait may come at once
         try:
-            job.answer = self._answer(inner)
-        finally:
-            job.finished_at = time.monotonic()
-            job.done.set()
+            pid = forks.fork("bunshin-job")
+        except OSError as exc:
+            listen.close()
+            os.unlink(path)
+            raise AgentFailure(ErrorCode.RESOURCE_EXHAUSTED, f"cannot start a job: {exc}") from None
+        if pid == 0:
+            forks.keep_only(listen.fileno())
+            forks.run_and_exit(lambda: _Job(listen, path, inner, self._answer).serve())
+        listen.close()
+        return ok_line({JOB_ID: job_id})
 
     def wait(self, req: dict[str, Any]) -> bytes:
         job_id = arg_str(req, JOB_ID)
         wait = arg_any(req, JOB_WAIT) if JOB_WAIT in req else 1.0
-        if not isinstance(wait, int | float) or wait < 0:
+        if not isinstance(wait, int | float) or isinstance(wait, bool) or wait < 0:
             raise invalid(f'argument "{JOB_WAIT}" must be a non-negative number')
-        with self._lock:
-            job = self._jobs.get(job_id)
-        if job is None:
-            raise AgentFailure(ErrorCode.NOT_FOUND, f"no job {job_id!r} (finished and fetched, or never started)")
-        if not job.done.wait(min(float(wait), MAX_WAIT_S)):
-            return ok_line({JOB_RUNNING: True})
-        with self._lock:
-            self._jobs.pop(job_id, None)
-        return job.answer
+        gone = AgentFailure(ErrorCode.NOT_FOUND, f"no job {job_id!r} (finished and fetched, or never started)")
+        if not _JOB_ID.fullmatch(job_id):
+            raise gone
+        line = request_line(Op.JOB_WAIT, {JOB_ID: job_id, JOB_WAIT: min(float(wait), MAX_WAIT_S)})
+        try:
+            return forks.ask(self._socket(job_id), line, MAX_WAIT_S + 30.0)
+        except (FileNotFoundError, ConnectionRefusedError):
+            raise gone from None
+        except OSError as exc:
+            raise AgentFailure(ErrorCode.AGENT_ERROR, f"job {job_id}: {exc}") from None
 
-    def _forget_old(self) -> None:
-        now = time.monotonic()
-        for job_id, job in list(self._jobs.items()):
-            if job.done.is_set() and now - job.finished_at > KEEP_FINISHED_S:
-                del self._jobs[job_id]
+
+class _Job:
+    """The job process: the inner request in a thread, ``job_wait`` answered here."""
+
+    def __init__(self, listen: socket.socket, path: str, inner: dict[str, Any],
+                 answer: Callable[[dict[str, Any]], bytes]) -> None:
+        self.listen = listen
+        self.path = path
+        self.done = threading.Event()
+        self.answer = b""
+        self._thread = threading.Thread(target=self._run, args=(inner, answer), name="job", daemon=True)
+
+    def _run(self, inner: dict[str, Any], answer: Callable[[dict[str, Any]], bytes]) -> None:
+        try:
+            self.answer = answer(inner)
+        finally:
+            self.done.set()
+
+    def serve(self) -> None:
+        self._thread.start()
+        finished_at: float | None = None
+        while True:
+            if finished_at is None and self.done.is_set():
+                finished_at = time.monotonic()
+            if finished_at is not None and time.monotonic() - finished_at > KEEP_FINISHED_S:
+                break
+            self.listen.settimeout(MAX_WAIT_S if finished_at is None else KEEP_FINISHED_S)
+            try:
+                conn, _ = self.listen.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                if self._answer(conn):
+                    break
+        os.unlink(self.path)
+
+    def _answer(self, conn: socket.socket) -> bool:
+        """Answer one ``job_wait``; True once the job's answer went out."""
+        conn.settimeout(10.0)
+        try:
+            line = LineReader(conn.recv).readline()
+            if line is None:
+                return False
+            req = parse_request(line)
+            wait = req.get(JOB_WAIT)
+            if not isinstance(wait, int | float):
+                raise invalid(f'argument "{JOB_WAIT}" must be a number')
+        except AgentFailure as exc:
+            _send(conn, failure(exc))
+            return False
+        except (OSError, ValueError):
+            return False
+        if not self.done.wait(min(float(wait), MAX_WAIT_S)):
+            _send(conn, ok_line({JOB_RUNNING: True}))
+            return False
+        return _send(conn, self.answer)
+
+
+def _send(conn: socket.socket, data: bytes) -> bool:
+    try:
+        conn.sendall(data)
+        return True
+    except OSError:
+        return False

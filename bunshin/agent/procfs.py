@@ -39,6 +39,21 @@ def read_stat(pid: int) -> ProcStat | None:
     )
 
 
+def exit_status(pid: int) -> int | None:
+    """The raw wait status of zombie ``pid`` (``/proc/PID/stat`` field 52), ``None`` if
+    it is not a zombie (or gone): a process that is not the waiter's parent learns how
+    a child of its parent ended, before the parent reaps it."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    fields = raw[raw.rfind(")") + 2 :].split()
+    if len(fields) < 50 or fields[0] != "Z":
+        return None
+    return int(fields[49])
+
+
 def pids() -> list[int]:
     return sorted(int(name) for name in os.listdir("/proc") if name.isdigit())
 

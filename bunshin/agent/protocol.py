@@ -15,10 +15,12 @@ the op, and turn a wrong type or a missing argument into an
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import sys
+import traceback
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from .wire import OP, SPEC, ErrorCode, Op, decode, error_line
+from .wire import OK, OP, SPEC, ErrorCode, Op, decode, error_line, ok_line
 
 
 class AgentFailure(Exception):
@@ -50,6 +52,49 @@ def from_os_error(exc: OSError, what: str) -> AgentFailure:
 
 def failure(exc: AgentFailure) -> bytes:
     return error_line(exc.code, exc.message)
+
+
+def checked(op: str, result: dict[str, Any]) -> bytes:
+    """The ok answer line of ``op`` (``agent_error`` for a field ``wire.SPEC`` does not declare
+    or a value that is not JSON)."""
+    undeclared = result.keys() - SPEC[Op(op)].answer
+    if undeclared:
+        return failure(AgentFailure(
+            ErrorCode.AGENT_ERROR, f"the answer to {op} has fields wire.SPEC does not declare: "
+            f"{', '.join(sorted(undeclared))}"))
+    try:
+        return ok_line(result)
+    except (TypeError, ValueError) as exc:
+        return failure(AgentFailure(ErrorCode.AGENT_ERROR, f"cannot encode the answer to {op}: {exc}"))
+
+
+def reply(op: str, call: Callable[[], dict[str, Any]]) -> bytes:
+    """The answer line of ``call()`` for ``op``: its fields, or the error it raised
+    (any exception but ``AgentFailure`` is an internal error, never the end of the caller)."""
+    try:
+        return checked(op, call())
+    except AgentFailure as exc:
+        return failure(exc)
+    except Exception as exc:
+        traceback.print_exc(file=sys.stderr)
+        return failure(AgentFailure(ErrorCode.AGENT_ERROR, f"internal error in {op}: {exc!r}"))
+
+
+def unline(line: bytes) -> dict[str, Any]:
+    """The fields of an answer line a helper sent; its error raised as ``AgentFailure``."""
+    try:
+        answer = decode(line)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise AgentFailure(ErrorCode.AGENT_ERROR, f"a helper sent a malformed answer: {exc}") from None
+    if not isinstance(answer, dict):
+        raise AgentFailure(ErrorCode.AGENT_ERROR, "a helper sent an answer that is not an object")
+    if answer.get(OK) is True:
+        return {k: v for k, v in answer.items() if k != OK}
+    error: Any = answer.get("error")
+    try:
+        raise AgentFailure(ErrorCode(error["code"]), str(error["message"]))
+    except (TypeError, KeyError, ValueError):
+        raise AgentFailure(ErrorCode.AGENT_ERROR, f"a helper failed without saying why: {line[:200]!r}") from None
 
 
 def parse_request(line: bytes) -> dict[str, Any]:

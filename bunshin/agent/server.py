@@ -1,4 +1,11 @@
-"""The agent's state, its op table, and the unix socket server (a thread per connection)."""
+"""The agent's state, its op table, and the unix socket server (a worker process per connection).
+
+The long-lived agent only accepts: each connection is served by a worker forked
+for it (``bunshin-worker``), which answers its requests and ends with it; a job
+or a session it starts is a process of its own (``forks``). So in a clone forked
+from a snapshot, what a call writes is copied into processes that end with the
+call (or into a session's holder, a few pages), never all over the agent's heap.
+"""
 
 from __future__ import annotations
 
@@ -12,15 +19,14 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from . import execs, files, procfs
+from . import execs, files, forks, procfs
 from .children import Reaper
 from .jobs import Jobs
-from .protocol import AgentFailure, arg_any, failure, invalid, parse_request, unix_address
+from .protocol import AgentFailure, arg_any, checked, failure, invalid, parse_request, unix_address
 from .sessions import Sessions
 from .terminals import Attachment
 from .wire import (
     OP,
-    SPEC,
     VERSION,
     ErrorCode,
     LineCut,
@@ -35,19 +41,23 @@ Handler = Callable[[dict[str, Any]], "dict[str, Any] | Attachment"]
 
 
 class Agent:
-    """Everything the agent holds: children, sessions, identity. No sockets here."""
+    """Everything a call may reach: the run folder, identity, the op table. No sockets here."""
 
-    def __init__(self, run_dir: str) -> None:
+    def __init__(self, run_dir: str, helpers_dir: str | None = None) -> None:
+        """``helpers_dir``: where the sockets of jobs and sessions go (the agent's socket's
+        folder; default ``run_dir``)."""
         self.run_dir = run_dir
+        self.helpers_dir = helpers_dir or run_dir
         self.started = time.monotonic()
-        self.reaper = Reaper()
-        self.sessions = Sessions(self.reaper, os.path.join(run_dir, "sessions"))
-        reaper = self.reaper
+        self.pid = os.getpid()  # the agent's, also when a worker answers
+        self._reaper: Reaper | None = None
+        self._reaper_pid = 0
+        self.sessions = Sessions(os.path.join(self.helpers_dir, "sessions"), os.path.join(run_dir, "sessions"))
         self.handlers: dict[Op, Handler] = {
             Op.PING: self.ping,
             Op.IDENTIFY: self.identify,
-            Op.EXEC: lambda req: execs.exec_op(reaper, req),
-            Op.SPAWN: lambda req: execs.spawn_op(reaper, req),
+            Op.EXEC: lambda req: execs.exec_op(self.reaper, req),
+            Op.SPAWN: lambda req: execs.spawn_op(self.reaper, req),
             Op.KILL: execs.kill_op,
             Op.READ_FILE: files.read_file,
             Op.WRITE_FILE: files.write_file,
@@ -58,28 +68,43 @@ class Agent:
             Op.SESSION_RUN: self.sessions.run,
             Op.SESSION_CLOSE: self.sessions.close,
             Op.SESSION_LIST: self.sessions.list,
-            Op.ATTACH: lambda req: Attachment(reaper, req),
-            Op.PROCESSES: lambda req: {"processes": procfs.list_processes()},
+            Op.ATTACH: lambda req: Attachment(self.reaper, req),
+            Op.PROCESSES: self.processes,
         }
 
+    @property
+    def reaper(self) -> Reaper:
+        """This process's reaper (a worker's or a job's own), its thread started on first use."""
+        if self._reaper is None or self._reaper_pid != os.getpid():
+            self._reaper = Reaper()
+            self._reaper.start_thread()
+            self._reaper_pid = os.getpid()
+        return self._reaper
+
     def start(self) -> None:
-        self.reaper.start_thread()
+        """Let the kernel reap the agent's children and orphans (it runs no thread)."""
+        self.pid = os.getpid()
+        forks.become_reaper()
 
     def stop(self) -> None:
-        """Close sessions and kill every child (the agent is going away)."""
-        self.sessions.close_all()
-        self.reaper.kill_all()
+        """Kill every process below the agent: workers, jobs, sessions and what they started."""
+        forks.kill_tree(os.getpid())
 
     def handle(self, request: dict[str, Any]) -> dict[str, Any] | Attachment:
         return self.handlers[Op(request[OP])](request)
 
     def ping(self, req: dict[str, Any]) -> dict[str, Any]:
         return {
-            "pid": os.getpid(),
+            "pid": self.pid,
             "version": VERSION,
             "uptime_s": time.monotonic() - self.started,
             "identity": self.identity(),
         }
+
+    def processes(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Every process but the worker answering (it exists for this call only)."""
+        me = os.getpid()
+        return {"processes": [p for p in procfs.list_processes() if p["pid"] != me or me == self.pid]}
 
     def identity(self) -> dict[str, Any]:
         """Who this workspace is, from ``identity.json`` (the host writes it into a clone
@@ -120,7 +145,7 @@ class AgentServer:
         self.agent = agent
         self.socket_path = socket_path
         self._sock: socket.socket | None = None
-        self.jobs = Jobs(lambda req: self._reply(encode(req)[:-1]))
+        self.jobs = Jobs(os.path.join(agent.helpers_dir, "jobs"), lambda req: self._reply(encode(req)[:-1]))
 
     def bind(self) -> None:
         """Create the listening socket (replacing a stale one), mode 0600."""
@@ -140,10 +165,18 @@ class AgentServer:
         self._sock = sock
 
     def serve_forever(self) -> None:
-        """Accept until ``close``; a failing accept or thread start never ends the agent."""
+        """Accept until ``close``, a worker per connection; a failing accept or fork
+        never ends the agent.
+
+        The loop is kept small on purpose: in a clone, every object it touches has
+        its reference count written, and each page it writes is the clone's own.
+        """
+        assert self._sock is not None
+        accept = self._sock._accept  # type: ignore[attr-defined]  # noqa: SLF001 - (fd, address): no socket object
+        fork, close = os.fork, os.close
         while self._sock is not None:
             try:
-                conn, _ = self._sock.accept()
+                fd, _ = accept()
             except OSError as exc:  # e.g. EMFILE: wait for descriptors to be freed
                 if self._sock is None:
                     return
@@ -151,10 +184,25 @@ class AgentServer:
                 time.sleep(0.05)
                 continue
             try:
-                threading.Thread(target=self._serve, args=(conn,), name="conn", daemon=True).start()
-            except RuntimeError as exc:  # no thread left (pids limit): refuse this one
-                _send(conn, failure(AgentFailure(ErrorCode.RESOURCE_EXHAUSTED, f"agent: {exc}")))
-                conn.close()
+                pid = fork()
+            except OSError as exc:  # no process left (pids limit): refuse this one
+                self._refuse(fd, exc)
+                continue
+            if pid == 0:
+                self._worker(fd)
+            close(fd)
+
+    def _refuse(self, fd: int, exc: OSError) -> None:
+        with socket.socket(fileno=fd) as conn:
+            _send(conn, failure(AgentFailure(ErrorCode.RESOURCE_EXHAUSTED, f"agent: {exc}")))
+
+    def _worker(self, fd: int) -> None:
+        """The forked worker: serve connection ``fd``, then end (never returns)."""
+        forks.as_helper("bunshin-worker")
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        forks.run_and_exit(lambda: self._serve(socket.socket(fileno=fd)))
 
     def close(self) -> None:
         if self._sock is not None:
@@ -217,15 +265,7 @@ class AgentServer:
             return failure(AgentFailure(ErrorCode.AGENT_ERROR, f"internal error in {op}: {exc!r}"))
         if isinstance(result, Attachment):
             return result
-        undeclared = result.keys() - SPEC[Op(op)].answer
-        if undeclared:
-            return failure(AgentFailure(
-                ErrorCode.AGENT_ERROR, f"the answer to {op} has fields wire.SPEC does not declare: "
-                f"{', '.join(sorted(undeclared))}"))
-        try:
-            return ok_line(result)
-        except (TypeError, ValueError) as exc:
-            return failure(AgentFailure(ErrorCode.AGENT_ERROR, f"cannot encode the answer to {op}: {exc}"))
+        return checked(op, result)
 
 
 def _send(conn: socket.socket, data: bytes) -> bool:

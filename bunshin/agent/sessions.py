@@ -1,4 +1,4 @@
-"""Persistent shell sessions on ptys owned by the agent.
+"""Persistent shell sessions on ptys, each in a process of its own.
 
 A session is ``bash -i`` (or ``sh -i`` when the image has no bash) on a pty,
 session leader with the pty as controlling terminal, prompts empty, echo off.
@@ -14,22 +14,34 @@ octal escapes, so the typed line (even if echoed) never contains them.
 On timeout: ^C to the pty (SIGINT to the foreground job), then SIGKILL of the
 foreground process group if it is still there after ~1 s; the shell survives
 and is re-synchronised with a fresh marker before the next run.
+
+Where they live: ``session_open`` forks a *holder* (named ``bunshin-session``)
+that starts the shell, owns the pty and listens on ``<run>/sessions/<id>.sock``;
+``Sessions`` (in the worker serving a call, or the job running one) reaches it
+there. The holder is single-threaded: between runs it drains the pty (a
+background job must never block on it); for each run it forks a child that
+does the run and answers the caller, and stops reading until that child exits.
+So a run writes only pages of a process that ends with it; the holder itself
+touches a few (the accept, the fork). A holder forked with the workspace (CRIU)
+carries the shell, the pty and a run in progress into each clone.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import re
-import selectors
+import select
 import shlex
 import signal
+import socket
 import termios
 import threading
 import time
 from typing import Any
 
-from . import procfs
-from .children import Child, Reaper
+from . import forks, procfs
+from .children import Reaper
 from .execs import DEFAULT_MAX_OUTPUT, Capture
 from .imagedefaults import IMAGE
 from .protocol import (
@@ -37,9 +49,14 @@ from .protocol import (
     arg_int,
     arg_str,
     arg_timeout,
+    failure,
+    invalid,
+    parse_request,
+    reply,
+    unline,
 )
 from .terminals import pick_shell, start_shell
-from .wire import ErrorCode
+from .wire import OP, ErrorCode, LineReader, Op, encode, ok_line, request_line
 
 #: Extra environment of tool sessions: nothing may wait for a human at a pager.
 SESSION_ENV = {"PAGER": "cat", "GIT_PAGER": "cat"}
@@ -101,46 +118,31 @@ class _Sink:
             self.output.feed(bytes(data))
 
 
-class Session:
-    """One shell on one pty. ``run`` is serialised; a busy session says so."""
 
-    def __init__(self, session_id: str, kind: str, child: Child, master: int, script: str) -> None:
+class Session:
+    """One shell on one pty, as the holder and its run children see it (one thread)."""
+
+    def __init__(self, session_id: str, kind: str, pid: int, master: int, script: str) -> None:
         self.session_id = session_id
         self.kind = kind
-        self.child = child
+        self.pid = pid
         self.master = master
         self.script = script
-        self._run_lock = threading.Lock()
-        self._sink_lock = threading.Lock()
-        self._sink: _Sink | None = None
-        self._eof = threading.Event()
-        self._closed = False  # fds released; guarded by _fd_lock
-        self._fd_lock = threading.Lock()
-        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)
-        self._reader = threading.Thread(
-            target=self._read_loop, name=f"pty-{session_id}", daemon=True
-        )
-        self._reader.start()
-        child.on_exit(lambda _child: self._wake())
+        self.status: int | None = None  # the shell's raw wait status, once it ended
+        self.eof = False  # every slave end of the pty is closed
+        self.parent = True  # False in a run child: the shell is its parent's child
 
     @classmethod
-    def open(
-        cls, reaper: Reaper, session_id: str, req: dict[str, Any], scripts_dir: str
-    ) -> Session:
+    def start(cls, reaper: Reaper, session_id: str, req: dict[str, Any], scripts_dir: str) -> Session:
+        """Start the shell (``reaper`` only forks: this process reaps it itself)."""
         kind, argv = pick_shell(arg_str(req, "kind", None), interactive_rc=False)
         child, master = start_shell(reaper, argv, req, echo=False, extra_env=SESSION_ENV)
-        script = os.path.join(scripts_dir, f"{session_id}.sh")
-        try:
-            session = cls(session_id, kind, child, master, script)
-        except BaseException:
-            procfs.kill_session(child.pid)
-            os.close(master)
-            raise
+        session = cls(session_id, kind, child.pid, master, os.path.join(scripts_dir, f"{session_id}.sh"))
         init = "PS1=; PS2=; "
         if kind == "bash":
             init += "PS0=; PROMPT_COMMAND=; unset MAILCHECK HISTFILE; HISTCONTROL=ignorespace; history -c; "
         if not session._sync(init, START_TIMEOUT_S):
-            session.close()
+            session.kill()
             raise AgentFailure(
                 ErrorCode.AGENT_ERROR, f"shell {argv[0]} did not start within {START_TIMEOUT_S:.0f} s"
             )
@@ -148,69 +150,79 @@ class Session:
 
     # --- state --------------------------------------------------------------------
 
+    def exited(self) -> bool:
+        """True once the shell has ended (its parent reaps it; a run child reads /proc)."""
+        if self.status is not None:
+            return True
+        if self.parent:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                self.status = 0
+                return True
+            if pid:
+                self.status = status
+            return self.status is not None
+        zombie = procfs.exit_status(self.pid)
+        if zombie is not None or procfs.read_stat(self.pid) is None:
+            self.status = 0 if zombie is None else zombie
+        return self.status is not None
+
     @property
     def alive(self) -> bool:
-        return not self.child.done and not self._eof.is_set()
+        return not self.eof and not self.exited()
 
     @property
-    def busy(self) -> bool:
-        return self._run_lock.locked()
+    def exit_code(self) -> int | None:
+        return None if self.status is None else os.waitstatus_to_exitcode(self.status)
 
-    def info(self) -> dict[str, Any]:
-        return {
-            "session_id": self.session_id,
-            "kind": self.kind,
-            "pid": self.child.pid,
-            "busy": self.busy,
-            "alive": self.alive,
-        }
+    def info(self, busy: bool) -> dict[str, Any]:
+        return {"session_id": self.session_id, "kind": self.kind, "pid": self.pid, "busy": busy,
+                "alive": self.alive}
 
     def _dead_error(self) -> AgentFailure:
-        self.child.wait(1.0)
+        deadline = time.monotonic() + 1.0
+        while not self.exited() and time.monotonic() < deadline:
+            time.sleep(0.01)
         return AgentFailure(
             ErrorCode.STATE_CONFLICT,
-            f"session {self.session_id}: shell exited (status {self.child.exit_code}); "
+            f"session {self.session_id}: shell exited (status {self.exit_code}); "
             "close it and open a new one",
         )
 
     # --- running ------------------------------------------------------------------
 
     def run(self, command: str, timeout: float | None, limit: int) -> dict[str, Any]:
-        if not self._run_lock.acquire(blocking=False):
-            raise AgentFailure(ErrorCode.STATE_CONFLICT, f"session {self.session_id} is busy")
-        try:
-            if not self.alive:
-                raise self._dead_error()
-            self._reset_tty()
-            os.makedirs(os.path.dirname(self.script), mode=0o700, exist_ok=True)
-            with open(self.script, "w", encoding="utf-8", errors="surrogateescape",
-                      opener=lambda path, flags: os.open(path, flags | os.O_NOFOLLOW, 0o644)) as f:
-                f.write(command if command.endswith("\n") else command + "\n")
-            token = os.urandom(8).hex()
-            sink = _Sink(token, limit, output=True)
-            start = time.monotonic()
-            self._install(sink)
-            self._type(self._run_line(token))
-            finished = self._wait(sink, timeout)
-            timed_out = not finished and self.alive
-            if timed_out:
-                self._recover()
-            sink.flush()
-            exit_code = sink.exit_code if finished else None
-            if not self.alive:
-                self.child.wait(1.0)
-                exit_code = self.child.exit_code if exit_code is None else exit_code
-            return {
-                "output": sink.output.text(),
-                "exit_code": exit_code,
-                "timed_out": timed_out,
-                "truncated": sink.output.truncated,
-                "duration_s": time.monotonic() - start,
-                "alive": self.alive,
-            }
-        finally:
-            self._install(None)
-            self._run_lock.release()
+        if not self.alive:
+            raise self._dead_error()
+        self._reset_tty()
+        os.makedirs(os.path.dirname(self.script), mode=0o700, exist_ok=True)
+        with open(self.script, "w", encoding="utf-8", errors="surrogateescape",
+                  opener=lambda path, flags: os.open(path, flags | os.O_NOFOLLOW, 0o644)) as f:
+            f.write(command if command.endswith("\n") else command + "\n")
+        token = os.urandom(8).hex()
+        sink = _Sink(token, limit, output=True)
+        start = time.monotonic()
+        self._type(self._run_line(token))
+        finished = self._wait(sink, timeout)
+        timed_out = not finished and self.alive
+        if timed_out:
+            self._recover()
+        sink.flush()
+        exit_code = sink.exit_code if finished else None
+        if not self.alive:
+            deadline = time.monotonic() + 1.0
+            while not self.exited() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            exit_code = self.exit_code if exit_code is None else exit_code
+        return {
+            "output": sink.output.text(),
+            "exit_code": exit_code,
+            "timed_out": timed_out,
+            "truncated": sink.output.truncated,
+            "duration_s": time.monotonic() - start,
+            "alive": self.alive,
+        }
 
     def _run_line(self, token: str) -> str:
         script = shlex.quote(self.script)
@@ -228,14 +240,39 @@ class Session:
         """Type ``prefix`` and a sync marker; True once the shell printed the marker."""
         token = os.urandom(8).hex()
         sink = _Sink(token, 0, output=False)
-        self._install(sink)
         try:
             self._type(f"{prefix}command printf '\\036BS{token}Y\\036'")
             return self._wait(sink, timeout)
         except AgentFailure:
             return False
-        finally:
-            self._install(None)
+
+    def read(self, wait: float, sink: _Sink | None) -> None:
+        """Read what the pty has within ``wait`` s into ``sink`` (``None``: discard)."""
+        if self.eof:
+            if wait > 0:
+                time.sleep(wait)
+            return
+        readable, _, _ = select.select([self.master], [], [], max(wait, 0.0))
+        if not readable:
+            return
+        try:
+            data = os.read(self.master, 1 << 16)
+        except OSError:  # EIO: every slave end is closed
+            data = b""
+        if not data:
+            self.eof = True
+            if sink is not None:
+                sink.done.set()
+        elif sink is not None:
+            sink.feed(data)
+
+    def _pause(self, seconds: float) -> None:
+        """Drain the pty for ``seconds`` (at least once), discarding what it says."""
+        deadline = time.monotonic() + seconds
+        while True:
+            self.read(max(0.0, deadline - time.monotonic()), None)
+            if time.monotonic() >= deadline or self.eof:
+                return
 
     def _wait(self, sink: _Sink, timeout: float | None) -> bool:
         """True once ``sink`` saw its end marker; False on timeout or if the shell is gone."""
@@ -244,10 +281,13 @@ class Session:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 return sink.matched
-            if sink.done.wait(0.5 if remaining is None else min(remaining, 0.5)):
+            self.read(0.5 if remaining is None else min(remaining, 0.5), sink)
+            if sink.done.is_set():
                 return sink.matched
             if not self.alive:
-                sink.done.wait(0.1)  # the reader drains what the shell left
+                drain_until = time.monotonic() + 0.1  # what the shell left
+                while not sink.done.is_set() and not self.eof and time.monotonic() < drain_until:
+                    self.read(drain_until - time.monotonic(), sink)
                 return sink.matched
 
     def _recover(self) -> None:
@@ -255,7 +295,6 @@ class Session:
         for _ in range(3):
             if not self.alive:
                 return
-            self._install(None)  # what the interrupt prints is not the command's output
             try:
                 os.write(self.master, b"\x03")
             except OSError:
@@ -275,18 +314,19 @@ class Session:
                     return
 
     def _foreground_job(self, within: float) -> int | None:
-        """The foreground process group if it is not the shell's after ``within`` s."""
+        """The foreground process group if it is not the shell's after ``within`` s
+        (what the interrupted command prints meanwhile is not its output: discarded)."""
         deadline = time.monotonic() + within
         while True:
             try:
                 fg = os.tcgetpgrp(self.master)
             except OSError:
                 return None
-            if fg in (self.child.pid, 0) or not self.alive:
+            if fg in (self.pid, 0) or not self.alive:
                 return None
             if time.monotonic() >= deadline:
                 return fg
-            time.sleep(0.01)
+            self._pause(0.01)
 
     def _reset_tty(self) -> None:
         """Undo what a killed full-screen program may have left: canonical, no echo."""
@@ -307,128 +347,311 @@ class Session:
         except OSError:
             raise self._dead_error() from None
 
-    def _install(self, sink: _Sink | None) -> None:
-        with self._sink_lock:
-            self._sink = sink
-
-    # --- pty reader ---------------------------------------------------------------
-
-    def _wake(self) -> None:
-        with self._fd_lock:
-            if not self._closed:
-                try:
-                    os.write(self._wake_w, b"x")
-                except OSError:
-                    pass
-
-    def _read_loop(self) -> None:
-        """Drain the pty all the time (a background job must never block on it)."""
-        sel = selectors.DefaultSelector()
-        sel.register(self.master, selectors.EVENT_READ)
-        sel.register(self._wake_r, selectors.EVENT_READ)
+    def kill(self) -> None:
+        """Kill the shell and everything in its session."""
+        procfs.kill_session(self.pid, signal.SIGKILL)
         try:
-            while True:
-                events = sel.select()
-                if any(key.fd == self._wake_r for key, _ in events):
-                    # The shell exited or close() was called: drain what is left.
-                    os.set_blocking(self.master, False)
-                try:
-                    data = os.read(self.master, 1 << 16)
-                except BlockingIOError:
-                    break
-                except OSError:  # EIO: every slave end is closed
-                    break
-                if not data:
-                    break
-                with self._sink_lock:
-                    sink = self._sink
-                if sink is not None:
-                    sink.feed(data)
-        finally:
-            sel.close()
-            self._eof.set()
-            with self._sink_lock:
-                if self._sink is not None:
-                    self._sink.done.set()
-
-    def close(self) -> None:
-        """Kill the shell and everything in its session; release the pty.
-
-        The descriptors are closed only here, once the reader has stopped and no
-        run is writing, so a stale descriptor number is never written to.
-        """
-        if not self.child.done:
-            procfs.kill_session(self.child.pid, signal.SIGKILL)
-        self._wake()
-        self._reader.join(5.0)
-        got_run_lock = self._run_lock.acquire(timeout=5.0)
-        try:
-            with self._fd_lock:
-                if got_run_lock and not self._closed and not self._reader.is_alive():
-                    self._closed = True
-                    for fd in (self.master, self._wake_r, self._wake_w):
-                        os.close(fd)
-        finally:
-            if got_run_lock:
-                self._run_lock.release()
-        try:
-            os.unlink(self.script)
+            os.kill(self.pid, signal.SIGKILL)
         except OSError:
             pass
 
 
+class Holder:
+    """The process that keeps one session: the pty's reader between calls, its socket.
+
+    Like the agent it only accepts: each connection is answered by a child forked for
+    it (``bunshin-run``), which parses the request and ends after its answer. While any
+    child lives the holder does not read the pty (a run reads it). A run claims the
+    session with a marker file made ``O_EXCL`` (``<id>.run``, its pid inside), so a
+    second run, or a list, sees it busy.
+    """
+
+    def __init__(self, session: Session, listen: socket.socket, socket_path: str) -> None:
+        self.session = session
+        self.listen = listen
+        self.socket_path = socket_path
+        self.children: dict[int, int] = {}  # read end of a pipe each child holds open -> its pid
+        self.unreaped: list[int] = []  # children done with the pty that may not have exited yet
+
+    def serve(self) -> None:
+        s = self.session
+        listen = self.listen.fileno()
+        accept = self.listen._accept  # type: ignore[attr-defined]  # noqa: SLF001 - (fd, address): no socket object
+        while True:
+            fds = [listen, *self.children]
+            if not self.children and not s.eof:
+                fds.append(s.master)
+            readable, _, _ = select.select(fds, [], [], 1.0 if self.unreaped else None)
+            if self.unreaped:
+                self._reap()
+            for fd in readable:
+                if fd in self.children:
+                    self._ended(fd)
+            if s.master in readable and not self.children:
+                s.read(0.0, None)
+            if listen in readable:
+                try:
+                    conn, _ = accept()
+                except OSError:
+                    continue
+                self._fork_for(conn)
+
+    def _fork_for(self, conn: int) -> None:
+        done_r, done_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            pid = forks.fork("bunshin-run")
+        except OSError as exc:
+            os.close(done_r)
+            os.close(done_w)
+            with socket.socket(fileno=conn) as sock:
+                _send(sock, failure(AgentFailure(ErrorCode.RESOURCE_EXHAUSTED, f"session: {exc}")))
+            return
+        if pid == 0:
+            os.close(done_r)
+            self.listen.close()
+            self.session.parent = False
+            forks.run_and_exit(lambda: _answer(self.session, self.socket_path, socket.socket(fileno=conn),
+                                               done_w))
+        os.close(conn)
+        os.close(done_w)
+        self.children[done_r] = pid
+
+    def _ended(self, done_r: int) -> None:
+        """A child is done with the pty (it may still be sending its answer)."""
+        os.close(done_r)
+        self.unreaped.append(self.children.pop(done_r))
+        self._reap()
+        self.session.exited()  # reap the shell if the child saw it end
+
+    def _reap(self) -> None:
+        for pid in list(self.unreaped):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done = pid
+            if done:
+                self.unreaped.remove(pid)
+
+
+def _answer(session: Session, socket_path: str, conn: socket.socket, done: int) -> None:
+    """A holder's child: answer the one request on ``conn``; close ``done`` once the pty
+    is no longer used (before the answer goes out)."""
+    with conn:
+        conn.settimeout(10.0)
+        try:
+            line = LineReader(conn.recv).readline()
+        except (OSError, ValueError):
+            return
+        if line is None:
+            return
+        conn.settimeout(None)
+        try:
+            req = parse_request(line)
+        except AgentFailure as exc:
+            _send(conn, failure(exc))
+            return
+        op = req[OP]
+        marker = f"{socket_path[: -len('.sock')]}.run"
+        if op == Op.SESSION_LIST:
+            os.close(done)
+            _send(conn, ok_line(session.info(_busy(marker))))  # one item of the list
+        elif op == Op.SESSION_CLOSE:
+            _close(session, socket_path, marker)
+            os.close(done)
+            _send(conn, ok_line())
+        elif op != Op.SESSION_RUN:
+            os.close(done)
+            _send(conn, failure(invalid(f"a session does not answer {op!r}")))
+        elif not _claim(marker):
+            os.close(done)
+            _send(conn, failure(AgentFailure(ErrorCode.STATE_CONFLICT, f"session {session.session_id} is busy")))
+        else:
+            try:
+                answer = reply(Op.SESSION_RUN, lambda: _run(session, req))
+            finally:
+                _unlink(marker)
+            os.close(done)
+            _send(conn, answer)
+
+
+def _claim(marker: str) -> bool:
+    """Make the run marker; False if a live run holds it (a stale one is replaced)."""
+    for _ in range(3):
+        try:
+            fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            if _busy(marker):
+                return False
+            _unlink(marker)
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{os.getpid()}\n")
+        return True
+    return False
+
+
+def _busy(marker: str) -> bool:
+    """True if the marker names a run that is still going."""
+    try:
+        with open(marker, "rb", opener=lambda path, flags: os.open(path, flags | os.O_NOFOLLOW)) as f:
+            text = f.read(32)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    if not text.strip():
+        return True  # just made, its pid not written yet
+    try:
+        pid = int(text)
+    except ValueError:
+        return False
+    stat = procfs.read_stat(pid)
+    return stat is not None and stat.state != "Z"
+
+
+def _close(session: Session, socket_path: str, marker: str) -> None:
+    """Kill the shell and its jobs and the holder (which owns the pty): the session is gone."""
+    session.kill()
+    holder = os.getppid()
+    try:
+        os.kill(holder, signal.SIGKILL)
+    except OSError:
+        pass
+    for path in (session.script, socket_path, marker):
+        _unlink(path)
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        stat = procfs.read_stat(holder)
+        if stat is None or stat.state == "Z" or stat.name != "bunshin-session":
+            return
+        time.sleep(0.005)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _run(session: Session, req: dict[str, Any]) -> dict[str, Any]:
+    command = arg_str(req, "command")
+    limit = arg_int(req, "max_output", DEFAULT_MAX_OUTPUT)
+    return session.run(command, arg_timeout(req), limit)
+
+
+def _send(conn: socket.socket, data: bytes) -> bool:
+    try:
+        conn.sendall(data)
+        return True
+    except OSError:
+        return False
+
+
+_ID = re.compile(r"s(\d+)-[0-9a-f]{6}")
+
+
 class Sessions:
-    """The agent's sessions by id."""
+    """The sessions, as a call sees them: holders listening in ``folder``."""
 
-    def __init__(self, reaper: Reaper, scripts_dir: str) -> None:
-        self._reaper = reaper
-        self._scripts_dir = scripts_dir
-        self._lock = threading.Lock()
-        self._sessions: dict[str, Session] = {}
-        self._counter = 0
+    def __init__(self, folder: str, scripts_dir: str) -> None:
+        self._folder = folder  # the holders' sockets and run markers
+        self._scripts_dir = scripts_dir  # the scripts the shells source
 
-    def _get(self, req: dict[str, Any]) -> Session:
-        session_id = arg_str(req, "session_id")
-        with self._lock:
-            session = self._sessions.get(session_id)
-        if session is None:
+    def _socket(self, session_id: str) -> str:
+        return os.path.join(self._folder, f"{session_id}.sock")
+
+    def _ask(self, session_id: str, line: bytes) -> dict[str, Any]:
+        if not _ID.fullmatch(session_id):
             raise AgentFailure(ErrorCode.NOT_FOUND, f"no session {session_id!r}")
-        return session
+        try:
+            return unline(forks.ask(self._socket(session_id), line, None))
+        except (FileNotFoundError, ConnectionRefusedError):
+            raise AgentFailure(ErrorCode.NOT_FOUND, f"no session {session_id!r}") from None
+        except OSError as exc:
+            raise AgentFailure(ErrorCode.AGENT_ERROR, f"session {session_id}: {exc}") from None
+
+    def _ids(self) -> list[str]:
+        try:
+            names = os.listdir(self._folder)
+        except FileNotFoundError:
+            return []
+        ids = [n[: -len(".sock")] for n in names if n.endswith(".sock")]
+        return sorted((i for i in ids if _ID.fullmatch(i)), key=lambda i: int(i[1:].split("-")[0]))
 
     def open(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Fork the session's holder; answer once its shell is ready (or why it is not)."""
+        os.makedirs(self._folder, mode=0o700, exist_ok=True)
         os.makedirs(self._scripts_dir, mode=0o700, exist_ok=True)
         if IMAGE is not None and IMAGE.user:
             # the image's user reads the command scripts (the folder stays root's: nothing
             # the user plants there is followed by the agent)
             os.chmod(self._scripts_dir, 0o711)
-        with self._lock:
-            self._counter += 1
-            session_id = f"s{self._counter}-{os.urandom(3).hex()}"
-        session = Session.open(self._reaper, session_id, req, self._scripts_dir)
-        with self._lock:
-            self._sessions[session_id] = session
-        return {"session_id": session_id, "kind": session.kind, "pid": session.child.pid}
+        pick_shell(arg_str(req, "kind", None), interactive_rc=False)  # a bad kind fails here
+        numbers = [int(_ID.fullmatch(i).group(1)) for i in self._ids()]  # type: ignore[union-attr]
+        session_id = f"s{max(numbers, default=0) + 1}-{os.urandom(3).hex()}"
+        path = self._socket(session_id)
+        listen = forks.listen_at(path)
+        ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            pid = forks.fork("bunshin-session")
+        except OSError as exc:
+            listen.close()
+            os.unlink(path)
+            for fd in (ready_r, ready_w):
+                os.close(fd)
+            raise AgentFailure(ErrorCode.RESOURCE_EXHAUSTED, f"cannot start a session: {exc}") from None
+        if pid == 0:
+            forks.keep_only(listen.fileno(), ready_w)
+            forks.run_and_exit(lambda: _hold(session_id, req, listen, path, self._scripts_dir, ready_w))
+        listen.close()
+        os.close(ready_w)
+        with os.fdopen(ready_r, "rb") as ready:
+            line = ready.readline()
+        if not line:
+            raise AgentFailure(ErrorCode.AGENT_ERROR, f"session {session_id} ended before its shell started")
+        return unline(line)
 
     def run(self, req: dict[str, Any]) -> dict[str, Any]:
-        session = self._get(req)
-        command = arg_str(req, "command")
-        limit = arg_int(req, "max_output", DEFAULT_MAX_OUTPUT)
-        return session.run(command, arg_timeout(req), limit)
+        session_id = arg_str(req, "session_id")
+        arg_str(req, "command")
+        arg_int(req, "max_output", DEFAULT_MAX_OUTPUT)
+        arg_timeout(req)
+        return self._ask(session_id, encode(req))
 
     def close(self, req: dict[str, Any]) -> dict[str, Any]:
-        session = self._get(req)
-        with self._lock:
-            self._sessions.pop(session.session_id, None)
-        session.close()
-        return {}
+        session_id = arg_str(req, "session_id")
+        return self._ask(session_id, request_line(Op.SESSION_CLOSE, {"session_id": session_id}))
 
     def list(self, req: dict[str, Any]) -> dict[str, Any]:
-        with self._lock:
-            sessions = list(self._sessions.values())
-        return {"sessions": [s.info() for s in sessions]}
+        sessions = []
+        for session_id in self._ids():
+            try:
+                sessions.append(self._ask(session_id, request_line(Op.SESSION_LIST, {})))
+            except AgentFailure as exc:
+                if exc.code != ErrorCode.NOT_FOUND:
+                    raise
+        return {"sessions": sessions}
 
-    def close_all(self) -> None:
-        with self._lock:
-            sessions, self._sessions = list(self._sessions.values()), {}
-        for session in sessions:
-            session.close()
+
+def _hold(session_id: str, req: dict[str, Any], listen: socket.socket, path: str, folder: str,
+          ready: int) -> None:
+    """The holder's life: start the shell, say so on ``ready``, serve until closed."""
+    try:
+        session = Session.start(Reaper(), session_id, req, folder)
+    except AgentFailure as exc:
+        os.write(ready, failure(exc))
+        os.unlink(path)
+        return
+    except Exception as exc:
+        os.write(ready, failure(AgentFailure(ErrorCode.AGENT_ERROR, f"cannot start a session: {exc!r}")))
+        os.unlink(path)
+        return
+    os.write(ready, ok_line({"session_id": session_id, "kind": session.kind, "pid": session.pid}))
+    os.close(ready)
+    holder = Holder(session, listen, path)
+    # What the holder has now lives as long as it does: off the cyclic GC, so that a
+    # collection in a clone does not write (and so copy) the pages those objects are on.
+    gc.collect()
+    gc.freeze()
+    holder.serve()

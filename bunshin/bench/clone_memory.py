@@ -38,7 +38,7 @@ TOP_AREAS = 8
 @dataclass(frozen=True)
 class ProcessMemory:
     pid: int
-    role: str  # "agent", "session" (a shell the agent opened) or "other"
+    role: str  # "agent", "holder", "shell", "worker", "job", "run" or "other" (see _role)
     anon_bytes: int
     pss_anon_bytes: int
     private_dirty_bytes: int
@@ -63,6 +63,7 @@ class Stage:
 class CloneMemory:
     stages: tuple[Stage, ...]
     agent_areas_exec: tuple[Area, ...]  # the agent's areas that grew most in the first exec
+    holder_areas_tool: tuple[Area, ...] = ()  # the session holder's, in the first tool call
 
     def stage(self, name: str) -> Stage:
         return next(s for s in self.stages if s.name == name)
@@ -78,15 +79,28 @@ def _kib_fields(path: str) -> dict[str, int]:
     return out
 
 
+#: ``/proc/PID/comm`` of the agent's helpers (``bunshin/agent/forks.py``): a session's
+#: holder lives as long as the session; the others end with the call they serve.
+HELPERS = {"bunshin-session": "holder", "bunshin-worker": "worker", "bunshin-job": "job",
+           "bunshin-run": "run"}
+TRANSIENT = frozenset({"worker", "job", "run"})
+SETTLE_S = 5.0
+
+
 def _role(pid: int) -> str:
+    """agent, holder (a session's process), shell (the shell of a session), worker / job /
+    run (an agent helper serving one call), or other."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return "other"
+    if comm in HELPERS:
+        return HELPERS[comm]
     if b"bunshin_agent" in argv:
         return "agent"
     if argv and argv[0].endswith((b"bash", b"sh")) and b"--noediting" in argv:
-        return "session"
+        return "shell"
     return "other"
 
 
@@ -126,7 +140,13 @@ def _grown(before: dict[tuple[str, str], tuple[int, int]], after: dict[tuple[str
 
 
 def _stage(name: str, ws: Workspace) -> Stage:
+    """The clone's processes once the helpers of the last call have ended (they exit
+    right after answering: measured before that, they would count what dies with them)."""
+    deadline = time.monotonic() + SETTLE_S
     procs = processes(ws)
+    while any(p.role in TRANSIENT for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        procs = processes(ws)
     return Stage(name, sum(p.anon_bytes for p in procs), procs)
 
 
@@ -135,21 +155,32 @@ def measure_clone(clone: Workspace, tools: ToolSet | None = None) -> CloneMemory
     tools = tools or ToolSet.default()
     fresh = _stage("fresh", clone)
     agent = next((p.pid for p in fresh.processes if p.role == "agent"), None)
+    holder = next((p.pid for p in fresh.processes if p.role == "holder"), None)
     before = _areas(agent) if agent is not None else {}
     r = clone.exec(["true"])
     if r.exit_code != 0:
         raise InvalidArgument(f"exec in the clone failed: {r.stderr!s}", hint="check the workspace with bunshin exec")
     after_exec = _stage("after_exec", clone)
     grown = _grown(before, _areas(agent)) if agent is not None else ()
+    before_tool = _areas(holder) if holder is not None else {}
     obs = tools.run_sync(clone, "bash", {"command": "echo clone-memory"})
     if obs.error or obs.exit_code != 0:
         raise InvalidArgument(f"the bash tool call in the clone failed: {obs.error or obs.output}",
                               hint="check the workspace's session with bunshin exec")
-    return CloneMemory((fresh, after_exec, _stage("after_tool", clone)), grown)
+    after_tool = _stage("after_tool", clone)
+    holder_grown = _grown(before_tool, _areas(holder)) if holder is not None else ()
+    return CloneMemory((fresh, after_exec, after_tool), grown, holder_grown)
 
 
 def _summary(values: list[int]) -> dict[str, int]:
     return {"anon_bytes_p50": round(statistics.median(values)), "anon_bytes_max": max(values)}
+
+
+def _by_role(stages: list[Stage]) -> dict[str, int]:
+    """p50 over the clones of each role's ``Anonymous`` (summed over its processes)."""
+    roles = sorted({p.role for st in stages for p in st.processes})
+    return {role: round(statistics.median(sum(p.anon_bytes for p in st.processes if p.role == role)
+                                          for st in stages)) for role in roles}
 
 
 def run(cfg: Config, *, clones: int = 3) -> dict[str, Any]:
@@ -177,6 +208,7 @@ def run(cfg: Config, *, clones: int = 3) -> dict[str, Any]:
     finally:
         parent.remove()
     result: dict[str, Any] = {name: _summary([m.stage(name).anon_bytes for m in measured]) for name in STAGES}
+    result["roles"] = {name: _by_role([m.stage(name) for m in measured]) for name in STAGES}
     result["parent"] = {"anon_bytes": sum(p.anon_bytes for p in parent_procs), "processes": parent_procs}
     result["clones"] = measured
     result["goal_bytes"] = 1 << 20
@@ -191,6 +223,9 @@ def print_report(r: dict[str, Any]) -> None:
     rows = [(name, kib(r[name]["anon_bytes_p50"]), kib(r[name]["anon_bytes_max"])) for name in STAGES]
     output.print_table(f"private memory per clone (parent: {kib(r['parent']['anon_bytes'])}; goal <= 1 MiB after a tool call)",
                        ["stage", "p50", "max"], rows)
+    roles = sorted({role for name in STAGES for role in r["roles"][name]})
+    output.print_table("p50 per role", ["stage", *roles],
+                       [(name, *(kib(r["roles"][name].get(role, 0)) for role in roles)) for name in STAGES])
     first: CloneMemory = r["clones"][0]
     procs = [(s.name, p.role, p.pid, kib(p.anon_bytes), kib(p.pss_anon_bytes), kib(p.private_dirty_bytes))
              for s in first.stages for p in s.processes]
@@ -198,3 +233,6 @@ def print_report(r: dict[str, Any]) -> None:
     output.print_table("first clone: the agent's areas written by its first exec",
                        ["area", "file", "size", "grew"],
                        [(a.start, a.path.rsplit("/", 1)[-1], kib(a.size_bytes), kib(a.grew_bytes)) for a in first.agent_areas_exec])
+    output.print_table("first clone: the session holder's areas written by the first tool call",
+                       ["area", "file", "size", "grew"],
+                       [(a.start, a.path.rsplit("/", 1)[-1], kib(a.size_bytes), kib(a.grew_bytes)) for a in first.holder_areas_tool])
