@@ -73,13 +73,19 @@ class Placement:
     # a new session keyring: restored tasks keep criu's, which would be the host's
     own_keyring: bool = False
     # with new_netns: mount that namespace's sysfs here (a restore passes it as the
-    # external /sys mount; it stays until the clone's folder is unmounted). A mount
-    # namespace of criu's own would cost ~5 ms more per restore: its teardown.
+    # external /sys mount; it stays until the clone's folder is unmounted, or with
+    # ``own_mounts`` until criu ends, the clone keeping its own copy).
     sysfs: str | None = None
     # with sysfs: keep this namespace alive with it (a bind of it beside the sysfs) when the
     # restored tasks get a namespace of their own (``netns_image``): the sysfs's devices
     # live only as long as it does. Not otherwise: a mount more to copy in every restore.
     hold_netns: bool = False
+    # with the warm helper (``prepared``): run in a small mount namespace of its own, the
+    # host's system mounts and only these host mounts, ``(path, with what is beneath)``,
+    # attached at the same paths in this order (``zygote``): the clone's namespace, a copy
+    # of criu's, then no longer holds every other clone's mounts. The sysfs is then
+    # mounted there only. Ignored without the helper and with ``hold_netns``.
+    own_mounts: tuple[tuple[str, bool], ...] = ()
 
     def enter(self) -> None:
         """Runs in the criu child between fork and exec: plain syscalls only."""

@@ -29,8 +29,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import syscalls as sc
+
 ZYGOTE = Path(__file__).with_name("zygote.py")
 START_TIMEOUT_S = 10.0
+MAX_TREES = 32  # mounts one request may carry to its namespace (zygote.MAX_FDS bounds all)
 
 
 class LaunchError(OSError):
@@ -113,12 +116,18 @@ class CriuLauncher:
         p = _Pending()
         with self._lock:
             self._pending[rid] = p
+        trees = clone_trees(placement.get("own_mounts") or [])
+        if trees is None:  # the command runs in the host's namespace instead
+            placement, trees = {**placement, "own_mounts": []}, []
         msg = json.dumps({"id": rid, "argv": argv, "placement": placement}).encode()
         try:
-            self._sock.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [out_fd]))])
+            self._sock.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [out_fd, *trees]))])
         except OSError as e:
             self._forget(rid)
             raise LaunchError(f"the criu launcher is gone: {e}") from e
+        finally:
+            for fd in trees:
+                os.close(fd)
         p.started.wait()
         if p.error is not None or p.pid is None:
             self._forget(rid)
@@ -145,6 +154,22 @@ class CriuLauncher:
             self._sock.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._proc.wait(START_TIMEOUT_S)
+
+
+def clone_trees(wanted: list[Any]) -> list[int] | None:
+    """A detached copy of each ``(path, recursive)`` mount (``syscalls.clone_tree``), for a
+    command's namespace of its own; None if any cannot be made (or too many are wanted)."""
+    if len(wanted) > MAX_TREES:
+        return None
+    fds: list[int] = []
+    try:
+        for path, recursive in wanted:
+            fds.append(sc.clone_tree(str(path), recursive=bool(recursive)))
+    except OSError:
+        for fd in fds:
+            os.close(fd)
+        return None
+    return fds
 
 
 _launcher: CriuLauncher | None = None

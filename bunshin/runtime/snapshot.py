@@ -492,6 +492,18 @@ def _live_tasks(rec: WorkspaceRecord) -> int:
     return max(total, 1)
 
 
+def criu_mounts(cfg: Config, snap: SnapshotRecord, wdir: Path) -> tuple[tuple[str, bool], ...]:
+    """The host mounts a clone's criu sees (``Placement.own_mounts``), parents first:
+    bunshin's tmpfs without what is mounted beneath it, the images' tmpfs, the clone's
+    folder with its upper and root, the views of the shared folders. No other clone's."""
+    trees = [(str(cfg.tmpfs), False), (str(cfg.paths.snapshots), False)]
+    if not Path(snap.images).is_relative_to(cfg.paths.snapshots):
+        trees.append((snap.images, False))
+    trees.append((str(wdir), True))
+    trees += [(str(share_view(cfg, m)), False) for m in snap.mounts]
+    return tuple(trees)
+
+
 def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout) -> WorkspaceRecord:
     ws_id = container.new_id()
     wdir = cfg.paths.workspace(ws_id)
@@ -516,7 +528,8 @@ def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout
         os.mkdir(sysfs, 0o755)
         into = criu.Placement(new_netns=True, own_keyring=True, sysfs=sysfs,
                               hold_netns=netns_image.restores_netns(Path(snap.images)),
-                              cgroup_procs=tuple(str(p / "cgroup.procs") for p in cg.paths))
+                              cgroup_procs=tuple(str(p / "cgroup.procs") for p in cg.paths),
+                              own_mounts=criu_mounts(cfg, snap, wdir))
         run = criu.restore(
             cfg.criu, Path(snap.images), pidfile=wdir / "pid", root=Path(rec.root),
             extra=[*_COMMON, "--external", f"mnt[{SYS_EXTERNAL}]:{sysfs}", "--manage-cgroups=ignore",

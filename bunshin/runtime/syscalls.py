@@ -211,6 +211,23 @@ OVERLAY_MAX_LOWERS = 500
 
 
 MOUNT_ATTR_RDONLY, MOUNT_ATTR_NODEV = 0x1, 0x4
+_SYS_OPEN_TREE = 428  # x86_64
+_OPEN_TREE_CLONE, _AT_RECURSIVE, _AT_SYMLINK_NOFOLLOW = 0x1, 0x8000, 0x100
+
+
+def clone_tree(path: str, *, recursive: bool = False) -> int:
+    """A detached copy of the mount at ``path`` (with the mounts beneath it when
+    ``recursive``), as a close-on-exec descriptor another mount namespace can attach
+    (``attach_tree``); a last component that is a symlink is not followed."""
+    flags = _OPEN_TREE_CLONE | os.O_CLOEXEC | _AT_SYMLINK_NOFOLLOW | (_AT_RECURSIVE if recursive else 0)
+    return syscall(_SYS_OPEN_TREE, ctypes.c_int(_AT_FDCWD), path.encode(), ctypes.c_uint(flags))
+
+
+def attach_tree(fd: int, target: str) -> None:
+    """Mount the detached tree ``fd`` (``clone_tree``) on the folder ``target`` of the
+    caller's mount namespace (a symlink at ``target`` is not followed)."""
+    syscall(_SYS_MOVE_MOUNT, ctypes.c_int(fd), b"", ctypes.c_int(_AT_FDCWD), target.encode(),
+            ctypes.c_uint(_MOVE_MOUNT_F_EMPTY_PATH))
 
 
 def mount_overlay_fs(target: str, lowers: Sequence[str], upper: str | None = None, work: str | None = None,

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -77,3 +79,107 @@ def test_a_dead_helper_is_replaced_and_a_forked_caller_gets_its_own():
     os.close(w)
     assert os.read(r, 1) == b"1"
     os.waitpid(pid, 0)
+
+
+# ------------------------------------------------ the small mount namespace of a restore
+
+
+def _mount_points(text: str) -> list[str]:
+    return [line.split()[4] for line in text.splitlines() if len(line.split()) > 4]
+
+
+@pytest.fixture
+def clone_mounts(tmp_path):
+    """Mounts made the way a clone's are (a ``bunshin-upper`` tmpfs, an overlay root on
+    it), ``clone_mounts(name)`` makes one more; all unmounted after the test."""
+    from bunshin.runtime import syscalls as sc
+    made: list[str] = []
+
+    def make(name: str) -> str:
+        wdir = tmp_path / name
+        wdir.mkdir()
+        sc.mount("bunshin-upper", str(wdir), "tmpfs", sc.MS_NOSUID | sc.MS_NODEV, "mode=0755,size=1m")
+        made.append(str(wdir))
+        for d in ("upper", "work", "root", "lower", "sys"):
+            (wdir / d).mkdir()
+        (wdir / "lower" / "in-lower").write_text("lower")
+        sc.mount("overlay", str(wdir / "root"), "overlay", 0,
+                 f"lowerdir={wdir}/lower,upperdir={wdir}/upper,workdir={wdir}/work")
+        made.append(str(wdir / "root"))
+        return str(wdir)
+
+    yield make
+    for point in reversed(made):
+        subprocess.run(["umount", "-l", point], check=False)
+
+
+def test_a_restore_runs_in_a_small_mount_namespace_holding_only_its_own_clones_mounts(clone_mounts):
+    others = [clone_mounts(f"other-{i}") for i in range(20)]  # before the helper starts: dropped from its copy
+    lch = prepared.CriuLauncher.start()
+    try:
+        late = [clone_mounts(f"late-{i}") for i in range(20)]  # after: never propagated to it
+        mine = clone_mounts("mine")
+        host_before = Path("/proc/self/mountinfo").read_text()
+        script = f"cat /proc/self/mountinfo; echo made > {mine}/root/by-criu; cat {mine}/root/in-lower"
+        into = criu.Placement(new_netns=True, sysfs=f"{mine}/sys", own_mounts=((mine, True),))
+        code, out = _spawn(lch, ["/bin/sh", "-c", script], into)
+        assert code == 0, out
+        seen = _mount_points(out)
+        assert mine in seen and f"{mine}/root" in seen and f"{mine}/sys" in seen  # its own, at the same paths
+        assert not any(p in seen for p in [*others, *late])  # no other clone's
+        assert not any(line.split(" - ")[-1].startswith(("overlay", "tmpfs bunshin-upper")) for line in out.splitlines()
+                       if line.split()[4:5] and not line.split()[4].startswith(mine))
+        assert len(seen) <= len(_mount_points(host_before)) - 79  # 80 other clones' mounts fewer, its sysfs more
+        assert out.rstrip().endswith("lower")
+        assert Path(mine, "root", "by-criu").read_text() == "made\n"  # the host reaches what it wrote
+        host_after = Path("/proc/self/mountinfo").read_text()
+        assert f"{mine}/sys" not in _mount_points(host_after)  # its sysfs stayed in its namespace
+        assert _mount_points(host_after) == _mount_points(host_before)
+    finally:
+        lch.close()
+
+
+def test_without_its_mounts_or_with_a_path_it_lacks_a_command_runs_in_the_hosts_namespace(clone_mounts, tmp_path):
+    lch = prepared.CriuLauncher.start()
+    try:
+        mine = clone_mounts("mine")
+        host = os.readlink("/proc/self/ns/mnt")
+        code, out = _spawn(lch, ["/bin/sh", "-c", "readlink /proc/self/ns/mnt"], criu.Placement(new_netns=True))
+        assert (code, out.strip()) == (0, host)
+        # a folder made after the helper started on a mount it dropped: not in its namespace
+        fresh = clone_mounts("fresh-parent")
+        Path(fresh, "inner").mkdir()
+        code, out = _spawn(lch, ["/bin/sh", "-c", "readlink /proc/self/ns/mnt"],
+                           criu.Placement(new_netns=True, own_mounts=((mine, True), (f"{fresh}/inner", False))))
+        assert (code, out.strip()) == (0, host)
+        code, out = _spawn(lch, ["/bin/sh", "-c", "readlink /proc/self/ns/mnt"],
+                           criu.Placement(new_netns=True, own_mounts=((str(tmp_path / "missing"), False),)))
+        assert (code, out.strip()) == (0, host)  # a tree that cannot be made: the host's namespace
+    finally:
+        lch.close()
+
+
+def test_a_planted_symlink_is_not_followed_into_the_namespace(clone_mounts, tmp_path):
+    canary = tmp_path / "canary"
+    canary.mkdir()
+    (canary / "secret").write_text("host secret")
+    lch = prepared.CriuLauncher.start()
+    try:
+        mine = clone_mounts("mine")
+        Path(mine, "root", "link").symlink_to(canary)  # written through the clone's root
+        code, out = _spawn(lch, ["/bin/sh", "-c", "cat /proc/self/mountinfo; readlink /proc/self/ns/mnt"],
+                           criu.Placement(new_netns=True, own_mounts=((mine, True), (f"{mine}/root/link", False))))
+        assert code == 0
+        assert str(canary) not in out and "host secret" not in out  # the canary was never mounted
+    finally:
+        lch.close()
+    assert (canary / "secret").read_text() == "host secret"
+
+
+def _spawn(lch: prepared.CriuLauncher, argv: list[str], placement: criu.Placement) -> tuple[int, str]:
+    with tempfile.TemporaryFile() as out:
+        rid, pending = lch.spawn(argv, prepared.placement_fields(placement), out.fileno())
+        code = lch.wait(rid, pending, 10)
+        out.seek(0)
+        assert code is not None
+        return code, out.read().decode()
