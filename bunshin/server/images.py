@@ -18,6 +18,7 @@ import anyio.from_thread
 import anyio.to_thread
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from ..api.images import DIGEST_HEADER, MAC_HEADER, MEDIA_TYPE, SIZE_HEADER, ImageOut, LayerOut
 from ..api.models import served_image
@@ -28,7 +29,7 @@ from ..runtime.oci import exchange, layer_tar
 from ..runtime.oci import store as oci_store
 from ..runtime.oci.records import ImageRecord
 from ..runtime.store import Store
-from .context import ServerContext
+from .context import CallerGone, ServerContext
 from .transfer import UploadBudget
 
 HINT = "'host', or an image reference the host holds or can pull (`bunshin image ls` on the host)"
@@ -164,7 +165,10 @@ class _Body(io.RawIOBase):
         return True
 
     async def _next(self) -> bytes:
-        return await self.chunks.__anext__()
+        try:
+            return await self.chunks.__anext__()
+        except ClientDisconnect:
+            raise CallerGone("the caller left in the middle of a layer upload: nothing was stored") from None
 
     def readinto(self, b: Any) -> int:
         while not self.buf:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -123,6 +124,17 @@ def test_a_tampered_stream_over_http_is_refused_and_leaves_nothing(hosts) -> Non
     with pytest.raises(InvalidArgument):
         cb.images.put_layer(image_id, top, iter([data[:1024]]))
     assert _staging_empty(b)
+    # the sender dies mid-stream (the head's source host went away): the target drops what it had
+    def dies() -> Iterator[bytes]:
+        yield data[:4096]
+        raise ConnectionResetError("the source host went away")
+
+    with pytest.raises(ConnectionResetError):
+        cb.images.put_layer(image_id, top, dies())
+    deadline = time.monotonic() + 10
+    while not _staging_empty(b) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _staging_empty(b) and not b.paths.image_layer(top["diff_id"]).exists()
     assert cb.images.put_layer(image_id, top, iter([data])).bytes_read == len(data)
 
 

@@ -191,6 +191,8 @@ def stage_layer(cfg: Config, store: Store, diff_id: str, fill: Callable[[Path], 
         os.chmod(tmp, 0o755)
         os.chown(tmp, cfg.id_base, cfg.id_base)
         done = fill(tmp)
+        if stored_layer_size(cfg, store, diff_id) is not None:
+            return done  # another load or move stored it meanwhile: in use maybe, kept as it is
         try:
             if final.is_dir():
                 shutil.rmtree(final)  # a folder without its record: an interrupted rename, redone
