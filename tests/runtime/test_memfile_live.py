@@ -8,10 +8,25 @@ from pathlib import Path
 
 import pytest
 
-from bunshin.runtime.memfile import remove_memfile
-from bunshin.runtime.memfile.live import LiveUnavailable, convert_live
+from bunshin.runtime import memfile
+from bunshin.runtime.memfile import remove_memfile, trapcode
+from bunshin.runtime.memfile.live import LiveUnavailable, convert_live, live_areas
 
 from .procs import kill_and_wait
+from .test_memfile import (  # noqa: F401  (fixtures)
+    OWN_CHECKS,
+    SEM_CHECKS,
+    _filter_chain,
+    _semantics,
+    _smaps,
+    _want,
+    criu_bin,
+    lab,
+    memprog,
+    reaper,
+    semprog,
+    trap_cache,
+)
 
 MIB = 1 << 20
 
@@ -136,3 +151,52 @@ def test_refusals_leave_the_process_as_it_was(prog: Prog, memfile_path: Path, tm
     assert prog.anon_kib() > 30 * 1024
     with pytest.raises(LiveUnavailable, match="gone"):
         convert_live(2**22 + 99, [], memfile_path, str(memfile_path))
+
+
+# ------------------------------------------------- with the trap: semprog, then CRIU
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("variant", ["plain", "own", "noquery"], ids=["plain", "own-sigsys-handler", "no-procmap-query"])
+def test_a_live_converted_process_keeps_linux_semantics(lab, semprog, trap_cache: Path, variant: str) -> None:  # noqa: F811
+    """semprog converted live with the trap: DONTNEED, mremap, FREE, WIPEONFORK, masks, its own
+    SIGSYS handler as before; then dumped and restored: the dump finds memory file and trap as in
+    a clone's, and the clone keeps them."""
+    prog, data = semprog
+    checks = {**SEM_CHECKS, **(OWN_CHECKS if variant == "own" else {})}
+    pid = lab.start([str(prog), str(lab.ctl), str(data), *([variant] if variant != "plain" else [])])
+    areas = live_areas(pid)
+    assert areas
+    anon_before = _smaps(pid, "Anonymous")
+    path = lab.mem / f"live-{pid}{memfile.SUFFIX}"
+    res = convert_live(pid, areas, path, str(path), trap=trapcode.build_blob(trap_cache))
+    assert res.pause_ms < 5000
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    assert maps.count(str(path)) >= len(areas) + 3  # every area, and the handler's code, table and state
+    assert _smaps(pid, "Anonymous") < anon_before // 2
+    assert _semantics(lab, pid, checks) == _want(checks)
+    images = lab.dump(pid)
+    rewritten = lab.rewrite(images)
+    assert rewritten.left_anonymous == ()
+    chain = [trapcode.is_ours(f) for f in _filter_chain(images, 1)]
+    if variant == "plain":
+        assert chain == [True]  # the live one, replaced
+    else:
+        # CRIU's image lists a filter added live below the program's own (seen here), so
+        # the rewrite adds ours on top and the live one stays: both trap to the one handler
+        assert chain.count(True) == 2 and chain[0]
+    clone = lab.restore(images)
+    assert _semantics(lab, clone, checks) == _want(checks)
+    handlers = [ln for ln in Path(f"/proc/{clone}/maps").read_text().splitlines()
+                if " r-xp " in ln and memfile.SUFFIX in ln]
+    assert len(handlers) == 1, handlers
+
+
+@pytest.mark.criu
+def test_without_the_trap_dontneed_brings_back_old_bytes(lab, semprog) -> None:  # noqa: F811
+    """Why the trap is needed (and what the semantics test above would catch without it)."""
+    prog, data = semprog
+    pid = lab.start([str(prog), str(lab.ctl), str(data)])
+    path = lab.mem / f"bare-{pid}{memfile.SUFFIX}"
+    convert_live(pid, live_areas(pid), path, str(path))
+    assert lab.cmd(pid, "dontneed") != SEM_CHECKS["dontneed"]

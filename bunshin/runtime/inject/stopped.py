@@ -100,18 +100,18 @@ class Stopped:
             ptrace.tgkill(self.pid, tid, sig)
         self._more.clear()
 
-    def syscall(self, nr: int, *args: int) -> int:
-        """Issue system call ``nr`` in the leader; its result (a negative errno on failure)."""
+    def syscall(self, nr: int, *args: int, tid: int | None = None) -> int:
+        """Issue system call ``nr`` in the leader (or thread ``tid``); its result (a negative errno on failure)."""
         if len(args) > 6:
             raise ValueError("a system call takes at most six arguments")
-        if self.pid not in self._held:
-            raise InjectionFailed(f"process {self.pid} is not stopped")
+        tid = self.pid if tid is None else tid
+        if tid not in self._held:
+            raise InjectionFailed(f"thread {tid} of process {self.pid} is not stopped")
         if self._site is None:
             try:
                 self._site = syscall_site(self.pid, self._proc)
             except (NoSite, OSError) as exc:
                 raise InjectionFailed(str(exc)) from None
-        tid = self.pid
         saved = ptrace.get_regs(tid)
         regs = saved.copy()
         regs.rax, regs.orig_rax, regs.rip = nr, (1 << 64) - 1, self._site  # orig_rax -1: no restart

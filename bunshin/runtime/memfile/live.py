@@ -1,6 +1,6 @@
 """Live conversion: a running process's anonymous areas moved into a memory file, pre-copied while it runs.
 
-``convert_live`` (the mechanism of issue 17's pre-copy; not yet on the fork path):
+``convert_live`` (issue 17's pre-copy):
 
 1. *pre-copy*, the process running: each area is tracked (``dirty.Tracker``:
    async write-protect) and its populated pages are copied into the memory file
@@ -13,18 +13,20 @@
    area is replaced by a ``MAP_PRIVATE | MAP_FIXED`` mapping of its slot, same
    address and protection; the anonymous pages are freed.
 
-The process then reads the same bytes from the shared file, as a restored
-clone does, and a CRIU dump of it holds only what it writes afterwards. What a
-clone also gets and this does not yet: the trap (``trap``) that keeps
-``MADV_DONTNEED``/``mremap`` exact; until it is installed live, a converted
-process has the semantic differences the package doc lists, which is why no
-fork uses this yet.
+With ``trap`` (the handler blob) the process also gets the trap a restored
+clone gets (``live_trap``: handler areas from the same file, SIGSYS action,
+SIGSYS unblocked, the filter), installed before any area maps the file, so
+converted memory keeps anonymous memory's semantics. The process then reads the
+same bytes from the shared file, as a restored clone does, and a CRIU dump of
+it holds only what it writes afterwards; the dump's rewrite finds the file and
+the trap as in a clone's. ``live_areas`` picks the areas (as ``plan.convertible``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,9 +34,12 @@ from pathlib import Path
 from bunshin.runtime.dirty import Run, Tracker, TrackingUnavailable
 from bunshin.runtime.inject import InjectionFailed, Stopped, check
 
+from . import live_trap
 from .criu_images import PAGE
 from .fileio import remove_memfile, seal, write_data
 from .rewrite import DEFAULT_GROWTH_ROOM, Slots
+from .trap import TrapUnavailable
+from .trapcode import Blob
 
 NR_MMAP, NR_MUNMAP, NR_CLOSE, NR_OPENAT = 9, 11, 3, 257
 PROT_RW = 0x3
@@ -91,6 +96,38 @@ def _area_prot(pid: int, start: int, end: int) -> int | None:
     return None
 
 
+_SMAPS_HEAD = re.compile(r"[0-9a-f]+-[0-9a-f]+ ")
+_PLAIN_FLAGS = frozenset({"rd", "wr", "mr", "mw", "me", "ac", "nr", "hg", "nh", "sd"})
+
+
+def live_areas(pid: int, *, convert_heap: bool = True) -> list[tuple[int, int]]:
+    """The plain private anonymous areas of ``pid`` holding pages (as ``plan.convertible``, from smaps):
+    no stacks, locked, shared, executable, hugetlb, wipe-on-fork or merged (KSM) memory."""
+    out = []
+    head: list[str] | None = None
+    rss = 0
+
+    def flush(flags: list[str]) -> None:
+        if head is None:
+            return
+        lo, hi = (int(x, 16) for x in head[0].split("-"))
+        name = head[5] if len(head) > 5 else ""
+        if (head[1][3] == "p" and head[4] == "0" and (name == "" or (convert_heap and name == "[heap]"))
+                and "wr" in flags and set(flags) <= _PLAIN_FLAGS and rss > 0):
+            out.append((lo, hi))
+
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        key = line.split(":", 1)[0]
+        if _SMAPS_HEAD.match(line):
+            head, rss = line.split(maxsplit=5), 0
+        elif key in ("Rss", "Swap"):
+            rss += int(line.split()[1])
+        elif key == "VmFlags":
+            flush(line.split()[1:])
+            head = None
+    return out
+
+
 def _punch(fd: int, off: int, length: int) -> None:
     if _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, off, length) != 0:
         err = ctypes.get_errno()
@@ -109,15 +146,17 @@ def _copy(mem: int, dst: int, area: LiveArea, runs: list[Run], fresh: bool) -> i
 
 def convert_live(
     pid: int, areas: list[tuple[int, int]], path: Path, view: str, *,
-    growth_room: int = DEFAULT_GROWTH_ROOM, rounds: int = 2,
+    growth_room: int = DEFAULT_GROWTH_ROOM, rounds: int = 2, trap: Blob | None = None,
 ) -> LiveResult:
     """Move ``areas`` (whole private anonymous areas of ``pid``) into a new memory file at ``path``.
 
     ``view`` is the file's path as the process resolves it. ``rounds``: pre-copy
     passes while it runs (each copies what the previous one saw written).
+    ``trap``: the handler blob; given, the process also gets the trap
+    (``live_trap``), so converted memory keeps anonymous memory's semantics.
     Raises ``LiveUnavailable`` (the process unchanged, the file removed), but
-    for an ``mmap`` failing after others succeeded: the areas mapped already
-    hold the same bytes from the file, which stays.
+    for a failure after the first area was mapped from the file: the areas
+    mapped already hold the same bytes (and the trap), and the file stays.
     """
     slots = Slots(growth_room)
     planned = []
@@ -133,11 +172,11 @@ def convert_live(
         result = LiveResult(path, planned)
         try:
             with Tracker.open(pid) as tracker:
-                _run(pid, tracker, planned, dst, view, result, rounds)
+                _run(pid, tracker, slots, dst, view, result, rounds, trap)
         except _PartlyMapped:
             done = True
             raise
-        except (TrackingUnavailable, InjectionFailed, OSError) as exc:
+        except (TrackingUnavailable, InjectionFailed, TrapUnavailable, OSError) as exc:
             raise LiveUnavailable(str(exc)) from None
         done = True
         return result
@@ -147,8 +186,9 @@ def convert_live(
             remove_memfile(path)  # sealed already if the remap was refused
 
 
-def _run(pid: int, tracker: Tracker, planned: list[LiveArea], dst: int, view: str,
-         result: LiveResult, rounds: int) -> None:
+def _run(pid: int, tracker: Tracker, slots: Slots, dst: int, view: str,
+         result: LiveResult, rounds: int, trap: Blob | None) -> None:
+    planned = result.areas
     t0 = time.perf_counter()
     for a in planned:
         tracker.track(a.start, a.end)
@@ -175,39 +215,46 @@ def _run(pid: int, tracker: Tracker, planned: list[LiveArea], dst: int, view: st
                 if runs is None or _area_prot(pid, a.start, a.end) != a.prot:
                     raise LiveUnavailable(f"area {a.start:#x}-{a.end:#x} changed during the pre-copy")
                 result.dirty_bytes += _copy(mem, dst, a, runs, fresh=False)
-            seal(dst)
             t3 = time.perf_counter()
             result.dirty_ms = (t3 - t2) * 1000
-            _remap(s, pid, dst, view, planned)
+            _remap(s, pid, dst, slots, view, planned, trap)
             result.remap_ms = (time.perf_counter() - t3) * 1000
         result.pause_ms = (time.perf_counter() - t1) * 1000
     finally:
         os.close(mem)
 
 
-def _remap(s: Stopped, pid: int, dst: int, view: str, planned: list[LiveArea]) -> None:
-    """Open the file in the process by ``view``, check it is ours, map each area from it."""
+def _remap(s: Stopped, pid: int, dst: int, slots: Slots, view: str, planned: list[LiveArea],
+           trap: Blob | None) -> None:
+    """Give the process the trap (if asked) and map each area from the file, opened by ``view`` and checked."""
     raw = view.encode() + b"\0"
     if len(raw) > PAGE or b"\0" in raw[:-1]:
         raise LiveUnavailable(f"bad memory-file path {view!r}")
-    scratch = check(s.syscall(NR_MMAP, 0, PAGE, PROT_RW, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0), "mmap of a scratch page")
+    scratch = check(s.syscall(NR_MMAP, 0, live_trap.SCRATCH, PROT_RW, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0),
+                    "mmap of a scratch area")
     fd = -1
     try:
-        mem = os.open(f"/proc/{pid}/mem", os.O_RDWR | os.O_CLOEXEC)
-        try:
-            os.pwrite(mem, raw, scratch)
-        finally:
-            os.close(mem)
+        setup = None
+        if trap is not None:
+            setup = live_trap.plan(pid, trap, str(Path(view).parent), [(a.start, a.end) for a in planned])
+            setup.offset = slots.place(setup.base, setup.size)
+            os.ftruncate(dst, slots.cursor)
+            os.pwrite(dst, live_trap.blob_bytes(s, setup, scratch), setup.offset)
+        seal(dst)
+        live_trap.write_mem(pid, scratch, raw)
         fd = check(s.syscall(NR_OPENAT, AT_FDCWD, scratch, O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_NOCTTY | O_CLOEXEC),
                    f"open of {view}")
         got, want = os.stat(f"/proc/{pid}/fd/{fd}"), os.fstat(dst)
         if (got.st_dev, got.st_ino) != (want.st_dev, want.st_ino):
             raise LiveUnavailable(f"{view} in process {pid} is not the memory file")
-        for a in planned:  # same bytes, same address: the process cannot tell but by its maps
+        if setup is not None:
+            live_trap.install(s, setup, fd, scratch)  # before any area maps the file: nothing converted lacks it
+        for i, a in enumerate(planned):  # same bytes, same address: the process cannot tell but by its maps
             at = s.syscall(NR_MMAP, a.start, a.end - a.start, a.prot, MAP_PRIVATE | MAP_FIXED, fd, a.offset)
             if at != a.start:
-                raise _PartlyMapped(f"mmap of {a.start:#x}-{a.end:#x} from the memory file failed ({at})")
+                what = f"mmap of {a.start:#x}-{a.end:#x} from the memory file failed ({at})"
+                raise (_PartlyMapped(what) if i or setup else InjectionFailed(what))
     finally:
         if fd >= 0:
             s.syscall(NR_CLOSE, fd)
-        s.syscall(NR_MUNMAP, scratch, PAGE)
+        s.syscall(NR_MUNMAP, scratch, live_trap.SCRATCH)
