@@ -10,7 +10,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Config
-from . import criu, criu_kdat, host_limits, idmap, init, mountinfo, seccomp, snapshot, statefs
+from . import (
+    cgroup_moves,
+    criu,
+    criu_kdat,
+    host_limits,
+    idmap,
+    init,
+    mountinfo,
+    seccomp,
+    snapshot,
+    statefs,
+)
 from .cgroups import Layout
 
 MIN_CRIU = (4, 2)
@@ -148,6 +159,19 @@ def _pipe_buffers() -> Result:
     return ok, detail, None if ok else host_limits.PIPE_HINT
 
 
+def _cgroup_moves() -> Result:
+    """Whether moving a restore's criu into the clone's cgroups waits for RCU (``cgroup_moves``)."""
+    st = cgroup_moves.status()
+    if st.mount_point is None:
+        return False, "no cgroup2 mounted: each move into a cgroup may wait for an RCU grace period", None
+    if st.favored:
+        return True, f"{st.mount_point} favordynmods: moves into cgroups are cheap", None
+    return False, (f"{st.mount_point} without favordynmods: each restore's move into its cgroups may wait "
+                   "3-17 ms for an RCU grace period (bunshin turns it on at its first restore)"), (
+        f"mount -o remount,{','.join((*st.flags, cgroup_moves.OPTION))} {st.mount_point}, "
+        f"or leave it to bunshin; {cgroup_moves.ENV}=0 keeps it off")
+
+
 def _pycriu() -> Result:
     import pycriu  # noqa: F401
 
@@ -185,5 +209,6 @@ def run_checks(cfg: Config) -> list[Check]:
         _check("criu cache", lambda: _criu_cache(cfg), required=False),
         _check("clone capacity", _clone_capacity, required=False),
         _check("pipe buffers", _pipe_buffers, required=False),
+        _check("cgroup moves", _cgroup_moves, required=False),
         _check("pycriu", _pycriu, required=False),
     ]

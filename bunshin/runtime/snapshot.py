@@ -49,7 +49,17 @@ from ..errors import (
     SnapshotNotFound,
     StateConflict,
 )
-from . import container, criu, host_limits, memfile, netns_image, statefs, unforkable, upper_copy
+from . import (
+    cgroup_moves,
+    container,
+    criu,
+    host_limits,
+    memfile,
+    netns_image,
+    statefs,
+    unforkable,
+    upper_copy,
+)
 from . import syscalls as sc
 from .agent_client import quiesced
 from .cgroups import Layout, WorkspaceCgroup
@@ -378,6 +388,7 @@ def restore(cfg: Config, store: Store, snap: SnapshotRecord, n: int) -> list[Wor
     treats the clones of a dead forker as unfinished.
     """
     check_batch(n, _snapshot_tasks(snap))
+    cgroup_moves.ensure()  # criu's moves into the clone's cgroups: 0.03 ms instead of 3-17 (busy host)
     layout = Layout.discover()
     pool = ThreadPoolExecutor(max_workers=min(n, RESTORE_CONCURRENCY))
     futures: list[Future[WorkspaceRecord]] = []
