@@ -41,18 +41,25 @@ class Config:
     # ``runtime.memfile.ZeroFillPolicy`` value ("trap": the SIGSYS handler; "copy": the
     # older allocator heuristic without it; "refuse"; "convert").
     memory_semantics: str = "trap"
+    # Before a copy-on-write dump, convert the workspace's processes live into memory
+    # files, pre-copied while they run (``runtime.precopy``): the dump is then a delta.
+    fork_precopy: bool = False
 
     @classmethod
     def from_env(cls) -> Config:
-        """Defaults, overridden by ``BUNSHIN_HOME``, ``BUNSHIN_TMPFS``, ``BUNSHIN_CRIU`` and
-        ``BUNSHIN_GHOST_LIMIT`` (bytes, or with a K/M/G suffix)."""
+        """Defaults, overridden by ``BUNSHIN_HOME``, ``BUNSHIN_TMPFS``, ``BUNSHIN_CRIU``,
+        ``BUNSHIN_GHOST_LIMIT`` (bytes, or with a K/M/G suffix) and ``BUNSHIN_FORK_PRECOPY`` (1/0)."""
         cfg = cls.for_home(
             Path(os.environ.get("BUNSHIN_HOME", DEFAULT_HOME)),
             tmpfs=Path(os.environ["BUNSHIN_TMPFS"]) if os.environ.get("BUNSHIN_TMPFS") else None,
             criu=Path(os.environ.get("BUNSHIN_CRIU", DEFAULT_CRIU)),
         )
         ghost = os.environ.get("BUNSHIN_GHOST_LIMIT")
-        return dataclasses.replace(cfg, ghost_limit=ghost) if ghost else cfg
+        if ghost:
+            cfg = dataclasses.replace(cfg, ghost_limit=ghost)
+        if os.environ.get("BUNSHIN_FORK_PRECOPY") in ("1", "0"):
+            cfg = dataclasses.replace(cfg, fork_precopy=os.environ["BUNSHIN_FORK_PRECOPY"] == "1")
+        return cfg
 
     @classmethod
     def for_home(cls, home: Path, *, tmpfs: Path | None = None, criu: Path = DEFAULT_CRIU) -> Config:
