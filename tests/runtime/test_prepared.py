@@ -183,3 +183,32 @@ def _spawn(lch: prepared.CriuLauncher, argv: list[str], placement: criu.Placemen
         out.seek(0)
         assert code is not None
         return code, out.read().decode()
+
+
+def test_the_warm_pool_is_made_ahead_and_refilled_after_each_exec():
+    import psutil
+
+    from bunshin.runtime import zygote
+
+    lch = prepared.CriuLauncher.start()
+    try:
+        helper = psutil.Process(lch._proc.pid)
+        host_net = os.readlink("/proc/self/ns/net")
+
+        def warm() -> list[str]:
+            deadline = time.monotonic() + 10
+            while True:
+                kids = [p for p in helper.children() if p.status() != psutil.STATUS_ZOMBIE]
+                nets = [os.readlink(f"/proc/{p.pid}/ns/net") for p in kids]
+                if (len(kids) == zygote.POOL and host_net not in nets) or time.monotonic() > deadline:
+                    return nets
+                time.sleep(0.01)
+
+        before = warm()  # before any request
+        assert len(before) == zygote.POOL and host_net not in before
+        for _ in range(3):
+            assert _spawn(lch, ["/bin/true"], criu.Placement(new_netns=True))[0] == 0
+        after = warm()
+        assert len(after) == zygote.POOL and not set(after) & set(before)  # used ones replaced by fresh ones
+    finally:
+        lch.close()
