@@ -18,9 +18,9 @@ import pytest
 
 from bunshin.config import Config
 from bunshin.errors import ImageNotFound, InvalidArgument, Unauthorized
+from bunshin.runtime.keys import home_key
 from bunshin.runtime.oci import exchange, layer_tar
 from bunshin.runtime.oci import store as oci_store
-from bunshin.runtime.keys import home_key
 from bunshin.runtime.store import Store
 
 from . import oci_images as oi
