@@ -35,12 +35,14 @@ def task() -> TaskSpec:
 
 
 @contextmanager
-def placed(root: Path, full_on: Config, lower_on: Config) -> Iterator[dict[str, str]]:
-    """The full image on one home, its lower layers on another; both removed after
-    (with whatever was moved meanwhile onto ``others``). Yields the homes' image ids."""
+def placed(root: Path, full_on: Config, lower_on: Config | None) -> Iterator[dict[str, str]]:
+    """The full image on one home, its lower layers on another (if given). Yields the
+    homes' image ids; ``remove_images`` removes them (and what was moved meanwhile)."""
     full, lower = layouts(root)
     ids = {}
     for cfg, layout, tags in ((full_on, full, [NAME]), (lower_on, lower, [])):
+        if cfg is None:
+            continue
         with Store.open(cfg.db_path) as store:
             (rec,) = oci_store.load(cfg, store, layout, tags=tags)
             ids[str(cfg.home)] = rec.id

@@ -66,34 +66,64 @@ def test_baseline_spreads_by_room_without_a_root(cluster, homes, tmp_path):
     assert hosts_of(g) == {"a": 1, "b": 1, "c": 1}
 
 
-def test_a_group_on_a_host_lacking_its_image_gets_only_the_layers_it_lacks(cluster, homes, tmp_path):
-    """The image is on a, its two lower layers on b, nothing on c: the group's root is built
-    on a, and the host its overflow goes to (b) is sent the two upper layers only."""
+def test_a_group_on_hosts_lacking_its_image_gets_only_the_layers_each_lacks(cluster, homes, tmp_path):
+    """The image is on c, its two lower layers on b, nothing on a: the root is built on a,
+    which is sent the whole image first; the group's overflow goes to b, which is sent
+    the two upper layers only; every row says how the image came to its host."""
     from bunshin.runtime.oci import exchange
     from bunshin.runtime.store import Store
 
-    from .image_task import placed, remove_images, task
+    from .image_task import NAME, placed, remove_images, task
 
     n = MAX_WORKSPACES + 2
     try:
-        with placed(tmp_path / "img", homes["a"], homes["b"]):
-            with Store.open(homes["a"].db_path) as sa:
-                doc = exchange.manifest(homes["a"], sa, "test/cluster-img:v1")
+        with placed(tmp_path / "img", homes["c"], homes["b"]):
+            with Store.open(homes["c"].db_path) as sc:
+                doc = exchange.manifest(homes["c"], sc, NAME)
             with ClusterPlacement.of(cluster, spool=tmp_path / "spool") as placement:
                 (g,) = run(placement, "bunshin", n, options=ModeOptions(speculation=False), task=task())
-                moves = placement.images.done.moves
+                moves = {m.host: m for m in placement.images.done.moves}
             check_group(g, n)  # the rewards and outputs of the one-host test, on the image
             assert hosts_of(g) == {"a": MAX_WORKSPACES, "b": 2}
-            (move,) = moves
-            upper = doc["layers"][2:]
-            assert (move.host, move.source, move.layers_sent, move.layers_skipped) == ("b", "a", 2, 2)
-            assert move.bytes == sum(e["size"] for e in upper)
-            for t in g.trajectories:  # each row says how the image came to its host
-                assert t.placement.get("image", {}).get("bytes") == (move.bytes if t.placement["host"] == "b" else None)
-            with Store.open(homes["b"].db_path) as sb:
-                assert exchange.missing(homes["b"], sb, exchange.check_manifest(homes["b"], doc)[0]) == []
-            with Store.open(homes["c"].db_path) as sc:
-                assert exchange.oci_store.list_images(sc) == [], "c got nothing: no group went there"
+            sizes = [e["size"] for e in doc["layers"]]
+            assert set(moves) == {"a", "b"}
+            assert (moves["a"].source, moves["a"].layers_sent, moves["a"].bytes) == ("c", 4, sum(sizes))
+            assert (moves["b"].source, moves["b"].layers_sent, moves["b"].layers_skipped) == ("a", 2, 2)
+            assert moves["b"].bytes == sum(sizes[2:])
+            for t in g.trajectories:
+                assert t.placement["image"] == moves[t.placement["host"]].to_dict()
+            for name in ("a", "b"):
+                with Store.open(homes[name].db_path) as store:
+                    assert exchange.missing(homes[name], store, exchange.check_manifest(homes[name], doc)[0]) == []
+    finally:
+        remove_images(homes["a"], homes["b"], homes["c"])
+
+
+def test_api_groups_on_hosts_lacking_the_image_get_it_first(cluster, homes, tmp_path):
+    """An HTTP group key whose task's image only c holds: each host a share is placed on is
+    sent the image before it joins, and a trajectory there gives the one-host answer."""
+    from bunshin.cluster.groups import ClusterGroups, trajectories
+
+    from .image_task import placed, remove_images, task
+
+    key = "cluster-image-group"
+    try:
+        with placed(tmp_path / "img", homes["c"], None), ClusterPlacement.of(cluster, spool=tmp_path) as placement:
+            groups = ClusterGroups(placement)
+            shares = groups.join(key=key, n=MAX_WORKSPACES + 1, task=task(), speculation=False)
+            try:
+                assert [(s.host, len(s.group)) for s in shares] == [("a", MAX_WORKSPACES), ("b", 1)]
+                assert [(s.image.source, s.image.layers_sent) for s in shares if s.image] == [("c", 4), ("a", 4)]
+                host, t = trajectories(shares)[-1]
+                assert host == "b"
+                assert t.call("bash", {"command": "cat hello.txt setup.log /srv/marker"}).output == \
+                    "hello\nsetup-ran\nfrom the image\n"
+                t.call("python", {"code": "open('/work/score', 'w').write(str(base + 2))"})
+                assert t.reward().reward == 42.0
+            finally:
+                for s in shares:
+                    s.group.close()
+                groups.remove(key)
     finally:
         remove_images(homes["a"], homes["b"], homes["c"])
 
