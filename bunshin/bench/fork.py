@@ -20,8 +20,10 @@ side in one run:
   SIGSYS trap that keeps converted memory exact (``Config.memory_semantics="copy"``,
   the default before it): what the trap costs, side by side.
 
-Per size: restore latency per clone p50/p90/p99 (criu's run) and the batch's wall time
-per clone, parent pause, private memory per clone (``Anonymous`` of the clone's
+Per size: restore latency per clone p50/p90/p99 (criu's run, spawn to exit) and the
+batch's wall time per clone, the p50 of each step of a clone's restore
+(``restore_steps_ms_p50``: prepare = record, folder, overlay, identity, cgroups;
+criu_call; after = pidfile, network lock), parent pause, private memory per clone (``Anonymous`` of the clone's
 processes) right after the restore, after one exec and one ``bash`` tool call in every
 clone, and after 5 s of light work; system-wide memory added (``MemTotal -
 MemAvailable``, tmpfs memory files included), the clones' own cgroups, and the time to
@@ -166,6 +168,13 @@ def _anon(clones: Sequence[Workspace]) -> list[int]:
     return _each(clones, lambda c: c.stats().memory.anon_bytes)
 
 
+def restore_steps(rows: Sequence[dict[str, float]]) -> dict[str, float]:
+    """p50 of each step of the clones' restores (``snapshot._restore_one``: prepare,
+    criu_call, after), over the clones that recorded it."""
+    names = dict.fromkeys(k for r in rows for k in r)
+    return {k: round(percentile([r[k] for r in rows if k in r], 50), 2) for k in names}
+
+
 def restore_chunks(snapshot: Snapshot, n: int, progress: Progress, task: TaskID) -> list[Workspace]:
     """``n`` clones in chunks of ``CHUNK`` (progress after each); all or none."""
     clones: list[Workspace] = []
@@ -208,6 +217,7 @@ def measure(parent: Workspace, n: int, mode: str, progress: Progress, heap_mib: 
         clones = restore_chunks(snapshot, n, progress, task)
         restore_wall = (time.perf_counter() - t1) * 1000
         restore = [float(c.record.extra.get("restore_ms", 0.0)) for c in clones]
+        steps = restore_steps([c.record.extra.get("restore_steps_ms") or {} for c in clones])
         stats0 = _each(clones, lambda c: c.stats().memory)
         anon0 = [m.anon_bytes for m in stats0]
         used1 = system_used_bytes()
@@ -234,6 +244,7 @@ def measure(parent: Workspace, n: int, mode: str, progress: Progress, heap_mib: 
         "restore_ms_p90": round(percentile(restore, 90), 2),
         "restore_ms_p99": round(percentile(restore, 99), 2),
         "restore_wall_ms_per_clone": round(restore_wall / n, 2),
+        "restore_steps_ms_p50": steps,
         "fork_wall_ms": round(take_ms + restore_wall, 2),
         **phases,
         "parent_pause_ms": round(snapshot.record.pause_ms, 2),

@@ -67,6 +67,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--forks", type=int, default=8, help="delta forks taken one after another (default 8)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_delta_pause, release_tmpfs=True)
+    b = bsub.add_parser("restore-phases", help="clones restored: each restore's time per CRIU phase and step")
+    b.add_argument("--clones", type=int, default=64, help="clones restored, in batches of 32 (default 64)")
+    b.add_argument("--heap-mib", type=int, default=64, help="heap of the forked process (default 64)")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_restore_phases, release_tmpfs=True)
     b = bsub.add_parser("memfile-copy", help="dumped pages into memory files: write_data against the kernel's copies, GB/s")
     b.add_argument("--mib", type=int, default=1024, help="bytes to copy, MiB (default 1024)")
     b.add_argument("--rounds", type=int, default=3, help="copies per method, alternated (default 3)")
@@ -160,6 +165,17 @@ def cmd_bench_delta_pause(args: argparse.Namespace) -> int:
         output.print_json(r)
     else:
         dump_phases.print_report(r)
+    return 0
+
+
+def cmd_bench_restore_phases(args: argparse.Namespace) -> int:
+    from ..bench import restore_phases
+
+    r = restore_phases.run(Config.from_env(), clones=args.clones, heap_mib=args.heap_mib)
+    if args.json:
+        output.print_json(r)
+    else:
+        restore_phases.print_report(r)
     return 0
 
 

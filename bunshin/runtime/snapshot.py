@@ -379,8 +379,11 @@ def _du(path: Path) -> int:
 # ---------------------------------------------------------------------- restore
 
 
-def restore(cfg: Config, store: Store, snap: SnapshotRecord, n: int) -> list[WorkspaceRecord]:
-    """``n`` new running workspaces from ``snap``; all of them or none.
+def restore(cfg: Config, store: Store, snap: SnapshotRecord, n: int, *, keep_logs: bool = False
+            ) -> list[WorkspaceRecord]:
+    """``n`` new running workspaces from ``snap``; all of them or none. ``keep_logs``: each
+    clone's criu log stays beside the images, named by ``extra["restore_log"]`` (the
+    caller removes it; ``bench restore-phases``).
 
     All or none also under ``KeyboardInterrupt`` (pending restores are cancelled, the
     running ones awaited, every clone made is destroyed) and under ``kill -9``: each
@@ -394,7 +397,7 @@ def restore(cfg: Config, store: Store, snap: SnapshotRecord, n: int) -> list[Wor
     futures: list[Future[WorkspaceRecord]] = []
     try:
         for _ in range(n):  # one by one: an interrupt mid-way still sees every submitted future
-            futures.append(pool.submit(_restore_one, cfg, store, snap, layout))
+            futures.append(pool.submit(_restore_one, cfg, store, snap, layout, keep_logs))
         done = [fut.result() for fut in futures]
         with store.transaction():  # the batch is in: the clones are the caller's now
             done = [store.update_workspace(rec.id, _unowned) or _unowned(rec) for rec in done]
@@ -515,7 +518,8 @@ def criu_mounts(cfg: Config, snap: SnapshotRecord, wdir: Path) -> tuple[tuple[st
     return tuple(trees)
 
 
-def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout) -> WorkspaceRecord:
+def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout, keep_log: bool = False
+                 ) -> WorkspaceRecord:
     ws_id = container.new_id()
     wdir = cfg.paths.workspace(ws_id)
     cg = WorkspaceCgroup.of(layout, cfg.cgroup_prefix + ws_id)
@@ -526,6 +530,7 @@ def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout
         memory_limit=snap.memory_limit, pids_limit=snap.pids_limit, hostname=snap.hostname,
         owner_pid=os.getpid(), parent=snap.source, snapshot=snap.id, mounts=snap.mounts,
     )
+    t0 = time.perf_counter()
     store.add_workspace(rec)
     try:
         container.make_workspace_dir(rec, cfg.id_base)
@@ -541,18 +546,27 @@ def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout
                               hold_netns=netns_image.restores_netns(Path(snap.images)),
                               cgroup_procs=tuple(str(p / "cgroup.procs") for p in cg.paths),
                               own_mounts=criu_mounts(cfg, snap, wdir))
+        t1 = time.perf_counter()
         run = criu.restore(
             cfg.criu, Path(snap.images), pidfile=wdir / "pid", root=Path(rec.root),
             extra=[*_COMMON, "--external", f"mnt[{SYS_EXTERNAL}]:{sysfs}", "--manage-cgroups=ignore",
                    *mount_externals(rec.mounts, dump=False, cfg=cfg)],
             placement=into,
-            keep_log=False,  # written from inside the clone's cgroup: it would be charged to it
+            keep_log=keep_log,  # written from inside the clone's cgroup: it would be charged to it
         )
         assert run.pid is not None
+        t2 = time.perf_counter()
         netns_image.restored(run.pid)
+        pid_start = psutil.Process(run.pid).create_time()
+        # what this clone's restore cost, step by step (``bench fork``): its record, folder,
+        # overlay, identity and cgroups; the criu run (spawn to exit, ``restore_ms``); the
+        # pidfile and network lock after it
+        steps = {"prepare": (t1 - t0) * 1000, "criu_call": (t2 - t1) * 1000, "after": (time.perf_counter() - t2) * 1000}
         # owner_pid stays set until ``restore`` commits the whole batch
-        started = {"state": WorkspaceState.RUNNING, "pid": run.pid, "pid_start": psutil.Process(run.pid).create_time(),
-                   "extra": {"restore_ms": round(run.duration_ms, 2)}}
+        started = {"state": WorkspaceState.RUNNING, "pid": run.pid, "pid_start": pid_start,
+                   "extra": {"restore_ms": round(run.duration_ms, 2),
+                             "restore_steps_ms": {k: round(v, 2) for k, v in steps.items()},
+                             **({"restore_log": str(run.log)} if keep_log else {})}}
         return store.update_workspace(ws_id, lambda r: r.replace(**started)) or rec.replace(**started)
     except BaseException:
         container.destroy(cfg, store, store.get_workspace(ws_id))

@@ -23,6 +23,9 @@ def test_tiny_run_reports_every_headline_number(no_leaks, tmp_path):
         assert m["clones_added_bytes"] > 0 and 0 < m["clones_added_share_of_parent"] < 10
         assert m["call_ms_p50"] > 0 and m["remove_all_ms"] > 0
         assert m["criu"]["frozen_ms"] == m["parent_pause_ms"] and m["criu"]["pages_written"] > 0
+        steps = m["restore_steps_ms_p50"]
+        assert set(steps) == {"prepare", "criu_call", "after"} and min(steps.values()) > 0
+        assert steps["criu_call"] >= m["restore_ms_p50"] - 0.01  # the criu run and reading its pidfile
     assert cow["memfile_bytes"] >= 16 << 20 and copy["memfile_bytes"] == 0
     # copy-on-write: a clone owns a small part of the 16 MiB heap, a copied one all of it, also after
     # an exec and a tool call
