@@ -56,6 +56,7 @@ from . import (
     host_limits,
     memfile,
     netns_image,
+    precopy,
     statefs,
     unforkable,
     upper_copy,
@@ -207,6 +208,10 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
         huge_memfiles = statefs.ensure(cfg)
         images.mkdir(parents=True)
         _check_space(cfg, rec)
+        live = None
+        if cfg.fork_precopy and mode is SnapshotMode.COW and cfg.memory_semantics == "trap":
+            live = precopy.convert(cfg, rec.id, Path(rec.upper), Path(rec.root), MEM_VIEW, _tree(rec.pid))
+            live.save(sdir)
         # Tasks are frozen with ptrace, not the v1 freezer cgroup: CRIU polls the
         # freezer every 100 ms, which adds ~100 ms to every parent pause. Cgroups
         # are not dumped either: a restore runs criu inside the clone's own.
@@ -239,9 +244,11 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
             )
             files = tuple(str(f.path) for f in result.files)
             rewrite_ms, mem_bytes = result.duration_ms, result.data_bytes
-        _link_memfiles(files, layer)  # copy mode too: nothing the workspace left at /.bunshin/mem stays
+        # copy mode too: nothing the workspace left at /.bunshin/mem stays; live files its processes map
+        _link_memfiles((*files, *precopy.link_names(cfg, images, MEM_VIEW)), layer)
         taken = dict(
-            memfiles=files, dump_ms=run.duration_ms, pause_ms=_pause_ms(images, run.log) or run.duration_ms,
+            memfiles=files, dump_ms=run.duration_ms,
+            pause_ms=(_pause_ms(images, run.log) or run.duration_ms) + (live.pause_ms if live else 0.0),
             rewrite_ms=rewrite_ms, memfile_bytes=mem_bytes, image_bytes=_du(images), layer_bytes=layer_bytes,
             owner_pid=None if keep else snap.owner_pid,  # a fork's snapshot stays owned until `release`
         )
@@ -667,8 +674,9 @@ def _sweep_orphans(cfg: Config, store: Store) -> list[str]:
             shutil.rmtree(d, ignore_errors=True)
             freed.append(str(d))
     tags = ids | named | (all_layers - {Path(f).name for f in freed})
+    live = {r.id for r in store.list_workspaces()}
     for f in mem_files:
-        if memfile_tag(f.name) not in tags:
+        if memfile_tag(f.name) not in tags and not precopy.sweep_keeps(f, live):
             memfile.remove_memfile(f)
             freed.append(str(f))
     return freed

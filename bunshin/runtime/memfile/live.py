@@ -28,6 +28,7 @@ import ctypes
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +37,7 @@ from bunshin.runtime.inject import InjectionFailed, Stopped, check
 
 from . import live_trap
 from .criu_images import PAGE
-from .fileio import remove_memfile, seal, write_data
+from .fileio import remove_memfile, remove_memfile_at, seal, write_data
 from .rewrite import DEFAULT_GROWTH_ROOM, Slots
 from .trap import TrapUnavailable
 from .trapcode import Blob
@@ -49,6 +50,9 @@ AT_FDCWD = -100
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 1, 2
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
+
+
+_How = tuple[bool, "Callable[[], os.stat_result] | None"]  # immutable, seen_as
 
 
 class LiveUnavailable(Exception):
@@ -147,6 +151,7 @@ def _copy(mem: int, dst: int, area: LiveArea, runs: list[Run], fresh: bool) -> i
 def convert_live(
     pid: int, areas: list[tuple[int, int]], path: Path, view: str, *,
     growth_room: int = DEFAULT_GROWTH_ROOM, rounds: int = 2, trap: Blob | None = None,
+    immutable: bool = True, dir_fd: int | None = None, seen_as: Callable[[], os.stat_result] | None = None,
 ) -> LiveResult:
     """Move ``areas`` (whole private anonymous areas of ``pid``) into a new memory file at ``path``.
 
@@ -154,6 +159,11 @@ def convert_live(
     passes while it runs (each copies what the previous one saw written).
     ``trap``: the handler blob; given, the process also gets the trap
     (``live_trap``), so converted memory keeps anonymous memory's semantics.
+    The file is sealed (mode 0444, and the immutable flag unless not
+    ``immutable``) before the process opens it. ``dir_fd``: ``path`` is a name
+    in that folder (made and removed there, never following a symlink).
+    ``seen_as``: the file as the process's view shows it (an overlay reports its
+    own device and inode), which the file it opened must be; else the file itself.
     Raises ``LiveUnavailable`` (the process unchanged, the file removed), but
     for a failure after the first area was mapped from the file: the areas
     mapped already hold the same bytes (and the trap), and the file stays.
@@ -165,14 +175,14 @@ def convert_live(
         if prot is None:
             raise LiveUnavailable(f"{start:#x}-{end:#x} is not one private anonymous area of process {pid}")
         planned.append(LiveArea(start, end, prot, slots.place(start, end - start)))
-    dst = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    dst = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
     done = False
     try:
         os.ftruncate(dst, slots.cursor)
         result = LiveResult(path, planned)
         try:
             with Tracker.open(pid) as tracker:
-                _run(pid, tracker, slots, dst, view, result, rounds, trap)
+                _run(pid, tracker, slots, dst, view, result, rounds, trap, (immutable, seen_as))
         except _PartlyMapped:
             done = True
             raise
@@ -182,12 +192,15 @@ def convert_live(
         return result
     finally:
         os.close(dst)
-        if not done:
-            remove_memfile(path)  # sealed already if the remap was refused
+        if not done:  # (sealed already if the remap was refused)
+            if dir_fd is None:
+                remove_memfile(path)
+            else:
+                remove_memfile_at(dir_fd, str(path))
 
 
 def _run(pid: int, tracker: Tracker, slots: Slots, dst: int, view: str,
-         result: LiveResult, rounds: int, trap: Blob | None) -> None:
+         result: LiveResult, rounds: int, trap: Blob | None, how: _How) -> None:
     planned = result.areas
     t0 = time.perf_counter()
     for a in planned:
@@ -217,7 +230,7 @@ def _run(pid: int, tracker: Tracker, slots: Slots, dst: int, view: str,
                 result.dirty_bytes += _copy(mem, dst, a, runs, fresh=False)
             t3 = time.perf_counter()
             result.dirty_ms = (t3 - t2) * 1000
-            _remap(s, pid, dst, slots, view, planned, trap)
+            _remap(s, pid, dst, slots, view, planned, trap, how)
             result.remap_ms = (time.perf_counter() - t3) * 1000
         result.pause_ms = (time.perf_counter() - t1) * 1000
     finally:
@@ -225,7 +238,7 @@ def _run(pid: int, tracker: Tracker, slots: Slots, dst: int, view: str,
 
 
 def _remap(s: Stopped, pid: int, dst: int, slots: Slots, view: str, planned: list[LiveArea],
-           trap: Blob | None) -> None:
+           trap: Blob | None, how: _How) -> None:
     """Give the process the trap (if asked) and map each area from the file, opened by ``view`` and checked."""
     raw = view.encode() + b"\0"
     if len(raw) > PAGE or b"\0" in raw[:-1]:
@@ -240,11 +253,15 @@ def _remap(s: Stopped, pid: int, dst: int, slots: Slots, view: str, planned: lis
             setup.offset = slots.place(setup.base, setup.size)
             os.ftruncate(dst, slots.cursor)
             os.pwrite(dst, live_trap.blob_bytes(s, setup, scratch), setup.offset)
-        seal(dst)
+        immutable, seen_as = how
+        if immutable:
+            seal(dst)
+        else:
+            os.fchmod(dst, 0o444)
         live_trap.write_mem(pid, scratch, raw)
         fd = check(s.syscall(NR_OPENAT, AT_FDCWD, scratch, O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_NOCTTY | O_CLOEXEC),
                    f"open of {view}")
-        got, want = os.stat(f"/proc/{pid}/fd/{fd}"), os.fstat(dst)
+        got, want = os.stat(f"/proc/{pid}/fd/{fd}"), (seen_as() if seen_as else os.fstat(dst))
         if (got.st_dev, got.st_ino) != (want.st_dev, want.st_ino):
             raise LiveUnavailable(f"{view} in process {pid} is not the memory file")
         if setup is not None:

@@ -1,0 +1,209 @@
+"""Live pre-copy before a copy-on-write dump (``Config.fork_precopy``, issue 17).
+
+Each process of the workspace holding at least ``MIN_BYTES`` of plain anonymous
+memory is converted live (``memfile.live``, with the trap): its areas are
+copied into a memory file while it runs, it is stopped only for the pages
+written meanwhile and the remap, and from then on it is like a clone: CRIU's
+dump holds only what it wrote since (a delta), the rewrite finds the file and
+the trap as in a clone's dump, and every later fork of it is a delta too.
+
+Where the files lie. The process maps ``/.bunshin/mem/live-<workspace>-<hex>``
+of its own upper (the workspace's tmpfs, so that it and CRIU reach it by
+path); that folder and ``/.bunshin`` must be host-owned (the workspace's root
+is an unprivileged host id: it can neither write them nor plant anything
+there), the file is mode 0444, owned by host root. The upper is its own tmpfs,
+so the clones' copy cannot be a link of it: once the process runs again the
+file is copied (holes kept) to ``Config.paths.mem`` under the same name, sealed,
+and each snapshot's layer links that copy (``link_names``), as the rewrite's
+own files. The system holds two copies (the parent's and the clones'), as
+without pre-copy (the parent's anonymous memory and the clones' file), but
+the parent is stopped only for the pages written during the copy. The
+frozen copy of the upper skips ``/.bunshin/mem`` (each layer gets its own anew).
+A live copy in ``paths.mem`` stays while its workspace exists or a layer links
+it (``sweep_keeps``). A process that cannot be converted exactly
+(``LiveUnavailable``: no trap, areas that change under the copy, a full upper,
+...) is left to CRIU as before, the reason recorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import stat
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from bunshin.config import Config
+
+from . import syscalls as sc
+from .memfile import SUFFIX, remove_memfile, trapcode
+from .memfile.criu_images import referenced_memfiles
+from .memfile.fileio import copy_range, data_extents, seal
+from .memfile.live import LiveUnavailable, convert_live, live_areas
+
+PREFIX = "live-"
+MIN_BYTES = 16 << 20  # smaller: CRIU's copy costs less than a conversion
+REPORT = "precopy.json"  # in the snapshot's folder
+
+
+@dataclass(frozen=True)
+class Converted:
+    pid: int
+    path: str
+    bytes: int
+    precopy_ms: float
+    pause_ms: float  # this process stopped: dirty copy, trap, remap
+    stop_ms: float
+    dirty_ms: float
+    remap_ms: float
+    dirty_bytes: int
+    share_ms: float  # copying it for the clones, the process running
+
+
+@dataclass(frozen=True)
+class Skipped:
+    pid: int
+    reason: str
+
+
+@dataclass
+class Report:
+    converted: list[Converted] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+    wall_ms: float = 0.0
+
+    @property
+    def pause_ms(self) -> float:
+        """The time processes of the workspace were stopped for it (one after another)."""
+        return sum(c.pause_ms for c in self.converted)
+
+    def save(self, folder: Path) -> None:
+        (folder / REPORT).write_text(json.dumps({**asdict(self), "pause_ms": self.pause_ms}))
+
+
+def _mem_dir(upper: Path) -> int:
+    """The upper's host-owned ``/.bunshin/mem`` (made if missing), opened without following anything."""
+    fd = sc.open_dir_beneath(upper, (".bunshin",))
+    try:
+        if os.fstat(fd).st_uid != 0:
+            raise LiveUnavailable("the workspace's /.bunshin is not the host's")
+        try:
+            os.mkdir("mem", 0o755, dir_fd=fd)
+        except FileExistsError:
+            pass
+        child = os.open("mem", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+    finally:
+        os.close(fd)
+    st = os.fstat(child)
+    if st.st_uid != 0 or st.st_mode & 0o022:
+        os.close(child)
+        raise LiveUnavailable("the workspace's /.bunshin/mem is not the host's")
+    return child
+
+
+def convert(cfg: Config, ws_id: str, upper: Path, root: Path, view: str, pids: list[int]) -> Report:
+    """Convert each of ``pids`` (host pids of the workspace) that holds enough memory; what happened.
+
+    ``root``: the workspace's overlay on the host, where the file is looked at as
+    the processes see it (through descriptors, never following a symlink).
+    """
+    t0 = time.perf_counter()
+    report = Report()
+    try:
+        blob = trapcode.build_blob(cfg.paths.sigsys)
+        cfg.paths.mem.mkdir(parents=True, exist_ok=True)  # (the clones' copies)
+        dir_fd = _mem_dir(upper)
+    except (OSError, LiveUnavailable) as exc:
+        report.skipped = [Skipped(p, f"no live conversion: {exc}") for p in pids]
+        return report
+    try:
+        for pid in pids:
+            _one(cfg, ws_id, view, dir_fd, root, blob, pid, report)
+    finally:
+        os.close(dir_fd)
+    report.wall_ms = (time.perf_counter() - t0) * 1000
+    return report
+
+
+def _one(cfg: Config, ws_id: str, view: str, dir_fd: int, root: Path, blob: trapcode.Blob, pid: int,
+         report: Report) -> None:
+    try:
+        areas = live_areas(pid)
+    except OSError as exc:
+        report.skipped.append(Skipped(pid, f"its memory map cannot be read: {exc.strerror}"))
+        return
+    size = sum(b - a for a, b in areas)
+    if size < MIN_BYTES:
+        report.skipped.append(Skipped(pid, f"{size >> 20} MiB of anonymous memory: left to the dump"))
+        return
+    name = f"{PREFIX}{ws_id}-{secrets.token_hex(4)}{SUFFIX}"
+    try:
+        res = convert_live(pid, areas, Path(name), f"{view.rstrip('/')}/{name}", trap=blob, immutable=False,
+                           dir_fd=dir_fd, seen_as=lambda: _seen(root, view, name))
+    except (LiveUnavailable, OSError) as exc:
+        report.skipped.append(Skipped(pid, str(exc)))
+        return
+    t0 = time.perf_counter()
+    shared = cfg.paths.mem / name
+    _copy_sealed(dir_fd, name, shared)
+    report.converted.append(Converted(
+        pid, str(shared), res.precopy_bytes + res.dirty_bytes, round(res.precopy_ms, 2), round(res.pause_ms, 2),
+        round(res.stop_ms, 2), round(res.dirty_ms, 2), round(res.remap_ms, 2), res.dirty_bytes,
+        round((time.perf_counter() - t0) * 1000, 2)))
+
+
+def _seen(root: Path, view: str, name: str) -> os.stat_result:
+    fd = sc.open_dir_beneath(root, Path(view).relative_to("/").parts, path_only=True)
+    try:
+        return os.stat(name, dir_fd=fd, follow_symlinks=False)
+    finally:
+        os.close(fd)
+
+
+def _copy_sealed(dir_fd: int, name: str, dst: Path) -> None:
+    """The clones' copy of a live file (it no longer changes: sealed, mapped), holes kept, sealed."""
+    src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        out = os.open(dst, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            size = os.fstat(src).st_size
+            os.ftruncate(out, size)
+            for off, length in data_extents(src, 0, size):
+                copy_range(src, off, out, off, length)
+            seal(out)
+        except BaseException:
+            os.close(out)
+            remove_memfile(dst)
+            raise
+        os.close(out)
+    finally:
+        os.close(src)
+
+
+def link_names(cfg: Config, images: Path, view: str) -> list[str]:
+    """Host paths of the live memory files a dump maps (its layer must link them too)."""
+    prefix = view.rstrip("/") + "/" + PREFIX
+    out = []
+    for name in sorted(referenced_memfiles(images)):
+        if name.startswith(prefix) and "/" not in name[len(prefix):]:
+            path = cfg.paths.mem / name[len(view.rstrip("/")) + 1:]
+            with contextlib.suppress(OSError):
+                if stat.S_ISREG(os.stat(path, follow_symlinks=False).st_mode):
+                    out.append(str(path))
+    return out
+
+
+def sweep_keeps(path: Path, workspaces: set[str]) -> bool:
+    """Whether the sweep keeps a live memory file: its workspace exists, or a layer links it."""
+    if not path.name.startswith(PREFIX):
+        return False
+    if path.name.removeprefix(PREFIX).rsplit("-", 1)[0] in workspaces:
+        return True
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_nlink > 1

@@ -1,0 +1,132 @@
+"""Forks with live pre-copy (``Config.fork_precopy``): real workspaces, real CRIU, exact bytes, deltas after."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from bunshin.runtime import precopy
+from tests.workspace.fixtures import Family
+
+from .test_inject import host_pid
+
+MIB = 1 << 20
+
+# 64 MiB of random bytes in one bytearray plus many small objects; on each request
+# (a file /tmp/req) it answers the hash of everything, then changes one byte.
+PROG = r"""
+import hashlib, os, random, time
+rnd = random.Random(5)
+big = bytearray(rnd.randbytes(64 << 20))
+small = [rnd.randbytes(3000) for _ in range(4000)]
+n = 0
+def digest():
+    h = hashlib.sha256(big)
+    for s in small:
+        h.update(s)
+    return h.hexdigest()[:20]
+open("/tmp/ready", "w").write(digest())
+while True:
+    if os.path.exists("/tmp/req"):
+        os.unlink("/tmp/req")
+        d = digest()
+        n += 1
+        big[n * 4096] ^= 1
+        open("/tmp/ans.tmp", "w").write(d); os.replace("/tmp/ans.tmp", "/tmp/ans")
+    time.sleep(0.005)
+"""
+
+
+def ask(ws) -> str:
+    r = ws.exec(["sh", "-c", "rm -f /tmp/ans; touch /tmp/req; while [ ! -s /tmp/ans ]; do sleep 0.01; done; cat /tmp/ans"],
+                timeout=60)
+    assert r.exit_code == 0, r
+    return r.stdout.strip()
+
+
+@pytest.fixture
+def live_family(no_leaks):
+    fam = Family(dataclasses.replace(no_leaks, fork_precopy=True))
+    try:
+        yield fam
+    finally:
+        fam.close()
+
+
+def started(fam):
+    ws = fam.create()
+    pid = ws.commands.spawn(["python3", "-c", PROG])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            first = ws.files.read_text("/tmp/ready")
+            if first:
+                return ws, host_pid(ws, pid), first
+        except Exception:  # not yet written
+            pass
+        time.sleep(0.05)
+    raise AssertionError("the program did not start")
+
+
+def test_fork_with_precopy_is_exact_and_later_forks_are_deltas(live_family) -> None:
+    ws, hp, first = started(live_family)
+    (c1,) = live_family.fork(ws, 1)
+    snap = next(s for s in live_family.cfg.paths.snapshots.iterdir())  # the fork's snapshot folder
+    report = json.loads((snap / precopy.REPORT).read_text())
+    mine = [c for c in report["converted"] if c["pid"] == hp]
+    assert mine and mine[0]["bytes"] >= 64 * MIB, report  # the program's memory went into a live file
+    maps = Path(f"/proc/{hp}/maps").read_text()
+    assert "/.bunshin/mem/live-" in maps  # the parent now maps it, as a clone would
+    # the parent and its clone each see every byte as it was, and go on apart
+    want = ask(ws)
+    assert want == first
+    assert ask(c1) == want
+    assert ask(ws) != want and ask(c1) != want  # each changed one byte of its own
+    # a second fork of the parent: CRIU dumps what it wrote since, not its 64 MiB again
+    (c2,) = live_family.fork(ws, 1)
+    snaps = sorted(live_family.cfg.paths.snapshots.iterdir(), key=lambda p: p.stat().st_mtime)
+    pages = sum(f.stat().st_size for f in (snaps[-1] / "images").glob("pages-*.img"))
+    assert pages < 16 * MIB, pages
+    assert ask(c2) == ask(ws)  # (both at the parent's state when forked, each one step on)
+
+
+def test_the_live_file_cannot_be_changed_from_inside(live_family) -> None:
+    """Attacks from the workspace on the memory file its clones share: all refused, the file unchanged."""
+    ws, hp, first = started(live_family)
+    live_family.fork(ws, 1)
+    name = next(ln.split()[-1] for ln in Path(f"/proc/{hp}/maps").read_text().splitlines() if "/live-" in ln)
+    host = live_family.cfg.paths.mem / Path(name).name
+    before = os.stat(host)
+    attack = f"""
+import os, errno
+p = {name!r}
+out = []
+for what, fn in [
+    ("write", lambda: os.open(p, os.O_RDWR)),
+    ("truncate", lambda: os.truncate(p, 0)),
+    ("chmod", lambda: os.chmod(p, 0o666)),
+    ("unlink", lambda: os.unlink(p)),
+    ("rename", lambda: os.rename(p, "/tmp/x")),
+    ("rename-dir", lambda: os.rename("/.bunshin/mem", "/tmp/m")),
+    ("plant", lambda: open("/.bunshin/mem/evil.bunshin-mem", "w")),
+]:
+    try:
+        fn()
+        out.append(what + ":done")
+    except OSError as e:
+        out.append(what + ":" + errno.errorcode[e.errno])
+print(" ".join(out))
+"""
+    r = ws.exec(["python3", "-c", attack])
+    got = dict(w.split(":") for w in r.stdout.split())
+    assert set(got) == {"write", "truncate", "chmod", "unlink", "rename", "rename-dir", "plant"}, r
+    assert all(v in ("EACCES", "EPERM", "EROFS") for v in got.values()), got
+    after = os.stat(host)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns, after.st_mode) == \
+        (before.st_ino, before.st_size, before.st_mtime_ns, before.st_mode)
+    assert ask(ws) == first
