@@ -8,6 +8,13 @@ It keeps its home's lease (:mod:`bunshin.cluster.fence`): at start and every
 ``RENEW_S`` seconds it compares the home's epoch with the cluster's; a home the head
 fenced (or whose lease ran out while no actor renewed it) is emptied first and served
 again in the cluster's current epoch.
+
+A host cut off from Ray's GCS cannot renew. Once its lease has run out unrenewed
+(``lease_s``) it fences itself: its server is stopped and its home emptied, since the
+cluster no longer vouches for what it holds (the head gives such a host up and retries
+its work elsewhere; Ray counts its node dead). It serves again only if the GCS answers
+again and still counts its node alive (a slow GCS, not a partition); a node Ray gave up
+is ended by Ray, and the host comes back as a new node's actor (``cluster up``).
 """
 
 from __future__ import annotations
@@ -44,10 +51,14 @@ class HostActor:
                                    key=key)
         self._lock = threading.RLock()  # the server and the lease: methods vs the renewing thread
         self.cleared: list[dict[str, int]] = []  # what each fence removed (status reports the count)
+        self.lapsed = False  # its lease ran out unrenewed: it fenced itself (see the module)
         self.epoch = self._join()
+        self._renewed = time.monotonic()  # when the cluster last answered a renewal
         self._stop = threading.Event()
         self._renewer = threading.Thread(target=self._renew_loop, name="bunshin-lease", daemon=True)
         self._renewer.start()
+        self._watchdog = threading.Thread(target=self._watch_lease, name="bunshin-lease-watch", daemon=True)
+        self._watchdog.start()
 
     # --- the lease ------------------------------------------------------------------------
 
@@ -81,26 +92,63 @@ class HostActor:
             self.epoch = current
             self._lease()
             fence.set_serving(self.name, current)
+            self.lapsed, self._renewed = False, time.monotonic()
             return current
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(fence.RENEW_S):
-            try:
+            try:  # blocks while the GCS is cut off (Ray's client retries): the watchdog sees it
                 current = fence.epoch(self.name)
+                node_alive = not self.lapsed or self._node_alive()
             except Exception as e:  # the GCS does not answer: no renewal, the lease runs out
                 log.warning("host %s: no answer from the cluster (%s): lease not renewed", self.name, e)
                 continue
+            self._renewed = time.monotonic()
             with self._lock:
                 if self._stop.is_set():
                     return
                 try:
-                    if current is not None and current != self.epoch:
+                    if self.lapsed:
+                        if not node_alive:  # Ray gave this node up: a new node's actor takes the home
+                            continue
+                        log.warning("host %s: the cluster answers again and counts it alive: rejoining", self.name)
+                        self._join()  # its lease ran out: that epoch is fenced, the home emptied
+                    elif current is not None and current != self.epoch:
                         self._lease(fenced=True)  # a crash while clearing still leaves it to gc
                         self._join()
                     else:
                         self._lease()
                 except Exception as e:  # tried again at the next renewal; the lease runs out meanwhile
                     log.error("host %s: renewing its lease failed: %s", self.name, e)
+
+    def _node_alive(self) -> bool:
+        """Does Ray's GCS count this actor's node alive?"""
+        import ray
+
+        return any(n["NodeID"] == self.node_id and n.get("Alive") for n in ray.nodes())
+
+    def _watch_lease(self) -> None:
+        """Fence this host itself once its lease has run out unrenewed: stop serving, and
+        empty the home (nothing in it is the cluster's any more)."""
+        while not self._stop.wait(fence.RENEW_S / 2):
+            if self.lapsed or time.monotonic() - self._renewed < self.lease_s:
+                continue
+            if not self._lock.acquire(timeout=fence.RENEW_S):  # a join blocked on the GCS holds it
+                continue
+            try:
+                if self._stop.is_set() or self.lapsed or time.monotonic() - self._renewed < self.lease_s:
+                    continue
+                self.lapsed = True
+                log.error("host %s: no renewal for %.0f s (cut off from the cluster?): it stops serving and "
+                          "empties its home", self.name, self.lease_s)
+                self._lease(fenced=True)
+                self.server.stop()
+                self.cleared.append(clear_home(self.server.cfg))
+                self.server.token_file.unlink(missing_ok=True)
+            except Exception as e:  # gc on the host finishes the job (the lease says fenced)
+                log.error("host %s: emptying its home failed: %s", self.name, e)
+            finally:
+                self._lock.release()
 
     def endpoint(self) -> Endpoint:
         return Endpoint(self.name, self.server.url, self.server.token())
@@ -123,6 +171,8 @@ class HostActor:
                     snapshots = [s.id for s in c.snapshots()]
             except BunshinError as e:
                 alive, error = False, str(e)
+        elif self.lapsed:
+            error = "its lease ran out unrenewed (cut off from the cluster?): it stopped serving, its home emptied"
         else:
             error = "its bunshin serve is not running"
         return HostInfo(name=self.name, node_id=self.node_id, url=self.server.url, home=str(self.server.cfg.home),

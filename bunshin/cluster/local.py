@@ -24,9 +24,10 @@ from .ray_cluster import RESOURCE_PREFIX, ray_module
 
 
 @contextmanager
-def local_ray_cluster(names: Sequence[str]) -> Iterator[Any]:
+def local_ray_cluster(names: Sequence[str], *, system_config: dict[str, Any] | None = None) -> Iterator[Any]:
     """A running cluster of ``names`` (one CPU each, no dashboard), ``ray.init``-ed in this
-    process (namespace ``bunshin``); the ``Cluster`` object."""
+    process (namespace ``bunshin``); the ``Cluster`` object. ``system_config``: Ray's own
+    settings for the whole cluster (e.g. its health-check timeouts, shortened in tests)."""
     ray = ray_module()
     from ray.cluster_utils import Cluster as RayCluster
 
@@ -37,7 +38,8 @@ def local_ray_cluster(names: Sequence[str]) -> Iterator[Any]:
         os.environ["RAY_TMPDIR"] = tmp
         rc = RayCluster(initialize_head=True, head_node_args={
             "num_cpus": 1, "include_dashboard": False, "temp_dir": tmp,
-            "resources": {f"{RESOURCE_PREFIX}{names[0]}": 1}})
+            "resources": {f"{RESOURCE_PREFIX}{names[0]}": 1},
+            **({"_system_config": system_config} if system_config else {})})
         try:
             for name in names[1:]:
                 add_node(rc, name)
@@ -70,8 +72,8 @@ def kill_node(rc: Any, name: str, *, timeout: float = 60.0) -> None:
     from .ray_cluster import live_nodes
 
     ray = ray_module()
-    node_id = next(n.node_id for n in live_nodes(ray) if n.name == name)
-    node = next(n for n in rc.list_all_nodes() if n.node_id == node_id)
+    node = ray_node(rc, name)
+    node_id = node.node_id
     rc.remove_node(node)
     deadline = time.monotonic() + timeout
     while any(n.node_id == node_id for n in live_nodes(ray)):
@@ -79,3 +81,16 @@ def kill_node(rc: Any, name: str, *, timeout: float = 60.0) -> None:
             raise RuntimeFailure(f"Ray still counts host {name}'s node alive {timeout:g} s after it was stopped",
                                  hint="see the Ray session's logs (RAY_TMPDIR)")
         time.sleep(0.2)
+
+
+def ray_node(rc: Any, name: str) -> Any:
+    """The live (non-head) Ray node object of host ``name`` in ``rc``."""
+    from .ray_cluster import live_nodes
+
+    node_id = next(n.node_id for n in live_nodes(ray_module()) if n.name == name)
+    return next(n for n in rc.list_all_nodes() if n.node_id == node_id)
+
+
+def node_pids(node: Any) -> list[int]:
+    """The processes a Ray node object started (its raylet, and the log monitor of a head)."""
+    return [p.process.pid for procs in node.all_processes.values() for p in procs if p.process is not None]

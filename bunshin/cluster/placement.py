@@ -14,6 +14,12 @@ failed call is run again; the row's ``placement`` says what happened. With a
 marked dead is also fenced (:mod:`bunshin.cluster.fence`): its actor empties its home,
 and once it serves the new epoch and answers again (a partition healed, a node back)
 it takes placements again, its old copies of the roots forgotten.
+
+The membership is also watched (every :data:`REVIVE_S`): a host whose Ray node the GCS
+counts dead is given up like one that does not answer, even while its server still
+answers over HTTP (a partition of the node from Ray, not from the head): its host cannot
+renew its lease, so it will empty itself. Its trajectories move before their next call
+(one waiting on a call there stops within :data:`WATCH_S`).
 """
 
 from __future__ import annotations
@@ -81,6 +87,8 @@ class Membership(Protocol):
 
     def endpoint(self, name: str) -> Endpoint | None: ...
 
+    def live(self) -> set[str]: ...
+
 
 @dataclass
 class Counters:
@@ -90,6 +98,7 @@ class Counters:
     migrations: int = 0
     retries: int = 0
     dead_hosts: list[str] = field(default_factory=list)
+    why: dict[str, str] = field(default_factory=dict)  # dead host -> why it was given up (the last time)
     revived: list[str] = field(default_factory=list)  # hosts placed on again after a fence
     place_s: float = 0.0  # time spent in the scheduler's decisions
     migrate_s: float = 0.0  # time spent saving and loading roots
@@ -118,7 +127,7 @@ class ClusterPlacement:
         self.generation = dict.fromkeys(self.hosts, 0)  # a host's epochs seen here: roots held there go
         self._retired: list[Client] = []  # clients of hosts given up, then back
         self._closed = threading.Event()
-        self._reviver: threading.Thread | None = None
+        self._reviver: threading.Thread | None = None  # the watch on the membership and the hosts given up
         self.images = ImageMover(self.hosts, self.dead)  # a task's image onto a host lacking it
 
     @classmethod
@@ -126,7 +135,19 @@ class ClusterPlacement:
         """Every live host of ``cluster``."""
         limits = {h.name: h.limits for h in cluster.status() if h.alive}
         clients = {n: c for n, c in cluster.clients().items() if n in limits}
-        return cls(clients, limits=limits, spool=spool, membership=cluster)
+        placement = cls(clients, limits=limits, spool=spool, membership=cluster)
+        placement.watch()
+        return placement
+
+    def watch(self) -> None:
+        """Start watching the membership (hosts whose Ray node died are given up) and the
+        hosts given up (placed on again once back); :meth:`close` stops it."""
+        if self.membership is None:
+            return
+        with self._lock:
+            if self._reviver is None:
+                self._reviver = threading.Thread(target=self._revive_loop, name="bunshin-revive", daemon=True)
+                self._reviver.start()
 
     def make_env(self, mode: Mode, task: TaskSpec, tools: ToolRunner, config: Config,
                  options: ModeOptions) -> TaskEnv:
@@ -158,14 +179,19 @@ class ClusterPlacement:
         if ok:
             self._answered[name] = time.monotonic()
         else:
-            with self._lock:  # trajectories of one host find it dead at once, from threads
-                if name in self.dead:
-                    return False
-                self.dead.add(name)
-                self.counters.dead_hosts.append(name)
-                log.warning("host %s does not answer: no more placements there", name)
-            self._fence(name)
+            self.give_up(name, "does not answer")
         return ok
+
+    def give_up(self, name: str, why: str) -> None:
+        """No more placements on host ``name`` (its trajectories move), and it is fenced."""
+        with self._lock:  # trajectories of one host find it dead at once, from threads
+            if name in self.dead:
+                return
+            self.dead.add(name)
+            self.counters.dead_hosts.append(name)
+            self.counters.why[name] = why
+            log.warning("host %s %s: no more placements there", name, why)
+        self._fence(name)
 
     def _health(self, name: str) -> bool:
         """A health check: nothing listening there is an answer at once; no answer in
@@ -189,13 +215,18 @@ class ClusterPlacement:
         except Exception as e:  # the cluster itself does not answer: the host stays dead here
             log.warning("could not fence host %s: %s", name, e)
             return
-        with self._lock:
-            if self._reviver is None:
-                self._reviver = threading.Thread(target=self._revive_loop, name="bunshin-revive", daemon=True)
-                self._reviver.start()
+        self.watch()
 
     def _revive_loop(self) -> None:
+        assert self.membership is not None
         while not self._closed.wait(REVIVE_S):
+            try:
+                live = self.membership.live()
+            except Exception as e:  # the GCS does not answer the head: nothing to conclude
+                log.debug("membership unknown: %s", e)
+            else:
+                for name in sorted(set(self.hosts) - live - self.dead):
+                    self.give_up(name, "is on a Ray node the cluster counts dead")
             for name, epoch in list(self.fenced.items()):
                 try:
                     self._revive(name, epoch)
@@ -206,7 +237,7 @@ class ClusterPlacement:
         """Host ``name`` serves ``epoch`` (or later: its home emptied) and answers: placed on again."""
         assert self.membership is not None
         serving = self.membership.serving(name)
-        if serving is None or serving < epoch:
+        if serving is None or serving < epoch or name not in self.membership.live():
             return
         ep = self.membership.endpoint(name)
         if ep is None or httpx.get(f"{ep.url}/v1/health", timeout=HEALTH_TIMEOUT_S).status_code != 200:
@@ -451,8 +482,16 @@ class ClusterTrajectory:
         name = self.host
         return not await in_thread(lambda: self.env.placement.alive(name))
 
+    def given_up(self) -> bool:
+        """Its host was given up (or fenced and back, emptied) since it was placed there."""
+        placement = self.env.placement
+        return self.host in placement.dead or placement.generation[self.host] != self.gen
+
     async def call(self, name: str, args: dict[str, Any]) -> Any:
         while True:
+            if self.given_up():  # e.g. its Ray node died while its server still answers
+                await self.move(f"host {self.host} was given up")
+                continue
             try:
                 obs = await self.env.guarded(self.host, self._inner().call(name, args))
             except Exception as e:
@@ -473,6 +512,8 @@ class ClusterTrajectory:
 
     async def current_workspace(self) -> AsyncWorkspace:
         while True:
+            if self.given_up():
+                await self.move(f"host {self.host} was given up")
             inner = self._inner()
             try:
                 ws = await self.env.guarded(self.host, inner.workspace())
@@ -508,6 +549,9 @@ class WatchedWorkspace:
     async def exec(self, *args: Any, **kwargs: Any) -> Any:
         traj = self._traj
         while True:
+            if traj.given_up():
+                await traj.move(f"host {traj.host} was given up")
+                self._ws = await traj.current_workspace()
             try:
                 return await traj.env.guarded(traj.host, self._ws.exec(*args, **kwargs))
             except Exception as e:

@@ -202,6 +202,11 @@ class Cluster:
         its actor empties its home and serves again in the new epoch; that epoch."""
         return fence.fence(name)
 
+    def live(self) -> set[str]:
+        """The hosts whose Ray node the GCS counts alive (a node cut off from it is counted
+        dead after Ray's health checks fail: ``health_check_*`` in Ray's system config)."""
+        return {n.name for n in self.nodes()}
+
     def serving(self, name: str) -> int | None:
         """The epoch host ``name`` serves now (emptied of everything older)."""
         return fence.serving(name)

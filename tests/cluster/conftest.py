@@ -1,7 +1,9 @@
-"""A real multi-node Ray cluster on this machine, shared by the module's tests: three
-nodes (``a``, ``b``, ``c``: each carries the resource ``bunshin-host-NAME``, one CPU, no
-dashboard), each host with its own bunshin home (so its own tmpfs) under the test's
-tmp folder. After the tests every home is checked for leftovers and collected."""
+"""A real multi-node Ray cluster on this machine, shared by every test of tests/cluster:
+three nodes (``a``, ``b``, ``c``: each carries the resource ``bunshin-host-NAME``, one CPU,
+no dashboard), each host with its own bunshin home (so its own tmpfs) under the test's
+tmp folder. Ray's health checks are shortened (:data:`RAY_CONFIG`), so a node cut off or
+killed is counted dead in seconds. After the tests every home is checked for leftovers
+and collected."""
 
 from __future__ import annotations
 
@@ -15,7 +17,20 @@ from tests.conftest import drop_state_tmpfs, leftovers
 
 NAMES = ("a", "b", "c")
 MAX_WORKSPACES = 4  # per host: small, so a group of 6 does not fit on one
-LEASE_S = 3.0  # a host's lease: short, so a test sees one run out
+LEASE_S = 4.0  # a host's lease: short, so a test sees one run out
+#: Ray's own settings: the GCS checks each raylet every 0.5 s and counts its node dead after
+#: 4 checks in a row fail (1 s each); Ray's defaults (3 s, 10 s, 5) take ~30 s.
+RAY_CONFIG = {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 500,
+              "health_check_timeout_ms": 1000, "health_check_failure_threshold": 4}
+KEY = b"cluster-test-key-0123456789abcde"
+
+
+def up(homes: Path):
+    """``Cluster.up`` as the fixture starts it (again after a test stopped or lost hosts)."""
+    from bunshin.cluster import Cluster, HostLimits
+
+    return Cluster.up(home_root=homes, bind="127.0.0.1", limits=HostLimits(max_workspaces=MAX_WORKSPACES), key=KEY,
+                      lease_s=LEASE_S)
 
 
 def home_config(root: Path, name: str) -> Config:
@@ -36,7 +51,7 @@ def collect(cfg: Config) -> None:
         gc.collect(cfg, store, release=True)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[object, Path]]:
     """The Ray cluster (``ray.cluster_utils.Cluster``) and the folder of the hosts' homes."""
     import os
@@ -48,7 +63,7 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[obje
 
     homes = tmp_path_factory.mktemp("cluster-homes")
     try:
-        with local_ray_cluster(NAMES) as rc:
+        with local_ray_cluster(NAMES, system_config=RAY_CONFIG) as rc:
             yield rc, homes
     finally:
         left = {}
@@ -64,15 +79,12 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[obje
         assert not left, f"the cluster tests left behind: {left}"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def cluster(ray_cluster):
     """``bunshin.cluster.Cluster.up`` on the three nodes (servers on loopback, at most
-    ``MAX_WORKSPACES`` workspaces each, a shared test key); ``down`` after the module."""
-    from bunshin.cluster import Cluster, HostLimits
-
+    ``MAX_WORKSPACES`` workspaces each, a shared test key); ``down`` after the package."""
     _, homes = ray_cluster
-    c = Cluster.up(home_root=homes, bind="127.0.0.1", limits=HostLimits(max_workspaces=MAX_WORKSPACES),
-                   key=b"cluster-test-key-0123456789abcde", lease_s=LEASE_S)
+    c = up(homes)
     try:
         yield c
     finally:

@@ -14,7 +14,7 @@ from bunshin.cluster.serve_proc import install_key
 from bunshin.config import Config
 from bunshin.errors import InvalidArgument
 
-from .conftest import MAX_WORKSPACES, NAMES
+from .conftest import MAX_WORKSPACES, NAMES, up
 
 
 def test_a_host_per_node_with_its_own_home_and_token(cluster, homes):
@@ -103,8 +103,9 @@ def test_no_ray_cluster_is_a_clear_error():
 
 
 def test_down_stops_every_server_and_status_says_so(cluster, ray_cluster):
-    """Last in this module: the CLI's down stops the servers the fixture started."""
-    rc, _ = ray_cluster
+    """The CLI's down stops the servers the fixture started; ``up`` starts them again, on
+    the homes as they were (the cluster is shared by the package's tests)."""
+    rc, homes = ray_cluster
     pids = [h.pid for h in cluster.status()]
     out = subprocess.run([sys.executable, "-m", "bunshin.cli.main", "cluster", "down", "--json",
                           "--address", rc.address], capture_output=True, text=True, timeout=120)
@@ -118,3 +119,6 @@ def test_down_stops_every_server_and_status_says_so(cluster, ray_cluster):
     out = subprocess.run([sys.executable, "-m", "bunshin.cli.main", "cluster", "status", "--address", rc.address],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1  # not every host is serving
+    up(homes)
+    back = cluster.status()
+    assert [h.alive for h in back] == [True] * len(NAMES) and not {h.pid for h in back} & set(pids)

@@ -69,25 +69,27 @@ def test_a_host_that_is_slow_to_answer_is_asked_again_before_it_is_given_up(tmp_
 
 
 @pytest.mark.integration
-def test_a_call_waiting_on_a_host_that_is_cut_off_ends_in_seconds():
+def test_a_call_waiting_on_a_host_that_is_cut_off_ends_in_seconds(monkeypatch):
     """A call that has been sent and waits for its answer sends nothing more; when the
     host is cut off (nftables drops its port) the head's keepalive probes go unanswered
-    and the call ends with a transport error, not at the client's timeout."""
+    and the call ends with a transport error, not at the client's timeout. (The probes
+    are made sooner here than the defaults, 5 s idle + 3 x 2 s, so the test is quick.)"""
     import socket
     import threading
     import time
 
     import httpx
 
-    from bunshin.cluster.transport import (
-        KEEPALIVE_COUNT,
-        KEEPALIVE_IDLE_S,
-        KEEPALIVE_INTERVAL_S,
-        USER_TIMEOUT_S,
-        keepalive_transport,
-    )
+    from bunshin.cluster import transport
+    from bunshin.cluster.transport import keepalive_transport
 
     from .netcut import NetCut
+
+    for name, value in [("KEEPALIVE_IDLE_S", 1), ("KEEPALIVE_INTERVAL_S", 1), ("KEEPALIVE_COUNT", 2),
+                        ("USER_TIMEOUT_S", 3)]:
+        monkeypatch.setattr(transport, name, value)
+    idle, interval, count, user = (transport.KEEPALIVE_IDLE_S, transport.KEEPALIVE_INTERVAL_S,
+                                   transport.KEEPALIVE_COUNT, transport.USER_TIMEOUT_S)
 
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
@@ -113,4 +115,49 @@ def test_a_call_waiting_on_a_host_that_is_cut_off_ends_in_seconds():
                     conn.close()
             took = time.monotonic() - t0
     # the probes, bounded by the user timeout (120 s without them: the client's timeout)
-    assert took < max(KEEPALIVE_IDLE_S + KEEPALIVE_INTERVAL_S * KEEPALIVE_COUNT, USER_TIMEOUT_S) + 8, took
+    assert took < max(idle + interval * count, user) + 8, took
+    assert took >= min(idle + interval * count, user) - 0.5, took  # ended by the probes, not sooner
+
+
+class Members:
+    """A membership whose Ray nodes are ``live`` (the head's view of the GCS)."""
+
+    def __init__(self, live: set[str]) -> None:
+        self.alive, self.fences = set(live), []
+
+    def fence(self, name: str) -> int:
+        self.fences.append(name)
+        return len(self.fences) + 1
+
+    def serving(self, name: str) -> int | None:
+        return None
+
+    def endpoint(self, name: str):
+        return None
+
+    def live(self) -> set[str]:
+        return set(self.alive)
+
+
+def test_a_host_whose_ray_node_died_is_given_up_though_its_server_answers(tmp_path, monkeypatch):
+    """Nothing is asked of the hosts' servers here (they could answer): the membership
+    alone says b's node is dead, and b is given up and fenced once; a stays."""
+    import time
+
+    from bunshin.cluster import placement as pl
+
+    monkeypatch.setattr(pl, "REVIVE_S", 0.05)
+    members = Members({"a", "b"})
+    hosts = {n: Client("http://127.0.0.1:9", token="t" * 20) for n in "ab"}
+    with ClusterPlacement(hosts, spool=tmp_path, membership=members) as p:
+        p.watch()
+        time.sleep(0.3)
+        assert p.dead == set()
+        members.alive.discard("b")
+        deadline = time.monotonic() + 5
+        while "b" not in p.dead:
+            assert time.monotonic() < deadline, "the dead node was not seen"
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert p.dead == {"b"} and p.counters.dead_hosts == ["b"] and members.fences == ["b"]
+        assert [h.alive for h in p.loads(set())] == [True, False]
