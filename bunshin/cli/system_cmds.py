@@ -38,9 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--heap-mib", type=int, default=None, help="heap of the forked process (default 256)")
     b.add_argument("--depth", type=int, default=8, help="forks of forks down to this depth (default 8)")
     b.add_argument("--quick", action="store_true", help="CI-sized: sizes 1,8, heap 64 MiB, 2 cold starts")
-    b.add_argument("--mode", choices=("both", "cow", "copy", "trap"), default="both",
+    b.add_argument("--mode", choices=("both", "cow", "copy", "trap", "precopy"), default="both",
                    help="bunshin's copy-on-write fork, plain CRIU (copy), or both side by side (default); "
-                        "trap: the copy-on-write fork with and without the SIGSYS trap of converted memory")
+                        "trap: the copy-on-write fork with and without the SIGSYS trap of converted memory; "
+                        "precopy: fresh workspaces forked with and without live pre-copy (Config.fork_precopy)")
     b.add_argument("--cold", type=int, default=None, help="cold starts to time (default 3, quick 2; 0: none)")
     b.add_argument("--report", metavar="DIR", help="also write a markdown report, results.json and fork.png here")
     b.add_argument("--json", action="store_true")
@@ -238,6 +239,12 @@ def cmd_bench_fork(args: argparse.Namespace) -> int:
         sizes = tuple(int(s) for s in (args.sizes or default_sizes).split(","))
     except ValueError:
         raise InvalidArgument(f"malformed --sizes {args.sizes!r}", hint="e.g. --sizes 1,8,32") from None
+    if args.mode == "precopy":
+        from ..bench import fork_precopy
+
+        result = fork_precopy.run(Config.from_env(), heap_mib=args.heap_mib or heap, sizes=sizes)
+        output.print_json(result)  # (no table for this mode: its JSON is the report)
+        return 0
     modes = {"both": ("cow", "copy"), "trap": ("cow", bench_fork.UNTRAPPED)}.get(args.mode, (args.mode,))
     result = bench_fork.run(Config.from_env(), sizes=sizes, heap_mib=args.heap_mib or heap,
                             cold=cold if args.cold is None else args.cold, depth=args.depth, modes=modes)

@@ -200,7 +200,7 @@ def sweep_keeps(path: Path, workspaces: set[str]) -> bool:
     """Whether the sweep keeps a live memory file: its workspace exists, or a layer links it."""
     if not path.name.startswith(PREFIX):
         return False
-    if path.name.removeprefix(PREFIX).rsplit("-", 1)[0] in workspaces:
+    if path.name.removesuffix(SUFFIX).removeprefix(PREFIX).rsplit("-", 1)[0] in workspaces:
         return True
     try:
         st = os.stat(path, follow_symlinks=False)

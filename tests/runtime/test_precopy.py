@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from bunshin.runtime import precopy
+from bunshin.runtime import snapshot as rsnap
+from bunshin.runtime.store import Store
 from tests.workspace.fixtures import Family
 
 from .test_inject import host_pid
@@ -87,12 +89,28 @@ def test_fork_with_precopy_is_exact_and_later_forks_are_deltas(live_family) -> N
     assert want == first
     assert ask(c1) == want
     assert ask(ws) != want and ask(c1) != want  # each changed one byte of its own
+    # its first clone and snapshot gone and swept: the live file stays (the parent maps it)
+    c1.remove()
+    with Store.open(live_family.cfg.db_path) as store:
+        rsnap.sweep(live_family.cfg, store)
+    assert Path(mine[0]["path"]).exists()
     # a second fork of the parent: CRIU dumps what it wrote since, not its 64 MiB again
     (c2,) = live_family.fork(ws, 1)
     snaps = sorted(live_family.cfg.paths.snapshots.iterdir(), key=lambda p: p.stat().st_mtime)
     pages = sum(f.stat().st_size for f in (snaps[-1] / "images").glob("pages-*.img"))
     assert pages < 16 * MIB, pages
     assert ask(c2) == ask(ws)  # (both at the parent's state when forked, each one step on)
+
+
+def test_sweep_keeps_live_files_while_held(tmp_path: Path) -> None:
+    name = f"{precopy.PREFIX}ws-0123abcd-89ab{'.bunshin-mem'}"
+    f = tmp_path / name
+    f.write_bytes(b"x")
+    assert precopy.sweep_keeps(f, {"ws-0123abcd"})  # its workspace exists
+    assert not precopy.sweep_keeps(f, {"ws-other"})  # gone, and no layer links it
+    os.link(f, tmp_path / "layer-link")
+    assert precopy.sweep_keeps(f, set())  # a layer still links it
+    assert not precopy.sweep_keeps(tmp_path / "layer-link", {"ws-0123abcd"})  # not a live file's name
 
 
 def test_the_live_file_cannot_be_changed_from_inside(live_family) -> None:
