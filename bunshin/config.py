@@ -126,6 +126,11 @@ class Paths:
         return self.home / "sigsys"
 
     @property
+    def helpers(self) -> Path:
+        """Small host programs built once from bunshin's C sources (``runtime.upper_copy``)."""
+        return self.home / "helpers"
+
+    @property
     def bench(self) -> Path:
         """Downloads of the benchmarks."""
         return self.home / "bench"

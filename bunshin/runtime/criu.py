@@ -11,22 +11,25 @@ and choose where the criu process itself runs with a ``Placement``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
+import socket
 import subprocess
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 from bunshin.errors import CriuError, HostUnsupported
 
-from . import criu_kdat, criu_launch, prepared
+from . import criu_kdat, criu_launch, criu_swrk, prepared
 from . import syscalls as sc
+from .zygote import PASSED_FD
 
 LOG_TAIL_LINES = 30
 FIRST_ERRORS = 4  # error lines shown from the first real one on
@@ -68,6 +71,9 @@ class Placement:
     """
 
     netns: str | None = None  # join this network namespace (e.g. /proc/PID/ns/net)
+    # join this time namespace (``dump`` joins the tree's: CRIU then reads the tree's
+    # clocks itself instead of forking a dumper into it, ~0.7 ms of the pause)
+    timens: str | None = None
     new_netns: bool = False  # or unshare a fresh one and bring lo up
     cgroup_procs: tuple[str, ...] = ()  # cgroup.procs files to join
     # a new session keyring: restored tasks keep criu's, which would be the host's
@@ -95,6 +101,12 @@ class Placement:
             fd = os.open(procs, os.O_WRONLY)
             try:
                 os.write(fd, b"0")
+            finally:
+                os.close(fd)
+        if self.timens is not None:
+            fd = os.open(self.timens, os.O_RDONLY)
+            try:
+                sc.setns(fd, sc.CLONE_NEWTIME)
             finally:
                 os.close(fd)
         if self.netns is not None:
@@ -241,16 +253,116 @@ def dump(
     log_name: str = "dump.log",
     timeout: float | None = DUMP_TIMEOUT_S,
     placement: Placement | None = None,
+    notify: Mapping[str, Callable[[], None]] | None = None,
 ) -> CriuRun:
-    """Dump the process tree rooted at ``pid`` into ``images_dir`` (created if missing)."""
+    """Dump the process tree rooted at ``pid`` into ``images_dir`` (created if missing).
+
+    criu runs in the tree's time namespace (``Placement.timens``). With ``notify`` it runs
+    as ``criu swrk`` (``criu_swrk``): each handler runs in this process when CRIU reaches
+    its stage (``"post-dump"``: the tasks are still frozen), where an action script would
+    be a process started inside the pause; a handler that raises fails the dump with its
+    own error.
+    """
     images_dir = Path(images_dir).absolute()
     images_dir.mkdir(parents=True, exist_ok=True)
     log = images_dir / log_name
+    timens = f"/proc/{pid}/ns/time"
+    if os.path.exists(timens):
+        placement = dataclasses.replace(placement or Placement(), timens=timens)
+    if notify is not None:
+        flags = [*(["--leave-running"] if leave_running else []), *extra]
+        ms = _run_swrk(criu, pid, images_dir, log, flags, notify, timeout, placement)
+        return CriuRun(duration_ms=ms, log=log)
     args = ["dump", "-t", str(pid), "-D", str(images_dir), "-v4", "--log-file", str(log)]
     if leave_running:
         args.append("--leave-running")
     ms = _run(criu, [*args, *extra], action="dump", log=log, timeout=timeout, placement=placement)
     return CriuRun(duration_ms=ms, log=log)
+
+
+class _Popened:
+    """A ``criu swrk`` this process forked itself (no warm helper): ``prepared.Started``'s calls."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+
+def _start_swrk(criu: Path, sock: socket.socket, placement: Placement | None, out: IO[bytes]
+                ) -> prepared.Started | _Popened:
+    """``criu swrk`` on ``sock``, started by the warm helper (or by this process)."""
+    argv = [*criu_launch.argv(criu), "swrk"]
+    try:
+        started = prepared.start([*argv, str(PASSED_FD)], placement, out.fileno(), pass_fd=sock.fileno())
+        if started is not None:
+            return started
+        return _Popened(subprocess.Popen(
+            [*argv, str(sock.fileno())], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            pass_fds=(sock.fileno(),), preexec_fn=placement.enter if placement else None,  # noqa: PLW1509
+        ))
+    except (subprocess.SubprocessError, prepared.LaunchError) as exc:
+        raise CriuError(f"criu dump could not enter its namespaces or cgroups: {exc}", action="dump") from exc
+    except FileNotFoundError as exc:
+        raise HostUnsupported(f"criu not found at {criu}", hint="install CRIU >= 4.2 (see DESIGN.md)") from exc
+
+
+def _run_swrk(criu: Path, pid: int, images_dir: Path, log: Path, flags: Sequence[str],
+              notify: Mapping[str, Callable[[], None]], timeout: float | None, placement: Placement | None) -> float:
+    """One dump over CRIU's RPC socket; its wall time in ms, or CriuError (or the error of
+    the first notification handler that failed)."""
+    criu_kdat.ensure(criu)
+    req = criu_swrk.request(-1, pid, log.name, flags)  # refused options before anything starts
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    dfd = -1
+    with tempfile.TemporaryFile() as out:
+        t0 = time.monotonic()
+        try:
+            try:
+                child = _start_swrk(criu, theirs, placement, out)
+            finally:
+                theirs.close()
+            try:
+                dfd = os.open(images_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                req.opts.images_dir_fd = dfd  # criu opens it through /proc/<this pid>/fd
+                mine.settimeout(timeout)
+                try:
+                    answer = criu_swrk.converse(mine, req, notify)
+                except OSError as exc:
+                    if isinstance(exc, TimeoutError):
+                        raise
+                    answer = criu_swrk.Answer(False, 0, f"criu's socket: {exc}")  # it ended: its output says why
+            except TimeoutError as exc:
+                child.kill()
+                child.wait()
+                raise CriuError(f"criu dump timed out after {timeout} s", log_tail=_tail(log), action="dump") from exc
+            except BaseException:
+                child.kill()
+                child.wait()
+                raise
+            mine.close()  # criu ends after its answer
+            code = child.wait(timeout)
+            if code is None:
+                child.kill()
+                code = child.wait()
+        finally:
+            mine.close()
+            if dfd >= 0:
+                os.close(dfd)
+        duration_ms = (time.monotonic() - t0) * 1000
+        if answer.handler_error is not None:
+            raise answer.handler_error
+        if not answer.success or code:
+            out.seek(0)
+            raise _failure("dump", code or 1, log, out.read().decode(errors="replace").strip())
+    return duration_ms
 
 
 def restore(

@@ -110,8 +110,10 @@ class CriuLauncher:
                 p.started.set()
                 p.ended.set()
 
-    def spawn(self, argv: list[str], placement: dict[str, Any], out_fd: int) -> tuple[int, _Pending]:
-        """Start ``argv`` with stdout and stderr on ``out_fd`` after ``placement``; its pid."""
+    def spawn(self, argv: list[str], placement: dict[str, Any], out_fd: int,
+              pass_fd: int | None = None) -> tuple[int, _Pending]:
+        """Start ``argv`` with stdout and stderr on ``out_fd`` after ``placement`` (and
+        ``pass_fd`` as its descriptor ``zygote.PASSED_FD``); its pid."""
         rid = next(self._ids)
         p = _Pending()
         with self._lock:
@@ -119,9 +121,11 @@ class CriuLauncher:
         trees = clone_trees(placement.get("own_mounts") or [])
         if trees is None:  # the command runs in the host's namespace instead
             placement, trees = {**placement, "own_mounts": []}, []
-        msg = json.dumps({"id": rid, "argv": argv, "placement": placement}).encode()
+        msg = json.dumps({"id": rid, "argv": argv, "placement": placement, "pass_fd": pass_fd is not None}).encode()
+        passed = [] if pass_fd is None else [pass_fd]
         try:
-            self._sock.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [out_fd, *trees]))])
+            self._sock.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                        array.array("i", [out_fd, *trees, *passed]))])
         except OSError as e:
             self._forget(rid)
             raise LaunchError(f"the criu launcher is gone: {e}") from e
@@ -201,6 +205,44 @@ def placement_fields(placement: Any) -> dict[str, Any]:
                                          for k, v in asdict(placement).items()}
 
 
+@dataclass
+class Started:
+    """A command the launcher started: its pid (its own until ``wait`` has seen it end)."""
+
+    pid: int
+    _launcher: CriuLauncher
+    _rid: int
+    _pending: _Pending
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Its exit code (``-signal`` if killed), or None if it still runs after ``timeout``."""
+        return self._launcher.wait(self._rid, self._pending, timeout)
+
+    def kill(self) -> None:
+        """SIGKILL it unless it has ended (its helper reaps it only then: the pid is still its own)."""
+        if not self._pending.ended.is_set():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, 9)
+
+
+def start(argv: list[str], placement: Any, out_fd: int, pass_fd: int | None = None) -> Started | None:
+    """Start ``argv`` through the launcher (``pass_fd`` becomes its ``zygote.PASSED_FD``)
+    without waiting for it; None when there is no launcher (the caller starts it itself).
+    Raises ``FileNotFoundError`` when the program is missing, ``LaunchError`` when the
+    placement failed."""
+    lch = launcher()
+    if lch is None:
+        return None
+    try:
+        rid, pending = lch.spawn(argv, placement_fields(placement), out_fd, pass_fd)
+    except LaunchError as e:
+        if str(e).startswith("FileNotFoundError") and not os.path.exists(argv[0]):
+            raise FileNotFoundError(argv[0]) from e
+        raise
+    assert pending.pid is not None
+    return Started(pending.pid, lch, rid, pending)
+
+
 def run(argv: list[str], placement: Any, out_fd: int, timeout: float | None) -> tuple[int, bool] | None:
     """Run ``argv`` through the launcher and wait: (exit code, whether ``timeout`` killed it).
 
@@ -208,27 +250,17 @@ def run(argv: list[str], placement: Any, out_fd: int, timeout: float | None) -> 
     ``FileNotFoundError`` when the program is missing, ``LaunchError`` when the
     placement failed; on an interrupt the child is killed and awaited.
     """
-    lch = launcher()
-    if lch is None:
+    child = start(argv, placement, out_fd)
+    if child is None:
         return None
     try:
-        rid, pending = lch.spawn(argv, placement_fields(placement), out_fd)
-    except LaunchError as e:
-        if str(e).startswith("FileNotFoundError") and not os.path.exists(argv[0]):
-            raise FileNotFoundError(argv[0]) from e
-        raise
-    pid = pending.pid
-    assert pid is not None
-    try:
-        code = lch.wait(rid, pending, timeout)
+        code = child.wait(timeout)
         if code is not None:
             return code, False
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, 9)  # still its helper's child (not reaped): the pid is its own
-        code = lch.wait(rid, pending)
+        child.kill()
+        code = child.wait()
         return (code if code is not None else -9), True
     except BaseException:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, 9)
-        lch.wait(rid, pending)
+        child.kill()
+        child.wait()
         raise

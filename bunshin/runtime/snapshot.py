@@ -217,12 +217,12 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
         # are not dumped either: a restore runs criu inside the clone's own.
         inside = criu.Placement(netns=f"/proc/{rec.pid}/ns/net")
         try:
-            with upper_copy.frozen_copy(Path(rec.upper), layer, sdir, _memory_cgroup(rec)) as script, \
+            with upper_copy.frozen_copy(cfg, Path(rec.upper), layer, sdir, _memory_cgroup(rec)) as copy, \
                     quiesced(Path(rec.root).parent):  # no host call may hold a connection into it
-                extra = [*_COMMON, *DUMP_EXTERNAL, "--manage-cgroups=ignore", "--action-script", str(script),
-                         "--ghost-limit", str(ghost_limit)]
+                extra = [*_COMMON, *DUMP_EXTERNAL, "--manage-cgroups=ignore", "--ghost-limit", str(ghost_limit)]
                 extra += mount_externals(rec.mounts, dump=True)
-                run = criu.dump(cfg.criu, rec.pid or 0, images, leave_running=True, extra=extra, placement=inside)
+                run = criu.dump(cfg.criu, rec.pid or 0, images, leave_running=True, extra=extra, placement=inside,
+                                notify=copy.notify)
         except CriuError as e:  # what CRIU cannot carry, named (a ghost over the limit, a watch it cannot record)
             refusal = unforkable.find(cfg, rec.id, rec.pid, str(e))
             if refusal is None:

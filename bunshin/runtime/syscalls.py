@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
+CLONE_NEWTIME = 0x00000080
 CLONE_NEWNS = 0x00020000
 CLONE_NEWCGROUP = 0x02000000
 CLONE_NEWUTS = 0x04000000

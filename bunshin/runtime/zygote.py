@@ -33,7 +33,8 @@ stay in its namespace, which ends with criu.
 Protocol on the SOCK_SEQPACKET socket FD (one JSON object per message, each with the
 caller's ``id``): a request ``{"id", "argv", "placement": {...}}`` with the output
 file's descriptor passed alongside (SCM_RIGHTS), then one detached mount per
-``placement["own_mounts"]`` entry; the answer ``{"id", "pid"}`` once the
+``placement["own_mounts"]`` entry, then with ``"pass_fd": true`` one descriptor the
+command gets as its fd ``PASSED_FD`` (criu's RPC socket: ``criu swrk 3``); the answer ``{"id", "pid"}`` once the
 child has exec'd, or ``{"id", "error"}`` when it could not enter its namespaces or
 cgroups or exec; later ``{"id", "pid", "status"}`` (a wait status) when it has ended.
 The helper ends when the socket closes (its caller is gone): its warm children go with
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import fcntl
 import importlib.util
 import json
 import os
@@ -55,7 +57,8 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_MSG = 1 << 16
-MAX_FDS = 64  # descriptors one request may carry (the output file and its mounts)
+MAX_FDS = 64  # descriptors one request may carry (the output file, its mounts, one passed on)
+PASSED_FD = 3  # where the command finds the descriptor a request passes on
 POOL = 2  # warm network namespaces kept ready
 # Mounts the small namespace leaves out: bunshin's tmpfs (with everything beneath it:
 # workspaces, images, views), workspace uppers and roots, sysfs of workspaces, held
@@ -82,6 +85,12 @@ def enter(sc: Any, p: dict[str, Any], *, netns_ready: bool = False) -> None:
         fd = os.open(procs, os.O_WRONLY)
         try:
             os.write(fd, b"0")
+        finally:
+            os.close(fd)
+    if p.get("timens") is not None:
+        fd = os.open(p["timens"], os.O_RDONLY)
+        try:
+            sc.setns(fd, sc.CLONE_NEWTIME)
         finally:
             os.close(fd)
     if p.get("netns") is not None:
@@ -162,10 +171,19 @@ def _settle_mounts(sc: Any, p: dict[str, Any], trees: list[int], ns: Namespaces)
     sc.setns(ns.host, sc.CLONE_NEWNS)
 
 
+def _split(req: dict[str, Any], fds: list[int]) -> tuple[list[int], int | None]:
+    """A request's descriptors after the output file: its mount trees, and the one it
+    passes on to the command (``pass_fd``: the last), if any."""
+    if req.get("pass_fd") and fds:
+        return fds[:-1], fds[-1]
+    return fds, None
+
+
 def _exec(sc: Any, req: dict[str, Any], out_fd: int, err_w: int, *, netns_ready: bool = False,
-          trees: list[int] | None = None, ns: Namespaces | None = None) -> None:
+          trees: list[int] | None = None, ns: Namespaces | None = None, passed: int | None = None) -> None:
     """In a child: placement, stdio, exec. Never returns; a failure is written to ``err_w``.
-    ``ns``: the child is in a copy of the small namespace (``_settle_mounts``)."""
+    ``ns``: the child is in a copy of the small namespace (``_settle_mounts``); ``passed``:
+    given to the command as its descriptor ``PASSED_FD``."""
     try:
         null = os.open("/dev/null", os.O_RDONLY)
         os.dup2(null, 0)
@@ -174,8 +192,16 @@ def _exec(sc: Any, req: dict[str, Any], out_fd: int, err_w: int, *, netns_ready:
         if ns is not None:
             _settle_mounts(sc, req.get("placement") or {}, trees or [], ns)
         enter(sc, req.get("placement") or {}, netns_ready=netns_ready)
-        os.closerange(3, err_w)
-        os.closerange(err_w + 1, 65536)
+        low = 3
+        if passed is not None:
+            if err_w == PASSED_FD:
+                err_w = fcntl.fcntl(err_w, fcntl.F_DUPFD_CLOEXEC, PASSED_FD + 1)
+            if passed != PASSED_FD:
+                os.dup2(passed, PASSED_FD)
+            os.set_inheritable(PASSED_FD, True)
+            low = PASSED_FD + 1
+        os.closerange(low, err_w)
+        os.closerange(max(err_w + 1, low), 65536)
         os.execv(req["argv"][0], req["argv"])
     except BaseException as e:  # noqa: BLE001 (reported to the caller)
         try:
@@ -227,7 +253,9 @@ def _warm_child(sc: Any, sock: socket.socket, err_w: int, ns: Namespaces) -> Non
         os._exit(127)
     if not data or not fds:
         os._exit(0)  # the helper is gone, or retired this child
-    _exec(sc, json.loads(data), fds[0], err_w, netns_ready=True, trees=fds[1:],
+    req = json.loads(data)
+    trees, passed = _split(req, fds[1:])
+    _exec(sc, req, fds[0], err_w, netns_ready=True, trees=trees, passed=passed,
           ns=ns if ns.small is not None else None)
 
 
@@ -252,13 +280,13 @@ class Zygote:
         host = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
         self.ns = Namespaces(host, small_namespace(self.sc, host))
 
-    def _fork(self, req: dict[str, Any], out_fd: int) -> tuple[int, int]:
+    def _fork(self, req: dict[str, Any], out_fd: int, passed: int | None = None) -> tuple[int, int]:
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         pid = os.fork()
         if pid == 0:
             os.close(err_r)
             os.setsid()
-            _exec(self.sc, req, out_fd, err_w)
+            _exec(self.sc, req, out_fd, err_w, passed=passed)
         os.close(err_w)
         return pid, err_r
 
@@ -274,26 +302,27 @@ class Zygote:
         os.close(err_w)
         self.warm.append(Warm(pid, mine, err_r))
 
-    def start(self, req: dict[str, Any], out_fd: int, trees: list[int]) -> None:
+    def start(self, req: dict[str, Any], out_fd: int, fds: list[int]) -> None:
         p = req.get("placement") or {}
+        trees, passed = _split(req, fds)
         if p.get("new_netns") and p.get("netns") is None:
             if not self.warm:  # none ready (the first request, or a burst): one made on its path
                 self._add_warm()
             w = self.warm.pop(0)
             try:
                 w.sock.sendmsg([json.dumps(req).encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                                             array.array("i", [out_fd, *trees]))])
+                                                             array.array("i", [out_fd, *fds]))])
                 pid, err_r = w.pid, w.err_r
             except OSError:  # it died: start this one cold
                 os.close(w.err_r)
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(w.pid, 0)
-                pid, err_r = self._fork(req, out_fd)
+                pid, err_r = self._fork(req, out_fd, passed)
             w.sock.close()
         else:
-            pid, err_r = self._fork(req, out_fd)  # in the host's namespace: trees unused
+            pid, err_r = self._fork(req, out_fd, passed)  # in the host's namespace: trees unused
         os.close(out_fd)
-        for fd in trees:  # the child has its own copies (or none: a dissolved tree)
+        for fd in fds:  # the child has its own copies (or none: a dissolved tree)
             os.close(fd)
         self.starting[err_r] = Starting(pid, req["id"])
         self.chunks[err_r] = []

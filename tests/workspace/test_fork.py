@@ -519,9 +519,10 @@ def test_bad_input_is_clear_and_leaves_the_parent_running(family):
 
 WRAPPER = """#!/bin/sh
 # a CRIU that fails on purpose: ACTION is dump or restore; restores from number FAIL_AT on
-# fail; MODE=before fails without running CRIU, MODE=after runs it and then fails
+# fail; MODE=before fails without running CRIU, MODE=after runs it and then fails (a dump
+# runs as `criu swrk FD`: CRIU's RPC mode)
 ACTION={action}; FAIL_AT={fail_at}; MODE={mode}; DIR={dir}
-if [ "$1" = "$ACTION" ]; then
+if [ "$1" = "$ACTION" ] || {{ [ "$ACTION" = dump ] && [ "$1" = swrk ]; }}; then
     exec 9>"$DIR/lock"; flock 9
     n=$(( $(cat "$DIR/count" 2>/dev/null || echo 0) + 1 )); echo $n > "$DIR/count"
     exec 9>&-
