@@ -77,7 +77,8 @@ class HostActor:
             if current is None:  # a new cluster: it takes a home whose lease holds as it is
                 current = lease.epoch + int(stale) if lease is not None else 1
                 fence.set_epoch(self.name, current)
-            elif lease is not None and lease.epoch == current and lease.lost():
+            elif (lease is not None and lease.epoch == current and lease.lost()) or (
+                    self.lapsed and self.epoch == current):
                 current = fence.fence(self.name)  # its lease ran out unrenewed: that epoch is over
             if lease is not None and stale:
                 self.server.stop()

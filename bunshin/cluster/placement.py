@@ -125,6 +125,7 @@ class ClusterPlacement:
         self.membership = membership
         self.fenced: dict[str, int] = {}  # dead host -> the epoch it must serve to be placed on again
         self.generation = dict.fromkeys(self.hosts, 0)  # a host's epochs seen here: roots held there go
+        self.epochs: dict[str, int | None] = {}  # the epoch each host served when last seen here
         self._retired: list[Client] = []  # clients of hosts given up, then back
         self._closed = threading.Event()
         self._reviver: threading.Thread | None = None  # the watch on the membership and the hosts given up
@@ -153,18 +154,21 @@ class ClusterPlacement:
                  options: ModeOptions) -> TaskEnv:
         return ClusterEnv(self, mode, task, tools, config, options)
 
-    def loads(self, holders: set[str]) -> list[HostLoad]:
+    def loads(self, holders: set[str], image_holders: set[str] | None = None) -> list[HostLoad]:
         return [HostLoad(n, alive=n not in self.dead, holds_root=n in holders, running=self.running[n],
-                         max_workspaces=lim.max_workspaces, max_memory=lim.max_memory)
+                         max_workspaces=lim.max_workspaces, max_memory=lim.max_memory,
+                         holds_image=n in (image_holders or ()))
                 for n, lim in self.limits.items()]
 
-    def root_host(self, memory: int | None) -> str:
+    def root_host(self, memory: int | None, image_holders: set[str] | None = None) -> str:
         """Where a new task root is built: the live host with the fewest roots built there
-        (tasks spread, then each group stays next to its root), then the most room."""
-        loads = [h for h in self.loads(set()) if h.alive]
+        (tasks spread, then each group stays next to its root), then the most room, then
+        one holding the task's image (``image_holders``: none is moved)."""
+        loads = [h for h in self.loads(set(), image_holders) if h.alive]
         if not loads:
             return choose(loads, memory=memory).host  # raises: no live host
-        best = min(loads, key=lambda h: (self.roots[h.name], -(h.slots(memory) or 1 << 30), h.name))
+        best = min(loads, key=lambda h: (self.roots[h.name], -(h.slots(memory) or 1 << 30), not h.holds_image,
+                                         h.name))
         self.roots[best.name] += 1
         return best.name
 
@@ -227,11 +231,28 @@ class ClusterPlacement:
             else:
                 for name in sorted(set(self.hosts) - live - self.dead):
                     self.give_up(name, "is on a Ray node the cluster counts dead")
+                for name in sorted(live & set(self.hosts) - self.dead):
+                    self._check_epoch(name)
             for name, epoch in list(self.fenced.items()):
                 try:
                     self._revive(name, epoch)
                 except Exception as e:
                     log.debug("host %s not back yet: %s", name, e)
+
+    def _check_epoch(self, name: str) -> None:
+        """A host serving a newer epoch than the one seen here emptied itself (its lease ran
+        out unrenewed, e.g. the GCS was slow to answer it): what it held is gone, so it is
+        given up (its trajectories move) and placed on again once it answers."""
+        assert self.membership is not None
+        try:
+            now = self.membership.serving(name)
+        except Exception:
+            return
+        seen = self.epochs.setdefault(name, now)
+        if now is not None and seen is not None and now > seen:
+            self.give_up(name, f"serves a new epoch ({now}): it emptied itself")
+        elif now is not None:
+            self.epochs[name] = now
 
     def _revive(self, name: str, epoch: int) -> None:
         """Host ``name`` serves ``epoch`` (or later: its home emptied) and answers: placed on again."""
@@ -251,6 +272,7 @@ class ClusterPlacement:
             self.hosts[name] = Client(ep.url, token=ep.token, timeout=300.0, retry=Retry(total_s=60.0),
                                       transport=keepalive_transport())
             self.generation[name] += 1
+            self.epochs[name] = serving
             self.fenced.pop(name, None)
             self._answered[name] = time.monotonic()
             self.dead.discard(name)
@@ -289,6 +311,7 @@ class ClusterEnv(TaskEnv):
         self._locks: dict[str, asyncio.Lock] = {}
         self._copying: set[str] = set()  # hosts the root is being copied to
         self.image_moves: dict[str, ImageMove] = {}  # host -> the move that brought the task's image
+        self.image_hosts: set[str] = set()  # hosts holding the task's image whole (asked in prepare)
         probe = make_env(mode, task, tools, config, options, host=first)
         self.options = dict(probe.options)
         self.needs_root = isinstance(probe, SnapshotEnv)
@@ -299,8 +322,8 @@ class ClusterEnv(TaskEnv):
 
     def _choose(self) -> tuple[str, bool]:
         t0 = time.perf_counter()
-        c = choose(self.placement.loads(set(self._current()) | self._copying), memory=self.memory,
-                   needs_root=self.needs_root)
+        c = choose(self.placement.loads(set(self._current()) | self._copying, self.image_hosts),
+                   memory=self.memory, needs_root=self.needs_root)
         self.placement.counters.place_s += time.perf_counter() - t0
         self.placement.counters.placements += 1
         # reserved before any await: concurrent opens see the slot taken and the copy coming
@@ -323,8 +346,9 @@ class ClusterEnv(TaskEnv):
         if not self.needs_root:
             return
         t0 = time.perf_counter()
+        self.image_hosts = await in_thread(lambda: self.placement.images.holders(self.task.image))
         for _ in range(len(self.placement.hosts)):  # a host that dies meanwhile: the next one
-            host = self.placement.root_host(self.memory)
+            host = self.placement.root_host(self.memory, self.image_hosts)
             sub = self._sub(host)
             try:
                 await self._image_on(host)
@@ -374,6 +398,7 @@ class ClusterEnv(TaskEnv):
         move = await in_thread(lambda: self.placement.images.ensure(self.task.image, name))
         if move is not None:
             self.image_moves[name] = move
+            self.image_hosts.add(name)
 
     async def open_on(self, events: list[str]) -> tuple[str, TrajectoryEnv]:
         """A trajectory on the host the scheduler picks; a host that fails and no longer

@@ -125,3 +125,51 @@ def test_a_host_starting_on_a_home_keeps_only_what_the_cluster_owns(no_leaks, kv
             ws.remove()
         except Exception:
             pass
+
+
+def test_a_host_cut_off_from_the_cluster_fences_itself(no_leaks, kv, monkeypatch):
+    """The GCS stops answering (its store raises here): no renewal, so once the lease has
+    run out the actor stops its server and empties its home by itself. The GCS answers
+    again: a node Ray counts dead stays out (its next actor takes the home); one Ray still
+    counts alive rejoins in a new epoch (that lease's epoch is over)."""
+    from bunshin.cluster import fence
+    from bunshin.cluster.actor import HostActor
+
+    monkeypatch.setattr(fence, "RENEW_S", 0.2)
+    ws = Workspace.create("host", memory="128M", config=no_leaks)
+    actor = None
+    node_alive = [False]
+    try:
+        actor = HostActor("h", "node", str(no_leaks.home), bind="127.0.0.1", key=_home_key(no_leaks), lease_s=1.5)
+        monkeypatch.setattr(actor, "_node_alive", lambda: node_alive[0])
+        epoch = actor.epoch
+        answers = fence._get
+
+        def cut_off(key):
+            raise ConnectionError("the GCS does not answer")
+
+        monkeypatch.setattr(fence, "_get", cut_off)
+        deadline = time.time() + 15
+        while not actor.cleared:
+            assert time.time() < deadline, "the lease ran out, but the host kept serving"
+            time.sleep(0.1)
+        assert not actor.server.running() and not ws.is_alive() and actor.cleared
+        assert read_lease(no_leaks) is None or read_lease(no_leaks).lost()
+        assert "lease ran out" in actor.status()["error"]
+        monkeypatch.setattr(fence, "_get", answers)  # healed, but Ray gave the node up
+        time.sleep(1.0)
+        assert actor.lapsed and not actor.server.running()
+        node_alive[0] = True  # a slow GCS, not a partition: the node is still in the cluster
+        deadline = time.time() + 15
+        while not actor.server.running() or actor.lapsed:
+            assert time.time() < deadline, "the host did not rejoin"
+            time.sleep(0.1)
+        assert actor.epoch == epoch + 1 and kv["serving/h"] == epoch + 1
+    finally:
+        if actor is not None:
+            actor.stop()
+        write_lease(no_leaks, None)
+        try:
+            ws.remove()
+        except Exception:
+            pass
