@@ -20,7 +20,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..api.groups import GroupOut
 from ..client.groups import RemoteGroup, RemoteTrajectory, TaskLike
@@ -111,36 +111,41 @@ class ClusterGroups:
             except NotFound:
                 pass
 
-    def _loads(self, key: str) -> list[HostLoad]:
+    def _loads(self, key: str, image_holders: set[str]) -> list[HostLoad]:
         """A host's load: its live workspaces, or the key's open trajectories there if more
-        (a group's trajectories have no workspace while they hit its prefix cache)."""
+        (a group's trajectories have no workspace while they hit its prefix cache); whether
+        it holds the group's image (``image_holders``)."""
         open_ = self._open(key)
         loads = []
         for name, lim in self.placement.limits.items():
             dead = name in self.placement.dead
             live = 0 if dead else sum(1 for w in self.placement.hosts[name].list() if w.state != "dead")
             loads.append(HostLoad(name, alive=not dead, holds_root=name in open_,
-                                  running=max(live, open_.get(name, 0)), max_workspaces=lim.max_workspaces))
+                                  running=max(live, open_.get(name, 0)), max_workspaces=lim.max_workspaces,
+                                  holds_image=name in image_holders))
         return loads
 
     def join(self, *, key: str, n: int, task: TaskLike | None = None, image: str | None = None,
              tools: list[str] | None = None, speculation: bool = True) -> list[Share]:
         """``n`` new trajectories of ``key`` over the hosts (built from ``task`` or
         ``image`` on the first host; a task's root copied to the next ones)."""
-        loads = {h.name: h for h in self._loads(key)}
+        wanted = _image_of(task, image)
+        image_holders = self.placement.images.holders(wanted)
+        loads = {h.name: h for h in self._loads(key, image_holders)}
         counts: dict[str, int] = {}
         for _ in range(n):
             c = choose(list(loads.values()))
             h = loads[c.host]
-            loads[c.host] = HostLoad(h.name, alive=True, holds_root=True, running=h.running + 1,
-                                     max_workspaces=h.max_workspaces)
+            loads[c.host] = replace(h, holds_root=True, running=h.running + 1)
             counts[c.host] = counts.get(c.host, 0) + 1
         self.placement.counters.placements += n
         shares = []
         held = {h: grp.root for h, grp in self._groups(key).items()}
         try:
-            for host, k in sorted(counts.items(), key=lambda hk: (hk[0] not in held, hk[0])):
-                move = self.placement.images.ensure(_image_of(task, image), host)
+            # holders of the key first, then of the image (the root is built where no image moves)
+            for host, k in sorted(counts.items(), key=lambda hk: (hk[0] not in held, hk[0] not in image_holders,
+                                                                 hk[0])):
+                move = self.placement.images.ensure(wanted, host)
                 group = self._join_on(host, key=key, n=k, task=task, image=image, tools=tools,
                                       speculation=speculation, held=held)
                 held.setdefault(host, group.root)

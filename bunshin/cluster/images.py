@@ -22,7 +22,7 @@ from typing import Any
 
 from ..client import Client
 from ..client.images import ImageCopy, copy_image
-from ..errors import NotFound
+from ..errors import NotFound, Unreachable
 
 log = logging.getLogger(__name__)
 HOST_IMAGE = "host"
@@ -77,8 +77,14 @@ class ImageMover:
     def _holds(self, name: str, image: str) -> bool:
         try:
             return self.hosts[name].images.holds(image)
-        except NotFound:
+        except (NotFound, Unreachable):  # a host that does not answer holds nothing to send
             return False
+
+    def holders(self, image: str | None) -> set[str]:
+        """The live hosts holding ``image`` whole (none for the ``host`` image)."""
+        if not image or image == HOST_IMAGE:
+            return set()
+        return {n for n in sorted(self.hosts) if n not in self.dead and self._holds(n, image)}
 
     def ensure(self, image: str | None, host: str) -> ImageMove | None:
         """``image`` on ``host``, moved there if it lacks it and a live host holds it; the move."""

@@ -154,18 +154,21 @@ class ClusterPlacement:
                  options: ModeOptions) -> TaskEnv:
         return ClusterEnv(self, mode, task, tools, config, options)
 
-    def loads(self, holders: set[str]) -> list[HostLoad]:
+    def loads(self, holders: set[str], image_holders: set[str] | None = None) -> list[HostLoad]:
         return [HostLoad(n, alive=n not in self.dead, holds_root=n in holders, running=self.running[n],
-                         max_workspaces=lim.max_workspaces, max_memory=lim.max_memory)
+                         max_workspaces=lim.max_workspaces, max_memory=lim.max_memory,
+                         holds_image=n in (image_holders or ()))
                 for n, lim in self.limits.items()]
 
-    def root_host(self, memory: int | None) -> str:
+    def root_host(self, memory: int | None, image_holders: set[str] | None = None) -> str:
         """Where a new task root is built: the live host with the fewest roots built there
-        (tasks spread, then each group stays next to its root), then the most room."""
-        loads = [h for h in self.loads(set()) if h.alive]
+        (tasks spread, then each group stays next to its root), then the most room, then
+        one holding the task's image (``image_holders``: none is moved)."""
+        loads = [h for h in self.loads(set(), image_holders) if h.alive]
         if not loads:
             return choose(loads, memory=memory).host  # raises: no live host
-        best = min(loads, key=lambda h: (self.roots[h.name], -(h.slots(memory) or 1 << 30), h.name))
+        best = min(loads, key=lambda h: (self.roots[h.name], -(h.slots(memory) or 1 << 30), not h.holds_image,
+                                         h.name))
         self.roots[best.name] += 1
         return best.name
 
@@ -308,6 +311,7 @@ class ClusterEnv(TaskEnv):
         self._locks: dict[str, asyncio.Lock] = {}
         self._copying: set[str] = set()  # hosts the root is being copied to
         self.image_moves: dict[str, ImageMove] = {}  # host -> the move that brought the task's image
+        self.image_hosts: set[str] = set()  # hosts holding the task's image whole (asked in prepare)
         probe = make_env(mode, task, tools, config, options, host=first)
         self.options = dict(probe.options)
         self.needs_root = isinstance(probe, SnapshotEnv)
@@ -318,8 +322,8 @@ class ClusterEnv(TaskEnv):
 
     def _choose(self) -> tuple[str, bool]:
         t0 = time.perf_counter()
-        c = choose(self.placement.loads(set(self._current()) | self._copying), memory=self.memory,
-                   needs_root=self.needs_root)
+        c = choose(self.placement.loads(set(self._current()) | self._copying, self.image_hosts),
+                   memory=self.memory, needs_root=self.needs_root)
         self.placement.counters.place_s += time.perf_counter() - t0
         self.placement.counters.placements += 1
         # reserved before any await: concurrent opens see the slot taken and the copy coming
@@ -342,8 +346,9 @@ class ClusterEnv(TaskEnv):
         if not self.needs_root:
             return
         t0 = time.perf_counter()
+        self.image_hosts = await in_thread(lambda: self.placement.images.holders(self.task.image))
         for _ in range(len(self.placement.hosts)):  # a host that dies meanwhile: the next one
-            host = self.placement.root_host(self.memory)
+            host = self.placement.root_host(self.memory, self.image_hosts)
             sub = self._sub(host)
             try:
                 await self._image_on(host)
@@ -393,6 +398,7 @@ class ClusterEnv(TaskEnv):
         move = await in_thread(lambda: self.placement.images.ensure(self.task.image, name))
         if move is not None:
             self.image_moves[name] = move
+            self.image_hosts.add(name)
 
     async def open_on(self, events: list[str]) -> tuple[str, TrajectoryEnv]:
         """A trajectory on the host the scheduler picks; a host that fails and no longer

@@ -5,7 +5,8 @@ and its cost measured (``bunshin bench cluster``):
 
 1. a live host that holds the task's root and has a free slot (the one with the most);
 2. else a live host with a free slot, the root copied there first (a migration):
-   the most free slots, then the most free memory;
+   the most free slots, then one whose store holds the task's image (none is moved),
+   then the most free memory;
 3. else (every host full) the live holder with the fewest trajectories: the call
    waits there for admission (429 + Retry-After), no copy is made;
 4. no live host: :class:`~bunshin.errors.Unreachable`.
@@ -37,6 +38,7 @@ class HostLoad:
     max_memory: int | None = None  # bytes of memory limits
     free_memory: int | None = None  # bytes available now (None: unknown, not a bound)
     reserve_memory: int = 0
+    holds_image: bool = False  # its image store holds the task's image whole
 
     def slots(self, memory: int | None, estimate: int = TRAJECTORY_ESTIMATE) -> int | None:
         """Trajectories it may still take (``None``: no bound)."""
@@ -79,8 +81,8 @@ def choose(hosts: Sequence[HostLoad], *, memory: int | None = None, needs_root: 
         raise Unreachable("no live host in the cluster", hint="see `bunshin cluster status`; "
                                                               "`bunshin cluster up` restarts missing hosts")
 
-    def key(h: HostLoad) -> tuple[float, int, str]:
-        return (-_room(h, memory), -(h.free_memory or 0), h.name)
+    def key(h: HostLoad) -> tuple[float, bool, int, str]:
+        return (-_room(h, memory), not h.holds_image, -(h.free_memory or 0), h.name)
 
     open_ = [h for h in live if _room(h, memory) > 0]
     if not needs_root:

@@ -16,6 +16,7 @@ from bunshin.cluster.placement import ClusterPlacement
 from bunshin.rollout import ModeOptions, RolloutEngine, Status
 from bunshin.rollout.task import RewardSpec
 from bunshin.runtime.gc import read_lease
+from bunshin.runtime.oci import store as oci_store
 from bunshin.tools import Tool, ToolOutput, ToolSet, ToolSpec
 from tests.conftest import leftovers
 from tests.rollout.test_integration import TASK, check_group, traces
@@ -66,10 +67,11 @@ def test_baseline_spreads_by_room_without_a_root(cluster, homes, tmp_path):
     assert hosts_of(g) == {"a": 1, "b": 1, "c": 1}
 
 
-def test_a_group_on_hosts_lacking_its_image_gets_only_the_layers_each_lacks(cluster, homes, tmp_path):
-    """The image is on c, its two lower layers on b, nothing on a: the root is built on a,
-    which is sent the whole image first; the group's overflow goes to b, which is sent
-    the two upper layers only; every row says how the image came to its host."""
+def test_a_group_next_to_its_image_sends_the_overflow_host_only_the_layers_it_lacks(cluster, homes, tmp_path):
+    """The image is on c, its two lower layers on a, nothing on b: the root is built on c
+    (the roots tie, c holds the image), the group's overflow goes to a (the tie on room
+    goes by name), which is sent the two upper layers only; each row says how the image
+    came to its host (nothing on c's rows)."""
     from bunshin.runtime.oci import exchange
     from bunshin.runtime.store import Store
 
@@ -77,31 +79,31 @@ def test_a_group_on_hosts_lacking_its_image_gets_only_the_layers_each_lacks(clus
 
     n = MAX_WORKSPACES + 2
     try:
-        with placed(tmp_path / "img", homes["c"], homes["b"]):
+        with placed(tmp_path / "img", homes["c"], homes["a"]):
             with Store.open(homes["c"].db_path) as sc:
                 doc = exchange.manifest(homes["c"], sc, NAME)
             with ClusterPlacement.of(cluster, spool=tmp_path / "spool") as placement:
                 (g,) = run(placement, "bunshin", n, options=ModeOptions(speculation=False), task=task())
-                moves = {m.host: m for m in placement.images.done.moves}
+                moves = placement.images.done.moves
             check_group(g, n)  # the rewards and outputs of the one-host test, on the image
-            assert hosts_of(g) == {"a": MAX_WORKSPACES, "b": 2}
-            sizes = [e["size"] for e in doc["layers"]]
-            assert set(moves) == {"a", "b"}
-            assert (moves["a"].source, moves["a"].layers_sent, moves["a"].bytes) == ("c", 4, sum(sizes))
-            assert (moves["b"].source, moves["b"].layers_sent, moves["b"].layers_skipped) == ("a", 2, 2)
-            assert moves["b"].bytes == sum(sizes[2:])
+            assert hosts_of(g) == {"c": MAX_WORKSPACES, "a": 2}
+            (move,) = moves
+            assert (move.host, move.source, move.layers_sent, move.layers_skipped) == ("a", "c", 2, 2)
+            assert move.bytes == sum(e["size"] for e in doc["layers"][2:])
             for t in g.trajectories:
-                assert t.placement["image"] == moves[t.placement["host"]].to_dict()
-            for name in ("a", "b"):
-                with Store.open(homes[name].db_path) as store:
-                    assert exchange.missing(homes[name], store, exchange.check_manifest(homes[name], doc)[0]) == []
+                assert t.placement.get("image") == (move.to_dict() if t.placement["host"] == "a" else None)
+            with Store.open(homes["a"].db_path) as sa:
+                assert exchange.missing(homes["a"], sa, exchange.check_manifest(homes["a"], doc)[0]) == []
+            with Store.open(homes["b"].db_path) as sb:
+                assert oci_store.list_images(sb) == [], "b got nothing: no trajectory went there"
     finally:
         remove_images(homes["a"], homes["b"], homes["c"])
 
 
 def test_api_groups_on_hosts_lacking_the_image_get_it_first(cluster, homes, tmp_path):
-    """An HTTP group key whose task's image only c holds: each host a share is placed on is
-    sent the image before it joins, and a trajectory there gives the one-host answer."""
+    """An HTTP group key whose task's image only c holds: the key is built on c, and the
+    host its overflow joins on (a) is sent the whole image before it joins with a copy of
+    c's root; a trajectory there answers from the image's layers and gets its reward."""
     from bunshin.cluster.groups import ClusterGroups, trajectories
 
     from .image_task import placed, remove_images, task
@@ -112,10 +114,10 @@ def test_api_groups_on_hosts_lacking_the_image_get_it_first(cluster, homes, tmp_
             groups = ClusterGroups(placement)
             shares = groups.join(key=key, n=MAX_WORKSPACES + 1, task=task(), speculation=False)
             try:
-                assert [(s.host, len(s.group)) for s in shares] == [("a", MAX_WORKSPACES), ("b", 1)]
-                assert [(s.image.source, s.image.layers_sent) for s in shares if s.image] == [("c", 4), ("a", 4)]
+                assert [(s.host, len(s.group)) for s in shares] == [("c", MAX_WORKSPACES), ("a", 1)]
+                assert [(s.image.source, s.image.layers_sent) if s.image else None for s in shares] == [None, ("c", 4)]
                 host, t = trajectories(shares)[-1]
-                assert host == "b"
+                assert host == "a"
                 assert t.call("bash", {"command": "cat hello.txt setup.log /srv/marker"}).output == \
                     "hello\nsetup-ran\nfrom the image\n"
                 t.call("python", {"code": "open('/work/score', 'w').write(str(base + 2))"})

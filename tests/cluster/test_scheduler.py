@@ -66,3 +66,14 @@ def test_dead_hosts_are_never_chosen():
 def test_baseline_needs_no_root_and_makes_no_migration():
     p = plan(hosts(), 6, needs_root=False)
     assert p.migrations == [] and p.counts == {"a": 2, "b": 2, "c": 2}
+
+
+def test_a_tie_on_room_goes_to_a_host_holding_the_image_before_free_memory():
+    # a is the full holder; b and c have the same room: c holds the task's image, b more memory
+    hs = hosts(a={"holds_root": True, "running": 4}, b={"free_memory": 16 * G}, c={"holds_image": True})
+    c = choose(hs)
+    assert (c.host, c.migrate) == ("c", True), "no image to move to c"
+    # room still comes first: a roomier host without the image wins
+    assert choose(hosts(a={"holds_root": True, "running": 4}, c={"holds_image": True, "running": 2})).host == "b"
+    # and so in baseline mode
+    assert choose(hosts(c={"holds_image": True}), needs_root=False).host == "c"
