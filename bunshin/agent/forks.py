@@ -66,14 +66,24 @@ def fork(name: str) -> int:
     return pid
 
 
+#: The names (``/proc/PID/comm``) of the agent's helpers.
+WORKER, JOB, SESSION = "bunshin-worker", "bunshin-job", "bunshin-session"
+HELPERS = frozenset({WORKER, JOB, SESSION})
+
+
 def as_helper(name: str) -> None:
     """In a just-forked child: the default signal dispositions, and the name ``name``."""
     for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, signal.SIG_DFL)
+    set_name(name)
+    _set_cmdline(name)
+
+
+def set_name(name: str) -> None:
+    """``/proc/PID/comm`` of the calling thread (the process's when it is the main one)."""
     if _PRCTL is not None:
         _PRCTL(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), ctypes.c_ulong(0),
                ctypes.c_ulong(0), ctypes.c_ulong(0))
-    _set_cmdline(name)
 
 
 def _set_cmdline(name: str) -> None:

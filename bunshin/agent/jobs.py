@@ -7,9 +7,10 @@ A host that holds a connection open into a workspace cannot let it be checkpoint
 connection is open, a fork can happen, and the job is forked with the agent:
 each clone finishes it and keeps its own answer.
 
-A job is a process of its own (named ``bunshin-job``), forked by the worker that
-serves ``job_start``: it runs the inner request in a thread and answers
-``job_wait`` on ``<run>/jobs/<id>.sock``; once its answer is fetched (or after
+A job is a process of its own: the worker that serves ``job_start`` runs the
+inner request in a thread and, once its connection has ended, answers ``job_wait``
+on ``<helpers>/jobs/<id>.sock`` (a second job on the same connection gets a process
+forked for it, ``bunshin-job``); once its answer is fetched (or after
 ``KEEP_FINISHED_S`` unfetched) it removes the socket and ends, and every page
 the call wrote ends with it.
 """
@@ -51,6 +52,10 @@ class Jobs:
     def __init__(self, folder: str, answer: Callable[[dict[str, Any]], bytes]) -> None:
         self._folder = folder
         self._answer = answer
+        #: Set in a worker: its first job runs in the worker itself, which serves that
+        #: job's ``job_wait`` once its connection has ended (one fork less per call).
+        self.adopt = False
+        self.adopted: _Job | None = None
 
     def _socket(self, job_id: str) -> str:
         return os.path.join(self._folder, f"{job_id}.sock")
@@ -63,15 +68,21 @@ class Jobs:
         os.makedirs(self._folder, mode=0o700, exist_ok=True)
         path = self._socket(job_id)
         listen = forks.listen_at(path)  # before the answer: a job_wait may come at once
+        if self.adopt and self.adopted is None:
+            self.adopted = _Job(listen, path, inner, self._answer)
+            self.adopted.start()
+            return ok_line({JOB_ID: job_id})
         try:
-            pid = forks.fork("bunshin-job")
+            pid = forks.fork(forks.JOB)
         except OSError as exc:
             listen.close()
             os.unlink(path)
             raise AgentFailure(ErrorCode.RESOURCE_EXHAUSTED, f"cannot start a job: {exc}") from None
         if pid == 0:
             forks.keep_only(listen.fileno())
-            forks.run_and_exit(lambda: _Job(listen, path, inner, self._answer).serve())
+            job = _Job(listen, path, inner, self._answer)
+            job.start()
+            forks.run_and_exit(job.serve)
         listen.close()
         return ok_line({JOB_ID: job_id})
 
@@ -109,8 +120,11 @@ class _Job:
         finally:
             self.done.set()
 
-    def serve(self) -> None:
+    def start(self) -> None:
         self._thread.start()
+
+    def serve(self) -> None:
+        """Answer ``job_wait`` until the answer is fetched (or kept too long unfetched)."""
         finished_at: float | None = None
         while True:
             if finished_at is None and self.done.is_set():

@@ -35,6 +35,7 @@ import select
 import shlex
 import signal
 import socket
+import struct
 import termios
 import threading
 import time
@@ -50,13 +51,11 @@ from .protocol import (
     arg_str,
     arg_timeout,
     failure,
-    invalid,
-    parse_request,
-    reply,
+    unix_address,
     unline,
 )
 from .terminals import pick_shell, start_shell
-from .wire import OP, ErrorCode, LineReader, Op, encode, ok_line, request_line
+from .wire import ErrorCode, ok_line
 
 #: Extra environment of tool sessions: nothing may wait for a human at a pager.
 SESSION_ENV = {"PAGER": "cat", "GIT_PAGER": "cat"}
@@ -359,119 +358,107 @@ class Session:
 class Holder:
     """The process that keeps one session: the pty's reader between calls, its socket.
 
-    Like the agent it only accepts: each connection is answered by a child forked for
-    it (``bunshin-run``), which parses the request and ends after its answer. While any
-    child lives the holder does not read the pty (a run reads it). A run claims the
-    session with a marker file made ``O_EXCL`` (``<id>.run``, its pid inside), so a
-    second run, or a list, sees it busy.
+    Like the agent it answers nothing itself: to each connection it lends the pty, with
+    one message (``HOLDER_PID SHELL_PID KIND STATUS`` and the master descriptor, passed
+    with ``SCM_RIGHTS``), and does not read the pty until every borrower has hung up.
+    The borrower (the worker or job serving the call: ``Sessions``) parses the request
+    and runs it. A run claims the session with a marker file made ``O_EXCL``
+    (``<id>.run``, its pid inside), so a second run, or a list, sees it busy.
     """
 
-    def __init__(self, session: Session, listen: socket.socket, socket_path: str) -> None:
+    def __init__(self, session: Session, listen: socket.socket) -> None:
         self.session = session
         self.listen = listen
-        self.socket_path = socket_path
-        self.children: dict[int, int] = {}  # read end of a pipe each child holds open -> its pid
-        self.unreaped: list[int] = []  # children done with the pty that may not have exited yet
+        self.lent: dict[int, socket.socket] = {}  # connections that hold the pty
+        self._fds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", session.master))]
+        self._header = b""
+        self._describe()
+
+    def _describe(self) -> None:
+        s = self.session
+        status = "-" if s.status is None else str(s.status)
+        self._header = f"{os.getpid()} {s.pid} {s.kind} {status}\n".encode()
 
     def serve(self) -> None:
         s = self.session
         listen = self.listen.fileno()
-        accept = self.listen._accept  # type: ignore[attr-defined]  # noqa: SLF001 - (fd, address): no socket object
+        lent = self.lent
         while True:
-            fds = [listen, *self.children]
-            if not self.children and not s.eof:
+            fds = [listen, *lent]
+            if not lent and not s.eof:
                 fds.append(s.master)
-            readable, _, _ = select.select(fds, [], [], 1.0 if self.unreaped else None)
-            if self.unreaped:
-                self._reap()
+            readable, _, _ = select.select(fds, [], [])
             for fd in readable:
-                if fd in self.children:
-                    self._ended(fd)
-            if s.master in readable and not self.children:
-                s.read(0.0, None)
+                conn = lent.pop(fd, None)
+                if conn is not None:  # the borrower hung up (it sends nothing)
+                    conn.close()
+            if not lent:
+                if s.status is None and s.exited():
+                    self._describe()
+                if s.master in readable:
+                    s.read(0.0, None)
             if listen in readable:
                 try:
-                    conn, _ = accept()
+                    conn, _ = self.listen.accept()
+                    conn.sendmsg([self._header], self._fds)
                 except OSError:
                     continue
-                self._fork_for(conn)
+                lent[conn.fileno()] = conn
 
-    def _fork_for(self, conn: int) -> None:
-        done_r, done_w = os.pipe2(os.O_CLOEXEC)
+
+class _Borrowed:
+    """A session's pty lent by its holder for one call (see ``Holder``)."""
+
+    def __init__(self, session_id: str, path: str, scripts_dir: str) -> None:
+        self.path = path
+        self.marker = f"{path[: -len('.sock')]}.run"
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
-            pid = forks.fork("bunshin-run")
-        except OSError as exc:
-            os.close(done_r)
-            os.close(done_w)
-            with socket.socket(fileno=conn) as sock:
-                _send(sock, failure(AgentFailure(ErrorCode.RESOURCE_EXHAUSTED, f"session: {exc}")))
-            return
-        if pid == 0:
-            os.close(done_r)
-            self.listen.close()
-            self.session.parent = False
-            forks.run_and_exit(lambda: _answer(self.session, self.socket_path, socket.socket(fileno=conn),
-                                               done_w))
-        os.close(conn)
-        os.close(done_w)
-        self.children[done_r] = pid
-
-    def _ended(self, done_r: int) -> None:
-        """A child is done with the pty (it may still be sending its answer)."""
-        os.close(done_r)
-        self.unreaped.append(self.children.pop(done_r))
-        self._reap()
-        self.session.exited()  # reap the shell if the child saw it end
-
-    def _reap(self) -> None:
-        for pid in list(self.unreaped):
+            address, dir_fd = unix_address(path)
             try:
-                done, _ = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                done = pid
-            if done:
-                self.unreaped.remove(pid)
-
-
-def _answer(session: Session, socket_path: str, conn: socket.socket, done: int) -> None:
-    """A holder's child: answer the one request on ``conn``; close ``done`` once the pty
-    is no longer used (before the answer goes out)."""
-    with conn:
-        conn.settimeout(10.0)
-        try:
-            line = LineReader(conn.recv).readline()
-        except (OSError, ValueError):
-            return
-        if line is None:
-            return
-        conn.settimeout(None)
-        try:
-            req = parse_request(line)
-        except AgentFailure as exc:
-            _send(conn, failure(exc))
-            return
-        op = req[OP]
-        marker = f"{socket_path[: -len('.sock')]}.run"
-        if op == Op.SESSION_LIST:
-            os.close(done)
-            _send(conn, ok_line(session.info(_busy(marker))))  # one item of the list
-        elif op == Op.SESSION_CLOSE:
-            _close(session, socket_path, marker)
-            os.close(done)
-            _send(conn, ok_line())
-        elif op != Op.SESSION_RUN:
-            os.close(done)
-            _send(conn, failure(invalid(f"a session does not answer {op!r}")))
-        elif not _claim(marker):
-            os.close(done)
-            _send(conn, failure(AgentFailure(ErrorCode.STATE_CONFLICT, f"session {session.session_id} is busy")))
-        else:
-            try:
-                answer = reply(Op.SESSION_RUN, lambda: _run(session, req))
+                self.sock.connect(address)
             finally:
-                _unlink(marker)
-            os.close(done)
-            _send(conn, answer)
+                if dir_fd is not None:
+                    os.close(dir_fd)
+            self.sock.settimeout(10.0)
+            data, fds, _, _ = socket.recv_fds(self.sock, 256, 1)
+            fields = data.decode().split()
+            if len(fds) != 1 or len(fields) != 4:
+                for fd in fds:
+                    os.close(fd)
+                raise ConnectionError(f"session {session_id}: its holder sent {data[:80]!r}")
+            self.holder = int(fields[0])
+            self.session = Session(session_id, fields[2], int(fields[1]), fds[0],
+                                   os.path.join(scripts_dir, f"{session_id}.sh"))
+            self.session.parent = False
+            if fields[3] != "-":
+                self.session.status = int(fields[3])
+        except BaseException:
+            self.sock.close()
+            raise
+
+    def __enter__(self) -> _Borrowed:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.session.master)
+        self.sock.close()  # the holder reads the pty again
+
+    def close(self) -> None:
+        """Kill the shell and its jobs and the holder (which owns the pty): the session is gone."""
+        self.session.kill()
+        try:
+            os.kill(self.holder, signal.SIGKILL)
+        except OSError:
+            pass
+        for path in (self.session.script, self.path, self.marker):
+            _unlink(path)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            stat = procfs.read_stat(self.holder)
+            if stat is None or stat.state == "Z" or stat.name != forks.SESSION:
+                return
+            time.sleep(0.005)
 
 
 def _claim(marker: str) -> bool:
@@ -509,43 +496,11 @@ def _busy(marker: str) -> bool:
     return stat is not None and stat.state != "Z"
 
 
-def _close(session: Session, socket_path: str, marker: str) -> None:
-    """Kill the shell and its jobs and the holder (which owns the pty): the session is gone."""
-    session.kill()
-    holder = os.getppid()
-    try:
-        os.kill(holder, signal.SIGKILL)
-    except OSError:
-        pass
-    for path in (session.script, socket_path, marker):
-        _unlink(path)
-    deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline:
-        stat = procfs.read_stat(holder)
-        if stat is None or stat.state == "Z" or stat.name != "bunshin-session":
-            return
-        time.sleep(0.005)
-
-
 def _unlink(path: str) -> None:
     try:
         os.unlink(path)
     except OSError:
         pass
-
-
-def _run(session: Session, req: dict[str, Any]) -> dict[str, Any]:
-    command = arg_str(req, "command")
-    limit = arg_int(req, "max_output", DEFAULT_MAX_OUTPUT)
-    return session.run(command, arg_timeout(req), limit)
-
-
-def _send(conn: socket.socket, data: bytes) -> bool:
-    try:
-        conn.sendall(data)
-        return True
-    except OSError:
-        return False
 
 
 _ID = re.compile(r"s(\d+)-[0-9a-f]{6}")
@@ -561,11 +516,11 @@ class Sessions:
     def _socket(self, session_id: str) -> str:
         return os.path.join(self._folder, f"{session_id}.sock")
 
-    def _ask(self, session_id: str, line: bytes) -> dict[str, Any]:
+    def _borrow(self, session_id: str) -> _Borrowed:
         if not _ID.fullmatch(session_id):
             raise AgentFailure(ErrorCode.NOT_FOUND, f"no session {session_id!r}")
         try:
-            return unline(forks.ask(self._socket(session_id), line, None))
+            return _Borrowed(session_id, self._socket(session_id), self._scripts_dir)
         except (FileNotFoundError, ConnectionRefusedError):
             raise AgentFailure(ErrorCode.NOT_FOUND, f"no session {session_id!r}") from None
         except OSError as exc:
@@ -594,7 +549,7 @@ class Sessions:
         listen = forks.listen_at(path)
         ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
         try:
-            pid = forks.fork("bunshin-session")
+            pid = forks.fork(forks.SESSION)
         except OSError as exc:
             listen.close()
             os.unlink(path)
@@ -614,20 +569,28 @@ class Sessions:
 
     def run(self, req: dict[str, Any]) -> dict[str, Any]:
         session_id = arg_str(req, "session_id")
-        arg_str(req, "command")
-        arg_int(req, "max_output", DEFAULT_MAX_OUTPUT)
-        arg_timeout(req)
-        return self._ask(session_id, encode(req))
+        command = arg_str(req, "command")
+        limit = arg_int(req, "max_output", DEFAULT_MAX_OUTPUT)
+        timeout = arg_timeout(req)
+        with self._borrow(session_id) as lent:
+            if not _claim(lent.marker):
+                raise AgentFailure(ErrorCode.STATE_CONFLICT, f"session {session_id} is busy")
+            try:
+                return lent.session.run(command, timeout, limit)
+            finally:
+                _unlink(lent.marker)
 
     def close(self, req: dict[str, Any]) -> dict[str, Any]:
-        session_id = arg_str(req, "session_id")
-        return self._ask(session_id, request_line(Op.SESSION_CLOSE, {"session_id": session_id}))
+        with self._borrow(arg_str(req, "session_id")) as lent:
+            lent.close()
+        return {}
 
     def list(self, req: dict[str, Any]) -> dict[str, Any]:
         sessions = []
         for session_id in self._ids():
             try:
-                sessions.append(self._ask(session_id, request_line(Op.SESSION_LIST, {})))
+                with self._borrow(session_id) as lent:
+                    sessions.append(lent.session.info(_busy(lent.marker)))
             except AgentFailure as exc:
                 if exc.code != ErrorCode.NOT_FOUND:
                     raise
@@ -649,7 +612,7 @@ def _hold(session_id: str, req: dict[str, Any], listen: socket.socket, path: str
         return
     os.write(ready, ok_line({"session_id": session_id, "kind": session.kind, "pid": session.pid}))
     os.close(ready)
-    holder = Holder(session, listen, path)
+    holder = Holder(session, listen)
     # What the holder has now lives as long as it does: off the cyclic GC, so that a
     # collection in a clone does not write (and so copy) the pages those objects are on.
     gc.collect()

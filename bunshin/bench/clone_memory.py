@@ -38,7 +38,7 @@ TOP_AREAS = 8
 @dataclass(frozen=True)
 class ProcessMemory:
     pid: int
-    role: str  # "agent", "holder", "shell", "worker", "job", "run" or "other" (see _role)
+    role: str  # "agent", "holder", "shell", "worker", "job" or "other" (see _role)
     anon_bytes: int
     pss_anon_bytes: int
     private_dirty_bytes: int
@@ -81,15 +81,14 @@ def _kib_fields(path: str) -> dict[str, int]:
 
 #: ``/proc/PID/comm`` of the agent's helpers (``bunshin/agent/forks.py``): a session's
 #: holder lives as long as the session; the others end with the call they serve.
-HELPERS = {"bunshin-session": "holder", "bunshin-worker": "worker", "bunshin-job": "job",
-           "bunshin-run": "run"}
-TRANSIENT = frozenset({"worker", "job", "run"})
+HELPERS = {"bunshin-session": "holder", "bunshin-worker": "worker", "bunshin-job": "job"}
+TRANSIENT = frozenset({"worker", "job"})
 SETTLE_S = 5.0
 
 
 def _role(pid: int) -> str:
-    """agent, holder (a session's process), shell (the shell of a session), worker / job /
-    run (an agent helper serving one call), or other."""
+    """agent, holder (a session's process), shell (the shell of a session), worker / job
+    (an agent helper serving one call), or other."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         comm = Path(f"/proc/{pid}/comm").read_text().strip()

@@ -154,8 +154,13 @@ class AgentClient:
             return self._call_resumable(op, None if answer_timeout == "default" else answer_timeout, args)
         return self._decode(op, self._roundtrip(op, _encode(op, args), answer_timeout))
 
-    def _roundtrip(self, op: str, line: bytes, answer_timeout: float | None | Literal["default"]) -> bytes:
-        """One connection, one request, one answer line, under the workspace's call lock."""
+    def _roundtrip(self, op: str, line: bytes, answer_timeout: float | None | Literal["default"],
+                   *, resend: bool = False) -> bytes:
+        """One connection, one request, one answer line, under the workspace's call lock.
+
+        ``resend``: the request may be sent again if the connection ends without an
+        answer (a ``job_wait``: the agent's worker serving it can be killed from inside
+        the workspace before it asked the job, e.g. by ``pkill -f``)."""
         deadline = time.monotonic() + self.connect_timeout
         with self._translate(op), call_guard(self.lock_dir):
             while True:
@@ -171,7 +176,12 @@ class AgentClient:
                             raise
                         time.sleep(0.05)
                         continue
-                    return _read_line(sock)
+                    try:
+                        return _read_line(sock)
+                    except _Dropped:
+                        if not resend or time.monotonic() > deadline:
+                            raise
+                time.sleep(0.05)
 
     def _call_resumable(self, op: str, answer_timeout: float | None, args: dict[str, Any]) -> dict[str, Any]:
         """Start ``op`` as an agent job and long-poll its answer, one short connection per poll.
@@ -188,7 +198,7 @@ class AgentClient:
             wait = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
             try:
                 poll = _encode(Op.JOB_WAIT.value, {JOB_ID: job_id, JOB_WAIT: wait})
-                answer = self._decode(op, self._roundtrip(op, poll, wait + self.call_timeout))
+                answer = self._decode(op, self._roundtrip(op, poll, wait + self.call_timeout, resend=True))
             except ResourceExhausted:
                 # The workspace is at its pids limit (threads count too): the agent cannot
                 # take a new connection now. The job itself runs on; ask again shortly.
@@ -657,14 +667,18 @@ def _encode(op: str, args: Mapping[str, Any]) -> bytes:
         raise InvalidArgument(f"cannot send {op!r}: {exc}") from None
 
 
+class _Dropped(ConnectionResetError):
+    """The agent's side closed the connection without answering."""
+
+
 def _read_line(sock: socket.socket) -> bytes:
-    """One answer line (any length); ``ConnectionResetError`` if the agent closes first."""
+    """One answer line (any length); ``_Dropped`` if the agent closes first."""
     try:
         line = wire.LineReader(sock.recv, limit=None).readline()
     except wire.LineCut:
         line = None
     if line is None:
-        raise ConnectionResetError("the agent closed the connection without answering")
+        raise _Dropped("the agent closed the connection without answering")
     return line
 
 
