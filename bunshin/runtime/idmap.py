@@ -134,8 +134,32 @@ def share(cfg: Config, mount: Mount) -> Path:
                                                      idmapped=mount.read_only, walk=True))
 
 
+def _mount_id(path: Path) -> int | None:
+    """The id of the mount ``path`` lies on (a last component that is a symlink is not followed)."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        with open(f"/proc/self/fdinfo/{fd}", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("mnt_id:"):
+                    return int(line.split()[1])
+    finally:
+        os.close(fd)
+    return None
+
+
+def is_mounted(target: Path) -> bool:
+    """Whether something is mounted at the view folder ``target``: its mount is not its
+    folder's. Two small reads, where ``mounted`` parses all of mountinfo, which grows
+    with every clone (two reads per restore took ~70 ms at 1,024 clones)."""
+    own, parent = _mount_id(target), _mount_id(target.parent)
+    return own is not None and parent is not None and own != parent
+
+
 def _ensure(cfg: Config, target: Path, mount: Callable[[], None]) -> Path:
-    if os.path.realpath(target) in mounted(cfg):
+    if is_mounted(target):
         return target
     cfg.paths.idmap.mkdir(parents=True, exist_ok=True)
     lock = os.open(cfg.paths.idmap, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
