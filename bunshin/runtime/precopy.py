@@ -42,10 +42,11 @@ from . import syscalls as sc
 from .memfile import SUFFIX, remove_memfile, trapcode
 from .memfile.criu_images import referenced_memfiles
 from .memfile.fileio import copy_range, data_extents, seal
-from .memfile.live import LiveUnavailable, convert_live, live_areas
+from .memfile.live import LiveUnavailable, convert_live, live_areas_held
 
 PREFIX = "live-"
 MIN_BYTES = 16 << 20  # smaller: CRIU's copy costs less than a conversion
+_SLACK = 8 << 20  # the handler, its table, a partial huge page
 REPORT = "precopy.json"  # in the snapshot's folder
 
 
@@ -121,29 +122,34 @@ def convert(cfg: Config, ws_id: str, upper: Path, root: Path, view: str, pids: l
         return report
     try:
         for pid in pids:
-            _one(cfg, ws_id, view, dir_fd, root, blob, pid, report)
+            _one(cfg, ws_id, view, dir_fd, upper, root, blob, pid, report)
     finally:
         os.close(dir_fd)
     report.wall_ms = (time.perf_counter() - t0) * 1000
     return report
 
 
-def _one(cfg: Config, ws_id: str, view: str, dir_fd: int, root: Path, blob: trapcode.Blob, pid: int,
-         report: Report) -> None:
+def _one(cfg: Config, ws_id: str, view: str, dir_fd: int, upper: Path, root: Path, blob: trapcode.Blob,
+         pid: int, report: Report) -> None:
     try:
-        areas = live_areas(pid)
+        held = live_areas_held(pid)
     except OSError as exc:
         report.skipped.append(Skipped(pid, f"its memory map cannot be read: {exc.strerror}"))
         return
-    size = sum(b - a for a, b in areas)
+    areas, size = [(a, b) for a, b, _ in held], sum(n for _, _, n in held)
     if size < MIN_BYTES:
         report.skipped.append(Skipped(pid, f"{size >> 20} MiB of anonymous memory: left to the dump"))
         return
     name = f"{PREFIX}{ws_id}-{secrets.token_hex(4)}{SUFFIX}"
+    before = 0
     try:
+        before = _make_room(upper.parent, size)
         res = convert_live(pid, areas, Path(name), f"{view.rstrip('/')}/{name}", trap=blob, immutable=False,
                            dir_fd=dir_fd, seen_as=lambda: _seen(root, view, name))
     except (LiveUnavailable, OSError) as exc:
+        if before and not _exists(dir_fd, name):  # no file took the room: the workspace gets no more
+            with contextlib.suppress(OSError):
+                _resize(upper.parent, before)
         report.skipped.append(Skipped(pid, str(exc)))
         return
     t0 = time.perf_counter()
@@ -153,6 +159,30 @@ def _one(cfg: Config, ws_id: str, view: str, dir_fd: int, root: Path, blob: trap
         pid, str(shared), res.precopy_bytes + res.dirty_bytes, round(res.precopy_ms, 2), round(res.pause_ms, 2),
         round(res.stop_ms, 2), round(res.dirty_ms, 2), round(res.remap_ms, 2), res.dirty_bytes,
         round((time.perf_counter() - t0) * 1000, 2)))
+
+
+def _make_room(wdir: Path, size: int) -> int:
+    """Grow the workspace's upper tmpfs (if it has a size) by what the live file will hold; its size before.
+
+    The file takes that room for good: the workspace keeps the free space it had.
+    """
+    st = os.statvfs(wdir)
+    total = st.f_blocks * st.f_frsize
+    if total:
+        _resize(wdir, total + size + _SLACK)
+    return total
+
+
+def _resize(wdir: Path, size: int) -> None:
+    sc.mount("bunshin-upper", str(wdir), "tmpfs", sc.MS_REMOUNT | sc.MS_NOSUID | sc.MS_NODEV, f"size={size}")
+
+
+def _exists(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _seen(root: Path, view: str, name: str) -> os.stat_result:

@@ -24,7 +24,9 @@ MIB = 1 << 20
 PROG = r"""
 import hashlib, os, random, time
 rnd = random.Random(5)
-big = bytearray(rnd.randbytes(64 << 20))
+big = bytearray(64 << 20)
+for i in range(0, len(big), 1 << 20):
+    big[i:i + (1 << 20)] = rnd.randbytes(1 << 20)
 small = [rnd.randbytes(3000) for _ in range(4000)]
 n = 0
 def digest():
@@ -60,8 +62,8 @@ def live_family(no_leaks):
         fam.close()
 
 
-def started(fam):
-    ws = fam.create()
+def started(fam, memory: str = "1G"):
+    ws = fam.create(memory=memory)
     pid = ws.commands.spawn(["python3", "-c", PROG])
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -75,8 +77,10 @@ def started(fam):
     raise AssertionError("the program did not start")
 
 
-def test_fork_with_precopy_is_exact_and_later_forks_are_deltas(live_family) -> None:
-    ws, hp, first = started(live_family)
+@pytest.mark.parametrize("memory", ["1G", "160M"], ids=["roomy-upper", "upper-grown"])
+def test_fork_with_precopy_is_exact_and_later_forks_are_deltas(live_family, memory: str) -> None:
+    """(160M: the upper's tmpfs, half of it, has no room for the live file until grown)"""
+    ws, hp, first = started(live_family, memory)
     (c1,) = live_family.fork(ws, 1)
     snap = next(s for s in live_family.cfg.paths.snapshots.iterdir())  # the fork's snapshot folder
     report = json.loads((snap / precopy.REPORT).read_text())
@@ -84,6 +88,8 @@ def test_fork_with_precopy_is_exact_and_later_forks_are_deltas(live_family) -> N
     assert mine and mine[0]["bytes"] >= 64 * MIB, report  # the program's memory went into a live file
     maps = Path(f"/proc/{hp}/maps").read_text()
     assert "/.bunshin/mem/live-" in maps  # the parent now maps it, as a clone would
+    st = os.statvfs(Path(ws.record.upper).parent)
+    assert st.f_bavail * st.f_frsize > 64 * MIB  # grown by what the file holds: the workspace's room kept
     # the parent and its clone each see every byte as it was, and go on apart
     want = ask(ws)
     assert want == first

@@ -107,6 +107,11 @@ _PLAIN_FLAGS = frozenset({"rd", "wr", "mr", "mw", "me", "ac", "nr", "hg", "nh", 
 def live_areas(pid: int, *, convert_heap: bool = True) -> list[tuple[int, int]]:
     """The plain private anonymous areas of ``pid`` holding pages (as ``plan.convertible``, from smaps):
     no stacks, locked, shared, executable, hugetlb, wipe-on-fork or merged (KSM) memory."""
+    return [(a, b) for a, b, _ in live_areas_held(pid, convert_heap=convert_heap)]
+
+
+def live_areas_held(pid: int, *, convert_heap: bool = True) -> list[tuple[int, int, int]]:
+    """``live_areas`` with the bytes each holds (resident or swapped)."""
     out = []
     head: list[str] | None = None
     rss = 0
@@ -118,7 +123,7 @@ def live_areas(pid: int, *, convert_heap: bool = True) -> list[tuple[int, int]]:
         name = head[5] if len(head) > 5 else ""
         if (head[1][3] == "p" and head[4] == "0" and (name == "" or (convert_heap and name == "[heap]"))
                 and "wr" in flags and set(flags) <= _PLAIN_FLAGS and rss > 0):
-            out.append((lo, hi))
+            out.append((lo, hi, rss << 10))
 
     for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
         key = line.split(":", 1)[0]
