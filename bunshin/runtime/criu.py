@@ -27,7 +27,7 @@ from typing import IO
 
 from bunshin.errors import CriuError, HostUnsupported
 
-from . import criu_kdat, criu_launch, criu_swrk, prepared
+from . import criu_kdat, criu_launch, criu_swrk, freeze_boost, prepared
 from . import syscalls as sc
 from .zygote import PASSED_FD
 
@@ -284,7 +284,7 @@ class _Popened:
     """A ``criu swrk`` this process forked itself (no warm helper): ``prepared.Started``'s calls."""
 
     def __init__(self, proc: subprocess.Popen[bytes]) -> None:
-        self.proc = proc
+        self.proc, self.pid = proc, proc.pid
 
     def wait(self, timeout: float | None = None) -> int | None:
         try:
@@ -314,6 +314,14 @@ def _start_swrk(criu: Path, sock: socket.socket, placement: Placement | None, ou
         raise HostUnsupported(f"criu not found at {criu}", hint="install CRIU >= 4.2 (see DESIGN.md)") from exc
 
 
+def _then(first: Callable[[], None], second: Callable[[], None] | None) -> Callable[[], None]:
+    def both() -> None:
+        first()
+        if second is not None:
+            second()
+    return both
+
+
 def _run_swrk(criu: Path, pid: int, images_dir: Path, log: Path, flags: Sequence[str],
               notify: Mapping[str, Callable[[], None]], timeout: float | None, placement: Placement | None) -> float:
     """One dump over CRIU's RPC socket; its wall time in ms, or CriuError (or the error of
@@ -333,12 +341,18 @@ def _run_swrk(criu: Path, pid: int, images_dir: Path, log: Path, flags: Sequence
                 dfd = os.open(images_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
                 req.opts.images_dir_fd = dfd  # criu opens it through /proc/<this pid>/fd
                 mine.settimeout(timeout)
+                # criu and this thread (which answers its notifications) at real-time
+                # priority from the pre-dump stage (the freeze comes next), at most its budget
+                boost = freeze_boost.Boost((child.pid, threading.get_native_id()))
                 try:
-                    answer = criu_swrk.converse(mine, req, notify)
+                    handlers = {**notify, "pre-dump": _then(boost.start, notify.get("pre-dump"))}
+                    answer = criu_swrk.converse(mine, req, handlers)
                 except OSError as exc:
                     if isinstance(exc, TimeoutError):
                         raise
                     answer = criu_swrk.Answer(False, 0, f"criu's socket: {exc}")  # it ended: its output says why
+                finally:
+                    boost.stop()
             except TimeoutError as exc:
                 child.kill()
                 child.wait()

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..config import Config
 from ..errors import BunshinError, HostUnsupported
-from . import prepared
+from . import freeze_boost, prepared
 from .criu import Placement
 
 _CFLAGS = ("-O2", "-Wall", "-Wextra", "-Werror")
@@ -65,12 +65,21 @@ class FrozenCopy:
     """A copier waiting for its go; ``run`` (while the tasks are frozen) copies and waits.
     ``notify`` is what ``criu.dump`` takes: ``run`` at CRIU's ``post-dump`` stage."""
 
-    def __init__(self, go: int, done: int, pidfd: int, log: Path) -> None:
-        self._go, self._done, self._pidfd, self._log = go, done, pidfd, log
+    def __init__(self, go: int, done: int, pid: int, pidfd: int, log: Path) -> None:
+        self._go, self._done, self.pid, self._pidfd, self._log = go, done, pid, pidfd, log
         self.notify = {"post-dump": self.run}
 
     def run(self) -> None:
-        """Copy now; raise ``BunshinError`` with the copier's own words if it failed."""
+        """Copy now (the copier at real-time priority, within ``freeze_boost``'s budget);
+        raise ``BunshinError`` with the copier's own words if it failed."""
+        boost = freeze_boost.Boost((self.pid,))
+        boost.start()
+        try:
+            self._copy()
+        finally:
+            boost.stop()
+
+    def _copy(self) -> None:
         os.write(self._go, b"g")
         poller = select.poll()
         poller.register(self._done, select.POLLIN)
@@ -116,7 +125,7 @@ def frozen_copy(cfg: Config, upper: Path, layer: Path, folder: Path, memcg: Path
             child = _start(argv, into, out.fileno())
         try:
             pidfd = os.pidfd_open(child.pid)
-            yield FrozenCopy(go, done, pidfd, log)
+            yield FrozenCopy(go, done, child.pid, pidfd, log)
         finally:
             os.close(go)
             go = -1

@@ -76,11 +76,13 @@ def _spawn_in_own_time(c: Counters) -> int:
 def test_handlers_run_at_their_stage_and_criu_reads_the_trees_clocks_itself(timed, criu_bin, workdir):  # noqa: F811
     pid = _spawn_in_own_time(timed)
     assert os.readlink(f"/proc/{pid}/ns/time") != os.readlink("/proc/self/ns/time")
-    seen: dict[str, str] = {}
+    seen: dict[str, object] = {}
     run = criu.dump(criu_bin, pid, workdir / "img", extra=[*rsnap._COMMON],
                     notify={"pre-dump": lambda: seen.setdefault("pre-dump", _state(pid)),
-                            "post-dump": lambda: seen.setdefault("post-dump", _state(pid))})
+                            "post-dump": lambda: seen.update({"post-dump": _state(pid),
+                                                              "policy": os.sched_getscheduler(0)})})
     assert seen["pre-dump"] in ("S", "R") and seen["post-dump"] == "t"  # frozen (ptrace-stopped) at post-dump
+    assert seen["policy"] == os.SCHED_FIFO and os.sched_getscheduler(0) == os.SCHED_OTHER  # boosted for the freeze
     log = run.log.read_text()
     assert "Dumping finished successfully" in log
     assert "Will take time namespace" not in log and "Dump TIME namespace" not in log  # no dumper forked into it
