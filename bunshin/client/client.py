@@ -199,14 +199,17 @@ class Client:
         return [RemoteSnapshot(self, m.SnapshotOut.model_validate(s))
                 for s in self.request("GET", "/v1/snapshots").json()]
 
-    def load_snapshot(self, folder: str | Path) -> RemoteSnapshot:
+    def load_snapshot(self, folder: str | Path, *, ttl: float | None = None) -> RemoteSnapshot:
         """Upload a folder :meth:`RemoteSnapshot.save` (or ``bunshin snapshot save``) wrote;
-        the server takes it if it was saved by a home holding its ``snapshot.key``."""
+        the server takes it if it was saved by a home holding its ``snapshot.key``.
+        ``ttl``: its lease in seconds (the server removes it then unless renewed:
+        :meth:`RemoteSnapshot.set_ttl`)."""
         src = Path(folder)
         if not (src / MANIFEST).is_file():
             raise InvalidArgument(f"{src} holds no saved snapshot", hint="give a folder a snapshot was saved into")
         try:
             r = self._http.post("/v1/snapshots/load", content=tar_chunks(src), headers={"Content-Type": MEDIA_TYPE},
+                                params={} if ttl is None else {"ttl": ttl},
                                 timeout=httpx.Timeout(self.timeout, connect=10.0))
         except httpx.TransportError as exc:
             raise _unreachable("POST", f"{self.url}/v1/snapshots/load", self.timeout, exc) from None

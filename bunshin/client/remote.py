@@ -183,6 +183,10 @@ class RemoteSnapshot:
     def remove(self) -> None:
         self._client.request("DELETE", f"/v1/snapshots/{self.id}")
 
+    def set_ttl(self, ttl: float | None) -> None:
+        """Lease it for ``ttl`` more seconds from now (``None``: until removed)."""
+        self._client.request("PUT", f"/v1/snapshots/{self.id}/ttl", json=m.build(m.SetTTL, ttl=ttl).model_dump())
+
     def save(self, folder: str | Path) -> Path:
         """Download it into the local folder ``folder`` (new or empty), as
         :meth:`bunshin.Snapshot.save` writes it: :meth:`Client.load_snapshot` (or

@@ -11,7 +11,8 @@ A host that does not hold the key yet gets a copy of a holder's root (save -> tr
 -> load, through the head's spool) and joins with that snapshot *and* the task: the
 task's setup does not run again there, and its tools and reward apply. Only the first
 host builds the root from the task. The copies are this object's to free
-(:meth:`ClusterGroups.remove`; the groups do not own them).
+(:meth:`ClusterGroups.remove`; the groups do not own them), and leased to its head
+(:mod:`bunshin.cluster.copies`): a head that dies leaves them to run out on their hosts.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ class ClusterGroups:
         folder = self.placement.spool / f"group-{uuid.uuid4().hex[:12]}"
         try:
             self.placement.hosts[source].snapshot(root).save(folder)
-            copy = self.placement.hosts[target].load_snapshot(folder).id
+            copy = self.placement.hosts[target].load_snapshot(folder, ttl=self.placement.copies.ttl).id
+            self.placement.copies.add(target, copy)  # freed by the host if this head dies
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         self.copies[(key, target)] = copy
@@ -106,6 +108,7 @@ class ClusterGroups:
     def _drop_copy(self, key: str, host: str) -> None:
         copy = self.copies.pop((key, host), None)
         if copy is not None:
+            self.placement.copies.drop(host, copy)
             try:
                 self.placement.hosts[host].snapshot(copy).remove()
             except NotFound:

@@ -53,6 +53,7 @@ from ..rollout.envs import (
 from ..rollout.task import TaskSpec
 from ..runtime.cgroups import parse_size
 from ..workspace.aio import AsyncWorkspace
+from .copies import COPY_TTL_S, CopyLeases
 from .images import ImageMove, ImageMover
 from .records import HostLimits
 from .scheduler import HostLoad, choose
@@ -109,7 +110,8 @@ class ClusterPlacement:
     the caps each was started with. Close it when done (it closes the clients)."""
 
     def __init__(self, hosts: Mapping[str, Client], *, limits: Mapping[str, HostLimits] | None = None,
-                 spool: Path | None = None, membership: Membership | None = None) -> None:
+                 spool: Path | None = None, membership: Membership | None = None,
+                 copy_ttl: float = COPY_TTL_S) -> None:
         if not hosts:
             raise Unreachable("no host to place trajectories on", hint="see `bunshin cluster status`")
         self.hosts = dict(hosts)
@@ -127,16 +129,18 @@ class ClusterPlacement:
         self.generation = dict.fromkeys(self.hosts, 0)  # a host's epochs seen here: roots held there go
         self.epochs: dict[str, int | None] = {}  # the epoch each host served when last seen here
         self._retired: list[Client] = []  # clients of hosts given up, then back
+        self.copies = CopyLeases(self.hosts, ttl=copy_ttl)  # the roots put on hosts, leased to this head
         self._closed = threading.Event()
         self._reviver: threading.Thread | None = None  # the watch on the membership and the hosts given up
         self.images = ImageMover(self.hosts, self.dead)  # a task's image onto a host lacking it
 
     @classmethod
-    def of(cls, cluster: Cluster, *, spool: Path | None = None) -> ClusterPlacement:
-        """Every live host of ``cluster``."""
+    def of(cls, cluster: Cluster, *, spool: Path | None = None, copy_ttl: float = COPY_TTL_S) -> ClusterPlacement:
+        """Every live host of ``cluster``; the roots put on them are leased for ``copy_ttl``
+        seconds, renewed while this head lives (:mod:`bunshin.cluster.copies`)."""
         limits = {h.name: h.limits for h in cluster.status() if h.alive}
         clients = {n: c for n, c in cluster.clients().items() if n in limits}
-        placement = cls(clients, limits=limits, spool=spool, membership=cluster)
+        placement = cls(clients, limits=limits, spool=spool, membership=cluster, copy_ttl=copy_ttl)
         placement.watch()
         return placement
 
@@ -281,6 +285,7 @@ class ClusterPlacement:
 
     def close(self) -> None:
         self._closed.set()
+        self.copies.close()
         if self._reviver is not None:
             self._reviver.join()
         for c in [*self.hosts.values(), *self._retired]:
@@ -366,6 +371,9 @@ class ClusterEnv(TaskEnv):
         self._keep(host, sub)
         assert isinstance(sub, SnapshotEnv) and sub.root is not None
         root: RemoteSnapshot = sub.root.sync  # type: ignore[assignment]
+        leases = self.placement.copies  # the root outlives this head only by its lease
+        await in_thread(lambda: root.set_ttl(leases.ttl))
+        leases.add(host, root.id)
         dest = self.placement.spool / f"{self.task.id}-{uuid.uuid4().hex[:8]}"
         self.saved = await in_thread(lambda: root.save(dest))
         self.prepare_s = time.perf_counter() - t0
@@ -384,7 +392,9 @@ class ClusterEnv(TaskEnv):
                 client, saved = self.placement.hosts[name], self.saved
                 try:
                     await self._image_on(name)  # the root's image layers are named, not carried
-                    snap = await in_thread(lambda: client.load_snapshot(saved), undo=lambda s: s.remove())
+                    snap = await in_thread(lambda: client.load_snapshot(saved, ttl=self.placement.copies.ttl),
+                                           undo=lambda s: s.remove())
+                    self.placement.copies.add(name, snap.id)
                 finally:
                     self._copying.discard(name)
                 await sub.adopt(snap)

@@ -49,6 +49,7 @@ async def _sweep_leases(ctx: ServerContext) -> None:
     while True:
         try:
             await anyio.to_thread.run_sync(ctx.leases.sweep)
+            await anyio.to_thread.run_sync(ctx.snapshot_leases.sweep)
         except Exception as e:  # a bad sweep must not end the sweeping
             log.warning("sweeping workspace leases failed: %s", e)
         await anyio.sleep(SWEEP_EVERY_S)

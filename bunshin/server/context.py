@@ -17,7 +17,7 @@ from ..workspace import Snapshot, Workspace, WorkspaceInfo
 from ..workspace.locks import WorkspaceLocks, workspace_locks
 from .admission import Admission, Limits
 from .idempotency import Idempotency
-from .leases import Leases
+from .leases import Leases, snapshot_leases
 
 log = logging.getLogger("bunshin.server")
 T = TypeVar("T")
@@ -37,11 +37,13 @@ class ServerContext:
     admission: Admission = field(init=False)
     idempotency: Idempotency = field(init=False)
     leases: Leases = field(init=False)
+    snapshot_leases: Leases = field(init=False)  # of snapshots loaded with a ttl
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.config, self.limits)
         self.idempotency = Idempotency(self.config)
         self.leases = Leases(self.config)
+        self.snapshot_leases = snapshot_leases(self.config)
 
     def out(self, ws: Workspace | WorkspaceInfo) -> m.WorkspaceOut:
         """A workspace on the wire, with its lease."""

@@ -11,6 +11,11 @@ answer goes out), so a restarted server keeps them; the server sweeps them about
 once a second (:data:`SWEEP_EVERY_S`) and removes what expired, as ``DELETE`` does
 (not waiting for a call in flight). A lease whose workspace is already gone is
 dropped.
+
+Snapshots loaded with a ``ttl`` (``POST /v1/snapshots/load?ttl=S``: a cluster head's root
+copies) have leases of their own (kind ``snapshot-lease``, :func:`snapshot_leases`),
+renewed with ``PUT /v1/snapshots/{id}/ttl``: a head that dies stops renewing, and its
+copies go.
 """
 
 from __future__ import annotations
@@ -19,17 +24,18 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 from ..config import Config
-from ..errors import WorkspaceNotFound
+from ..errors import NotFound
 from ..runtime.store import Store
-from ..workspace import Workspace
+from ..workspace import Snapshot, Workspace
 
 log = logging.getLogger("bunshin.server")
 
 KIND = "lease"
+SNAPSHOT_KIND = "snapshot-lease"
 #: How often the server looks for expired leases.
 SWEEP_EVERY_S = 1.0
 
@@ -50,10 +56,13 @@ class Lease:
 
 
 class Leases:
-    """The leases of one server's workspaces: the store's records, mirrored in memory."""
+    """The leases of one server's workspaces (or, with ``kind``/``remove``, of other
+    objects): the store's records, mirrored in memory."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, kind: str = KIND, remove: Callable[[str], None] | None = None) -> None:
         self._config = config
+        self._kind = kind
+        self._remove = remove or (lambda ws_id: Workspace.get(ws_id, config=config).remove())
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] | None = None  # read from the store on first use
 
@@ -74,10 +83,10 @@ class Leases:
             leases = self._loaded(store)
             for ws_id in ids:
                 if lease is None:
-                    store.delete_object(KIND, ws_id)
+                    store.delete_object(self._kind, ws_id)
                     leases.pop(ws_id, None)
                 else:
-                    store.put_object(KIND, ws_id, lease.to_json())
+                    store.put_object(self._kind, ws_id, lease.to_json())
                     leases[ws_id] = lease
 
     def drop(self, ws_id: str) -> None:
@@ -89,12 +98,12 @@ class Leases:
         gone = [ws_id for ws_id, lease in self._all().items() if lease.expires_at <= now]
         for ws_id in gone:
             try:
-                Workspace.get(ws_id, config=self._config).remove()
-                log.info("workspace %s: its lease ran out; removed", ws_id)
-            except WorkspaceNotFound:
+                self._remove(ws_id)
+                log.info("%s: its lease ran out; removed", ws_id)
+            except NotFound:
                 pass
             except Exception as e:  # the next sweep tries again
-                log.warning("workspace %s: its lease ran out, but removing it failed: %s", ws_id, e)
+                log.warning("%s: its lease ran out, but removing it failed: %s", ws_id, e)
                 continue
             self.drop(ws_id)
         return gone
@@ -109,5 +118,10 @@ class Leases:
     def _loaded(self, store: Store) -> dict[str, Lease]:
         """The leases (caller holds ``_lock``), read from ``store`` the first time."""
         if self._leases is None:
-            self._leases = {ws_id: Lease.from_json(raw) for ws_id, raw in store.list_objects(KIND)}
+            self._leases = {ws_id: Lease.from_json(raw) for ws_id, raw in store.list_objects(self._kind)}
         return self._leases
+
+
+def snapshot_leases(config: Config) -> Leases:
+    """The leases of a server's snapshots loaded with a ``ttl``."""
+    return Leases(config, kind=SNAPSHOT_KIND, remove=lambda snap_id: Snapshot.get(snap_id, config=config).remove())

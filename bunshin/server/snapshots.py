@@ -33,9 +33,17 @@ def router(ctx: ServerContext) -> APIRouter:
             return ctx.made(request, made, req.ttl)
         return ctx.idempotency.run(key, "POST", f"/v1/snapshots/{snap_id}/restore", req, 201, go)
 
+    @r.put("/snapshots/{snap_id}/ttl")
+    def set_snapshot_ttl(snap_id: str, req: m.SetTTL) -> m.SnapshotOut:
+        """Lease the snapshot for ``ttl`` more seconds (``null``: until removed)."""
+        snap = Snapshot.get(snap_id, config=config)
+        ctx.snapshot_leases.grant([snap.id], req.ttl)
+        return snapshot_out(snap)
+
     @r.delete("/snapshots/{snap_id}", status_code=204)
     def remove_snapshot(snap_id: str) -> Response:
         Snapshot.get(snap_id, config=config).remove()
+        ctx.snapshot_leases.drop(snap_id)
         return Response(status_code=204)
 
     return r

@@ -23,9 +23,10 @@ import os
 import secrets
 import shutil
 from pathlib import Path
+from typing import Annotated
 
 import anyio.to_thread
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
 from ..api import models as m
@@ -58,7 +59,9 @@ def router(ctx: ServerContext) -> APIRouter:
                                  headers={"Content-Disposition": f'attachment; filename="{snap.id}.tar"'})
 
     @r.post("/snapshots/load", status_code=201)
-    async def load(request: Request) -> m.SnapshotOut:
+    async def load(request: Request,
+                   ttl: Annotated[float | None, Query(gt=0, le=m.MAX_TTL_S)] = None) -> m.SnapshotOut:
+        """``ttl``: the loaded snapshot's lease (renewed with ``PUT /v1/snapshots/{id}/ttl``)."""
         spool = scratch("in").with_suffix(".tar")
         folder = spool.with_suffix("")
         try:
@@ -71,6 +74,8 @@ def router(ctx: ServerContext) -> APIRouter:
                     budget.check(f.tell() + len(chunk))
                     await anyio.to_thread.run_sync(f.write, chunk)
             snap = await anyio.to_thread.run_sync(lambda: _unpack_and_load(ctx, spool, folder))
+            if ttl is not None:  # before the answer: a caller that dies now still leaves it leased
+                await anyio.to_thread.run_sync(lambda: ctx.snapshot_leases.grant([snap.id], ttl))
             return snapshot_out(snap)
         finally:
             spool.unlink(missing_ok=True)
