@@ -10,7 +10,8 @@ through the per-task phases once per process; their times are summed):
 - ``parasite``: injecting the parasite into a task;
 - ``pages``: a task's page map and pages, and the parasite's cure;
 - ``tree``: namespaces, the process tree, cgroups, the image inventory;
-- ``post_dump``: CRIU's ``post-dump`` action script (bunshin's frozen copy of the upper);
+- ``post_dump``: CRIU's ``post-dump`` notification, answered over its RPC socket once
+  bunshin's copier has made the frozen copy of the upper (``runtime/upper_copy``);
 
 until the tasks are unfrozen. ``run`` forks a running fork ``forks`` times (each a
 delta: its parent is already memory-file backed) and reports the pause (CRIU's
@@ -26,6 +27,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from .. import console as output
 from ..config import Config
@@ -87,6 +90,25 @@ def of_snapshot(snap: Snapshot) -> DumpPhases | None:
         return None
 
 
+#: ``/proc/PID/comm`` of the agent's helpers that end with the call they serve (a job that
+#: is ending is a zombie leader CRIU cannot dump: ``fork_checks`` refuses the fork)
+TRANSIENT = frozenset({"bunshin-worker", "bunshin-job"})
+SETTLE_S = 5.0
+
+
+def _settle(ws: Workspace) -> None:
+    """Wait (at most ``SETTLE_S``) until the helpers of the last call have ended."""
+    deadline = time.monotonic() + SETTLE_S
+    while time.monotonic() < deadline:
+        try:
+            kids = psutil.Process(ws.record.pid).children(recursive=True)
+            if not any(k.name() in TRANSIENT for k in kids):
+                return
+        except psutil.Error:
+            pass  # one ended while we looked: look again
+        time.sleep(0.02)
+
+
 def _p50(values: list[float]) -> float:
     return round(statistics.median(values), 2)
 
@@ -106,6 +128,7 @@ def run(cfg: Config, *, forks: int = 8) -> dict[str, Any]:
             (fork,) = first.restore(1)
             try:
                 fork.exec(["true"])
+                _settle(fork)
                 for _ in range(forks):
                     snap = fork.snapshot()
                     try:
