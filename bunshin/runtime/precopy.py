@@ -56,12 +56,16 @@ class Converted:
     path: str
     bytes: int
     precopy_ms: float
-    pause_ms: float  # this process stopped: dirty copy, trap, remap
+    pause_ms: float  # this process's longest stop: dirty copy, trap, remap of one piece
+    stopped_ms: float  # all its stops (one per piece of memfile.live.CHUNK)
+    stops: int
     stop_ms: float
     dirty_ms: float
     remap_ms: float
     dirty_bytes: int
     share_ms: float  # copying it for the clones, the process running
+    trap_ms: float = 0.0  # of remap_ms: the trap
+    map_ms: float = 0.0  # of remap_ms: the MAP_FIXED mappings
 
 
 @dataclass(frozen=True)
@@ -78,11 +82,17 @@ class Report:
 
     @property
     def pause_ms(self) -> float:
-        """The time processes of the workspace were stopped for it (one after another)."""
-        return sum(c.pause_ms for c in self.converted)
+        """The longest time a process of the workspace was stopped at once for it."""
+        return max((c.pause_ms for c in self.converted), default=0.0)
+
+    @property
+    def stopped_ms(self) -> float:
+        """All the stops of all its processes together."""
+        return sum(c.stopped_ms for c in self.converted)
 
     def save(self, folder: Path) -> None:
-        (folder / REPORT).write_text(json.dumps({**asdict(self), "pause_ms": self.pause_ms}))
+        (folder / REPORT).write_text(json.dumps({**asdict(self), "pause_ms": self.pause_ms,
+                                                 "stopped_ms": self.stopped_ms}))
 
 
 def _mem_dir(upper: Path) -> int:
@@ -147,9 +157,13 @@ def _one(cfg: Config, ws_id: str, view: str, dir_fd: int, upper: Path, root: Pat
         res = convert_live(pid, areas, Path(name), f"{view.rstrip('/')}/{name}", trap=blob, immutable=False,
                            dir_fd=dir_fd, seen_as=lambda: _seen(root, view, name))
     except (LiveUnavailable, OSError) as exc:
-        if before and not _exists(dir_fd, name):  # no file took the room: the workspace gets no more
+        kept = _exists(dir_fd, name)  # the process maps it already (the trap, a piece): the clones need it too
+        if before and not kept:  # no file took the room: the workspace gets no more
             with contextlib.suppress(OSError):
                 _resize(upper.parent, before)
+        if kept:
+            with contextlib.suppress(OSError):
+                _copy_sealed(dir_fd, name, cfg.paths.mem / name)
         report.skipped.append(Skipped(pid, str(exc)))
         return
     t0 = time.perf_counter()
@@ -157,8 +171,8 @@ def _one(cfg: Config, ws_id: str, view: str, dir_fd: int, upper: Path, root: Pat
     _copy_sealed(dir_fd, name, shared)
     report.converted.append(Converted(
         pid, str(shared), res.precopy_bytes + res.dirty_bytes, round(res.precopy_ms, 2), round(res.pause_ms, 2),
-        round(res.stop_ms, 2), round(res.dirty_ms, 2), round(res.remap_ms, 2), res.dirty_bytes,
-        round((time.perf_counter() - t0) * 1000, 2)))
+        round(res.stopped_ms, 2), res.stops, round(res.stop_ms, 2), round(res.dirty_ms, 2), round(res.remap_ms, 2), res.dirty_bytes,
+        round((time.perf_counter() - t0) * 1000, 2), round(res.trap_ms, 2), round(res.map_ms, 2)))
 
 
 def _make_room(wdir: Path, size: int) -> int:

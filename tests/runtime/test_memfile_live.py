@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bunshin.runtime import memfile
-from bunshin.runtime.memfile import remove_memfile, trapcode
+from bunshin.runtime.memfile import live, remove_memfile, trapcode
 from bunshin.runtime.memfile.live import LiveUnavailable, convert_live, live_areas
 
 from .procs import kill_and_wait
@@ -110,15 +110,21 @@ def memfile_path(tmp_path: Path):
 
 
 @pytest.mark.integration
-def test_converted_while_it_writes(prog: Prog, memfile_path: Path) -> None:
+@pytest.mark.parametrize("chunk", [live.CHUNK, 8 * MIB], ids=["one-piece", "eight-pieces"])
+def test_converted_while_it_writes(prog: Prog, memfile_path: Path, chunk: int, monkeypatch) -> None:
+    """(eight pieces: stopped eight times, the writer running between them on memory half converted)"""
+    monkeypatch.setattr(live, "CHUNK", chunk)
     assert prog.anon_kib() > 30 * 1024
     res = convert_live(prog.p.pid, [(prog.addr, prog.addr + prog.size)], memfile_path, str(memfile_path))
+    assert res.stops == -(-prog.size // chunk) and not res.left
     assert res.precopy_bytes >= 32 * MIB  # the random half, copied while it ran
     assert res.rounds and res.rounds[0] > 0  # the writer kept writing meanwhile: a second round copied that
     assert res.dirty_bytes < 16 * MIB  # while stopped: only what it wrote during the last round
-    assert res.pause_ms >= res.dirty_ms + res.remap_ms
-    maps = Path(f"/proc/{prog.p.pid}/maps").read_text()
-    assert f"{prog.addr:x}-{prog.addr + prog.size:x} rw-p" in maps and str(memfile_path) in maps
+    assert res.stopped_ms >= res.dirty_ms + res.remap_ms and res.pause_ms <= res.stopped_ms
+    mapped = [ln.split()[0].split("-") for ln in Path(f"/proc/{prog.p.pid}/maps").read_text().splitlines()
+              if ln.endswith(str(memfile_path)) and " rw-p " in ln]  # (pieces a write made anonymous stay apart)
+    assert sum(int(b, 16) - int(a, 16) for a, b in mapped) == prog.size
+    assert min(int(a, 16) for a, _ in mapped) == prog.addr
     assert prog.anon_kib() < 8 * 1024  # its anonymous copy is gone: the file holds the bytes
     digest, same = prog.ask("stop")
     assert same  # every byte it wrote before, during and after the conversion is there

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bunshin.runtime.dirty import Run, Tracker, TrackingUnavailable
+from bunshin.runtime.dirty import Area, Run, Tracker, TrackingUnavailable
 from bunshin.runtime.inject import InjectionFailed, Stopped, check
 
 from . import live_trap
@@ -43,6 +43,7 @@ from .trap import TrapUnavailable
 from .trapcode import Blob
 
 NR_MMAP, NR_MUNMAP, NR_CLOSE, NR_OPENAT = 9, 11, 3, 257
+CHUNK = 128 << 20  # mapped from the file per stop: the process runs between pieces
 PROT_RW = 0x3
 MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS = 0x02, 0x10, 0x20
 O_RDONLY, O_NONBLOCK, O_NOFOLLOW, O_CLOEXEC, O_NOCTTY = 0, 0o4000, 0o400000, 0o2000000, 0o400
@@ -60,7 +61,7 @@ class LiveUnavailable(Exception):
 
 
 class _PartlyMapped(LiveUnavailable):
-    """Some areas map the file already (their bytes are the same): the file must stay."""
+    """The process maps the file already (the trap, or pieces with the same bytes): the file stays."""
 
 
 @dataclass(frozen=True)
@@ -80,11 +81,16 @@ class LiveResult:
     precopy_ms: float = 0.0  # while the process ran
     stop_ms: float = 0.0  # stopping every thread
     dirty_ms: float = 0.0  # copying the pages written during the pre-copy (stopped)
-    remap_ms: float = 0.0  # replacing the areas (stopped)
-    pause_ms: float = 0.0  # the whole time the process was stopped
+    remap_ms: float = 0.0  # trap and remap (stopped)
+    trap_ms: float = 0.0  # of which: planning and installing the trap
+    map_ms: float = 0.0  # of which: the MAP_FIXED mappings (freeing the anonymous pages)
+    pause_ms: float = 0.0  # the longest time the process was stopped at once
+    stopped_ms: float = 0.0  # all its stops together
+    stops: int = 0  # one per piece of at most CHUNK bytes
     precopy_bytes: int = 0
     dirty_bytes: int = 0
     rounds: list[int] = field(default_factory=list)  # bytes written during each pre-copy round
+    left: list[tuple[int, int]] = field(default_factory=list)  # pieces changed before their turn: anonymous still
 
 
 def _area_prot(pid: int, start: int, end: int) -> int | None:
@@ -224,58 +230,96 @@ def _run(pid: int, tracker: Tracker, slots: Slots, dst: int, view: str,
                 n += _copy(mem, dst, a, runs, fresh=False)
             result.rounds.append(n)
         result.precopy_ms = (time.perf_counter() - t0) * 1000
-        t1 = time.perf_counter()
-        with Stopped(pid) as s:
-            t2 = time.perf_counter()
-            result.stop_ms = (t2 - t1) * 1000
-            for a in planned:
-                runs = tracker.written(tracked[a])
-                if runs is None or _area_prot(pid, a.start, a.end) != a.prot:
-                    raise LiveUnavailable(f"area {a.start:#x}-{a.end:#x} changed during the pre-copy")
-                result.dirty_bytes += _copy(mem, dst, a, runs, fresh=False)
-            t3 = time.perf_counter()
-            result.dirty_ms = (t3 - t2) * 1000
-            _remap(s, pid, dst, slots, view, planned, trap, how)
-            result.remap_ms = (time.perf_counter() - t3) * 1000
-        result.pause_ms = (time.perf_counter() - t1) * 1000
+        pieces = [(a, lo, min(lo + CHUNK, a.end)) for a in planned for lo in range(a.start, a.end, CHUNK)]
+        immutable, seen_as = how
+        setup = None
+        for k, (a, lo, hi) in enumerate(pieces):
+            t1 = time.perf_counter()
+            with Stopped(pid) as s:
+                t2 = time.perf_counter()
+                result.stop_ms += (t2 - t1) * 1000
+                if k == 0:  # nothing changes unless every area is as planned
+                    for b in planned:
+                        if tracker.written(tracked[b], protect=False) is None or _area_prot(pid, b.start, b.end) != b.prot:
+                            raise LiveUnavailable(f"area {b.start:#x}-{b.end:#x} changed during the pre-copy")
+                runs = tracker.written(Area(lo, hi))
+                if runs is None or _area_prot_within(pid, lo, hi) != a.prot:
+                    result.left.append((lo, hi))  # changed since (unmapped, moved): not ours to map any more
+                    result.stopped_ms += (time.perf_counter() - t1) * 1000
+                    continue
+                result.dirty_bytes += _copy(mem, dst, LiveArea(lo, hi, a.prot, a.offset + lo - a.start), runs,
+                                            fresh=False)
+                t3 = time.perf_counter()
+                result.dirty_ms += (t3 - t2) * 1000
+                if k == 0 and trap is not None:
+                    setup = live_trap.plan(pid, trap, str(Path(view).parent), [(b.start, b.end) for b in planned])
+                    setup.offset = slots.place(setup.base, setup.size)
+                    os.ftruncate(dst, slots.cursor)
+                if k == 0:
+                    os.fchmod(dst, 0o444)  # (the host's descriptor still writes: later pieces' pages)
+                    _map_piece(s, pid, dst, view, seen_as, setup, (a, lo, hi), False, result)
+                else:
+                    try:
+                        _map_piece(s, pid, dst, view, seen_as, None, (a, lo, hi), True, result)
+                    except (InjectionFailed, LiveUnavailable, OSError):
+                        # the pieces mapped already are exact (trap and file); the rest stays anonymous
+                        result.left += [(lo2, hi2) for _, lo2, hi2 in pieces[k:]]
+                        break
+                result.remap_ms += (time.perf_counter() - t3) * 1000
+            stopped = (time.perf_counter() - t1) * 1000
+            result.pause_ms = max(result.pause_ms, stopped)
+            result.stopped_ms += stopped
+            result.stops += 1
+        if immutable:
+            seal(dst)
     finally:
         os.close(mem)
 
 
-def _remap(s: Stopped, pid: int, dst: int, slots: Slots, view: str, planned: list[LiveArea],
-           trap: Blob | None, how: _How) -> None:
-    """Give the process the trap (if asked) and map each area from the file, opened by ``view`` and checked."""
+def _area_prot_within(pid: int, lo: int, hi: int) -> int | None:
+    """The protection of the private anonymous area holding all of ``[lo, hi)``; else None."""
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        parts = line.split()
+        a, b = (int(x, 16) for x in parts[0].split("-"))
+        if a <= lo and hi <= b:
+            perms, inode = parts[1], parts[4]
+            if perms[3] != "p" or inode != "0":
+                return None
+            return (1 if perms[0] == "r" else 0) | (2 if perms[1] == "w" else 0) | (4 if perms[2] == "x" else 0)
+    return None
+
+
+def _map_piece(s: Stopped, pid: int, dst: int, view: str, seen_as: Callable[[], os.stat_result] | None,
+               setup: live_trap.LivePlan | None, piece: tuple[LiveArea, int, int], mapped: bool,
+               result: LiveResult) -> None:
+    """Open the file in the process by ``view`` (checked), give it the trap (the first time), map one piece."""
+    a, lo, hi = piece
     raw = view.encode() + b"\0"
     if len(raw) > PAGE or b"\0" in raw[:-1]:
         raise LiveUnavailable(f"bad memory-file path {view!r}")
+    t0 = time.perf_counter()
     scratch = check(s.syscall(NR_MMAP, 0, live_trap.SCRATCH, PROT_RW, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0),
                     "mmap of a scratch area")
     fd = -1
     try:
-        setup = None
-        if trap is not None:
-            setup = live_trap.plan(pid, trap, str(Path(view).parent), [(a.start, a.end) for a in planned])
-            setup.offset = slots.place(setup.base, setup.size)
-            os.ftruncate(dst, slots.cursor)
+        if setup is not None:
             os.pwrite(dst, live_trap.blob_bytes(s, setup, scratch), setup.offset)
-        immutable, seen_as = how
-        if immutable:
-            seal(dst)
-        else:
-            os.fchmod(dst, 0o444)
         live_trap.write_mem(pid, scratch, raw)
         fd = check(s.syscall(NR_OPENAT, AT_FDCWD, scratch, O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_NOCTTY | O_CLOEXEC),
                    f"open of {view}")
         got, want = os.stat(f"/proc/{pid}/fd/{fd}"), (seen_as() if seen_as else os.fstat(dst))
         if (got.st_dev, got.st_ino) != (want.st_dev, want.st_ino):
-            raise LiveUnavailable(f"{view} in process {pid} is not the memory file")
+            raise (_PartlyMapped if mapped else LiveUnavailable)(f"{view} in process {pid} is not the memory file")
         if setup is not None:
             live_trap.install(s, setup, fd, scratch)  # before any area maps the file: nothing converted lacks it
-        for i, a in enumerate(planned):  # same bytes, same address: the process cannot tell but by its maps
-            at = s.syscall(NR_MMAP, a.start, a.end - a.start, a.prot, MAP_PRIVATE | MAP_FIXED, fd, a.offset)
-            if at != a.start:
-                what = f"mmap of {a.start:#x}-{a.end:#x} from the memory file failed ({at})"
-                raise (_PartlyMapped(what) if i or setup else InjectionFailed(what))
+        result.trap_ms += (time.perf_counter() - t0) * 1000
+        t1 = time.perf_counter()
+        # same bytes, same address: the process cannot tell but by its maps
+        at = s.syscall(NR_MMAP, lo, hi - lo, a.prot, MAP_PRIVATE | MAP_FIXED, fd, a.offset + lo - a.start)
+        if at != lo:
+            what = f"mmap of {lo:#x}-{hi:#x} from the memory file failed ({at})"
+            raise (_PartlyMapped(what) if mapped or setup else InjectionFailed(what))
+        result.map_ms += (time.perf_counter() - t1) * 1000
     finally:
         if fd >= 0:
             s.syscall(NR_CLOSE, fd)
