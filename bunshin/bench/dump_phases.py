@@ -21,6 +21,7 @@ delta: its parent is already memory-file backed) and reports the pause (CRIU's
 
 from __future__ import annotations
 
+import os
 import re
 import statistics
 import time
@@ -117,7 +118,7 @@ def run(cfg: Config, *, forks: int = 8) -> dict[str, Any]:
     """Fork a running fork ``forks`` times (one delta snapshot each) and split every pause."""
     if forks < 1:
         raise InvalidArgument(f"forks must be at least 1, not {forks}", hint="pass --forks 1 or more")
-    started = time.monotonic()
+    started, load_before = time.monotonic(), os.getloadavg()[0]
     rounds: list[dict[str, Any]] = []
     root = Workspace.create("host", config=cfg)
     try:
@@ -153,6 +154,7 @@ def run(cfg: Config, *, forks: int = 8) -> dict[str, Any]:
         "phases_ms_p50": {k: _p50([p[k] for p in split_rounds]) for k in PHASES} if split_rounds else {},
         "phases_ms_max": {k: max(p[k] for p in split_rounds) for k in PHASES} if split_rounds else {},
         "goal_ms": 10.0,
+        "load_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],  # at the start and the end
         "rounds": rounds,
         "wall_s": round(time.monotonic() - started, 1),
     }
@@ -161,5 +163,7 @@ def run(cfg: Config, *, forks: int = 8) -> dict[str, Any]:
 def print_report(r: dict[str, Any]) -> None:
     rows = [("pause (CRIU frozen_time)", r["pause_ms_p50"], r["pause_ms_max"])]
     rows += [(name, r["phases_ms_p50"].get(name), r["phases_ms_max"].get(name)) for name in PHASES]
-    output.print_table(f"forks of a running fork: parent pause per phase, ms ({r['forks']} forks; goal <= 10 ms)",
+    load = "-".join(str(x) for x in r["load_1m"])
+    output.print_table(f"forks of a running fork: parent pause per phase, ms ({r['forks']} forks at load {load}; "
+                       "goal <= 10 ms)",
                        ["phase", "p50", "max"], rows)

@@ -49,6 +49,7 @@ def test_a_log_without_a_thaw_or_a_freeze_gives_none():
 def test_delta_dumps_are_split_and_add_up_to_the_pause(no_leaks):
     r = dump_phases.run(no_leaks, forks=2)
     assert len(r["rounds"]) == 2 and r["pause_ms_p50"] > 0
+    assert len(r["load_1m"]) == 2 and all(x >= 0 for x in r["load_1m"])  # the load it was measured at
     for rnd in r["rounds"]:
         phases = rnd["phases_ms"]
         assert set(phases) == set(dump_phases.PHASES) and all(v > 0 for v in phases.values())
