@@ -9,6 +9,7 @@ import signal
 import sys
 from types import FrameType
 
+from .jobs import CALLS
 from .server import Agent, AgentServer
 
 
@@ -24,6 +25,13 @@ def main(argv: list[str] | None = None) -> int:
         default="/run/bunshin",
         help="where identity.json, fork-id and session scripts go (default: /run/bunshin)",
     )
+    parser.add_argument(
+        "--calls",
+        choices=CALLS,
+        default="thread",
+        help="serve each connection in a thread of the agent (default), or in a worker process "
+        "forked for it (a forked clone then keeps ~0.7 MiB instead of ~2.9 MiB after its first calls)",
+    )
     args = parser.parse_args(argv)
     # A workspace's pid 1 installs no handler: a signal without one is ignored when
     # sent from inside (`kill -TERM 1`, `pkill python`). The host removes a workspace
@@ -35,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signum, _exit_on_signal)
     # jobs and sessions listen beside the agent's socket
     agent = Agent(os.path.abspath(args.run_dir), os.path.dirname(os.path.abspath(args.socket)))
-    server = AgentServer(agent, os.path.abspath(args.socket))
-    agent.start()
+    server = AgentServer(agent, os.path.abspath(args.socket), args.calls)
+    agent.start(args.calls)
     try:
         server.bind()
         print(f"bunshin-agent: pid {os.getpid()} listening on {args.socket}", file=sys.stderr)

@@ -30,7 +30,6 @@ from . import procfs
 from .protocol import unix_address
 from .wire import LineReader
 
-_PR_SET_NAME = 15
 _PR_SET_CHILD_SUBREAPER = 36
 #: How often ``kill_tree`` looks again for what was reparented meanwhile.
 _KILL_ROUNDS = 20
@@ -52,6 +51,11 @@ def become_reaper() -> None:
     """Let the kernel reap every child and orphan (``SIGCHLD`` ignored), and take
     orphans of descendants (subreaper: when the agent is not pid 1, as in tests)."""
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    become_subreaper()
+
+
+def become_subreaper() -> None:
+    """Take the orphans of descendants (as pid 1 the agent does anyway)."""
     if _PRCTL is not None and os.getpid() != 1:
         _PRCTL(_PR_SET_CHILD_SUBREAPER, ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0),
                ctypes.c_ulong(0))
@@ -72,18 +76,26 @@ HELPERS = frozenset({WORKER, JOB, SESSION})
 
 
 def as_helper(name: str) -> None:
-    """In a just-forked child: the default signal dispositions, and the name ``name``."""
-    for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, signal.SIG_DFL)
+    """In a just-forked child: ``SIGCHLD`` back to its default (``subprocess`` waits for its
+    children), and the name ``name``. Plain system calls only: in a forked clone each page
+    this writes is copied on write, on the path of every call."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     set_name(name)
     _set_cmdline(name)
 
 
 def set_name(name: str) -> None:
     """``/proc/PID/comm`` of the calling thread (the process's when it is the main one)."""
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), ctypes.c_ulong(0),
-               ctypes.c_ulong(0), ctypes.c_ulong(0))
+    try:
+        fd = os.open("/proc/thread-self/comm", os.O_WRONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.write(fd, name.encode()[:15])
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _set_cmdline(name: str) -> None:
@@ -91,16 +103,23 @@ def _set_cmdline(name: str) -> None:
     (Python keeps its own copy of argv): a ``pkill -f bunshin_agent`` from inside, which
     pid 1 ignores, does not find the helpers either."""
     try:
-        with open("/proc/self/stat", "rb") as f:
-            raw = f.read()
+        fd = os.open("/proc/self/stat", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            raw = os.read(fd, 4096)
+        finally:
+            os.close(fd)
         fields = raw[raw.rfind(b")") + 2 :].split()
         start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (fields 48, 49)
+        if end <= start:
+            return
+        data = name.encode()[: end - start - 1]
+        fd = os.open("/proc/self/mem", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            os.pwrite(fd, data + bytes(end - start - len(data)), start)
+        finally:
+            os.close(fd)
     except (OSError, IndexError, ValueError):
         return
-    data = name.encode()[: max(0, end - start - 1)]
-    if end > start:
-        ctypes.memset(start, 0, end - start)
-        ctypes.memmove(start, data, len(data))
 
 
 def keep_only(*keep: int) -> None:

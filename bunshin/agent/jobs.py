@@ -43,6 +43,9 @@ from .wire import (
 )
 
 KEEP_FINISHED_S = 600.0  # answers nobody fetched are dropped after this
+#: How the agent serves calls: a worker process forked per connection (jobs and
+#: sessions in processes of their own), or a thread per connection in the agent.
+CALLS = ("fork", "thread")
 _JOB_ID = re.compile(r"[0-9a-f]{16}")
 
 
@@ -169,3 +172,57 @@ def _send(conn: socket.socket, data: bytes) -> bool:
         return True
     except OSError:
         return False
+
+
+class _ThreadJob:
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.answer = b""
+        self.finished_at = 0.0
+
+
+class ThreadJobs:
+    """Jobs as threads of the agent itself (``--calls thread``): no fork on the call's path,
+    but every page a call writes is the agent's (in a clone: copied from the snapshot)."""
+
+    def __init__(self, answer: Callable[[dict[str, Any]], bytes]) -> None:
+        self._answer = answer
+        self._jobs: dict[str, _ThreadJob] = {}
+        self._lock = threading.Lock()
+
+    def start(self, req: dict[str, Any]) -> bytes:
+        inner = arg_any(req, JOB_REQUEST)
+        if not isinstance(inner, dict) or inner.get(OP) not in RESUMABLE_OPS:
+            raise invalid(f'"{JOB_REQUEST}" must be an object whose op is one of {", ".join(RESUMABLE_OPS)}')
+        job_id = os.urandom(8).hex()
+        job = _ThreadJob()
+        with self._lock:
+            now = time.monotonic()
+            for old_id, old in list(self._jobs.items()):
+                if old.done.is_set() and now - old.finished_at > KEEP_FINISHED_S:
+                    del self._jobs[old_id]
+            self._jobs[job_id] = job
+        threading.Thread(target=self._run, args=(job, inner), name=f"job-{job_id}", daemon=True).start()
+        return ok_line({JOB_ID: job_id})
+
+    def _run(self, job: _ThreadJob, inner: dict[str, Any]) -> None:
+        try:
+            job.answer = self._answer(inner)
+        finally:
+            job.finished_at = time.monotonic()
+            job.done.set()
+
+    def wait(self, req: dict[str, Any]) -> bytes:
+        job_id = arg_str(req, JOB_ID)
+        wait = arg_any(req, JOB_WAIT) if JOB_WAIT in req else 1.0
+        if not isinstance(wait, int | float) or isinstance(wait, bool) or wait < 0:
+            raise invalid(f'argument "{JOB_WAIT}" must be a non-negative number')
+        with self._lock:
+            job = self._jobs.get(job_id)
+        if job is None:
+            raise AgentFailure(ErrorCode.NOT_FOUND, f"no job {job_id!r} (finished and fetched, or never started)")
+        if not job.done.wait(min(float(wait), MAX_WAIT_S)):
+            return ok_line({JOB_RUNNING: True})
+        with self._lock:
+            self._jobs.pop(job_id, None)
+        return job.answer

@@ -1,10 +1,18 @@
-"""The agent's state, its op table, and the unix socket server (a worker process per connection).
+"""The agent's state, its op table, and the unix socket server.
 
-The long-lived agent only accepts: each connection is served by a worker forked
-for it (``bunshin-worker``), which answers its requests and ends with it; a job
-or a session it starts is a process of its own (``forks``). So in a clone forked
-from a snapshot, what a call writes is copied into processes that end with the
-call (or into a session's holder, a few pages), never all over the agent's heap.
+Two ways to serve calls (``--calls``, ``jobs.CALLS``):
+
+- ``thread`` (the default): a thread per connection in the agent, jobs as its threads.
+  No fork on a call's path; but in a clone every page a call writes is the agent's
+  (copied from the snapshot): ~2.2 MiB after a clone's first exec.
+- ``fork``: the long-lived agent only accepts; each connection is served by a worker
+  forked for it (``bunshin-worker``), which answers its requests and ends with it (it
+  runs a job it starts itself, ``jobs``). In a clone what a call writes is copied into
+  a process that ends with the call, not into the agent: ~0.7 MiB after a clone's first
+  exec and tool call. Each call pays the worker's copy-on-write faults instead
+  (~500 for a ping), milliseconds of CPU.
+
+Either way a session is a process of its own (``sessions``: its holder lends the pty).
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from typing import Any
 
 from . import execs, files, forks, procfs
 from .children import Reaper
-from .jobs import Jobs
+from .jobs import CALLS, Jobs, ThreadJobs
 from .protocol import AgentFailure, arg_any, checked, failure, invalid, parse_request, unix_address
 from .sessions import Sessions
 from .terminals import Attachment
@@ -81,10 +89,15 @@ class Agent:
             self._reaper_pid = os.getpid()
         return self._reaper
 
-    def start(self) -> None:
-        """Let the kernel reap the agent's children and orphans (it runs no thread)."""
+    def start(self, calls: str = "fork") -> None:
+        """``fork``: let the kernel reap the agent's children and orphans (it runs no thread);
+        ``thread``: the reaper thread does (it also waits for the calls' children)."""
         self.pid = os.getpid()
-        forks.become_reaper()
+        if calls == "fork":
+            forks.become_reaper()
+        else:
+            forks.become_subreaper()
+            _ = self.reaper  # started now: as pid 1 it reaps orphans from the start
 
     def stop(self) -> None:
         """Kill every process below the agent: workers, jobs, sessions and what they started."""
@@ -145,11 +158,16 @@ def _write_atomic(path: str, text: str) -> None:
 class AgentServer:
     """Accepts connections on a unix socket; each carries sequential requests."""
 
-    def __init__(self, agent: Agent, socket_path: str) -> None:
+    def __init__(self, agent: Agent, socket_path: str, calls: str = "fork") -> None:
+        if calls not in CALLS:
+            raise ValueError(f"calls must be one of {', '.join(CALLS)}, not {calls!r}")
         self.agent = agent
         self.socket_path = socket_path
+        self.calls = calls
         self._sock: socket.socket | None = None
-        self.jobs = Jobs(os.path.join(agent.helpers_dir, "jobs"), lambda req: self._reply(encode(req)[:-1]))
+        answer: Callable[[dict[str, Any]], bytes] = lambda req: self._reply(encode(req)[:-1])  # noqa: E731
+        self.jobs = Jobs(os.path.join(agent.helpers_dir, "jobs"), answer)
+        self.thread_jobs = ThreadJobs(answer) if calls == "thread" else None
 
     def bind(self) -> None:
         """Create the listening socket (replacing a stale one), mode 0600."""
@@ -177,6 +195,9 @@ class AgentServer:
         forked ahead of the call instead would keep the pages its fork wrote while it
         waits: ~800 KiB in a clone, measured.)
         """
+        if self.calls == "thread":
+            self._serve_threads()
+            return
         assert self._sock is not None
         accept = self._sock._accept  # type: ignore[attr-defined]  # noqa: SLF001 - (fd, address): no socket object
         fork, close = os.fork, os.close
@@ -197,6 +218,24 @@ class AgentServer:
             if pid == 0:
                 self._worker(fd)
             close(fd)
+
+    def _serve_threads(self) -> None:
+        """``--calls thread``: a thread per connection; a failing accept or thread start
+        never ends the agent."""
+        while self._sock is not None:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError as exc:
+                if self._sock is None:
+                    return
+                print(f"bunshin-agent: accept failed: {exc}", file=sys.stderr)
+                time.sleep(0.05)
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(conn,), name="conn", daemon=True).start()
+            except RuntimeError as exc:  # no thread left (pids limit): refuse this one
+                _send(conn, failure(AgentFailure(ErrorCode.RESOURCE_EXHAUSTED, f"agent: {exc}")))
+                conn.close()
 
     def _refuse(self, fd: int, exc: OSError) -> None:
         with socket.socket(fileno=fd) as conn:
@@ -266,10 +305,11 @@ class AgentServer:
         try:
             request = parse_request(line)
             op = request[OP]
+            jobs = self.thread_jobs or self.jobs
             if op == Op.JOB_START:
-                return self.jobs.start(request)
+                return jobs.start(request)
             if op == Op.JOB_WAIT:
-                return self.jobs.wait(request)
+                return jobs.wait(request)
             result = self.agent.handle(request)
         except AgentFailure as exc:
             return failure(exc)

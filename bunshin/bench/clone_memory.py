@@ -18,15 +18,20 @@ first exec and tool call), ``r["fresh"]``, ``r["after_exec"]`` likewise,
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .. import console as output
+from ..agent.jobs import CALLS
 from ..config import Config
 from ..errors import InvalidArgument
+from ..runtime.agent_bundle import CALLS_ENV, agent_calls
 from ..runtime.cgroups import WorkspaceCgroup
 from ..tools import ToolSet
 from ..workspace import Workspace
@@ -90,12 +95,15 @@ def _role(pid: int) -> str:
     """agent, holder (a session's process), shell (the shell of a session), worker / job
     (an agent helper serving one call), or other."""
     try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         comm = Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return "other"
-    if comm in HELPERS:
+    if comm in HELPERS:  # first: an exiting helper's cmdline cannot be read any more
         return HELPERS[comm]
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "other"
     if b"bunshin_agent" in argv:
         return "agent"
     if argv and argv[0].endswith((b"bash", b"sh")) and b"--noediting" in argv:
@@ -182,10 +190,47 @@ def _by_role(stages: list[Stage]) -> dict[str, int]:
                                           for st in stages)) for role in roles}
 
 
-def run(cfg: Config, *, clones: int = 3) -> dict[str, Any]:
-    """Snapshot a called workspace, restore ``clones`` clones one at a time, measure each."""
+def run_calls(cfg: Config, *, clones: int = 3, calls: Sequence[str] = CALLS) -> dict[str, Any]:
+    """``run`` once per way the agent serves calls (``calls``), one after another:
+    ``r["by_calls"][mode]`` is each run's result."""
+    bad = [c for c in calls if c not in CALLS]
+    if bad or not calls:
+        raise InvalidArgument(f"calls must be among {', '.join(CALLS)}, not {', '.join(bad) or 'none'}",
+                              hint="pass --calls thread, --calls fork or --calls thread,fork")
     if clones < 1:
         raise InvalidArgument(f"clones must be at least 1, not {clones}", hint="pass --clones 1 or more")
+    return {"by_calls": {mode: run(cfg, clones=clones, calls=mode) for mode in calls}}
+
+
+def run(cfg: Config, *, clones: int = 3, calls: str | None = None) -> dict[str, Any]:
+    """Snapshot a called workspace, restore ``clones`` clones one at a time, measure each.
+    ``calls``: how its agent serves calls (``--calls``; ``None``: as ``$BUNSHIN_AGENT_CALLS``)."""
+    if clones < 1:
+        raise InvalidArgument(f"clones must be at least 1, not {clones}", hint="pass --clones 1 or more")
+    with _agent_calls(calls):
+        result = _run(cfg, clones)
+    result["calls"] = agent_calls() if calls is None else calls
+    return result
+
+
+@contextmanager
+def _agent_calls(calls: str | None) -> Iterator[None]:
+    """Agents started inside serve calls this way (the launcher reads ``$BUNSHIN_AGENT_CALLS``)."""
+    if calls is None:
+        yield
+        return
+    old = os.environ.get(CALLS_ENV)
+    os.environ[CALLS_ENV] = calls
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(CALLS_ENV, None)
+        else:
+            os.environ[CALLS_ENV] = old
+
+
+def _run(cfg: Config, clones: int) -> dict[str, Any]:
     tools = ToolSet.default()
     started = time.monotonic()
     parent = Workspace.create("host", config=cfg)
@@ -220,7 +265,8 @@ def print_report(r: dict[str, Any]) -> None:
         return f"{n / 1024:.0f} KiB"
 
     rows = [(name, kib(r[name]["anon_bytes_p50"]), kib(r[name]["anon_bytes_max"])) for name in STAGES]
-    output.print_table(f"private memory per clone (parent: {kib(r['parent']['anon_bytes'])}; goal <= 1 MiB after a tool call)",
+    output.print_table(f"--calls {r['calls']}: private memory per clone (parent: {kib(r['parent']['anon_bytes'])}; "
+                       "goal <= 1 MiB after a tool call)",
                        ["stage", "p50", "max"], rows)
     roles = sorted({role for name in STAGES for role in r["roles"][name]})
     output.print_table("p50 per role", ["stage", *roles],

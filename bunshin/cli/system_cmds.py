@@ -62,6 +62,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.set_defaults(func=cmd_bench_desktop, release_tmpfs=True)
     b = bsub.add_parser("clone-memory", help="what a clone owns after its first exec and tool call, per process")
     b.add_argument("--clones", type=int, default=3, help="clones measured one after another (default 3)")
+    b.add_argument("--calls", default="thread,fork",
+                   help="how the agent serves calls, one run each, side by side (default thread,fork)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_clone_memory, release_tmpfs=True)
     b = bsub.add_parser("delta-pause", help="forks of a running fork: the parent's pause per CRIU phase")
@@ -150,11 +152,12 @@ def cmd_bench_image(args: argparse.Namespace) -> int:
 def cmd_bench_clone_memory(args: argparse.Namespace) -> int:
     from ..bench import clone_memory
 
-    r = clone_memory.run(Config.from_env(), clones=args.clones)
+    r = clone_memory.run_calls(Config.from_env(), clones=args.clones, calls=args.calls.split(","))
     if args.json:
         output.print_json(r)
     else:
-        clone_memory.print_report(r)
+        for one in r["by_calls"].values():
+            clone_memory.print_report(one)
     return 0
 
 

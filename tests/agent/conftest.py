@@ -59,13 +59,13 @@ class RunningAgent:
         assert not alive, f"the agent left processes behind: {alive}"
 
 
-def start_agent(socket_path: Path, run_dir: Path, *prefix: str) -> RunningAgent:
+def start_agent(socket_path: Path, run_dir: Path, *prefix: str, calls: str = "thread") -> RunningAgent:
     log = run_dir.parent / f"{socket_path.stem}.log"
     env = {**os.environ, LEAK_MARKER: "1", "PYTHONPATH": str(REPO)}
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [*prefix, sys.executable, "-m", "bunshin.agent", "--socket", str(socket_path),
-             "--run-dir", str(run_dir)],
+             "--run-dir", str(run_dir), "--calls", calls],
             cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
         )  # fmt: skip
     client = AgentClient(socket_path)
@@ -78,13 +78,19 @@ def start_agent(socket_path: Path, run_dir: Path, *prefix: str) -> RunningAgent:
     return agent
 
 
+@pytest.fixture(scope="module", params=["thread", "fork"])
+def calls(request: pytest.FixtureRequest) -> str:
+    """How the agent serves calls (``--calls``): every agent test runs both ways."""
+    return str(request.param)
+
+
 @pytest.fixture
-def agent_factory(tmp_path: Path) -> Iterator[Callable[..., RunningAgent]]:
+def agent_factory(tmp_path: Path, calls: str) -> Iterator[Callable[..., RunningAgent]]:
     """Start extra agents (``start_agent`` arguments); all are stopped afterwards."""
     started: list[RunningAgent] = []
 
     def factory(socket_path: Path, run_dir: Path, *prefix: str) -> RunningAgent:
-        started.append(start_agent(socket_path, run_dir, *prefix))
+        started.append(start_agent(socket_path, run_dir, *prefix, calls=calls))
         return started[-1]
 
     yield factory
@@ -93,19 +99,19 @@ def agent_factory(tmp_path: Path) -> Iterator[Callable[..., RunningAgent]]:
 
 
 @pytest.fixture(scope="module")
-def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningAgent]:
+def agent(tmp_path_factory: pytest.TempPathFactory, calls: str) -> Iterator[RunningAgent]:
     """One agent shared by a module's tests."""
     base = tmp_path_factory.mktemp("agent")
-    running = start_agent(base / "agent.sock", base / "run")
+    running = start_agent(base / "agent.sock", base / "run", calls=calls)
     yield running
     running.stop()
     assert not running.socket.exists(), "the agent did not remove its socket"
 
 
 @pytest.fixture
-def fresh_agent(tmp_path: Path) -> Iterator[RunningAgent]:
+def fresh_agent(tmp_path: Path, calls: str) -> Iterator[RunningAgent]:
     """An agent of the test's own."""
-    running = start_agent(tmp_path / "agent.sock", tmp_path / "run")
+    running = start_agent(tmp_path / "agent.sock", tmp_path / "run", calls=calls)
     yield running
     running.stop()
 

@@ -10,8 +10,10 @@ from bunshin.errors import InvalidArgument
 pytestmark = [pytest.mark.integration, pytest.mark.criu]
 
 
-def test_a_clone_is_measured_at_every_stage(no_leaks):
-    r = clone_memory.run(no_leaks, clones=1)
+@pytest.mark.parametrize("calls", ["thread", "fork"])
+def test_a_clone_is_measured_at_every_stage(no_leaks, calls):
+    r = clone_memory.run(no_leaks, clones=1, calls=calls)
+    assert r["calls"] == calls
     (m,) = r["clones"]
     assert [s.name for s in m.stages] == list(clone_memory.STAGES)
     fresh, after_exec, after_tool = m.stages
@@ -33,3 +35,6 @@ def test_a_clone_is_measured_at_every_stage(no_leaks):
 def test_no_clones_is_refused(no_leaks):
     with pytest.raises(InvalidArgument, match="at least 1"):
         clone_memory.run(no_leaks, clones=0)
+    with pytest.raises(InvalidArgument, match="calls must be among") as e:
+        clone_memory.run_calls(no_leaks, clones=1, calls=["threads"])
+    assert "--calls" in (e.value.hint or "")
