@@ -161,3 +161,12 @@ def test_a_host_whose_ray_node_died_is_given_up_though_its_server_answers(tmp_pa
         time.sleep(0.3)
         assert p.dead == {"b"} and p.counters.dead_hosts == ["b"] and members.fences == ["b"]
         assert [h.alive for h in p.loads(set())] == [True, False]
+
+
+def test_a_root_goes_to_a_host_holding_its_image_on_a_tie_of_roots_and_room(tmp_path):
+    clients = {n: Client("http://127.0.0.1:9", token="t" * 20) for n in "abc"}
+    with ClusterPlacement(clients, spool=tmp_path) as p:
+        assert p.root_host(None, {"c"}) == "c", "no image to move to c"
+        assert p.root_host(None, {"c"}) == "a", "roots still spread first"
+        assert p.root_host(None) == "b"
+        assert [h.holds_image for h in p.loads(set(), {"b"})] == [False, True, False]
