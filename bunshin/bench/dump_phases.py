@@ -14,13 +14,17 @@ through the per-task phases once per process; their times are summed):
   bunshin's copier has made the frozen copy of the upper (``runtime/upper_copy``);
 
 until the tasks are unfrozen. ``run`` forks a running fork ``forks`` times (each a
-delta: its parent is already memory-file backed) and reports the pause (CRIU's
-``frozen_time``) and every phase, p50 and max (``--json``: ``r["pause_ms_p50"]``,
-``r["phases_ms_p50"][name]``, ``r["rounds"]``: each dump's phases).
+delta: its parent is already memory-file backed) at the configured log level
+(``Config.dump_log_level``: the pause a user pays) and as many times at ``-v4`` (the
+markers cost ~2 ms of writes), alternated, and reports both pauses (CRIU's
+``frozen_time``) and every phase of the ``-v4`` dumps, p50 and max (``--json``:
+``r["pause_ms_p50"]``, ``r["traced_pause_ms_p50"]``, ``r["phases_ms_p50"][name]``,
+``r["rounds"]``: each round's two pauses and phases).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import statistics
@@ -93,6 +97,7 @@ def of_snapshot(snap: Snapshot) -> DumpPhases | None:
 
 #: ``/proc/PID/comm`` of the agent's helpers that end with the call they serve (a job that
 #: is ending is a zombie leader CRIU cannot dump: ``fork_checks`` refuses the fork)
+TRACE_LEVEL = 4  # CRIU's log level whose lines mark the phases
 TRANSIENT = frozenset({"bunshin-worker", "bunshin-job"})
 SETTLE_S = 5.0
 
@@ -115,7 +120,8 @@ def _p50(values: list[float]) -> float:
 
 
 def run(cfg: Config, *, forks: int = 8) -> dict[str, Any]:
-    """Fork a running fork ``forks`` times (one delta snapshot each) and split every pause."""
+    """Fork a running fork ``forks`` times at the configured log level (the pause a user
+    pays) and ``forks`` times at ``-v4`` (the split), alternated."""
     if forks < 1:
         raise InvalidArgument(f"forks must be at least 1, not {forks}", hint="pass --forks 1 or more")
     started, load_before = time.monotonic(), os.getloadavg()[0]
@@ -123,22 +129,16 @@ def run(cfg: Config, *, forks: int = 8) -> dict[str, Any]:
     root = Workspace.create("host", config=cfg)
     try:
         root.exec(["true"])
-        ToolSet.default().run_sync(root, "bash", {"command": "cd /tmp"})  # a shell: two processes to dump
+        ToolSet.default().run_sync(root, "bash", {"command": "cd /tmp"})  # a session: its holder and a shell
         first = root.snapshot()
         try:
             (fork,) = first.restore(1)
             try:
                 fork.exec(["true"])
                 _settle(fork)
-                for _ in range(forks):
-                    snap = fork.snapshot()
-                    try:
-                        split = of_snapshot(snap)
-                        rounds.append({"pause_ms": snap.record.pause_ms, "dump_ms": snap.record.dump_ms,
-                                       "frozen_ms_in_log": split.frozen_ms if split else None,
-                                       "phases_ms": split.phases_ms if split else None})
-                    finally:
-                        snap.remove()
+                traced = Workspace.get(fork.id, config=dataclasses.replace(cfg, dump_log_level=TRACE_LEVEL))
+                for i in range(forks):
+                    rounds.append(_round(fork, traced, traced_first=bool(i % 2)))
             finally:
                 fork.remove()
         finally:
@@ -148,9 +148,11 @@ def run(cfg: Config, *, forks: int = 8) -> dict[str, Any]:
     split_rounds = [r["phases_ms"] for r in rounds if r["phases_ms"] is not None]
     return {
         "forks": forks,
+        "log_level": cfg.dump_log_level,
         "pause_ms_p50": _p50([r["pause_ms"] for r in rounds]),
         "pause_ms_max": max(r["pause_ms"] for r in rounds),
         "dump_ms_p50": _p50([r["dump_ms"] for r in rounds]),
+        "traced_pause_ms_p50": _p50([r["traced_pause_ms"] for r in rounds]),
         "phases_ms_p50": {k: _p50([p[k] for p in split_rounds]) for k in PHASES} if split_rounds else {},
         "phases_ms_max": {k: max(p[k] for p in split_rounds) for k in PHASES} if split_rounds else {},
         "goal_ms": 10.0,
@@ -160,8 +162,27 @@ def run(cfg: Config, *, forks: int = 8) -> dict[str, Any]:
     }
 
 
+def _round(fork: Workspace, traced: Workspace, *, traced_first: bool) -> dict[str, Any]:
+    """One delta at the configured log level and one at ``-v4``, split at its markers (in
+    the order given: rounds alternate it, so neither always follows the other)."""
+    out: dict[str, Any] = {}
+    for ws in ((traced, fork) if traced_first else (fork, traced)):
+        snap = ws.snapshot()
+        try:
+            if ws is fork:
+                out.update(pause_ms=snap.record.pause_ms, dump_ms=snap.record.dump_ms)
+            else:
+                split = of_snapshot(snap)
+                out.update(traced_pause_ms=snap.record.pause_ms, frozen_ms_in_log=split.frozen_ms if split else None,
+                           phases_ms=split.phases_ms if split else None)
+        finally:
+            snap.remove()
+    return out
+
+
 def print_report(r: dict[str, Any]) -> None:
-    rows = [("pause (CRIU frozen_time)", r["pause_ms_p50"], r["pause_ms_max"])]
+    rows = [(f"pause (CRIU frozen_time, -v{r['log_level']})", r["pause_ms_p50"], r["pause_ms_max"]),
+            (f"pause at -v{TRACE_LEVEL}, split below", r["traced_pause_ms_p50"], None)]
     rows += [(name, r["phases_ms_p50"].get(name), r["phases_ms_max"].get(name)) for name in PHASES]
     load = "-".join(str(x) for x in r["load_1m"])
     output.print_table(f"forks of a running fork: parent pause per phase, ms ({r['forks']} forks at load {load}; "

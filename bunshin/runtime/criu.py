@@ -254,6 +254,7 @@ def dump(
     timeout: float | None = DUMP_TIMEOUT_S,
     placement: Placement | None = None,
     notify: Mapping[str, Callable[[], None]] | None = None,
+    log_level: int = 4,
 ) -> CriuRun:
     """Dump the process tree rooted at ``pid`` into ``images_dir`` (created if missing).
 
@@ -271,9 +272,9 @@ def dump(
         placement = dataclasses.replace(placement or Placement(), timens=timens)
     if notify is not None:
         flags = [*(["--leave-running"] if leave_running else []), *extra]
-        ms = _run_swrk(criu, pid, images_dir, log, flags, notify, timeout, placement)
+        ms = _run_swrk(criu, pid, images_dir, log, flags, notify, timeout, placement, log_level)
         return CriuRun(duration_ms=ms, log=log)
-    args = ["dump", "-t", str(pid), "-D", str(images_dir), "-v4", "--log-file", str(log)]
+    args = ["dump", "-t", str(pid), "-D", str(images_dir), f"-v{log_level}", "--log-file", str(log)]
     if leave_running:
         args.append("--leave-running")
     ms = _run(criu, [*args, *extra], action="dump", log=log, timeout=timeout, placement=placement)
@@ -323,11 +324,12 @@ def _then(first: Callable[[], None], second: Callable[[], None] | None) -> Calla
 
 
 def _run_swrk(criu: Path, pid: int, images_dir: Path, log: Path, flags: Sequence[str],
-              notify: Mapping[str, Callable[[], None]], timeout: float | None, placement: Placement | None) -> float:
+              notify: Mapping[str, Callable[[], None]], timeout: float | None, placement: Placement | None,
+              log_level: int) -> float:
     """One dump over CRIU's RPC socket; its wall time in ms, or CriuError (or the error of
     the first notification handler that failed)."""
     criu_kdat.ensure(criu)
-    req = criu_swrk.request(-1, pid, log.name, flags)  # refused options before anything starts
+    req = criu_swrk.request(-1, pid, log.name, flags, log_level=log_level)  # refused options before anything starts
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     dfd = -1
     with tempfile.TemporaryFile() as out:

@@ -222,7 +222,7 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
                 extra = [*_COMMON, *DUMP_EXTERNAL, "--manage-cgroups=ignore", "--ghost-limit", str(ghost_limit)]
                 extra += mount_externals(rec.mounts, dump=True)
                 run = criu.dump(cfg.criu, rec.pid or 0, images, leave_running=True, extra=extra, placement=inside,
-                                notify=copy.notify)
+                                notify=copy.notify, log_level=cfg.dump_log_level)
         except CriuError as e:  # what CRIU cannot carry, named (a ghost over the limit, a watch it cannot record)
             refusal = unforkable.find(cfg, rec.id, rec.pid, str(e))
             if refusal is None:
