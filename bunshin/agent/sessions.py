@@ -382,7 +382,10 @@ class Holder:
     def serve(self) -> None:
         s = self.session
         listen = self.listen.fileno()
+        accept = self.listen._accept  # type: ignore[attr-defined]  # noqa: SLF001 - a raw fd: no enum lookups
         lent = self.lent
+        unix, stream = socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC
+        fds_message = [self._header]
         while True:
             fds = [listen, *lent]
             if not lent and not s.eof:
@@ -399,11 +402,17 @@ class Holder:
                     s.read(0.0, None)
             if listen in readable:
                 try:
-                    conn, _ = self.listen.accept()
-                    conn.sendmsg([self._header], self._fds)
+                    fd, _ = accept()
                 except OSError:
                     continue
-                lent[conn.fileno()] = conn
+                conn = socket.socket(unix, stream, 0, fd)
+                try:
+                    fds_message[0] = self._header
+                    conn.sendmsg(fds_message, self._fds)
+                except OSError:
+                    conn.close()
+                    continue
+                lent[fd] = conn
 
 
 class _Borrowed:
