@@ -78,6 +78,9 @@ def request(images_dir_fd: int, pid: int, log_file: str, flags: Sequence[str], *
                 raise _unknown(f"{name} {value}")
             o.network_lock = getattr(r, _LOCKS[value])
         elif name == "--ghost-limit":
+            if not value.isdigit() or int(value) > 0xFFFFFFFF:  # CRIU keeps it in 32 bits
+                raise InvalidArgument(f"ghost limit {value} is not a byte count below 4 GiB",
+                                      hint="set BUNSHIN_GHOST_LIMIT (Config.ghost_limit) below 4G")
             o.ghost_limit = int(value)
         else:
             o.external.append(value)

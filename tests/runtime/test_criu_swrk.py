@@ -44,6 +44,9 @@ def test_an_option_without_a_field_or_a_value_is_refused():
     assert "criu_swrk.py" in e.value.hint
     with pytest.raises(InvalidArgument, match="needs a value"):
         criu_swrk.request(7, 42, "dump.log", ["--ghost-limit"])
+    with pytest.raises(InvalidArgument, match="below 4 GiB") as e:
+        criu_swrk.request(7, 42, "dump.log", ["--ghost-limit", str(8 << 30)])
+    assert "BUNSHIN_GHOST_LIMIT" in e.value.hint
     with pytest.raises(InvalidArgument, match="--network-lock maybe"):
         criu_swrk.request(7, 42, "dump.log", ["--network-lock", "maybe"])
 
