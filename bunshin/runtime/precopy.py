@@ -38,10 +38,11 @@ from pathlib import Path
 
 from bunshin.config import Config
 
+from . import statefs
 from . import syscalls as sc
 from .memfile import SUFFIX, remove_memfile, trapcode
 from .memfile.criu_images import referenced_memfiles
-from .memfile.fileio import copy_range, data_extents, seal
+from .memfile.fileio import data_extents, seal, write_data
 from .memfile.live import LiveUnavailable, convert_live, live_areas_held
 
 PREFIX = "live-"
@@ -84,6 +85,11 @@ class Report:
     def pause_ms(self) -> float:
         """The longest time a process of the workspace was stopped at once for it."""
         return max((c.pause_ms for c in self.converted), default=0.0)
+
+    @property
+    def bytes(self) -> int:
+        """What the new live files hold (the clones map them as the rewrite's own)."""
+        return sum(c.bytes for c in self.converted)
 
     @property
     def stopped_ms(self) -> float:
@@ -163,12 +169,12 @@ def _one(cfg: Config, ws_id: str, view: str, dir_fd: int, upper: Path, root: Pat
                 _resize(upper.parent, before)
         if kept:
             with contextlib.suppress(OSError):
-                _copy_sealed(dir_fd, name, cfg.paths.mem / name)
+                _copy_sealed(dir_fd, name, cfg.paths.mem / name, statefs.huge_memfiles(cfg))
         report.skipped.append(Skipped(pid, str(exc)))
         return
     t0 = time.perf_counter()
     shared = cfg.paths.mem / name
-    _copy_sealed(dir_fd, name, shared)
+    _copy_sealed(dir_fd, name, shared, statefs.huge_memfiles(cfg))
     report.converted.append(Converted(
         pid, str(shared), res.precopy_bytes + res.dirty_bytes, round(res.precopy_ms, 2), round(res.pause_ms, 2),
         round(res.stopped_ms, 2), res.stops, round(res.stop_ms, 2), round(res.dirty_ms, 2), round(res.remap_ms, 2), res.dirty_bytes,
@@ -207,7 +213,7 @@ def _seen(root: Path, view: str, name: str) -> os.stat_result:
         os.close(fd)
 
 
-def _copy_sealed(dir_fd: int, name: str, dst: Path) -> None:
+def _copy_sealed(dir_fd: int, name: str, dst: Path, huge: bool) -> None:
     """The clones' copy of a live file (it no longer changes: sealed, mapped), holes kept, sealed."""
     src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
@@ -215,8 +221,8 @@ def _copy_sealed(dir_fd: int, name: str, dst: Path) -> None:
         try:
             size = os.fstat(src).st_size
             os.ftruncate(out, size)
-            for off, length in data_extents(src, 0, size):
-                copy_range(src, off, out, off, length)
+            for off, length in data_extents(src, 0, size):  # dense 2 MiB regions as huge pages, as the rewrite
+                write_data(src, off, out, off, length, huge=huge)
             seal(out)
         except BaseException:
             os.close(out)

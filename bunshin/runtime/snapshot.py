@@ -249,7 +249,8 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
         taken = dict(
             memfiles=files, dump_ms=run.duration_ms,
             pause_ms=(_pause_ms(images, run.log) or run.duration_ms) + (live.pause_ms if live else 0.0),
-            rewrite_ms=rewrite_ms, memfile_bytes=mem_bytes, image_bytes=_du(images), layer_bytes=layer_bytes,
+            rewrite_ms=rewrite_ms, memfile_bytes=mem_bytes + (live.bytes if live else 0), image_bytes=_du(images),
+            layer_bytes=layer_bytes,
             owner_pid=None if keep else snap.owner_pid,  # a fork's snapshot stays owned until `release`
         )
         return finish(store, snap, **taken)
