@@ -31,6 +31,13 @@ def test_bench_cluster_small_plan(tmp_path, capsys):
     for s in r["sizes"]:  # sharing a tree over hosts can only add hits
         assert 0 < s["per_host_tree_hit_bound"] <= s["shared_tree_hit_bound"] < s["calls"]
     assert one["per_host_tree_hit_bound"] == one["shared_tree_hit_bound"]  # one host: one tree either way
+    for s in r["sizes"]:  # the hits a shared tree adds, each costed from the run's own timings
+        st = s["shared_tree"]
+        assert st["added_hits"] == s["shared_tree_hit_bound"] - s["per_host_tree_hit_bound"]
+        assert st["pays_by_replay"] == 0 and st["pays_by_move"] <= st["added_hits"]
+    assert one["shared_tree"]["added_hits"] == 0 and one["shared_tree"]["move_s"] is None
+    assert two["shared_tree"]["move_s"] > 0  # its one root copy, timed
+    assert isinstance(r["shared_tree_pays"], bool) and "shared tree" in r["shared_tree_verdict"]
     # the image-move row: all 4 layers to an empty host, the 2 upper ones to a host holding
     # the lower 2, nothing to one holding it all
     full, partial, again = r["image_move"]["rows"]
