@@ -57,8 +57,9 @@ from ..errors import (
     ResourceExhausted,
     RuntimeFailure,
     SnapshotNotFound,
+    StateConflict,
 )
-from . import agent_bundle, container, image_policy, images, memfile, statefs
+from . import agent_bundle, container, image_policy, images, memfile, precopy, statefs
 from . import snapshot as rsnap
 from . import syscalls as sc
 from .entries import remove_entry
@@ -97,6 +98,10 @@ def save(cfg: Config, snap: rsnap.SnapshotRecord, dest: Path) -> Path:
         raise InvalidArgument(f"{dest} exists and is not an empty folder", hint="save into a new folder")
     if not Path(snap.images).is_dir():
         raise SnapshotNotFound(f"the images of {snap.id} are gone", hint="was it removed meanwhile?")
+    if precopy.link_names(cfg, Path(snap.images), rsnap.MEM_VIEW):
+        raise StateConflict(f"{snap.id} maps memory its workspace's live pre-copy wrote: it cannot be saved yet",
+                            hint="save a snapshot of a workspace never forked with fork_precopy on "
+                                 "(BUNSHIN_FORK_PRECOPY=0)")
     made = not dest.exists()
     dest.mkdir(parents=True, exist_ok=True)
     try:

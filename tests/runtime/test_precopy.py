@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from bunshin.errors import StateConflict
 from bunshin.runtime import precopy
 from bunshin.runtime import snapshot as rsnap
 from bunshin.runtime.store import Store
@@ -154,3 +155,14 @@ print(" ".join(out))
     assert (after.st_ino, after.st_size, after.st_mtime_ns, after.st_mode) == \
         (before.st_ino, before.st_size, before.st_mtime_ns, before.st_mode)
     assert ask(ws) == first
+
+
+def test_a_pre_copied_snapshot_is_refused_by_save(live_family, tmp_path: Path) -> None:
+    """Its live file is not named for a layer (save/load would lose it): a clear refusal, nothing written."""
+    ws, hp, first = started(live_family)
+    snap = live_family.snapshot(ws)
+    with pytest.raises(StateConflict, match="cannot be saved yet") as info:
+        snap.save(tmp_path / "saved")
+    assert "fork_precopy" in (info.value.hint or "")
+    assert not (tmp_path / "saved").exists()
+    assert ask(ws) == first  # the parent is as it was
