@@ -42,9 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, _exit_on_signal)
     # jobs and sessions listen beside the agent's socket
-    agent = Agent(os.path.abspath(args.run_dir), os.path.dirname(os.path.abspath(args.socket)))
-    server = AgentServer(agent, os.path.abspath(args.socket), args.calls)
-    agent.start(args.calls)
+    agent = Agent(os.path.abspath(args.run_dir), os.path.dirname(os.path.abspath(args.socket)), args.calls)
+    server = AgentServer(agent, os.path.abspath(args.socket))
+    agent.start()
     try:
         server.bind()
         print(f"bunshin-agent: pid {os.getpid()} listening on {args.socket}", file=sys.stderr)

@@ -12,7 +12,8 @@ Two ways to serve calls (``--calls``, ``jobs.CALLS``):
   exec and tool call. Each call pays the worker's copy-on-write faults instead
   (~500 for a ping), milliseconds of CPU.
 
-Either way a session is a process of its own (``sessions``: its holder lends the pty).
+Sessions: ``thread`` keeps them in the agent (``threadsessions``), ``fork`` in a process
+of their own each (``sessions``: a holder that lends the pty).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from .jobs import CALLS, Jobs, ThreadJobs
 from .protocol import AgentFailure, arg_any, checked, failure, invalid, parse_request, unix_address
 from .sessions import Sessions
 from .terminals import Attachment
+from .threadsessions import ThreadSessions
 from .wire import (
     OP,
     VERSION,
@@ -51,16 +53,25 @@ Handler = Callable[[dict[str, Any]], "dict[str, Any] | Attachment"]
 class Agent:
     """Everything a call may reach: the run folder, identity, the op table. No sockets here."""
 
-    def __init__(self, run_dir: str, helpers_dir: str | None = None) -> None:
+    def __init__(self, run_dir: str, helpers_dir: str | None = None, calls: str = "thread") -> None:
         """``helpers_dir``: where the sockets of jobs and sessions go (the agent's socket's
-        folder; default ``run_dir``)."""
+        folder; default ``run_dir``). ``calls``: ``fork`` or ``thread`` (``jobs.CALLS``)."""
+        if calls not in CALLS:
+            raise ValueError(f"calls must be one of {', '.join(CALLS)}, not {calls!r}")
         self.run_dir = run_dir
         self.helpers_dir = helpers_dir or run_dir
+        self.calls = calls
         self.started = time.monotonic()
         self.pid = os.getpid()  # the agent's, also when a worker answers
         self._reaper: Reaper | None = None
         self._reaper_pid = 0
-        self.sessions = Sessions(os.path.join(self.helpers_dir, "sessions"), os.path.join(run_dir, "sessions"))
+        scripts = os.path.join(run_dir, "sessions")
+        self.sessions: Sessions | ThreadSessions
+        if calls == "thread":
+            self._reaper, self._reaper_pid = Reaper(), os.getpid()  # its thread starts in start()
+            self.sessions = ThreadSessions(self._reaper, scripts)
+        else:
+            self.sessions = Sessions(os.path.join(self.helpers_dir, "sessions"), scripts)
         self.handlers: dict[Op, Handler] = {
             Op.PING: self.ping,
             Op.IDENTIFY: self.identify,
@@ -89,18 +100,21 @@ class Agent:
             self._reaper_pid = os.getpid()
         return self._reaper
 
-    def start(self, calls: str = "fork") -> None:
+    def start(self) -> None:
         """``fork``: let the kernel reap the agent's children and orphans (it runs no thread);
         ``thread``: the reaper thread does (it also waits for the calls' children)."""
         self.pid = os.getpid()
-        if calls == "fork":
+        if self.calls == "fork":
             forks.become_reaper()
         else:
             forks.become_subreaper()
-            _ = self.reaper  # started now: as pid 1 it reaps orphans from the start
+            assert self._reaper is not None
+            self._reaper.start_thread()  # now: as pid 1 it reaps orphans from the start
 
     def stop(self) -> None:
         """Kill every process below the agent: workers, jobs, sessions and what they started."""
+        if isinstance(self.sessions, ThreadSessions):
+            self.sessions.close_all()
         forks.kill_tree(os.getpid())
 
     def handle(self, request: dict[str, Any]) -> dict[str, Any] | Attachment:
@@ -158,12 +172,10 @@ def _write_atomic(path: str, text: str) -> None:
 class AgentServer:
     """Accepts connections on a unix socket; each carries sequential requests."""
 
-    def __init__(self, agent: Agent, socket_path: str, calls: str = "fork") -> None:
-        if calls not in CALLS:
-            raise ValueError(f"calls must be one of {', '.join(CALLS)}, not {calls!r}")
+    def __init__(self, agent: Agent, socket_path: str) -> None:
         self.agent = agent
         self.socket_path = socket_path
-        self.calls = calls
+        calls = self.calls = agent.calls
         self._sock: socket.socket | None = None
         answer: Callable[[dict[str, Any]], bytes] = lambda req: self._reply(encode(req)[:-1])  # noqa: E731
         self.jobs = Jobs(os.path.join(agent.helpers_dir, "jobs"), answer)

@@ -1,0 +1,361 @@
+"""Sessions as threads of the agent itself (``--calls thread``, the default).
+
+The shell, its pty and a reader thread live in the agent, as before the agent could
+serve calls from forked workers: no process between a call and its shell, but in a
+clone every page a run writes is the agent's. The shell protocol (markers, recovery
+on timeout) is the one ``sessions`` describes; ``--calls fork`` uses the holder
+processes there instead.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import shlex
+import signal
+import termios
+import threading
+import time
+from typing import Any
+
+from . import procfs
+from .children import Child, Reaper
+from .execs import DEFAULT_MAX_OUTPUT
+from .imagedefaults import IMAGE
+from .protocol import AgentFailure, arg_int, arg_str, arg_timeout
+from .sessions import INTERRUPT_GRACE_S, SESSION_ENV, START_TIMEOUT_S, _Sink
+from .terminals import pick_shell, start_shell
+from .wire import ErrorCode
+
+
+class ThreadSession:
+    """One shell on one pty. ``run`` is serialised; a busy session says so."""
+
+    def __init__(self, session_id: str, kind: str, child: Child, master: int, script: str) -> None:
+        self.session_id = session_id
+        self.kind = kind
+        self.child = child
+        self.master = master
+        self.script = script
+        self._run_lock = threading.Lock()
+        self._sink_lock = threading.Lock()
+        self._sink: _Sink | None = None
+        self._eof = threading.Event()
+        self._closed = False  # fds released; guarded by _fd_lock
+        self._fd_lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)
+        self._reader = threading.Thread(
+            target=self._read_loop, name=f"pty-{session_id}", daemon=True
+        )
+        self._reader.start()
+        child.on_exit(lambda _child: self._wake())
+
+    @classmethod
+    def open(
+        cls, reaper: Reaper, session_id: str, req: dict[str, Any], scripts_dir: str
+    ) -> ThreadSession:
+        kind, argv = pick_shell(arg_str(req, "kind", None), interactive_rc=False)
+        child, master = start_shell(reaper, argv, req, echo=False, extra_env=SESSION_ENV)
+        script = os.path.join(scripts_dir, f"{session_id}.sh")
+        try:
+            session = cls(session_id, kind, child, master, script)
+        except BaseException:
+            procfs.kill_session(child.pid)
+            os.close(master)
+            raise
+        init = "PS1=; PS2=; "
+        if kind == "bash":
+            init += "PS0=; PROMPT_COMMAND=; unset MAILCHECK HISTFILE; HISTCONTROL=ignorespace; history -c; "
+        if not session._sync(init, START_TIMEOUT_S):
+            session.close()
+            raise AgentFailure(
+                ErrorCode.AGENT_ERROR, f"shell {argv[0]} did not start within {START_TIMEOUT_S:.0f} s"
+            )
+        return session
+
+    # --- state --------------------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        return not self.child.done and not self._eof.is_set()
+
+    @property
+    def busy(self) -> bool:
+        return self._run_lock.locked()
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "session_id": self.session_id,
+            "kind": self.kind,
+            "pid": self.child.pid,
+            "busy": self.busy,
+            "alive": self.alive,
+        }
+
+    def _dead_error(self) -> AgentFailure:
+        self.child.wait(1.0)
+        return AgentFailure(
+            ErrorCode.STATE_CONFLICT,
+            f"session {self.session_id}: shell exited (status {self.child.exit_code}); "
+            "close it and open a new one",
+        )
+
+    # --- running ------------------------------------------------------------------
+
+    def run(self, command: str, timeout: float | None, limit: int) -> dict[str, Any]:
+        if not self._run_lock.acquire(blocking=False):
+            raise AgentFailure(ErrorCode.STATE_CONFLICT, f"session {self.session_id} is busy")
+        try:
+            if not self.alive:
+                raise self._dead_error()
+            self._reset_tty()
+            os.makedirs(os.path.dirname(self.script), mode=0o700, exist_ok=True)
+            with open(self.script, "w", encoding="utf-8", errors="surrogateescape",
+                      opener=lambda path, flags: os.open(path, flags | os.O_NOFOLLOW, 0o644)) as f:
+                f.write(command if command.endswith("\n") else command + "\n")
+            token = os.urandom(8).hex()
+            sink = _Sink(token, limit, output=True)
+            start = time.monotonic()
+            self._install(sink)
+            self._type(self._run_line(token))
+            finished = self._wait(sink, timeout)
+            timed_out = not finished and self.alive
+            if timed_out:
+                self._recover()
+            sink.flush()
+            exit_code = sink.exit_code if finished else None
+            if not self.alive:
+                self.child.wait(1.0)
+                exit_code = self.child.exit_code if exit_code is None else exit_code
+            return {
+                "output": sink.output.text(),
+                "exit_code": exit_code,
+                "timed_out": timed_out,
+                "truncated": sink.output.truncated,
+                "duration_s": time.monotonic() - start,
+                "alive": self.alive,
+            }
+        finally:
+            self._install(None)
+            self._run_lock.release()
+
+    def _run_line(self, token: str) -> str:
+        script = shlex.quote(self.script)
+        start = f"'\\036BS{token}S\\036'"
+        end = f"'\\036BS{token}E%d\\036' \"$?\""
+        if self.kind == "bash":
+            return (
+                f'builtin printf {start}; builtin history -s -- "$(< {script})"; '
+                f"builtin source {script}; builtin printf {end}"
+            )
+        # ``command .``: a syntax error in the script must not abort the line.
+        return f"command printf {start}; command . {script}; command printf {end}"
+
+    def _sync(self, prefix: str, timeout: float) -> bool:
+        """Type ``prefix`` and a sync marker; True once the shell printed the marker."""
+        token = os.urandom(8).hex()
+        sink = _Sink(token, 0, output=False)
+        self._install(sink)
+        try:
+            self._type(f"{prefix}command printf '\\036BS{token}Y\\036'")
+            return self._wait(sink, timeout)
+        except AgentFailure:
+            return False
+        finally:
+            self._install(None)
+
+    def _wait(self, sink: _Sink, timeout: float | None) -> bool:
+        """True once ``sink`` saw its end marker; False on timeout or if the shell is gone."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return sink.matched
+            if sink.done.wait(0.5 if remaining is None else min(remaining, 0.5)):
+                return sink.matched
+            if not self.alive:
+                sink.done.wait(0.1)  # the reader drains what the shell left
+                return sink.matched
+
+    def _recover(self) -> None:
+        """Interrupt the running command and bring the shell back to reading lines."""
+        for _ in range(3):
+            if not self.alive:
+                return
+            self._install(None)  # what the interrupt prints is not the command's output
+            try:
+                os.write(self.master, b"\x03")
+            except OSError:
+                return
+            fg = self._foreground_job(INTERRUPT_GRACE_S)
+            if fg is not None:
+                try:
+                    os.killpg(fg, signal.SIGKILL)
+                except OSError:
+                    pass
+                self._foreground_job(INTERRUPT_GRACE_S)
+            self._reset_tty()
+            # A builtin such as ``read`` may finish by swallowing the first sync
+            # line: type more, waiting a little longer each time.
+            for wait in (0.05, 0.1, 0.2, 0.4, 0.8):
+                if self._sync("", wait):
+                    return
+
+    def _foreground_job(self, within: float) -> int | None:
+        """The foreground process group if it is not the shell's after ``within`` s."""
+        deadline = time.monotonic() + within
+        while True:
+            try:
+                fg = os.tcgetpgrp(self.master)
+            except OSError:
+                return None
+            if fg in (self.child.pid, 0) or not self.alive:
+                return None
+            if time.monotonic() >= deadline:
+                return fg
+            time.sleep(0.01)
+
+    def _reset_tty(self) -> None:
+        """Undo what a killed full-screen program may have left: canonical, no echo."""
+        try:
+            attrs = termios.tcgetattr(self.master)
+            want = (attrs[3] | termios.ICANON | termios.ISIG) & ~termios.ECHO
+            if want != attrs[3]:
+                attrs[3] = want
+                termios.tcsetattr(self.master, termios.TCSANOW, attrs)
+        except termios.error:
+            pass
+
+    def _type(self, line: str) -> None:
+        data = (" " + line + "\n").encode()
+        try:
+            while data:
+                data = data[os.write(self.master, data) :]
+        except OSError:
+            raise self._dead_error() from None
+
+    def _install(self, sink: _Sink | None) -> None:
+        with self._sink_lock:
+            self._sink = sink
+
+    # --- pty reader ---------------------------------------------------------------
+
+    def _wake(self) -> None:
+        with self._fd_lock:
+            if not self._closed:
+                try:
+                    os.write(self._wake_w, b"x")
+                except OSError:
+                    pass
+
+    def _read_loop(self) -> None:
+        """Drain the pty all the time (a background job must never block on it)."""
+        sel = selectors.DefaultSelector()
+        sel.register(self.master, selectors.EVENT_READ)
+        sel.register(self._wake_r, selectors.EVENT_READ)
+        try:
+            while True:
+                events = sel.select()
+                if any(key.fd == self._wake_r for key, _ in events):
+                    # The shell exited or close() was called: drain what is left.
+                    os.set_blocking(self.master, False)
+                try:
+                    data = os.read(self.master, 1 << 16)
+                except BlockingIOError:
+                    break
+                except OSError:  # EIO: every slave end is closed
+                    break
+                if not data:
+                    break
+                with self._sink_lock:
+                    sink = self._sink
+                if sink is not None:
+                    sink.feed(data)
+        finally:
+            sel.close()
+            self._eof.set()
+            with self._sink_lock:
+                if self._sink is not None:
+                    self._sink.done.set()
+
+    def close(self) -> None:
+        """Kill the shell and everything in its session; release the pty.
+
+        The descriptors are closed only here, once the reader has stopped and no
+        run is writing, so a stale descriptor number is never written to.
+        """
+        if not self.child.done:
+            procfs.kill_session(self.child.pid, signal.SIGKILL)
+        self._wake()
+        self._reader.join(5.0)
+        got_run_lock = self._run_lock.acquire(timeout=5.0)
+        try:
+            with self._fd_lock:
+                if got_run_lock and not self._closed and not self._reader.is_alive():
+                    self._closed = True
+                    for fd in (self.master, self._wake_r, self._wake_w):
+                        os.close(fd)
+        finally:
+            if got_run_lock:
+                self._run_lock.release()
+        try:
+            os.unlink(self.script)
+        except OSError:
+            pass
+
+
+class ThreadSessions:
+    """The agent's sessions by id, each a ``ThreadSession`` in the agent."""
+
+    def __init__(self, reaper: Reaper, scripts_dir: str) -> None:
+        self._reaper = reaper
+        self._scripts_dir = scripts_dir
+        self._lock = threading.Lock()
+        self._sessions: dict[str, ThreadSession] = {}
+        self._counter = 0
+
+    def _get(self, req: dict[str, Any]) -> ThreadSession:
+        session_id = arg_str(req, "session_id")
+        with self._lock:
+            session = self._sessions.get(session_id)
+        if session is None:
+            raise AgentFailure(ErrorCode.NOT_FOUND, f"no session {session_id!r}")
+        return session
+
+    def open(self, req: dict[str, Any]) -> dict[str, Any]:
+        os.makedirs(self._scripts_dir, mode=0o700, exist_ok=True)
+        if IMAGE is not None and IMAGE.user:
+            # the image's user reads the command scripts (the folder stays root's: nothing
+            # the user plants there is followed by the agent)
+            os.chmod(self._scripts_dir, 0o711)
+        with self._lock:
+            self._counter += 1
+            session_id = f"s{self._counter}-{os.urandom(3).hex()}"
+        session = ThreadSession.open(self._reaper, session_id, req, self._scripts_dir)
+        with self._lock:
+            self._sessions[session_id] = session
+        return {"session_id": session_id, "kind": session.kind, "pid": session.child.pid}
+
+    def run(self, req: dict[str, Any]) -> dict[str, Any]:
+        session = self._get(req)
+        command = arg_str(req, "command")
+        limit = arg_int(req, "max_output", DEFAULT_MAX_OUTPUT)
+        return session.run(command, arg_timeout(req), limit)
+
+    def close(self, req: dict[str, Any]) -> dict[str, Any]:
+        session = self._get(req)
+        with self._lock:
+            self._sessions.pop(session.session_id, None)
+        session.close()
+        return {}
+
+    def list(self, req: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            sessions = list(self._sessions.values())
+        return {"sessions": [s.info() for s in sessions]}
+
+    def close_all(self) -> None:
+        with self._lock:
+            sessions, self._sessions = list(self._sessions.values()), {}
+        for session in sessions:
+            session.close()
