@@ -42,6 +42,7 @@ forks; CRIU's own ``frozen_time``), ``r["first_fork"]`` (its phases);
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import statistics
 import time
@@ -56,6 +57,7 @@ from rich.progress import Progress, TaskID
 from .. import console as output
 from ..config import Config
 from ..errors import InvalidArgument, RuntimeFailure
+from ..runtime import precopy
 from ..runtime.memfile import criu_images
 from ..tools import ToolSet
 from ..workspace import Snapshot, Workspace
@@ -125,11 +127,17 @@ def criu_stats(images: str) -> dict[str, Any]:
 
 
 def snapshot_phases(snapshot: Snapshot, wall_ms: float) -> dict[str, Any]:
-    """Where a snapshot's time went: CRIU's phases, the dump's wall time, the rewrite."""
+    """Where a snapshot's time went: CRIU's phases, the dump's wall time, the rewrite, and with
+    ``Config.fork_precopy`` the live pre-copy's (``runtime.precopy``: per process, ``pause_ms``
+    its longest stop)."""
     s = snapshot.record
-    return {"snapshot_wall_ms": round(wall_ms, 2), "pause_ms": round(s.pause_ms, 2), "dump_ms": round(s.dump_ms, 2),
-            "rewrite_ms": round(s.rewrite_ms, 2), "memfile_bytes": s.memfile_bytes, "image_bytes": s.image_bytes,
-            "layer_bytes": s.layer_bytes, "criu": criu_stats(s.images)}
+    out = {"snapshot_wall_ms": round(wall_ms, 2), "pause_ms": round(s.pause_ms, 2), "dump_ms": round(s.dump_ms, 2),
+           "rewrite_ms": round(s.rewrite_ms, 2), "memfile_bytes": s.memfile_bytes, "image_bytes": s.image_bytes,
+           "layer_bytes": s.layer_bytes, "criu": criu_stats(s.images)}
+    report = Path(s.images).parent / precopy.REPORT
+    if report.is_file():
+        out["precopy"] = json.loads(report.read_text())
+    return out
 
 
 def first_fork(parent: Workspace) -> dict[str, Any]:

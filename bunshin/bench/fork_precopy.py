@@ -13,10 +13,8 @@ snapshot removed, against before it started.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 from rich.progress import Progress
@@ -24,7 +22,6 @@ from rich.progress import Progress
 from .. import console as output
 from ..config import Config
 from ..errors import InvalidArgument
-from ..runtime import precopy
 from ..workspace import Workspace
 from ..workspace.batch import remove_all
 from . import fork
@@ -37,11 +34,8 @@ def first_fork(parent: Workspace) -> dict[str, Any]:
     take_ms = (time.perf_counter() - t0) * 1000
     try:
         out = fork.snapshot_phases(snapshot, take_ms)
-        report = Path(snapshot.record.images).parent / precopy.REPORT
-        if report.exists():
-            live = json.loads(report.read_text())
-            out["precopy"] = live
-            out["criu_pause_ms"] = round(snapshot.record.pause_ms - live["pause_ms"], 2)
+        if "precopy" in out:
+            out["criu_pause_ms"] = round(snapshot.record.pause_ms - out["precopy"]["pause_ms"], 2)
         t1 = time.perf_counter()
         clones = snapshot.restore(1)
         out["restore_ms"] = clones[0].record.extra.get("restore_ms")
