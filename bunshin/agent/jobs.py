@@ -98,10 +98,18 @@ class Jobs:
         if not _JOB_ID.fullmatch(job_id):
             raise gone
         line = request_line(Op.JOB_WAIT, {JOB_ID: job_id, JOB_WAIT: min(float(wait), MAX_WAIT_S)})
+        path = self._socket(job_id)
         try:
-            return forks.ask(self._socket(job_id), line, MAX_WAIT_S + 30.0)
-        except (FileNotFoundError, ConnectionRefusedError):
+            return forks.ask(path, line, MAX_WAIT_S + 30.0)
+        except FileNotFoundError:
             raise gone from None
+        except ConnectionRefusedError:  # its socket is there, its process is not
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            raise AgentFailure(ErrorCode.AGENT_ERROR, f"job {job_id} ended without an answer: its process "
+                               "was killed (from inside the workspace?)") from None
         except OSError as exc:
             raise AgentFailure(ErrorCode.AGENT_ERROR, f"job {job_id}: {exc}") from None
 

@@ -87,7 +87,7 @@ def _kib_fields(path: str) -> dict[str, int]:
 #: ``/proc/PID/comm`` of the agent's helpers (``bunshin/agent/forks.py``): a session's
 #: holder lives as long as the session; the others end with the call they serve.
 HELPERS = {"bunshin-session": "holder", "bunshin-worker": "worker", "bunshin-job": "job"}
-TRANSIENT = frozenset({"worker", "job"})
+TRANSIENT = frozenset({"worker", "job", "exiting"})
 SETTLE_S = 5.0
 
 
@@ -115,11 +115,14 @@ def processes(ws: Workspace) -> tuple[ProcessMemory, ...]:
     """Private memory of every process of ``ws`` now (``/proc/PID/smaps_rollup``)."""
     rows = []
     for pid in WorkspaceCgroup.of_record(ws.record).pids():
+        role = _role(pid)  # first: a helper that is exiting has its name still
         try:
             r = _kib_fields(f"/proc/{pid}/smaps_rollup")
-        except OSError:
+            if _role(pid) != role or Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX":
+                role = "exiting"  # counted as transient: measured again once it is gone
+        except (OSError, IndexError):
             continue  # exited meanwhile
-        rows.append(ProcessMemory(pid, _role(pid), r.get("Anonymous", 0), r.get("Pss_Anon", 0),
+        rows.append(ProcessMemory(pid, role, r.get("Anonymous", 0), r.get("Pss_Anon", 0),
                                   r.get("Private_Dirty", 0)))
     return tuple(sorted(rows, key=lambda p: p.pid))
 
