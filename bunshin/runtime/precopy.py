@@ -43,7 +43,7 @@ from . import syscalls as sc
 from .memfile import SUFFIX, remove_memfile, trapcode
 from .memfile.criu_images import referenced_memfiles
 from .memfile.fileio import data_extents, seal, write_data
-from .memfile.live import LiveUnavailable, convert_live, live_areas_held
+from .memfile.live import LiveUnavailable, alive_or_refuse, convert_live, live_areas_held
 
 PREFIX = "live-"
 MIN_BYTES = 16 << 20  # smaller: CRIU's copy costs less than a conversion
@@ -122,7 +122,9 @@ def _mem_dir(upper: Path) -> int:
 
 
 def convert(cfg: Config, ws_id: str, upper: Path, root: Path, view: str, pids: list[int]) -> Report:
-    """Convert each of ``pids`` (host pids of the workspace) that holds enough memory; what happened.
+    """Convert each of ``pids`` (host pids of the workspace, its init first) that holds enough memory;
+    what happened. Each is pinned by a pidfd and must be in the init's pid namespace (a pid
+    listed may be reused by a host process before its turn).
 
     ``root``: the workspace's overlay on the host, where the file is looked at as
     the processes see it (through descriptors, never following a symlink).
@@ -137,8 +139,11 @@ def convert(cfg: Config, ws_id: str, upper: Path, root: Path, view: str, pids: l
         report.skipped = [Skipped(p, f"no live conversion: {exc}") for p in pids]
         return report
     try:
+        pid_ns = os.readlink(f"/proc/{pids[0]}/ns/pid") if pids else ""
         for pid in pids:
-            _one(cfg, ws_id, view, dir_fd, upper, root, blob, pid, report)
+            _one(cfg, ws_id, view, dir_fd, upper, root, blob, pid, pid_ns, report)
+    except OSError as exc:
+        report.skipped.append(Skipped(pids[0], f"the workspace's pid namespace cannot be told: {exc.strerror}"))
     finally:
         os.close(dir_fd)
     report.wall_ms = (time.perf_counter() - t0) * 1000
@@ -146,7 +151,7 @@ def convert(cfg: Config, ws_id: str, upper: Path, root: Path, view: str, pids: l
 
 
 def _one(cfg: Config, ws_id: str, view: str, dir_fd: int, upper: Path, root: Path, blob: trapcode.Blob,
-         pid: int, report: Report) -> None:
+         pid: int, pid_ns: str, report: Report) -> None:
     try:
         held = live_areas_held(pid)
     except OSError as exc:
@@ -157,11 +162,33 @@ def _one(cfg: Config, ws_id: str, view: str, dir_fd: int, upper: Path, root: Pat
         report.skipped.append(Skipped(pid, f"{size >> 20} MiB of anonymous memory: left to the dump"))
         return
     name = f"{PREFIX}{ws_id}-{secrets.token_hex(4)}{SUFFIX}"
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        report.skipped.append(Skipped(pid, "it exited"))
+        return
+    try:
+        # the pid listed may be another process's by now: the one pidfd names must be in the workspace
+        if os.readlink(f"/proc/{pid}/ns/pid") != pid_ns:
+            raise LiveUnavailable("it is not in the workspace's pid namespace")
+        alive_or_refuse(pidfd, pid)
+    except (LiveUnavailable, OSError) as exc:
+        os.close(pidfd)
+        report.skipped.append(Skipped(pid, str(exc)))
+        return
+    try:
+        _convert_one(cfg, name, view, dir_fd, upper, root, blob, pid, pidfd, areas, size, report)
+    finally:
+        os.close(pidfd)
+
+
+def _convert_one(cfg: Config, name: str, view: str, dir_fd: int, upper: Path, root: Path, blob: trapcode.Blob,
+                 pid: int, pidfd: int, areas: list[tuple[int, int]], size: int, report: Report) -> None:
     before = 0
     try:
         before = _make_room(upper.parent, size)
         res = convert_live(pid, areas, Path(name), f"{view.rstrip('/')}/{name}", trap=blob, immutable=False,
-                           dir_fd=dir_fd, seen_as=lambda: _seen(root, view, name))
+                           dir_fd=dir_fd, seen_as=lambda: _seen(root, view, name), pidfd=pidfd)
     except (LiveUnavailable, OSError) as exc:
         kept = _exists(dir_fd, name)  # the process maps it already (the trap, a piece): the clones need it too
         if before and not kept:  # no file took the room: the workspace gets no more

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -137,3 +138,20 @@ def test_refusals(family) -> None:
     before = counts(ws)[0]
     time.sleep(0.2)
     assert counts(ws)[0] > before  # every refusal left it running
+
+
+def test_a_pid_reused_by_another_process_is_refused(family) -> None:
+    """The process meant (its pidfd) died; its pid now names another (here: the workspace's program,
+    standing in for a host process): nothing is injected, the other is released untouched."""
+    ws, pid, hp = started(family)
+    gone = subprocess.Popen(["true"])
+    pidfd = os.pidfd_open(gone.pid)
+    gone.wait()
+    with pytest.raises(InjectionFailed, match="another process"):
+        with Stopped(hp, pidfd=pidfd):
+            raise AssertionError("must not be reached")
+    os.close(pidfd)
+    assert "TracerPid:\t0" in Path(f"/proc/{hp}/status").read_text()
+    before = counts(ws)[0]
+    time.sleep(0.2)
+    assert counts(ws)[0] > before  # running on

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -47,11 +48,12 @@ class Tracker:
         self.areas: list[Area] = []
 
     @classmethod
-    def open(cls, pid: int, proc: Path = Path("/proc"), stopped: Stopped | None = None) -> Tracker:
+    def open(cls, pid: int, proc: Path = Path("/proc"), stopped: Stopped | None = None,
+             pidfd: int | None = None) -> Tracker:
         """A tracker of ``pid`` (its threads stopped for the two injected calls, unless ``stopped`` holds them)."""
         try:
             if stopped is None:
-                with Stopped(pid, proc) as s:
+                with Stopped(pid, proc, pidfd=pidfd) as s:
                     uffd = cls._make(s)
             else:
                 uffd = cls._make(stopped)
@@ -63,6 +65,13 @@ class Tracker:
         except OSError as exc:
             os.close(uffd)
             raise TrackingUnavailable(f"asynchronous write-protect tracking is not available: {exc.strerror}") from None
+        if pidfd is not None:  # alive after the open: the pid was still its, the descriptor is its pagemap
+            try:
+                signal.pidfd_send_signal(pidfd, 0)
+            except ProcessLookupError:
+                os.close(uffd)
+                os.close(pagemap)
+                raise TrackingUnavailable(f"process {pid} exited (its pid may be another process's now)") from None
         return cls(pid, uffd, pagemap)
 
     @staticmethod

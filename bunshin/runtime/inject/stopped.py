@@ -5,6 +5,8 @@
 filter is never opened for us; the call runs with the process's own creds),
 interrupts it and waits until all are stopped; threads created meanwhile are
 seized too, until the set is stable (a stopped thread cannot clone).
+With ``pidfd`` (opened when the process was chosen), a pid reused by
+another process since is refused once its threads are held.
 ``syscall(nr, *args)`` saves the leader's registers, points ``rip`` at a
 ``syscall`` instruction the process already maps (``site``), single-steps it and
 restores the registers (a call the thread was blocked in restarts as it would
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 from pathlib import Path
 from types import TracebackType
 
@@ -33,9 +36,10 @@ class InjectionFailed(Exception):
 class Stopped:
     """All threads of ``pid`` stopped under the host's ptrace; see the module doc."""
 
-    def __init__(self, pid: int, proc: Path = Path("/proc")) -> None:
+    def __init__(self, pid: int, proc: Path = Path("/proc"), *, pidfd: int | None = None) -> None:
         self.pid = pid
         self._proc = proc
+        self._pidfd = pidfd  # the process meant: once its threads are held, it must still be alive
         self._held: dict[int, int] = {}  # tid -> signal to give back on detach
         self._site: int | None = None
         self._more: list[tuple[int, int]] = []
@@ -82,6 +86,11 @@ class Stopped:
                 self._held[tid] = stop.signal  # a signal-delivery stop: given back on detach
         if self.pid not in self._held:
             raise InjectionFailed(f"process {self.pid} exited while being stopped")
+        if self._pidfd is not None:  # held now, its pid cannot be reused: is it still the one meant?
+            try:
+                signal.pidfd_send_signal(self._pidfd, 0)
+            except ProcessLookupError:
+                raise InjectionFailed(f"process {self.pid} exited (its pid is another process's now)") from None
 
     def _keep(self, tid: int, sig: int) -> None:
         if not self._held.get(tid):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -91,6 +92,14 @@ class LiveResult:
     dirty_bytes: int = 0
     rounds: list[int] = field(default_factory=list)  # bytes written during each pre-copy round
     left: list[tuple[int, int]] = field(default_factory=list)  # pieces changed before their turn: anonymous still
+
+
+def alive_or_refuse(pidfd: int, pid: int) -> None:
+    """LiveUnavailable unless the process ``pidfd`` names still lives (so ``pid`` is still its)."""
+    try:
+        signal.pidfd_send_signal(pidfd, 0)
+    except ProcessLookupError:
+        raise LiveUnavailable(f"process {pid} exited (its pid may be another process's now)") from None
 
 
 def _area_prot(pid: int, start: int, end: int) -> int | None:
@@ -163,6 +172,7 @@ def convert_live(
     pid: int, areas: list[tuple[int, int]], path: Path, view: str, *,
     growth_room: int = DEFAULT_GROWTH_ROOM, rounds: int = 2, trap: Blob | None = None,
     immutable: bool = True, dir_fd: int | None = None, seen_as: Callable[[], os.stat_result] | None = None,
+    pidfd: int | None = None,
 ) -> LiveResult:
     """Move ``areas`` (whole private anonymous areas of ``pid``) into a new memory file at ``path``.
 
@@ -175,6 +185,8 @@ def convert_live(
     in that folder (made and removed there, never following a symlink).
     ``seen_as``: the file as the process's view shows it (an overlay reports its
     own device and inode), which the file it opened must be; else the file itself.
+    ``pidfd``: the process meant (else one is opened now): a pid reused meanwhile
+    by another process is refused at every stop.
     Raises ``LiveUnavailable`` (the process unchanged, the file removed), but
     for a failure after the first area was mapped from the file: the areas
     mapped already hold the same bytes (and the trap), and the file stays.
@@ -186,14 +198,30 @@ def convert_live(
         if prot is None:
             raise LiveUnavailable(f"{start:#x}-{end:#x} is not one private anonymous area of process {pid}")
         planned.append(LiveArea(start, end, prot, slots.place(start, end - start)))
+    own_pidfd = None
+    if pidfd is None:
+        try:
+            pidfd = own_pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            raise LiveUnavailable(f"process {pid} is gone") from None
+    try:
+        return _convert(pid, planned, slots, path, view, rounds, trap, immutable, dir_fd, seen_as, pidfd)
+    finally:
+        if own_pidfd is not None:
+            os.close(own_pidfd)
+
+
+def _convert(pid: int, planned: list[LiveArea], slots: Slots, path: Path, view: str, rounds: int,
+             trap: Blob | None, immutable: bool, dir_fd: int | None,
+             seen_as: Callable[[], os.stat_result] | None, pidfd: int) -> LiveResult:
     dst = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
     done = False
     try:
         os.ftruncate(dst, slots.cursor)
         result = LiveResult(path, planned)
         try:
-            with Tracker.open(pid) as tracker:
-                _run(pid, tracker, slots, dst, view, result, rounds, trap, (immutable, seen_as))
+            with Tracker.open(pid, pidfd=pidfd) as tracker:
+                _run(pid, tracker, slots, dst, view, result, rounds, trap, (immutable, seen_as), pidfd)
         except _PartlyMapped:
             done = True
             raise
@@ -211,13 +239,14 @@ def convert_live(
 
 
 def _run(pid: int, tracker: Tracker, slots: Slots, dst: int, view: str,
-         result: LiveResult, rounds: int, trap: Blob | None, how: _How) -> None:
+         result: LiveResult, rounds: int, trap: Blob | None, how: _How, pidfd: int) -> None:
     planned = result.areas
     t0 = time.perf_counter()
     for a in planned:
         tracker.track(a.start, a.end)
     mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
     try:
+        alive_or_refuse(pidfd, pid)  # alive after the open: the pid was still its, the descriptor is its memory
         tracked = dict(zip(planned, tracker.areas, strict=True))
         for a in planned:  # round 1: what each area holds now
             result.precopy_bytes += _copy(mem, dst, a, tracker.populated(a.start, a.end), fresh=True)
@@ -235,7 +264,7 @@ def _run(pid: int, tracker: Tracker, slots: Slots, dst: int, view: str,
         setup = None
         for k, (a, lo, hi) in enumerate(pieces):
             t1 = time.perf_counter()
-            with Stopped(pid) as s:
+            with Stopped(pid, pidfd=pidfd) as s:
                 t2 = time.perf_counter()
                 result.stop_ms += (t2 - t1) * 1000
                 if k == 0:  # nothing changes unless every area is as planned
