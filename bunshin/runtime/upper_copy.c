@@ -460,11 +460,13 @@ int main(int argc, char **argv)
 		rl.rlim_cur = rl.rlim_max;
 		setrlimit(RLIMIT_NOFILE, &rl);
 	}
-	gofd = open(argv[1], O_RDONLY | O_CLOEXEC);
-	if (gofd < 0)
+	/* O_NONBLOCK: a fifo's open waits for its other end, which the caller holds from
+	 * before this started until it gives up (then: GO reads EOF, DONE has no reader) */
+	gofd = open(argv[1], O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+	if (gofd < 0 || fcntl(gofd, F_SETFL, 0) < 0)
 		return fail("open %s", argv[1]), 1;
-	donefd = open(argv[2], O_WRONLY | O_CLOEXEC);
-	if (donefd < 0)
+	donefd = open(argv[2], O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+	if (donefd < 0 || fcntl(donefd, F_SETFL, 0) < 0)
 		return fail("open %s", argv[2]), 1;
 	if (read(gofd, &go, 1) != 1)
 		return 1; /* the caller gave up */
