@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -46,8 +47,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def cfg(tmp_path_factory: pytest.TempPathFactory) -> Config:
-    """A bunshin config private to this test session (its own tmpfs folder and cgroup names)."""
-    config = Config.for_home(tmp_path_factory.mktemp("bunshin-home"), criu=Config.from_env().criu)
+    """A bunshin config private to this test session (its own tmpfs folder and cgroup names);
+    ``BUNSHIN_FORK_PRECOPY=1`` runs the session's forks with live pre-copy."""
+    env = Config.from_env()
+    config = dataclasses.replace(Config.for_home(tmp_path_factory.mktemp("bunshin-home"), criu=env.criu),
+                                 fork_precopy=env.fork_precopy)
     yield config
     drop_state_tmpfs(config)
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import stat
 import time
@@ -46,6 +47,8 @@ from .memfile.fileio import data_extents, seal, write_data
 from .memfile.live import LiveUnavailable, alive_or_refuse, convert_live, live_areas_held
 
 PREFIX = "live-"
+#: a live file's name: its workspace, a random tag (snapshot_io saves and loads these with a layer)
+LIVE_NAME = re.compile(r"live-(ws-[0-9a-f]{12})-[0-9a-f]{8}" + re.escape(SUFFIX))
 MIN_BYTES = 16 << 20  # smaller: CRIU's copy costs less than a conversion
 _SLACK = 8 << 20  # the handler, its table, a partial huge page
 REPORT = "precopy.json"  # in the snapshot's folder

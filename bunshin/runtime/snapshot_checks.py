@@ -22,7 +22,7 @@ from typing import Any
 
 from ..config import Config
 from ..errors import InvalidArgument
-from . import agent_bundle, images, memfile
+from . import agent_bundle, images, memfile, precopy
 from . import snapshot as rsnap
 from .cgroups import parse_size
 from .keys import home_key as home_key  # re-exported: snapshot_io, cluster
@@ -174,10 +174,13 @@ def check_memfiles(entries: Any, snapshot_layers: Iterable[str]) -> list[dict[st
     for m in entries:
         name = m.get("name") if isinstance(m, dict) else None
         match = MEMFILE_NAME.fullmatch(name) if isinstance(name, str) else None
-        if not match or name in seen or m.get("layer") != match.group(1) or m["layer"] not in layers:
+        live = None if match or not isinstance(name, str) else precopy.LIVE_NAME.fullmatch(name)
+        if (not (match or live) or name in seen or m.get("layer") not in layers
+                or (match and m["layer"] != match.group(1))):
             raise InvalidArgument(f"saved memory file {name!r} is not named <layer>-<pid>{memfile.SUFFIX} "
-                                  f"for one of the snapshot layers {sorted(layers)}")
-        name = match.group(0)  # the name, checked
+                                  f"for one of the snapshot layers {sorted(layers)} (nor a live pre-copy's "
+                                  f"live-<workspace>-<tag>{memfile.SUFFIX} of one of them)")
+        name = (match or live).group(0)  # type: ignore[union-attr]  # the name, checked
         seen.add(name)
         rel_parts(m.get("data"), f"memory file {name}")
         check_extents(m.get("extents"), m.get("size"), name)

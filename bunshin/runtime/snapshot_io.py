@@ -98,10 +98,6 @@ def save(cfg: Config, snap: rsnap.SnapshotRecord, dest: Path) -> Path:
         raise InvalidArgument(f"{dest} exists and is not an empty folder", hint="save into a new folder")
     if not Path(snap.images).is_dir():
         raise SnapshotNotFound(f"the images of {snap.id} are gone", hint="was it removed meanwhile?")
-    if precopy.link_names(cfg, Path(snap.images), rsnap.MEM_VIEW):
-        raise StateConflict(f"{snap.id} maps memory its workspace's live pre-copy wrote: it cannot be saved yet",
-                            hint="save a snapshot of a workspace never forked with fork_precopy on "
-                                 "(BUNSHIN_FORK_PRECOPY=0)")
     made = not dest.exists()
     dest.mkdir(parents=True, exist_ok=True)
     try:
@@ -113,6 +109,7 @@ def save(cfg: Config, snap: rsnap.SnapshotRecord, dest: Path) -> Path:
         stack = (snap.layer, *snap.lowers)
         layers: list[dict[str, Any]] = []
         mems: list[dict[str, Any]] = []
+        live: set[str] = set()  # live pre-copy files: saved once, with the top-most layer linking them
         for i, path in enumerate(stack):
             layer = Path(path)
             entry: dict[str, Any] = {"name": layer.name, "role": _role(cfg, layer, base=i == len(stack) - 1)}
@@ -122,7 +119,7 @@ def save(cfg: Config, snap: rsnap.SnapshotRecord, dest: Path) -> Path:
                 entry["archive"] = f"layers/{layer.name}.tar"
                 _tar(layer, dest / entry["archive"])
                 files[entry["archive"]] = _sha256(dest / entry["archive"])
-                for m in _save_memfiles(cfg, layer, dest / "mem"):
+                for m in _save_memfiles(cfg, layer, dest / "mem", live):
                     files[m["data"]] = m.pop("sha256")
                     mems.append({**m, "layer": layer.name})
             layers.append(entry)
@@ -159,14 +156,15 @@ def _tar(layer: Path, archive: Path) -> None:
           *_TAR_XATTRS, exclude, "."], f"cannot archive layer {layer}")
 
 
-def _save_memfiles(cfg: Config, layer: Path, out_dir: Path) -> list[dict[str, Any]]:
+def _save_memfiles(cfg: Config, layer: Path, out_dir: Path, live: set[str]) -> list[dict[str, Any]]:
     """The memory files this snapshot wrote, copied from the layer's memory-file view.
 
     The view is part of a layer the workspace wrote (its upper, frozen), so it may
-    hold anything: only entries named for this snapshot that are regular files,
-    reached without following a symbolic link and the very inode of the host's
-    memory file, are taken (another name is the workspace's own file, left out of
-    the archive like every memory-file name)."""
+    hold anything: only entries named for this snapshot, or a live pre-copy's file
+    (``precopy.LIVE_NAME``, each once: ``live`` holds those saved already), that are
+    regular files, reached without following a symbolic link and the very inode of
+    the host's memory file, are taken (another name is the workspace's own file,
+    left out of the archive like every memory-file name)."""
     vfd = _open_view(layer)
     if vfd is None:
         return []
@@ -174,7 +172,7 @@ def _save_memfiles(cfg: Config, layer: Path, out_dir: Path) -> list[dict[str, An
     try:
         for name in sorted(os.listdir(vfd)):
             m = MEMFILE_NAME.fullmatch(name)
-            if not m or m.group(1) != layer.name:
+            if (not m or m.group(1) != layer.name) and (not precopy.LIVE_NAME.fullmatch(name) or name in live):
                 continue
             try:
                 fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=vfd)
@@ -187,6 +185,7 @@ def _save_memfiles(cfg: Config, layer: Path, out_dir: Path) -> list[dict[str, An
                     raise RuntimeFailure(f"{name} in the layer of {layer.name} is not the memory file bunshin wrote",
                                          hint="the workspace replaced it; the snapshot cannot be saved")
                 out.append(_save_memfile(fd, name, out_dir))
+                live.add(name)
             finally:
                 os.close(fd)
     finally:
@@ -388,7 +387,8 @@ def _load(cfg: Config, store: Store, folder: _Folder) -> rsnap.SnapshotRecord:
     mems = {e["name"]: [m for m in folder.memfiles if m["layer"] == e["name"]] for e in todo}
     _check_space(cfg, folder, todo, [m for ms in mems.values() for m in ms])
     paths = [_host_layer(cfg, e) for e in folder.layers]
-    own = [m for m in folder.memfiles if m["layer"] == saved.id]
+    # (a live pre-copy's files are not the snapshot's own: its layer links them, the sweep frees them)
+    own = [m for m in folder.memfiles if m["layer"] == saved.id and MEMFILE_NAME.fullmatch(m["name"])]
     sdir = cfg.paths.snapshot(saved.id)
     rec = dataclasses.replace(
         saved, images=str(sdir / "images"), layer=paths[0], lowers=tuple(paths[1:]), keep=True,
@@ -469,6 +469,8 @@ def _extract(cfg: Config, folder: _Folder, entry: dict[str, Any], mems: list[dic
                     host = cfg.paths.mem / m["name"]
                     if not host.exists():
                         _load_memfile(folder, m, host)
+                    elif precopy.LIVE_NAME.fullmatch(m["name"]):
+                        _same_memfile(folder, m, host)
                     with memfile.unsealed(host):
                         os.link(host, m["name"], dst_dir_fd=vfd)
             finally:
@@ -516,6 +518,26 @@ def _load_memfile(folder: _Folder, m: dict[str, Any], host: Path) -> None:
         host.unlink(missing_ok=True)
         raise
     os.close(fd)
+
+
+def _same_memfile(folder: _Folder, m: dict[str, Any], host: Path) -> None:
+    """Refuse unless the host's live file of that name holds exactly the saved bytes (a folder
+    naming one of this home's live files would otherwise get its clones another workspace's memory)."""
+    fd = os.open(host, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        same = size == m["size"] and [list(e) for e in memfile.data_extents(fd, 0, size)] == m["extents"]
+        pos = 0
+        for off, n in m["extents"] if same else ():
+            while n > 0 and same:
+                k = min(n, _CHUNK)
+                same = os.pread(fd, k, off) == os.pread(folder.fds[m["data"]], k, pos)
+                off, pos, n = off + k, pos + k, n - k
+    finally:
+        os.close(fd)
+    if not same:
+        raise StateConflict(f"memory file {m['name']} of the saved snapshot is in this home already with "
+                            "other contents", hint="load the folder into another home (BUNSHIN_HOME)")
 
 
 def _copy_in(folder: _Folder, rel: str, dst: Path, mode: int = 0o600) -> None:

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from bunshin.errors import StateConflict
+from bunshin.errors import SnapshotNotFound, StateConflict
 from bunshin.runtime import precopy
 from bunshin.runtime import snapshot as rsnap
 from bunshin.runtime.store import Store
+from bunshin.workspace import Snapshot
 from tests.workspace.fixtures import Family
 
 from .test_inject import host_pid
@@ -157,12 +158,63 @@ print(" ".join(out))
     assert ask(ws) == first
 
 
-def test_a_pre_copied_snapshot_is_refused_by_save(live_family, tmp_path: Path) -> None:
-    """Its live file is not named for a layer (save/load would lose it): a clear refusal, nothing written."""
+def _live_entries(folder: Path) -> list[dict]:
+    manifest = json.loads((folder / "snapshot.json").read_text())
+    return [m for m in manifest["memfiles"] if precopy.LIVE_NAME.fullmatch(m["name"])]
+
+
+def test_a_pre_copied_snapshot_saves_and_loads(live_family, tmp_path: Path) -> None:
+    """Its live file goes with its layer: loaded back while the workspace still holds the file (the
+    same file is linked), and after everything is gone (written back from the folder), a clone has every byte."""
+    cfg = live_family.cfg
     ws, hp, first = started(live_family)
     snap = live_family.snapshot(ws)
-    with pytest.raises(StateConflict, match="cannot be saved yet") as info:
-        snap.save(tmp_path / "saved")
-    assert "fork_precopy" in (info.value.hint or "")
-    assert not (tmp_path / "saved").exists()
-    assert ask(ws) == first  # the parent is as it was
+    folder = snap.save(tmp_path / "saved")
+    (live,) = _live_entries(folder)
+    assert live["layer"] == snap.id and sum(n for _, n in live["extents"]) >= 64 * MIB, live
+    host = cfg.paths.mem / live["name"]
+    snap.remove()
+    with Store.open(cfg.db_path) as store:
+        rsnap.sweep(cfg, store)
+    assert host.exists()  # its workspace lives: kept
+    loaded = Snapshot.load(folder, config=cfg)
+    live_family.snapshots.append(loaded)
+    (c1,) = live_family.restore(loaded, 1)
+    assert ask(c1) == first
+    assert os.stat(Path(loaded.record.layer) / ".bunshin/mem" / live["name"]).st_ino == host.stat().st_ino
+    c1.remove()
+    loaded.remove()
+    ws.remove()
+    with Store.open(cfg.db_path) as store:
+        rsnap.sweep(cfg, store)
+    assert not host.exists()  # nothing holds it any more
+    again = Snapshot.load(folder, config=cfg)
+    live_family.snapshots.append(again)
+    (c2,) = live_family.restore(again, 1)
+    assert ask(c2) == first
+    assert ask(c2) != first  # (it changed one byte of its own)
+
+
+def test_a_loaded_live_file_must_match_the_one_of_that_name_here(live_family, tmp_path: Path) -> None:
+    """A trusted folder naming this home's live file with other bytes (its clones would map another
+    workspace's memory): refused, nothing recorded, the host's file untouched."""
+    cfg = live_family.cfg
+    ws, hp, first = started(live_family)
+    snap = live_family.snapshot(ws)
+    folder = snap.save(tmp_path / "saved")
+    (live,) = _live_entries(folder)
+    host = cfg.paths.mem / live["name"]
+    before = host.stat()
+    snap.remove()
+    with open(folder / live["data"], "r+b") as f:  # one byte of the saved copy changed
+        f.seek(12345)
+        b = f.read(1)
+        f.seek(12345)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(StateConflict, match="other contents"):
+        Snapshot.load(folder, config=cfg, trust=True)
+    with pytest.raises(SnapshotNotFound):
+        Snapshot.get(snap.id, config=cfg)
+    after = host.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    assert ask(ws) == first

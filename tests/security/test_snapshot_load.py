@@ -433,18 +433,28 @@ def test_save_takes_only_the_real_memory_files(tmp_path, canary):
     os.link(real, view / real.name)
     (view / "snap-999999999999-1.bunshin-mem").symlink_to(canary / "keep")  # someone else's name: skipped
     out = tmp_path / "out"
-    (entry,) = snapshot_io._save_memfiles(cfg, layer, out)
+    (entry,) = snapshot_io._save_memfiles(cfg, layer, out, set())
     assert entry["name"] == real.name and sorted(p.name for p in out.iterdir()) == [real.name]
-    (view / "snap-0123456789ab-8.bunshin-mem").symlink_to(canary / "keep")
-    with pytest.raises(RuntimeFailure, match="cannot be opened safely"):
-        snapshot_io._save_memfiles(cfg, layer, tmp_path / "out2")
-    (view / "snap-0123456789ab-8.bunshin-mem").unlink()
-    (view / "snap-0123456789ab-8.bunshin-mem").write_bytes(b"y")  # a regular file, not the host's memory file
-    with pytest.raises(RuntimeFailure, match="not the memory file"):
-        snapshot_io._save_memfiles(cfg, layer, tmp_path / "out3")
+    # a live pre-copy's file the layer links is taken too, once for the whole stack
+    live = cfg.tmpfs / "mem" / "live-ws-0123456789ab-0a1b2c3d.bunshin-mem"
+    live.write_bytes(b"z" * 8192)
+    os.link(live, view / live.name)
+    saved: set[str] = set()
+    got = snapshot_io._save_memfiles(cfg, layer, tmp_path / "out1", saved)
+    assert sorted(e["name"] for e in got) == sorted([live.name, real.name]) and saved == {real.name, live.name}
+    assert [e["name"] for e in snapshot_io._save_memfiles(cfg, layer, tmp_path / "out1b", saved)] == [real.name]
+    for bad in ("snap-0123456789ab-8.bunshin-mem", "live-ws-0123456789ab-deadbeef.bunshin-mem"):
+        (view / bad).symlink_to(canary / "keep")
+        with pytest.raises(RuntimeFailure, match="cannot be opened safely"):
+            snapshot_io._save_memfiles(cfg, layer, tmp_path / "out2", set())
+        (view / bad).unlink()
+        (view / bad).write_bytes(b"y")  # a regular file, not the host's memory file
+        with pytest.raises(RuntimeFailure, match="not the memory file"):
+            snapshot_io._save_memfiles(cfg, layer, tmp_path / "out3", set())
+        (view / bad).unlink()
     shutil.rmtree(view)
     view.parent.joinpath("mem").symlink_to(canary)  # the view itself a link to a host folder
-    assert snapshot_io._save_memfiles(cfg, layer, tmp_path / "out4") == []
+    assert snapshot_io._save_memfiles(cfg, layer, tmp_path / "out4", set()) == []
 
 
 # ------------------------------------------------------ pure checks (no root)
@@ -537,3 +547,20 @@ def test_criu_dump_and_restore_have_timeouts_that_kill(tmp_path):
     with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
     assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def test_saved_live_files_are_named_for_a_workspace_and_go_with_a_snapshot_layer():
+    check_memfiles = snapshot_checks.check_memfiles
+    def entry(name, layer):
+        return {"name": name, "layer": layer, "size": 4096, "extents": [[0, 4096]], "data": f"mem/{name}"}
+
+    ok = entry("live-ws-0123456789ab-0a1b2c3d.bunshin-mem", "snap-0123456789ab")
+    assert check_memfiles([ok], ["snap-0123456789ab"]) == [ok]
+    for bad in (entry(ok["name"], "snap-ffffffffffff"),  # no such layer in the stack
+                entry("live-ws-0123456789ab-0a1b2c3d.bunshin-mem/../x", "snap-0123456789ab"),
+                entry("live-../../etc-0a1b2c3d.bunshin-mem", "snap-0123456789ab"),
+                entry("live-ws-0123456789ab-0a1b2c3.bunshin-mem", "snap-0123456789ab")):
+        with pytest.raises(InvalidArgument, match="live pre-copy"):
+            check_memfiles([bad], ["snap-0123456789ab"])
+    with pytest.raises(InvalidArgument):  # once only
+        check_memfiles([ok, dict(ok)], ["snap-0123456789ab"])
