@@ -218,3 +218,68 @@ def test_a_loaded_live_file_must_match_the_one_of_that_name_here(live_family, tm
     after = host.stat()
     assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
     assert ask(ws) == first
+
+
+JEMALLOC = Path("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
+
+# jemalloc (purging at once) holds 8 blocks of 4 MiB filled with 0xAB; on each request it frees
+# them (jemalloc purges them with MADV_DONTNEED and then trusts them to read zero) and callocs
+# them again: it answers whether they are all zero, and where they lie
+JEPROG = r"""
+import ctypes, os, time
+libc = ctypes.CDLL(None)
+libc.malloc.restype = libc.calloc.restype = ctypes.c_void_p
+libc.malloc.argtypes, libc.calloc.argtypes = (ctypes.c_size_t,), (ctypes.c_size_t, ctypes.c_size_t)
+libc.free.argtypes = (ctypes.c_void_p,)
+N = 4 << 20
+blocks = [libc.malloc(N) for _ in range(8)]
+for p in blocks:
+    ctypes.memset(p, 0xAB, N)
+open("/tmp/ready", "w").write(" ".join(hex(p) for p in blocks))
+while True:
+    if os.path.exists("/tmp/req"):
+        os.unlink("/tmp/req")
+        for p in blocks:
+            libc.free(p)
+        blocks = [libc.calloc(1, N) for _ in range(8)]
+        zero = all(ctypes.string_at(p, N).count(0) == N for p in blocks)
+        ans = ("zero " if zero else "STALE ") + " ".join(hex(p) for p in blocks)
+        for p in blocks:
+            ctypes.memset(p, 0xAB, N)
+        open("/tmp/ans.tmp", "w").write(ans); os.replace("/tmp/ans.tmp", "/tmp/ans")
+    time.sleep(0.005)
+"""
+
+
+def _in_live_file(pid: int, addrs: list[int]) -> bool:
+    spans = []
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        if "/.bunshin/mem/live-" in line:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            spans.append((lo, hi))
+    return all(any(lo <= a < hi for lo, hi in spans) for a in addrs)
+
+
+@pytest.mark.skipif(not JEMALLOC.exists(), reason="needs libjemalloc2")
+def test_jemalloc_in_a_workspace_keeps_calloc_zero_after_a_live_conversion(live_family) -> None:
+    """jemalloc's purged memory, mapped from the live file, must still read zero (the trap turns its
+    MADV_DONTNEED into fresh zero pages): in the parent after its conversion and in its clone."""
+    ws = live_family.create()
+    pid = ws.commands.spawn(["env", f"LD_PRELOAD={JEMALLOC}", "MALLOC_CONF=dirty_decay_ms:0,muzzy_decay_ms:0",
+                             "python3", "-c", JEPROG])
+    deadline = time.monotonic() + 60
+    while not ws.exec(["test", "-s", "/tmp/ready"]).exit_code == 0:
+        assert time.monotonic() < deadline, "the program did not start"
+        time.sleep(0.05)
+    hp = host_pid(ws, pid)
+    assert "libjemalloc" in Path(f"/proc/{hp}/maps").read_text()
+    blocks = [int(x, 16) for x in ws.files.read_text("/tmp/ready").split()]
+    N = 4 << 20
+    (clone,) = live_family.fork(ws, 1)
+    assert _in_live_file(hp, blocks)  # the 0xAB blocks are the file's pages now
+    for w in (ws, clone, ws):
+        verdict, *where = ask(w).split()
+        assert verdict == "zero", where
+        if w is ws:  # calloc handed out memory that was the file's when jemalloc purged it
+            got = [int(a, 16) for a in where]
+            assert any(b - N <= a < b + N for a in got for b in blocks), (where, blocks)
