@@ -17,7 +17,7 @@ from tests.conftest import drop_state_tmpfs, leftovers
 
 NAMES = ("a", "b", "c")
 MAX_WORKSPACES = 4  # per host: small, so a group of 6 does not fit on one
-LEASE_S = 4.0  # a host's lease: short, so a test sees one run out
+LEASE_S = 8.0  # a host's lease: short, so a test sees one run out (not so short that a GCS slow to answer under load makes a host fence itself)
 #: Ray's own settings: the GCS checks each raylet every 0.5 s and counts its node dead after
 #: 4 checks in a row fail (1 s each); Ray's defaults (3 s, 10 s, 5) take ~30 s.
 RAY_CONFIG = {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 500,
