@@ -26,13 +26,16 @@ def gc_json(cfg) -> dict:
     return json.loads(out.stdout)
 
 
-@pytest.mark.parametrize("lease, kept", [
-    (ClusterLease("b", 3, time.time() + 600), True),  # renewed: the cluster vouches for it
-    (ClusterLease("b", 3, None), True),  # parked by `cluster down`: the next `up` takes it back
-    (ClusterLease("b", 3, time.time() - 1), False),  # ran out: no actor renews it
-    (ClusterLease("b", 3, time.time() + 600, fenced=True), False),  # the head gave the epoch up
+@pytest.mark.parametrize("expires_in, fenced, kept", [
+    (600.0, False, True),  # renewed: the cluster vouches for it
+    (None, False, True),  # parked by `cluster down`: the next `up` takes it back
+    (-1.0, False, False),  # ran out: no actor renews it
+    (600.0, True, False),  # the head gave the epoch up
 ])
-def test_gc_drops_a_home_the_cluster_no_longer_owns(no_leaks, lease, kept):
+def test_gc_drops_a_home_the_cluster_no_longer_owns(no_leaks, expires_in, fenced, kept):
+    # the expiry is taken when the test runs, not when it is collected: a full suite runs
+    # for longer than a lease made at collection would last
+    lease = ClusterLease("b", 3, None if expires_in is None else time.time() + expires_in, fenced=fenced)
     ws = Workspace.create("host", memory="128M", config=no_leaks)
     try:
         ws.exec("echo x > /work/f")
