@@ -36,7 +36,7 @@ from pathlib import Path
 from bunshin.runtime.dirty import Area, Run, Tracker, TrackingUnavailable
 from bunshin.runtime.inject import InjectionFailed, Stopped, check
 
-from . import live_trap
+from . import live_trap, vmcopy
 from .criu_images import PAGE
 from .fileio import remove_memfile, remove_memfile_at, seal, write_data
 from .rewrite import DEFAULT_GROWTH_ROOM, Slots
@@ -45,6 +45,8 @@ from .trapcode import Blob
 
 NR_MMAP, NR_MUNMAP, NR_CLOSE, NR_OPENAT = 9, 11, 3, 257
 CHUNK = 128 << 20  # mapped from the file per stop: the process runs between pieces
+DIRECT = True  # pre-copy with process_vm_readv into a mapping of the file (else pread and pwrite)
+THREADS = 2  # its copies side by side (this machine has two cores)
 PROT_RW = 0x3
 MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS = 0x02, 0x10, 0x20
 O_RDONLY, O_NONBLOCK, O_NOFOLLOW, O_CLOEXEC, O_NOCTTY = 0, 0o4000, 0o400000, 0o2000000, 0o400
@@ -168,6 +170,19 @@ def _copy(mem: int, dst: int, area: LiveArea, runs: list[Run], fresh: bool) -> i
     return total
 
 
+def _precopy(pid: int, pidfd: int, mem: int, dst: int, area: LiveArea, runs: list[Run], fresh: bool) -> int:
+    """A pre-copy round's copy of ``runs`` (the process running, the file still host root's, 0600):
+    straight into the file (``vmcopy``) unless not ``DIRECT``."""
+    if not DIRECT:
+        return _copy(mem, dst, area, runs, fresh)
+    spans = [(r.start, r.end) for r in runs]
+    if not fresh:
+        for lo, hi in spans:
+            _punch(dst, area.offset + lo - area.start, hi - lo)
+    return vmcopy.copy_runs(pid, dst, area.start, area.end, area.offset, spans,
+                            check_alive=lambda: alive_or_refuse(pidfd, pid), threads=THREADS)
+
+
 def convert_live(
     pid: int, areas: list[tuple[int, int]], path: Path, view: str, *,
     growth_room: int = DEFAULT_GROWTH_ROOM, rounds: int = 2, trap: Blob | None = None,
@@ -249,14 +264,14 @@ def _run(pid: int, tracker: Tracker, slots: Slots, dst: int, view: str,
         alive_or_refuse(pidfd, pid)  # alive after the open: the pid was still its, the descriptor is its memory
         tracked = dict(zip(planned, tracker.areas, strict=True))
         for a in planned:  # round 1: what each area holds now
-            result.precopy_bytes += _copy(mem, dst, a, tracker.populated(a.start, a.end), fresh=True)
+            result.precopy_bytes += _precopy(pid, pidfd, mem, dst, a, tracker.populated(a.start, a.end), True)
         for _ in range(max(rounds - 1, 0)):  # later rounds: what was written meanwhile
             n = 0
             for a in planned:
                 runs = tracker.written(tracked[a])
                 if runs is None:
                     raise LiveUnavailable(f"area {a.start:#x}-{a.end:#x} changed during the pre-copy")
-                n += _copy(mem, dst, a, runs, fresh=False)
+                n += _precopy(pid, pidfd, mem, dst, a, runs, False)
             result.rounds.append(n)
         result.precopy_ms = (time.perf_counter() - t0) * 1000
         pieces = [(a, lo, min(lo + CHUNK, a.end)) for a in planned for lo in range(a.start, a.end, CHUNK)]

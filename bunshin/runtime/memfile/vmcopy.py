@@ -1,0 +1,98 @@
+"""A running process's pages copied straight into a shared mapping of a memory file.
+
+``process_vm_readv`` moves each run from the process into a ``MAP_SHARED``
+mapping of its slot in the file: one copy, in the kernel, no Python buffer,
+up to ``IOV_MAX`` runs and ``BATCH`` bytes a call, the batches spread over
+``threads`` (ctypes lets the GIL go during the call). Each run's file range is
+allocated first (``fallocate``): a full filesystem is an ``OSError``, never a
+``SIGBUS`` on a store into the mapping. Zero pages the process holds are
+copied as data (the file keeps holes only where it held no page).
+
+The pid names the process at each call, so the caller must hold a pidfd and
+ask it after the copy (``check_alive``): a pid reused meanwhile may have been
+read. Use it only while the file is unreadable to the workspace (host root's,
+mode 0600), so that a refusal that removes the file exposes nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+BATCH = 64 << 20
+IOV_MAX = 1024
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = (("base", ctypes.c_void_p), ("len", ctypes.c_size_t))
+
+
+_libc.process_vm_readv.restype = ctypes.c_ssize_t
+_libc.process_vm_readv.argtypes = (ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong,
+                                   ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.c_ulong)
+_libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
+
+
+def _batches(runs: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """``runs`` cut into calls of at most ``IOV_MAX`` pieces and ``BATCH`` bytes each."""
+    out: list[list[tuple[int, int]]] = [[]]
+    size = 0
+    for lo, hi in runs:
+        while lo < hi:
+            if len(out[-1]) == IOV_MAX or size == BATCH:
+                out.append([])
+                size = 0
+            n = min(hi - lo, BATCH - size)
+            out[-1].append((lo, lo + n))
+            size += n
+            lo += n
+    return [b for b in out if b]
+
+
+def _read(pid: int, base: int, start: int, batch: list[tuple[int, int]]) -> int:
+    n = len(batch)
+    local, remote = (_Iovec * n)(), (_Iovec * n)()
+    want = 0
+    for i, (lo, hi) in enumerate(batch):
+        local[i].base, local[i].len = base + lo - start, hi - lo
+        remote[i].base, remote[i].len = lo, hi - lo
+        want += hi - lo
+    got = _libc.process_vm_readv(pid, local, n, remote, n, 0)
+    if got < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"process_vm_readv of process {pid}: {os.strerror(err)}")
+    if got != want:  # (a run unmapped meanwhile)
+        raise OSError(0, f"process_vm_readv of process {pid} read {got} of {want} bytes: its memory changed")
+    return int(got)
+
+
+def copy_runs(pid: int, dst: int, start: int, end: int, offset: int, runs: Sequence[tuple[int, int]], *,
+              check_alive: Callable[[], None], threads: int = 2) -> int:
+    """Copy ``runs`` (page-aligned, inside ``[start, end)`` of ``pid``) into ``dst``, where ``start``
+    lies at ``offset``; returns the bytes copied. ``check_alive`` raises if the process is not
+    the one meant any more (it is called after every copy)."""
+    if not runs:
+        return 0
+    for lo, hi in runs:
+        if _libc.fallocate(dst, 0, offset + lo - start, hi - lo) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"no room in the memory file: {os.strerror(err)}")
+    mm = mmap.mmap(dst, end - start, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
+    anchor = ctypes.c_char.from_buffer(mm)
+    try:
+        base = ctypes.addressof(anchor)
+        batches = _batches(runs)
+        if threads <= 1 or len(batches) == 1:
+            total = sum(_read(pid, base, start, b) for b in batches)
+        else:
+            with ThreadPoolExecutor(threads) as pool:
+                total = sum(pool.map(lambda b: _read(pid, base, start, b), batches))
+    finally:
+        del anchor
+        mm.close()
+    check_alive()
+    return total
