@@ -283,3 +283,12 @@ def test_jemalloc_in_a_workspace_keeps_calloc_zero_after_a_live_conversion(live_
         if w is ws:  # calloc handed out memory that was the file's when jemalloc purged it
             got = [int(a, 16) for a in where]
             assert any(b - N <= a < b + N for a in got for b in blocks), (where, blocks)
+
+
+def test_the_clones_copy_is_cut_at_huge_page_boundaries() -> None:
+    piece = precopy.SHARE_PIECE
+    assert piece % (2 * MIB) == 0
+    assert precopy._cut(0, 0) == []
+    assert precopy._cut(4096, 3 * piece + 8192) == [(4096, piece), (piece, 2 * piece), (2 * piece, 3 * piece),
+                                                     (3 * piece, 3 * piece + 8192)]
+    assert precopy._cut(piece, piece + 4096) == [(piece, piece + 4096)]
