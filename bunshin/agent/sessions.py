@@ -32,18 +32,15 @@ import gc
 import os
 import re
 import select
-import shlex
 import signal
 import socket
 import struct
-import termios
-import threading
 import time
 from typing import Any
 
 from . import forks, procfs
 from .children import Reaper
-from .execs import DEFAULT_MAX_OUTPUT, Capture
+from .execs import DEFAULT_MAX_OUTPUT
 from .imagedefaults import IMAGE
 from .protocol import (
     AgentFailure,
@@ -54,71 +51,12 @@ from .protocol import (
     unix_address,
     unline,
 )
+from .shellpty import SESSION_ENV, PtyShell, Sink
 from .terminals import pick_shell, start_shell
 from .wire import ErrorCode, ok_line
 
-#: Extra environment of tool sessions: nothing may wait for a human at a pager.
-SESSION_ENV = {"PAGER": "cat", "GIT_PAGER": "cat"}
-START_TIMEOUT_S = 10.0
-INTERRUPT_GRACE_S = 1.0
-_TAG = b"\x1eBS"
-_MAX_MARKER = 64
 
-
-class _Sink:
-    """Finds one run's markers in the pty stream; keeps the output between them.
-
-    With ``output`` false it only waits for a sync marker.
-    """
-
-    def __init__(self, token: str, limit: int, *, output: bool) -> None:
-        tag = _TAG + token.encode()
-        self._start: bytes | None = tag + b"S\x1e" if output else None
-        self._end = re.compile(re.escape(tag) + (rb"E(\d+)\x1e" if output else rb"Y()\x1e"))
-        self._started = self._start is None
-        self._window = bytearray()
-        self.output = Capture(limit)
-        self.matched = False
-        self.exit_code: int | None = None
-        self.done = threading.Event()  # set on the end marker or at the pty's end
-
-    def feed(self, data: bytes) -> None:
-        if self.done.is_set():
-            return
-        self._window += data
-        if not self._started:
-            assert self._start is not None
-            at = self._window.find(self._start)
-            if at < 0:
-                del self._window[: max(0, len(self._window) - len(self._start))]
-                return
-            del self._window[: at + len(self._start)]
-            self._started = True
-        match = self._end.search(self._window)
-        if match:
-            self._keep(self._window[: match.start()])
-            self.exit_code = int(match.group(1)) if match.group(1) else None
-            self.matched = True
-            self._window.clear()
-            self.done.set()
-        elif len(self._window) > _MAX_MARKER:
-            cut = len(self._window) - _MAX_MARKER
-            self._keep(self._window[:cut])
-            del self._window[:cut]
-
-    def flush(self) -> None:
-        """Keep what is left of the window (the run ended without its end marker)."""
-        if self._started:
-            self._keep(self._window)
-        self._window.clear()
-
-    def _keep(self, data: bytes | bytearray) -> None:
-        if self._start is not None:
-            self.output.feed(bytes(data))
-
-
-
-class Session:
+class Session(PtyShell):
     """One shell on one pty, as the holder and its run children see it (one thread)."""
 
     def __init__(self, session_id: str, kind: str, pid: int, master: int, script: str) -> None:
@@ -137,14 +75,11 @@ class Session:
         kind, argv = pick_shell(arg_str(req, "kind", None), interactive_rc=False)
         child, master = start_shell(reaper, argv, req, echo=False, extra_env=SESSION_ENV)
         session = cls(session_id, kind, child.pid, master, os.path.join(scripts_dir, f"{session_id}.sh"))
-        init = "PS1=; PS2=; "
-        if kind == "bash":
-            init += "PS0=; PROMPT_COMMAND=; unset MAILCHECK HISTFILE; HISTCONTROL=ignorespace; history -c; "
-        if not session._sync(init, START_TIMEOUT_S):
+        try:
+            session._start(argv[0])
+        except BaseException:
             session.kill()
-            raise AgentFailure(
-                ErrorCode.AGENT_ERROR, f"shell {argv[0]} did not start within {START_TIMEOUT_S:.0f} s"
-            )
+            raise
         return session
 
     # --- state --------------------------------------------------------------------
@@ -179,73 +114,21 @@ class Session:
         return {"session_id": self.session_id, "kind": self.kind, "pid": self.pid, "busy": busy,
                 "alive": self.alive}
 
-    def _dead_error(self) -> AgentFailure:
-        deadline = time.monotonic() + 1.0
+    def _shell_pid(self) -> int:
+        return self.pid
+
+    def _exit_code_within(self, seconds: float) -> int | None:
+        deadline = time.monotonic() + seconds
         while not self.exited() and time.monotonic() < deadline:
             time.sleep(0.01)
-        return AgentFailure(
-            ErrorCode.STATE_CONFLICT,
-            f"session {self.session_id}: shell exited (status {self.exit_code}); "
-            "close it and open a new one",
-        )
+        return self.exit_code
 
     # --- running ------------------------------------------------------------------
 
     def run(self, command: str, timeout: float | None, limit: int) -> dict[str, Any]:
-        if not self.alive:
-            raise self._dead_error()
-        self._reset_tty()
-        os.makedirs(os.path.dirname(self.script), mode=0o700, exist_ok=True)
-        with open(self.script, "w", encoding="utf-8", errors="surrogateescape",
-                  opener=lambda path, flags: os.open(path, flags | os.O_NOFOLLOW, 0o644)) as f:
-            f.write(command if command.endswith("\n") else command + "\n")
-        token = os.urandom(8).hex()
-        sink = _Sink(token, limit, output=True)
-        start = time.monotonic()
-        self._type(self._run_line(token))
-        finished = self._wait(sink, timeout)
-        timed_out = not finished and self.alive
-        if timed_out:
-            self._recover()
-        sink.flush()
-        exit_code = sink.exit_code if finished else None
-        if not self.alive:
-            deadline = time.monotonic() + 1.0
-            while not self.exited() and time.monotonic() < deadline:
-                time.sleep(0.01)
-            exit_code = self.exit_code if exit_code is None else exit_code
-        return {
-            "output": sink.output.text(),
-            "exit_code": exit_code,
-            "timed_out": timed_out,
-            "truncated": sink.output.truncated,
-            "duration_s": time.monotonic() - start,
-            "alive": self.alive,
-        }
+        return self._run(command, timeout, limit)
 
-    def _run_line(self, token: str) -> str:
-        script = shlex.quote(self.script)
-        start = f"'\\036BS{token}S\\036'"
-        end = f"'\\036BS{token}E%d\\036' \"$?\""
-        if self.kind == "bash":
-            return (
-                f'builtin printf {start}; builtin history -s -- "$(< {script})"; '
-                f"builtin source {script}; builtin printf {end}"
-            )
-        # ``command .``: a syntax error in the script must not abort the line.
-        return f"command printf {start}; command . {script}; command printf {end}"
-
-    def _sync(self, prefix: str, timeout: float) -> bool:
-        """Type ``prefix`` and a sync marker; True once the shell printed the marker."""
-        token = os.urandom(8).hex()
-        sink = _Sink(token, 0, output=False)
-        try:
-            self._type(f"{prefix}command printf '\\036BS{token}Y\\036'")
-            return self._wait(sink, timeout)
-        except AgentFailure:
-            return False
-
-    def read(self, wait: float, sink: _Sink | None) -> None:
+    def read(self, wait: float, sink: Sink | None) -> None:
         """Read what the pty has within ``wait`` s into ``sink`` (``None``: discard)."""
         if self.eof:
             if wait > 0:
@@ -273,7 +156,7 @@ class Session:
             if time.monotonic() >= deadline or self.eof:
                 return
 
-    def _wait(self, sink: _Sink, timeout: float | None) -> bool:
+    def _wait(self, sink: Sink, timeout: float | None) -> bool:
         """True once ``sink`` saw its end marker; False on timeout or if the shell is gone."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -288,63 +171,6 @@ class Session:
                 while not sink.done.is_set() and not self.eof and time.monotonic() < drain_until:
                     self.read(drain_until - time.monotonic(), sink)
                 return sink.matched
-
-    def _recover(self) -> None:
-        """Interrupt the running command and bring the shell back to reading lines."""
-        for _ in range(3):
-            if not self.alive:
-                return
-            try:
-                os.write(self.master, b"\x03")
-            except OSError:
-                return
-            fg = self._foreground_job(INTERRUPT_GRACE_S)
-            if fg is not None:
-                try:
-                    os.killpg(fg, signal.SIGKILL)
-                except OSError:
-                    pass
-                self._foreground_job(INTERRUPT_GRACE_S)
-            self._reset_tty()
-            # A builtin such as ``read`` may finish by swallowing the first sync
-            # line: type more, waiting a little longer each time.
-            for wait in (0.05, 0.1, 0.2, 0.4, 0.8):
-                if self._sync("", wait):
-                    return
-
-    def _foreground_job(self, within: float) -> int | None:
-        """The foreground process group if it is not the shell's after ``within`` s
-        (what the interrupted command prints meanwhile is not its output: discarded)."""
-        deadline = time.monotonic() + within
-        while True:
-            try:
-                fg = os.tcgetpgrp(self.master)
-            except OSError:
-                return None
-            if fg in (self.pid, 0) or not self.alive:
-                return None
-            if time.monotonic() >= deadline:
-                return fg
-            self._pause(0.01)
-
-    def _reset_tty(self) -> None:
-        """Undo what a killed full-screen program may have left: canonical, no echo."""
-        try:
-            attrs = termios.tcgetattr(self.master)
-            want = (attrs[3] | termios.ICANON | termios.ISIG) & ~termios.ECHO
-            if want != attrs[3]:
-                attrs[3] = want
-                termios.tcsetattr(self.master, termios.TCSANOW, attrs)
-        except termios.error:
-            pass
-
-    def _type(self, line: str) -> None:
-        data = (" " + line + "\n").encode()
-        try:
-            while data:
-                data = data[os.write(self.master, data) :]
-        except OSError:
-            raise self._dead_error() from None
 
     def kill(self) -> None:
         """Kill the shell and everything in its session."""

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import os
 import selectors
-import shlex
 import signal
-import termios
 import threading
 import time
 from typing import Any
@@ -23,12 +21,12 @@ from .children import Child, Reaper
 from .execs import DEFAULT_MAX_OUTPUT
 from .imagedefaults import IMAGE
 from .protocol import AgentFailure, arg_int, arg_str, arg_timeout
-from .sessions import INTERRUPT_GRACE_S, SESSION_ENV, START_TIMEOUT_S, _Sink
+from .shellpty import SESSION_ENV, PtyShell, Sink
 from .terminals import pick_shell, start_shell
 from .wire import ErrorCode
 
 
-class ThreadSession:
+class ThreadSession(PtyShell):
     """One shell on one pty. ``run`` is serialised; a busy session says so."""
 
     def __init__(self, session_id: str, kind: str, child: Child, master: int, script: str) -> None:
@@ -39,7 +37,7 @@ class ThreadSession:
         self.script = script
         self._run_lock = threading.Lock()
         self._sink_lock = threading.Lock()
-        self._sink: _Sink | None = None
+        self._sink: Sink | None = None
         self._eof = threading.Event()
         self._closed = False  # fds released; guarded by _fd_lock
         self._fd_lock = threading.Lock()
@@ -63,14 +61,11 @@ class ThreadSession:
             procfs.kill_session(child.pid)
             os.close(master)
             raise
-        init = "PS1=; PS2=; "
-        if kind == "bash":
-            init += "PS0=; PROMPT_COMMAND=; unset MAILCHECK HISTFILE; HISTCONTROL=ignorespace; history -c; "
-        if not session._sync(init, START_TIMEOUT_S):
+        try:
+            session._start(argv[0])
+        except BaseException:
             session.close()
-            raise AgentFailure(
-                ErrorCode.AGENT_ERROR, f"shell {argv[0]} did not start within {START_TIMEOUT_S:.0f} s"
-            )
+            raise
         return session
 
     # --- state --------------------------------------------------------------------
@@ -92,13 +87,15 @@ class ThreadSession:
             "alive": self.alive,
         }
 
-    def _dead_error(self) -> AgentFailure:
-        self.child.wait(1.0)
-        return AgentFailure(
-            ErrorCode.STATE_CONFLICT,
-            f"session {self.session_id}: shell exited (status {self.child.exit_code}); "
-            "close it and open a new one",
-        )
+    def _shell_pid(self) -> int:
+        return self.child.pid
+
+    def _exit_code_within(self, seconds: float) -> int | None:
+        self.child.wait(seconds)
+        return self.child.exit_code
+
+    def _pause(self, seconds: float) -> None:
+        time.sleep(seconds)  # the reader thread drains the pty meanwhile
 
     # --- running ------------------------------------------------------------------
 
@@ -106,65 +103,11 @@ class ThreadSession:
         if not self._run_lock.acquire(blocking=False):
             raise AgentFailure(ErrorCode.STATE_CONFLICT, f"session {self.session_id} is busy")
         try:
-            if not self.alive:
-                raise self._dead_error()
-            self._reset_tty()
-            os.makedirs(os.path.dirname(self.script), mode=0o700, exist_ok=True)
-            with open(self.script, "w", encoding="utf-8", errors="surrogateescape",
-                      opener=lambda path, flags: os.open(path, flags | os.O_NOFOLLOW, 0o644)) as f:
-                f.write(command if command.endswith("\n") else command + "\n")
-            token = os.urandom(8).hex()
-            sink = _Sink(token, limit, output=True)
-            start = time.monotonic()
-            self._install(sink)
-            self._type(self._run_line(token))
-            finished = self._wait(sink, timeout)
-            timed_out = not finished and self.alive
-            if timed_out:
-                self._recover()
-            sink.flush()
-            exit_code = sink.exit_code if finished else None
-            if not self.alive:
-                self.child.wait(1.0)
-                exit_code = self.child.exit_code if exit_code is None else exit_code
-            return {
-                "output": sink.output.text(),
-                "exit_code": exit_code,
-                "timed_out": timed_out,
-                "truncated": sink.output.truncated,
-                "duration_s": time.monotonic() - start,
-                "alive": self.alive,
-            }
+            return self._run(command, timeout, limit)
         finally:
-            self._install(None)
             self._run_lock.release()
 
-    def _run_line(self, token: str) -> str:
-        script = shlex.quote(self.script)
-        start = f"'\\036BS{token}S\\036'"
-        end = f"'\\036BS{token}E%d\\036' \"$?\""
-        if self.kind == "bash":
-            return (
-                f'builtin printf {start}; builtin history -s -- "$(< {script})"; '
-                f"builtin source {script}; builtin printf {end}"
-            )
-        # ``command .``: a syntax error in the script must not abort the line.
-        return f"command printf {start}; command . {script}; command printf {end}"
-
-    def _sync(self, prefix: str, timeout: float) -> bool:
-        """Type ``prefix`` and a sync marker; True once the shell printed the marker."""
-        token = os.urandom(8).hex()
-        sink = _Sink(token, 0, output=False)
-        self._install(sink)
-        try:
-            self._type(f"{prefix}command printf '\\036BS{token}Y\\036'")
-            return self._wait(sink, timeout)
-        except AgentFailure:
-            return False
-        finally:
-            self._install(None)
-
-    def _wait(self, sink: _Sink, timeout: float | None) -> bool:
+    def _wait(self, sink: Sink, timeout: float | None) -> bool:
         """True once ``sink`` saw its end marker; False on timeout or if the shell is gone."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -177,64 +120,7 @@ class ThreadSession:
                 sink.done.wait(0.1)  # the reader drains what the shell left
                 return sink.matched
 
-    def _recover(self) -> None:
-        """Interrupt the running command and bring the shell back to reading lines."""
-        for _ in range(3):
-            if not self.alive:
-                return
-            self._install(None)  # what the interrupt prints is not the command's output
-            try:
-                os.write(self.master, b"\x03")
-            except OSError:
-                return
-            fg = self._foreground_job(INTERRUPT_GRACE_S)
-            if fg is not None:
-                try:
-                    os.killpg(fg, signal.SIGKILL)
-                except OSError:
-                    pass
-                self._foreground_job(INTERRUPT_GRACE_S)
-            self._reset_tty()
-            # A builtin such as ``read`` may finish by swallowing the first sync
-            # line: type more, waiting a little longer each time.
-            for wait in (0.05, 0.1, 0.2, 0.4, 0.8):
-                if self._sync("", wait):
-                    return
-
-    def _foreground_job(self, within: float) -> int | None:
-        """The foreground process group if it is not the shell's after ``within`` s."""
-        deadline = time.monotonic() + within
-        while True:
-            try:
-                fg = os.tcgetpgrp(self.master)
-            except OSError:
-                return None
-            if fg in (self.child.pid, 0) or not self.alive:
-                return None
-            if time.monotonic() >= deadline:
-                return fg
-            time.sleep(0.01)
-
-    def _reset_tty(self) -> None:
-        """Undo what a killed full-screen program may have left: canonical, no echo."""
-        try:
-            attrs = termios.tcgetattr(self.master)
-            want = (attrs[3] | termios.ICANON | termios.ISIG) & ~termios.ECHO
-            if want != attrs[3]:
-                attrs[3] = want
-                termios.tcsetattr(self.master, termios.TCSANOW, attrs)
-        except termios.error:
-            pass
-
-    def _type(self, line: str) -> None:
-        data = (" " + line + "\n").encode()
-        try:
-            while data:
-                data = data[os.write(self.master, data) :]
-        except OSError:
-            raise self._dead_error() from None
-
-    def _install(self, sink: _Sink | None) -> None:
+    def _install(self, sink: Sink | None) -> None:
         with self._sink_lock:
             self._sink = sink
 

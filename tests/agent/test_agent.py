@@ -781,7 +781,7 @@ def test_agent_as_pid1_reaps_orphans(tmp_path: Path, agent_factory: AgentFactory
 
 
 def test_session_markers_split_across_reads() -> None:
-    from bunshin.agent.sessions import _Sink
+    from bunshin.agent.shellpty import Sink as _Sink
 
     stream = (
         b"junk\x1eBSabcS\x1enot-done \x1eBSzzzE1\x1e" + b"x" * 100 + b"\x1eBSabcE42\x1etrailing"
