@@ -12,7 +12,10 @@ config: it hides that config's own state)::
                           its memory-file links left out
     DIR/mem/NAME          a memory file's data extents back to back (the file
                           itself is sparse and terabytes long; the extents are
-                          listed in snapshot.json)
+                          listed in snapshot.json); a live pre-copy's file
+                          (``live-<workspace>-<tag>``) once, with the top-most layer
+                          linking it; loaded where this home has none of that name,
+                          else the one here must hold the same bytes
 
 A folder is untrusted input: it holds root code and CRIU images, and whoever
 can write it chooses every name, path, limit and tar member in it. ``load``
