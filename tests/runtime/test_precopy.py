@@ -292,3 +292,50 @@ def test_the_clones_copy_is_cut_at_huge_page_boundaries() -> None:
     assert precopy._cut(4096, 3 * piece + 8192) == [(4096, piece), (piece, 2 * piece), (2 * piece, 3 * piece),
                                                      (3 * piece, 3 * piece + 8192)]
     assert precopy._cut(piece, piece + 4096) == [(piece, piece + 4096)]
+
+
+# PROG's 64 MiB as uid 1000, holding an inotify watch and a deleted file (a ghost) open;
+# on a request: the heap's hash, its uid, the ghost's hash, how many watches its inotify has
+MIXPROG = r"""
+import ctypes, hashlib, os, random, time
+libc = ctypes.CDLL(None, use_errno=True)
+rnd = random.Random(7)
+big = bytearray(rnd.randbytes(64 << 20))
+os.makedirs("/tmp/watched", exist_ok=True)
+ino = libc.inotify_init1(0)
+assert libc.inotify_add_watch(ino, b"/tmp/watched", 0x100) >= 0
+g = open("/tmp/ghost", "w+b"); g.write(rnd.randbytes(3 << 20)); g.flush(); os.unlink("/tmp/ghost")
+def answer():
+    g.seek(0)
+    watches = sum(l.startswith("inotify wd:") for l in open(f"/proc/self/fdinfo/{ino}"))
+    return " ".join([hashlib.sha256(big).hexdigest()[:16], str(os.getuid()),
+                     hashlib.sha256(g.read()).hexdigest()[:16], str(watches)])
+open("/tmp/ready.tmp", "w").write(answer()); os.replace("/tmp/ready.tmp", "/tmp/ready")
+while True:
+    if os.path.exists("/tmp/u/req"):
+        os.unlink("/tmp/u/req")
+        a = answer()
+        open("/tmp/u/ans.tmp", "w").write(a); os.replace("/tmp/u/ans.tmp", "/tmp/u/ans")
+    time.sleep(0.005)
+"""
+
+
+def test_a_converted_process_keeps_its_user_watches_and_ghost_file(live_family) -> None:
+    """Users, inotify and ghost files (the fork tests' programs are under 16 MiB): here in a process the
+    pre-copy converts, as the parent and its clone see them."""
+    ws = live_family.create()
+    assert ws.exec(["sh", "-c", "chmod 1777 /tmp && mkdir /tmp/u && chown 1000:1000 /tmp/u"]).exit_code == 0
+    pid = ws.commands.spawn(["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", "python3", "-c", MIXPROG])
+    deadline = time.monotonic() + 60
+    while ws.exec(["test", "-s", "/tmp/ready"]).exit_code != 0:
+        assert time.monotonic() < deadline, "the program did not start"
+        time.sleep(0.05)
+    first = ws.files.read_text("/tmp/ready").strip()
+    assert first.split()[1:] == ["1000", first.split()[2], "1"], first
+    hp = host_pid(ws, pid)
+    (clone,) = live_family.fork(ws, 1)
+    assert "/.bunshin/mem/live-" in Path(f"/proc/{hp}/maps").read_text()  # it was converted
+    for w in (ws, clone, ws):
+        r = w.exec(["sh", "-c", "rm -f /tmp/u/ans; touch /tmp/u/req; while [ ! -s /tmp/u/ans ]; do sleep 0.01; done;"
+                    " cat /tmp/u/ans"], timeout=60)
+        assert r.exit_code == 0 and r.stdout.strip() == first, r
