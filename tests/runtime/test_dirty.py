@@ -18,7 +18,7 @@ PAGES = 512
 
 # An area of PAGES pages (the first 64 written before tracking starts); on SIGUSR1
 # it applies /tmp/cmd: "w N..." writes one byte of each page N, "r N" reads a page
-# of /dev/urandom into page N (a write by the kernel), "m" moves the area (mremap),
+# of /dev/urandom into page N (a write by the kernel), "z N..." reads a byte of each, "m" moves the area (mremap),
 # then answers in /tmp/done.
 PROG = r"""
 import ctypes, mmap, os, signal
@@ -28,6 +28,9 @@ libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_i
 libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
 N = int(os.environ.get("PAGES", "512"))
 addr = libc.mmap(None, N * 4096, 3, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+if os.environ.get("NOHUGE"):
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert libc.madvise(ctypes.c_void_p(addr), N * 4096, 15) == 0  # MADV_NOHUGEPAGE: one page a fault
 ctypes.memset(addr, 7, 64 * 4096)
 rnd = os.open("/dev/urandom", os.O_RDONLY)
 seq = [0]
@@ -37,6 +40,9 @@ def apply(*_):
     if op == "w":
         for n in map(int, args):
             ctypes.c_char.from_address(addr + int(n) * 4096 + 11).value = b"x"
+    elif op == "z":  # read only: the page maps the shared zero page
+        for n in map(int, args):
+            ctypes.c_char.from_address(addr + int(n) * 4096 + 11).value
     elif op == "r":
         libc.read(rnd, ctypes.c_void_p(addr + int(args[0]) * 4096), 4096)
     elif op == "m":
@@ -51,9 +57,9 @@ while True:
 
 
 class Prog:
-    def __init__(self, family) -> None:
+    def __init__(self, family, *env: str) -> None:
         self.ws = family.create()
-        pid = self.ws.commands.spawn(["env", f"PAGES={PAGES}", "python3", "-c", PROG])
+        pid = self.ws.commands.spawn(["env", f"PAGES={PAGES}", *env, "python3", "-c", PROG])
         self.pid = host_pid(self.ws, pid)
         self.addr = int(self._wait("/tmp/addr"), 16)
         self.seq = 0
@@ -127,3 +133,16 @@ def test_refusals(family) -> None:
     with Tracker.open(p.pid) as t, pytest.raises(TrackingUnavailable, match="cannot be tracked"):
         t.track(lo, hi)  # not anonymous memory
     p.do("w 0")
+
+
+def test_present_leaves_out_pages_only_read(family) -> None:
+    """A page only read maps the shared zero page: not present (a pre-copy into the file would give it memory)."""
+    p = Prog(family, "NOHUGE=1")
+    with Tracker.open(p.pid) as t:
+        t.track(p.addr, p.addr + PAGES * PAGE)
+        p.do("z 100 101 102 400")
+        p.do("w 300 101")
+        everything = (p.addr, p.addr + PAGES * PAGE)
+        assert p.pages(t.present(*everything)) == [*range(64), 101, 300]
+        # the rest holds write-protect markers (never touched since tracked), which count as swapped
+        assert p.pages(t.swapped(*everything)) == [n for n in range(64, PAGES) if n not in (100, 101, 102, 300, 400)]

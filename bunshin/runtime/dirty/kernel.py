@@ -19,6 +19,7 @@ UFFDIO_WRITEPROTECT = 0xC018AA06
 PAGEMAP_SCAN = 0xC0606610
 PM_SCAN_WP_MATCHING, PM_SCAN_CHECK_WPASYNC = 1 << 0, 1 << 1
 PAGE_IS_WPALLOWED, PAGE_IS_WRITTEN, PAGE_IS_PRESENT, PAGE_IS_SWAPPED = 1 << 0, 1 << 1, 1 << 3, 1 << 4
+PAGE_IS_PFNZERO = 1 << 5
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -100,17 +101,30 @@ def scan_written(pagemap_fd: int, start: int, end: int, *, protect: bool, batch:
 
 
 def scan_populated(pagemap_fd: int, start: int, end: int, batch: int = 4096) -> list[Run]:
-    """The runs in ``[start, end)`` that hold pages (in memory or swapped out); holes read as zeros."""
+    """The runs in ``[start, end)`` that hold pages (in memory or swapped out); holes read as zeros.
+    (Write-protect markers on pages never touched count as swapped: see ``scan_present``.)"""
     return _scan(pagemap_fd, start, end, 0, 0, PAGE_IS_PRESENT | PAGE_IS_SWAPPED, batch)
 
 
-def _scan(pagemap_fd: int, start: int, end: int, flags: int, mask: int, anyof: int, batch: int) -> list[Run]:
+def scan_present(pagemap_fd: int, start: int, end: int, batch: int = 4096) -> list[Run]:
+    """The runs in ``[start, end)`` in memory but the shared zero page (what a page only read maps)."""
+    return _scan(pagemap_fd, start, end, 0, PAGE_IS_PFNZERO, PAGE_IS_PRESENT, batch, inverted=PAGE_IS_PFNZERO)
+
+
+def scan_swapped(pagemap_fd: int, start: int, end: int, batch: int = 4096) -> list[Run]:
+    """The runs in ``[start, end)`` swapped out, or holding a write-protect marker (never touched)."""
+    return _scan(pagemap_fd, start, end, 0, 0, PAGE_IS_SWAPPED, batch)
+
+
+def _scan(pagemap_fd: int, start: int, end: int, flags: int, mask: int, anyof: int, batch: int,
+          inverted: int = 0) -> list[Run]:
     vec = (PageRegion * batch)()
     out: list[Run] = []
     pos = start
     while pos < end:
         arg = PmScanArg(size=ctypes.sizeof(PmScanArg), flags=flags, start=pos, end=end, vec=ctypes.addressof(vec),
-                        vec_len=batch, category_mask=mask, category_anyof_mask=anyof, return_mask=mask | anyof)
+                        vec_len=batch, category_inverted=inverted, category_mask=mask,
+                        category_anyof_mask=anyof, return_mask=(mask & ~inverted) | anyof)
         n = fcntl.ioctl(pagemap_fd, PAGEMAP_SCAN, arg)
         out += [Run(vec[i].start, vec[i].end) for i in range(n)]
         if arg.walk_end <= pos:

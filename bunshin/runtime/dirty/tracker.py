@@ -112,6 +112,14 @@ class Tracker:
         """The runs of ``[start, end)`` that hold pages (the rest reads as zeros)."""
         return kernel.scan_populated(self._pagemap, start, end)
 
+    def present(self, start: int, end: int) -> list[Run]:
+        """The runs of ``[start, end)`` in memory, the shared zero page left out."""
+        return kernel.scan_present(self._pagemap, start, end)
+
+    def swapped(self, start: int, end: int) -> list[Run]:
+        """The runs of ``[start, end)`` swapped out or never touched since tracked (markers)."""
+        return kernel.scan_swapped(self._pagemap, start, end)
+
     def close(self) -> None:
         """Stop tracking: every area unregistered (what is still mapped), the fds closed."""
         if self._uffd < 0:

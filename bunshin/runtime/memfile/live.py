@@ -264,7 +264,9 @@ def _run(pid: int, tracker: Tracker, slots: Slots, dst: int, view: str,
         alive_or_refuse(pidfd, pid)  # alive after the open: the pid was still its, the descriptor is its memory
         tracked = dict(zip(planned, tracker.areas, strict=True))
         for a in planned:  # round 1: what each area holds now
-            result.precopy_bytes += _precopy(pid, pidfd, mem, dst, a, tracker.populated(a.start, a.end), True)
+            # in memory: straight into the file; swapped or never touched (markers): read, zeros left holes
+            result.precopy_bytes += _precopy(pid, pidfd, mem, dst, a, tracker.present(a.start, a.end), True)
+            result.precopy_bytes += _copy(mem, dst, a, tracker.swapped(a.start, a.end), fresh=True)
         for _ in range(max(rounds - 1, 0)):  # later rounds: what was written meanwhile
             n = 0
             for a in planned:
