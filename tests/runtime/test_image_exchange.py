@@ -59,8 +59,9 @@ def pair(tmp_path: Path, layouts):
 
 
 def _tree(root: Path) -> list[tuple]:
-    """Everything overlayfs sees of a layer folder: names, types, modes, owners, times,
-    contents, link targets, device numbers, the opaque xattr, which names share an inode."""
+    """Everything overlayfs sees of a layer folder: names, types, modes, owners, times
+    (a whiteout's is the time it was made: overlayfs ignores it), contents, link targets,
+    device numbers, the opaque xattr, which names share an inode."""
     out: list[tuple] = []
     inodes: dict[int, str] = {}
     for dirpath, dirs, files in os.walk(root):
@@ -76,7 +77,9 @@ def _tree(root: Path) -> list[tuple]:
                 extra = os.readlink(p)
             elif stat.S_ISDIR(st.st_mode):
                 extra = os.getxattr(p, "trusted.overlay.opaque") if "trusted.overlay.opaque" in os.listxattr(p) else None
-            out.append((rel, st.st_mode, st.st_uid, st.st_gid, int(st.st_mtime), st.st_rdev, extra))
+            whiteout = stat.S_ISCHR(st.st_mode) and st.st_rdev == 0  # its time means nothing (not in the tar)
+            out.append((rel, st.st_mode, st.st_uid, st.st_gid, None if whiteout else int(st.st_mtime), st.st_rdev,
+                        extra))
     return out
 
 

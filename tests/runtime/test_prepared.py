@@ -200,9 +200,14 @@ def test_the_warm_pool_is_made_ahead_and_refilled_after_each_exec():
         def warm() -> list[str]:
             deadline = time.monotonic() + 10
             while True:
-                kids = [p for p in helper.children() if p.status() != psutil.STATUS_ZOMBIE]
-                nets = [os.readlink(f"/proc/{p.pid}/ns/net") for p in kids]
-                if (len(kids) == zygote.POOL and host_net not in nets) or time.monotonic() > deadline:
+                nets = []
+                for p in helper.children():  # a child that ran its command may end while it is looked at
+                    try:
+                        if p.status() != psutil.STATUS_ZOMBIE:
+                            nets.append(os.readlink(f"/proc/{p.pid}/ns/net"))
+                    except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError):
+                        pass
+                if (len(nets) == zygote.POOL and host_net not in nets) or time.monotonic() > deadline:
                     return nets
                 time.sleep(0.01)
 
