@@ -79,6 +79,12 @@ def release(cfg: Config) -> bool:
     """
     path = cfg.tmpfs
     if options(path) is None:
+        # no tmpfs, but views of an earlier one may be left mounted in its folder
+        # (e.g. the folder made again by a later run): they go the same way
+        views = idmap.mounted(cfg)
+        if views and not set(mounts_under(path)) - own_mounts(cfg):
+            idmap.release(cfg)
+            return not idmap.mounted(cfg)
         return False
     if set(mounts_under(path)) - own_mounts(cfg):
         return False  # a workspace's overlay is still mounted

@@ -133,3 +133,18 @@ def test_huge_copy_off_region_bounds_and_short_source(home):
         os.close(fd)
         path.unlink()
         (home.tmpfs / "memfile2").unlink(missing_ok=True)
+
+
+def test_views_left_in_a_folder_that_is_no_longer_a_mount_are_released(home):
+    """Views of an earlier tmpfs left in its folder (the tmpfs itself gone) are bunshin's
+    state all the same: the idle release unmounts them."""
+    from bunshin.runtime import idmap
+
+    home.tmpfs.mkdir(parents=True)
+    try:
+        target = idmap.view(home, Path("/"))
+        assert statefs.options(home.tmpfs) is None and str(target) in idmap.mounted(home)
+        assert statefs.release(home) is True
+        assert idmap.mounted(home) == set()
+    finally:
+        idmap.release(home)
