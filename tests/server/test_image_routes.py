@@ -125,13 +125,20 @@ def test_a_tampered_stream_over_http_is_refused_and_leaves_nothing(hosts) -> Non
         cb.images.put_layer(image_id, top, iter([data[:1024]]))
     assert _staging_empty(b)
     # the sender dies mid-stream (the head's source host went away): the target drops what it had
+    # It goes away only once the target is unpacking (its staging folder holds the layer's):
+    # a sender that left before the target even began would leave the check below racing the
+    # target's start.
     def dies() -> Iterator[bytes]:
         yield data[:4096]
+        began = time.monotonic() + 30
+        while _staging_empty(b) and time.monotonic() < began:
+            time.sleep(0.02)
+        assert not _staging_empty(b), "the target never began unpacking the layer"
         raise ConnectionResetError("the source host went away")
 
     with pytest.raises(ConnectionResetError):
         cb.images.put_layer(image_id, top, dies())
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while not _staging_empty(b) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _staging_empty(b) and not b.paths.image_layer(top["diff_id"]).exists()
