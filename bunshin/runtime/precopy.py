@@ -7,22 +7,20 @@ written meanwhile and the remap, and from then on it is like a clone: CRIU's
 dump holds only what it wrote since (a delta), the rewrite finds the file and
 the trap as in a clone's dump, and every later fork of it is a delta too.
 
-Where the files lie. The process maps ``/.bunshin/mem/live-<workspace>-<hex>``
-of its own upper (the workspace's tmpfs, so that it and CRIU reach it by
-path); that folder and ``/.bunshin`` must be host-owned (the workspace's root
-is an unprivileged host id: it can neither write them nor plant anything
-there), the file is mode 0444, owned by host root. The upper is its own tmpfs,
-so the clones' copy cannot be a link of it: once the process runs again the
-file is copied (holes kept) to ``Config.paths.mem`` under the same name, sealed,
-and each snapshot's layer links that copy (``link_names``), as the rewrite's
-own files. The system holds two copies (the parent's and the clones'), as
-without pre-copy (the parent's anonymous memory and the clones' file), but
-the parent is stopped only for the pages written during the copy. The
-frozen copy of the upper skips ``/.bunshin/mem`` (each layer gets its own anew).
-A live copy in ``paths.mem`` stays while its workspace exists or a layer links
-it (``sweep_keeps``). A process that cannot be converted exactly
-(``LiveUnavailable``: no trap, areas that change under the copy, a full upper,
-...) is left to CRIU as before, the reason recorded.
+Where the file lies: one copy. It is written in ``Config.paths.mem`` as
+``live-<workspace>-<hex>`` (host root's, sealed once converted), where each
+snapshot's layer links it (``link_names``) for the clones, as the rewrite's own
+files. The process reaches it at ``/.bunshin/mem/<name>`` (what its mappings
+and its trap's table name) through a read-only bind of that very file over an
+empty placeholder the host makes in the upper's host-owned ``/.bunshin/mem``
+(``memfile.live_bind``). A dump of the process names the bind external
+(``dump_externals``) and ``drop_binds`` then takes the bind out of the images:
+the file is named from the workspace's root mount, where each clone's layer
+holds its link. The frozen copy of the upper skips ``/.bunshin/mem`` (each layer
+gets its own anew). A live file stays while its workspace exists or a layer
+links it (``sweep_keeps``). A process that cannot be converted exactly
+(``LiveUnavailable``: no trap, areas that change under the copy, ...) is left
+to CRIU as before, the reason recorded.
 """
 
 from __future__ import annotations
@@ -34,27 +32,24 @@ import re
 import secrets
 import stat
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bunshin.config import Config
+from bunshin.errors import BunshinError
 
-from . import statefs
 from . import syscalls as sc
-from .memfile import SUFFIX, remove_memfile, trapcode
+from .memfile import SUFFIX, criu_images, live_bind, trapcode
 from .memfile.criu_images import referenced_memfiles
-from .memfile.fileio import data_extents, seal, write_data
+from .memfile.fileio import seal
 from .memfile.live import LiveUnavailable, alive_or_refuse, convert_live, live_areas_held
 
 PREFIX = "live-"
 #: a live file's name: its workspace, a random tag (snapshot_io saves and loads these with a layer)
 LIVE_NAME = re.compile(r"live-(ws-[0-9a-f]{12})-[0-9a-f]{8}" + re.escape(SUFFIX))
 MIN_BYTES = 16 << 20  # smaller: CRIU's copy costs less than a conversion
-_SLACK = 8 << 20  # the handler, its table, a partial huge page
 REPORT = "precopy.json"  # in the snapshot's folder
-SHARE_THREADS = 2  # the clones' copy, side by side (two cores here)
-SHARE_PIECE = 64 << 20  # a multiple of 2 MiB
+BIND_KEY = "bunshin-live-"  # CRIU's key of a live file's bind (``dump_externals``)
 
 
 @dataclass(frozen=True)
@@ -70,7 +65,7 @@ class Converted:
     dirty_ms: float
     remap_ms: float
     dirty_bytes: int
-    share_ms: float  # copying it for the clones, the process running
+    share_ms: float  # (none since the one copy: kept for older reports)
     trap_ms: float = 0.0  # of remap_ms: the trap
     map_ms: float = 0.0  # of remap_ms: the MAP_FIXED mappings
 
@@ -132,14 +127,13 @@ def convert(cfg: Config, ws_id: str, upper: Path, root: Path, view: str, pids: l
     what happened. Each is pinned by a pidfd and must be in the init's pid namespace (a pid
     listed may be reused by a host process before its turn).
 
-    ``root``: the workspace's overlay on the host, where the file is looked at as
-    the processes see it (through descriptors, never following a symlink).
+    ``upper``: the workspace's upper (its ``/.bunshin/mem`` holds the placeholders).
     """
     t0 = time.perf_counter()
     report = Report()
     try:
         blob = trapcode.build_blob(cfg.paths.sigsys)
-        cfg.paths.mem.mkdir(parents=True, exist_ok=True)  # (the clones' copies)
+        cfg.paths.mem.mkdir(parents=True, exist_ok=True)  # (the live files)
         dir_fd = _mem_dir(upper)
     except (OSError, LiveUnavailable) as exc:
         report.skipped = [Skipped(p, f"no live conversion: {exc}") for p in pids]
@@ -190,44 +184,55 @@ def _one(cfg: Config, ws_id: str, view: str, dir_fd: int, upper: Path, root: Pat
 
 def _convert_one(cfg: Config, name: str, view: str, dir_fd: int, upper: Path, root: Path, blob: trapcode.Blob,
                  pid: int, pidfd: int, areas: list[tuple[int, int]], size: int, report: Report) -> None:
-    before = 0
+    """The file is written in ``paths.mem`` and bound over a placeholder of the upper (``live_bind``)."""
+    del upper, root, size
+    host = os.open(cfg.paths.mem, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    bound = []
+
+    def publish() -> None:  # the process still running, the file host root's 0600
+        live_bind.bind(host, name, pidfd, view)
+        bound.append(name)
+
     try:
-        before = _make_room(upper.parent, size)
-        res = convert_live(pid, areas, Path(name), f"{view.rstrip('/')}/{name}", trap=blob, immutable=False,
-                           dir_fd=dir_fd, seen_as=lambda: _seen(root, view, name), pidfd=pidfd)
-    except (LiveUnavailable, OSError) as exc:
-        kept = _exists(dir_fd, name)  # the process maps it already (the trap, a piece): the clones need it too
-        if before and not kept:  # no file took the room: the workspace gets no more
-            with contextlib.suppress(OSError):
-                _resize(upper.parent, before)
-        if kept:
-            with contextlib.suppress(OSError):
-                _copy_sealed(dir_fd, name, cfg.paths.mem / name, statefs.huge_memfiles(cfg))
-        report.skipped.append(Skipped(pid, str(exc)))
-        return
-    t0 = time.perf_counter()
-    shared = cfg.paths.mem / name
-    _copy_sealed(dir_fd, name, shared, statefs.huge_memfiles(cfg))
+        _placeholder(dir_fd, name)
+        try:
+            res = convert_live(pid, areas, Path(name), f"{view.rstrip('/')}/{name}", trap=blob, immutable=True,
+                               dir_fd=host, pidfd=pidfd, publish=publish)
+        except (LiveUnavailable, OSError) as exc:
+            if _exists(host, name):  # the process maps it already (the trap, a piece): the clones need it too
+                with contextlib.suppress(OSError):
+                    _seal_at(host, name)
+            else:
+                if bound:
+                    with contextlib.suppress(OSError):
+                        live_bind.unbind(pidfd, view, name)
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=dir_fd)
+            report.skipped.append(Skipped(pid, str(exc)))
+            return
+    finally:
+        os.close(host)
     report.converted.append(Converted(
-        pid, str(shared), res.precopy_bytes + res.dirty_bytes, round(res.precopy_ms, 2), round(res.pause_ms, 2),
-        round(res.stopped_ms, 2), res.stops, round(res.stop_ms, 2), round(res.dirty_ms, 2), round(res.remap_ms, 2), res.dirty_bytes,
-        round((time.perf_counter() - t0) * 1000, 2), round(res.trap_ms, 2), round(res.map_ms, 2)))
+        pid, str(cfg.paths.mem / name), res.precopy_bytes + res.dirty_bytes, round(res.precopy_ms, 2),
+        round(res.pause_ms, 2), round(res.stopped_ms, 2), res.stops, round(res.stop_ms, 2), round(res.dirty_ms, 2),
+        round(res.remap_ms, 2), res.dirty_bytes, 0.0, round(res.trap_ms, 2), round(res.map_ms, 2)))
 
 
-def _make_room(wdir: Path, size: int) -> int:
-    """Grow the workspace's upper tmpfs (if it has a size) by what the live file will hold; its size before.
-
-    The file takes that room for good: the workspace keeps the free space it had.
-    """
-    st = os.statvfs(wdir)
-    total = st.f_blocks * st.f_frsize
-    if total:
-        _resize(wdir, total + size + _SLACK)
-    return total
+def _placeholder(dir_fd: int, name: str) -> None:
+    """The empty host-owned file the bind covers (the path the process's mappings name)."""
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444, dir_fd=dir_fd)
+    try:
+        os.fchmod(fd, 0o444)
+    finally:
+        os.close(fd)
 
 
-def _resize(wdir: Path, size: int) -> None:
-    sc.mount("bunshin-upper", str(wdir), "tmpfs", sc.MS_REMOUNT | sc.MS_NOSUID | sc.MS_NODEV, f"size={size}")
+def _seal_at(dir_fd: int, name: str) -> None:
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        seal(fd)
+    finally:
+        os.close(fd)
 
 
 def _exists(dir_fd: int, name: str) -> bool:
@@ -236,45 +241,6 @@ def _exists(dir_fd: int, name: str) -> bool:
     except FileNotFoundError:
         return False
     return True
-
-
-def _seen(root: Path, view: str, name: str) -> os.stat_result:
-    fd = sc.open_dir_beneath(root, Path(view).relative_to("/").parts, path_only=True)
-    try:
-        return os.stat(name, dir_fd=fd, follow_symlinks=False)
-    finally:
-        os.close(fd)
-
-
-def _copy_sealed(dir_fd: int, name: str, dst: Path, huge: bool) -> None:
-    """The clones' copy of a live file (it no longer changes: sealed, mapped), holes kept, sealed."""
-    src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-    try:
-        out = os.open(dst, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            size = os.fstat(src).st_size
-            os.ftruncate(out, size)
-            pieces = [p for off, length in data_extents(src, 0, size) for p in _cut(off, off + length)]
-            with ThreadPoolExecutor(SHARE_THREADS) as pool:  # dense 2 MiB regions as huge pages, as the rewrite
-                list(pool.map(lambda p: write_data(src, p[0], out, p[0], p[1] - p[0], huge=huge), pieces))
-            seal(out)
-        except BaseException:
-            os.close(out)
-            remove_memfile(dst)
-            raise
-        os.close(out)
-    finally:
-        os.close(src)
-
-
-def _cut(start: int, end: int) -> list[tuple[int, int]]:
-    """``[start, end)`` in pieces of ``SHARE_PIECE`` bytes cut at 2 MiB boundaries (huge pages stay whole)."""
-    out, lo = [], start
-    while lo < end:
-        hi = min(end, (lo // SHARE_PIECE + 1) * SHARE_PIECE)
-        out.append((lo, hi))
-        lo = hi
-    return out
 
 
 def link_names(cfg: Config, images: Path, view: str) -> list[str]:
@@ -301,3 +267,65 @@ def sweep_keeps(path: Path, workspaces: set[str]) -> bool:
     except OSError:
         return False
     return stat.S_ISREG(st.st_mode) and st.st_nlink > 1
+
+
+def bound_views(pid: int, view: str) -> list[str]:
+    """The live files bound in ``pid``'s mount namespace (``live_bind``), as its mount points name them.
+
+    Only the host mounts there (the workspace's filter refuses every mount call),
+    and only names of ``LIVE_NAME`` under ``view`` are taken.
+    """
+    out = []
+    prefix = view.rstrip("/") + "/"
+    try:
+        text = Path(f"/proc/{pid}/mountinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return []
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) > 4 and fields[4].startswith(prefix) and LIVE_NAME.fullmatch(fields[4][len(prefix):]):
+            out.append(fields[4])
+    return sorted(set(out))
+
+
+def dump_externals(pid: int | None, view: str) -> list[str]:
+    """CRIU's ``--external`` arguments for the live files bound in the workspace of init ``pid``."""
+    if pid is None:
+        return []
+    out: list[str] = []
+    for point in bound_views(pid, view):
+        out += ["--external", f"mnt[{point}]:{BIND_KEY}{Path(point).name.removesuffix(SUFFIX)}"]
+    return out
+
+
+def drop_binds(images: Path) -> int:
+    """Take the live files' binds (``dump_externals``) out of a dump: every file opened or mapped
+    through one is named from its namespace's root mount instead (where each clone's layer links
+    the file, by the same path). How many binds were dropped."""
+    files_path = images / "files.img"
+    moved: dict[int, int] = {}  # a bind's mnt_id -> its namespace's root mount's
+    for path in sorted(images.glob("mountpoints-*.img")):
+        img = criu_images.load(path)
+        entries = img["entries"]
+        binds = [e for e in entries if str(e.get("ext_key", "")).startswith(BIND_KEY)]
+        if not binds:
+            continue
+        roots = [e for e in entries if e.get("mountpoint") == "/"]
+        if len(roots) != 1:
+            raise BunshinError(f"the dump's {path.name} has no one root mount to name the live files from",
+                               hint="fork again; if it persists, report the dump log")
+        for b in binds:
+            if any(e.get("parent_mnt_id") == b["mnt_id"] for e in entries):
+                raise BunshinError(f"a mount was made over the live file {b.get('mountpoint')}",
+                                   hint="the workspace's mounts were changed: remove it")
+            moved[b["mnt_id"]] = roots[0]["mnt_id"]
+        img["entries"] = [e for e in entries if e not in binds]
+        criu_images.save(img, path)
+    if moved and files_path.exists():
+        img = criu_images.load(files_path)
+        for e in img["entries"]:
+            for body in e.values():
+                if isinstance(body, dict) and body.get("mnt_id") in moved:
+                    body["mnt_id"] = moved[body["mnt_id"]]
+        criu_images.save(img, files_path)
+    return len(moved)

@@ -221,6 +221,7 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
                     quiesced(Path(rec.root).parent):  # no host call may hold a connection into it
                 extra = [*_COMMON, *DUMP_EXTERNAL, "--manage-cgroups=ignore", "--ghost-limit", str(ghost_limit)]
                 extra += mount_externals(rec.mounts, dump=True)
+                extra += precopy.dump_externals(rec.pid, MEM_VIEW)  # live files' binds (one copy, in paths.mem)
                 run = criu.dump(cfg.criu, rec.pid or 0, images, leave_running=True, extra=extra, placement=inside,
                                 notify=copy.notify, log_level=cfg.dump_log_level)
         except CriuError as e:  # what CRIU cannot carry, named (a ghost over the limit, a watch it cannot record)
@@ -231,6 +232,7 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
         if not layer.is_dir():
             raise BunshinError(f"the upper layer of {rec.id} was not frozen", hint="see the dump log")
         netns_image.add(images, cfg.id_count)  # a clone's network namespace is its user namespace's
+        precopy.drop_binds(images)  # the clones reach the live files through their layer, by the same path
         files: tuple[str, ...] = ()
         rewrite_ms, mem_bytes, layer_bytes = 0.0, 0, _du(layer)
         if mode is SnapshotMode.COW:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import time
@@ -13,6 +14,7 @@ import pytest
 from bunshin.errors import SnapshotNotFound, StateConflict
 from bunshin.runtime import precopy
 from bunshin.runtime import snapshot as rsnap
+from bunshin.runtime.memfile.fileio import data_extents
 from bunshin.runtime.store import Store
 from bunshin.workspace import Snapshot
 from tests.workspace.fixtures import Family
@@ -110,6 +112,52 @@ def test_fork_with_precopy_is_exact_and_later_forks_are_deltas(live_family, memo
     assert ask(c2) == ask(ws)  # (both at the parent's state when forked, each one step on)
 
 
+def _mapped_inodes(pid: int) -> set[tuple[str, int]]:
+    """(path, inode) of every mapping of a live file in ``pid``'s maps."""
+    out = set()
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        parts = line.split()
+        if len(parts) > 5 and "/.bunshin/mem/live-" in parts[5]:
+            out.add((parts[5], int(parts[4])))
+    return out
+
+
+def _anon_kib(pid: int) -> int:
+    return sum(int(ln.split()[1]) for ln in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+               if ln.startswith("Anonymous:"))
+
+
+def test_the_parent_and_its_clones_map_one_copy(live_family) -> None:
+    """One copy of the converted memory: the parent maps the very file of ``paths.mem`` its clones map
+    (by their layer's link), the upper holds only an empty placeholder, the host's mounts gain nothing."""
+    cfg = live_family.cfg
+    ws, hp, first = started(live_family)
+    anon_before = _anon_kib(hp)
+    host_mounts = Path("/proc/self/mountinfo").read_text().count("live-ws-")
+    snap = live_family.snapshot(ws)
+    (c1,) = live_family.restore(snap, 1)
+    (path, ino), = _mapped_inodes(hp)
+    name = Path(path).name
+    host = cfg.paths.mem / name
+    st = os.stat(host)
+    assert st.st_ino == ino and st.st_uid == 0 and st.st_mode & 0o777 == 0o444
+    assert st.st_blocks * 512 >= 64 * MIB  # it holds the memory
+    assert _anon_kib(hp) < anon_before - 60 * 1024  # and the parent's own anonymous copy is gone
+    layer_link = Path(snap.record.layer) / ".bunshin/mem" / name
+    assert layer_link.stat().st_ino == st.st_ino  # the clones' layer links that inode, no copy
+    nspid = int(next(ln for ln in Path(f"/proc/{hp}/status").read_text().splitlines()
+                     if ln.startswith("NSpid:")).split()[-1])
+    assert _mapped_inodes(host_pid(c1, nspid)) == {(path, st.st_ino)}  # the clone maps the same inode
+    placeholder = Path(ws.record.upper) / ".bunshin/mem" / name
+    pst = placeholder.lstat()
+    assert pst.st_size == 0 and pst.st_blocks == 0 and pst.st_uid == 0  # the upper holds nothing of it
+    assert list(cfg.paths.mem.glob(f"*{name}*")) == [host]  # no second copy under another name
+    # the bind is in the workspace's mount namespace only
+    assert Path("/proc/self/mountinfo").read_text().count("live-ws-") == host_mounts
+    assert any(ln.split()[4] == path for ln in Path(f"/proc/{hp}/mountinfo").read_text().splitlines())
+    assert ask(ws) == first and ask(c1) == first
+
+
 def test_sweep_keeps_live_files_while_held(tmp_path: Path) -> None:
     name = f"{precopy.PREFIX}ws-0123abcd-89ab{'.bunshin-mem'}"
     f = tmp_path / name
@@ -121,16 +169,45 @@ def test_sweep_keeps_live_files_while_held(tmp_path: Path) -> None:
     assert not precopy.sweep_keeps(tmp_path / "layer-link", {"ws-0123abcd"})  # not a live file's name
 
 
+def _digest(path: Path) -> str:
+    """A hash of a sparse file's data and where it lies."""
+    h = hashlib.sha256()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for off, n in data_extents(fd, 0, os.fstat(fd).st_size):
+            h.update(f"{off}:{n}".encode())
+            h.update(os.pread(fd, n, off))
+    finally:
+        os.close(fd)
+    return h.hexdigest()
+
+
 def test_the_live_file_cannot_be_changed_from_inside(live_family) -> None:
-    """Attacks from the workspace on the memory file its clones share: all refused, the file unchanged."""
+    """Attacks from the workspace on the memory file its clones share (the bind of the host's one copy):
+    all refused, the file unchanged to the byte."""
     ws, hp, first = started(live_family)
     live_family.fork(ws, 1)
-    name = next(ln.split()[-1] for ln in Path(f"/proc/{hp}/maps").read_text().splitlines() if "/live-" in ln)
+    line = next(ln for ln in Path(f"/proc/{hp}/maps").read_text().splitlines() if "/live-" in ln)
+    name = line.split()[-1]
+    span = "-".join(f"{int(x, 16):x}" for x in line.split()[0].split("-"))  # as map_files names it
     host = live_family.cfg.paths.mem / Path(name).name
     before = os.stat(host)
+    digest = _digest(host)
     attack = f"""
-import os, errno
+import ctypes, errno, mmap, os
+libc = ctypes.CDLL(None, use_errno=True)
 p = {name!r}
+def sys(nr, *args):
+    if libc.syscall(nr, *args) < 0:
+        raise OSError(ctypes.get_errno(), "")
+def shared_write():
+    fd = os.open(p, os.O_RDONLY)
+    mmap.mmap(fd, 4096, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+def unshared_umount():
+    libc.unshare(0x20000)  # (a mount namespace of its own, if allowed: the last attack, then)
+    sys(166, p.encode(), 2)
+os.makedirs("/tmp/evil", exist_ok=True)
+open("/tmp/evil/f", "w").write("x")
 out = []
 for what, fn in [
     ("write", lambda: os.open(p, os.O_RDWR)),
@@ -140,22 +217,69 @@ for what, fn in [
     ("rename", lambda: os.rename(p, "/tmp/x")),
     ("rename-dir", lambda: os.rename("/.bunshin/mem", "/tmp/m")),
     ("plant", lambda: open("/.bunshin/mem/evil.bunshin-mem", "w")),
+    ("shared-write", shared_write),
+    ("map-files", lambda: os.open("/proc/self/map_files/{span}", os.O_RDWR)),
+    ("map-files-read", lambda: os.open("/proc/self/map_files/{span}", os.O_RDONLY)),
+    ("umount", lambda: sys(166, p.encode(), 2)),
+    ("bind-over", lambda: sys(165, b"/tmp/evil/f", p.encode(), None, 4096, None)),
+    ("open-tree", lambda: sys(428, -100, p.encode(), 1)),
+    ("mount-over-dir", lambda: sys(165, b"none", b"/.bunshin/mem", b"tmpfs", 0, None)),
+    ("umount-in-own-ns", unshared_umount),
 ]:
     try:
         fn()
         out.append(what + ":done")
     except OSError as e:
-        out.append(what + ":" + errno.errorcode[e.errno])
+        out.append(what + ":" + errno.errorcode.get(e.errno, str(e.errno)))
 print(" ".join(out))
 """
     r = ws.exec(["python3", "-c", attack])
     got = dict(w.split(":") for w in r.stdout.split())
-    assert set(got) == {"write", "truncate", "chmod", "unlink", "rename", "rename-dir", "plant"}, r
-    assert all(v in ("EACCES", "EPERM", "EROFS") for v in got.values()), got
+    assert len(got) == 15, r
+    assert os.path.exists(f"/proc/{hp}/map_files/{span}")  # (the host sees that name: inside, not even that)
+    assert all(v in ("EACCES", "EPERM", "EROFS", "EBUSY") or (w.startswith("map-files") and v == "ENOENT")
+               for w, v in got.items()), r.stdout
     after = os.stat(host)
     assert (after.st_ino, after.st_size, after.st_mtime_ns, after.st_mode) == \
         (before.st_ino, before.st_size, before.st_mtime_ns, before.st_mode)
-    assert ask(ws) == first
+    assert _digest(host) == digest
+    assert _mapped_inodes(hp) == {(name, before.st_ino)}  # still the host's file, still bound
+    (c2,) = live_family.fork(ws, 1)  # and a later fork still works
+    assert ask(ws) == first and ask(c2) == first
+
+
+def test_the_bind_goes_only_on_the_hosts_placeholder(live_family) -> None:
+    """``live_bind`` refuses any target but the host's empty placeholder: a file or a planted symlink in a
+    folder of the workspace's, a host file holding bytes, a missing one; nothing is mounted."""
+    from bunshin.runtime.memfile import live_bind
+    cfg = live_family.cfg
+    ws = live_family.create()
+    assert ws.exec(["sh", "-c", "mkdir -p /tmp/w && ln -s /etc/passwd /tmp/w/link && : > /tmp/w/file"]).exit_code == 0
+    cfg.paths.mem.mkdir(parents=True, exist_ok=True)
+    mem = precopy._mem_dir(Path(ws.record.upper))  # the upper's host-owned /.bunshin/mem
+    fd = os.open("full", os.O_WRONLY | os.O_CREAT, 0o444, dir_fd=mem)
+    os.write(fd, b"bytes")
+    os.close(fd)
+    dfd = os.open(cfg.paths.mem, os.O_RDONLY | os.O_DIRECTORY)
+    pidfd = os.pidfd_open(ws.record.pid)
+    made = []
+    try:
+        before = Path(f"/proc/{ws.record.pid}/mountinfo").read_text()
+        for view, name in [("/tmp/w", "file"), ("/tmp/w", "link"), ("/.bunshin/mem", "full"),
+                           ("/.bunshin/mem", "missing")]:
+            (cfg.paths.mem / name).write_bytes(b"canary")
+            made.append(cfg.paths.mem / name)
+            with pytest.raises(live_bind.BindFailed, match="not the host's|No such file"):
+                live_bind.bind(dfd, name, pidfd, view)
+        assert Path(f"/proc/{ws.record.pid}/mountinfo").read_text() == before
+        assert "canary" not in ws.exec(["cat", "/etc/passwd", "/tmp/w/file", "/.bunshin/mem/full"]).stdout
+    finally:
+        os.close(pidfd)
+        os.close(dfd)
+        os.unlink("full", dir_fd=mem)
+        os.close(mem)
+        for f in made:
+            f.unlink()
 
 
 def _live_entries(folder: Path) -> list[dict]:
@@ -283,15 +407,6 @@ def test_jemalloc_in_a_workspace_keeps_calloc_zero_after_a_live_conversion(live_
         if w is ws:  # calloc handed out memory that was the file's when jemalloc purged it
             got = [int(a, 16) for a in where]
             assert any(b - N <= a < b + N for a in got for b in blocks), (where, blocks)
-
-
-def test_the_clones_copy_is_cut_at_huge_page_boundaries() -> None:
-    piece = precopy.SHARE_PIECE
-    assert piece % (2 * MIB) == 0
-    assert precopy._cut(0, 0) == []
-    assert precopy._cut(4096, 3 * piece + 8192) == [(4096, piece), (piece, 2 * piece), (2 * piece, 3 * piece),
-                                                     (3 * piece, 3 * piece + 8192)]
-    assert precopy._cut(piece, piece + 4096) == [(piece, piece + 4096)]
 
 
 # PROG's 64 MiB as uid 1000, holding an inotify watch and a deleted file (a ghost) open;

@@ -56,7 +56,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
 
 
-_How = tuple[bool, "Callable[[], os.stat_result] | None"]  # immutable, seen_as
+_How = tuple[bool, "Callable[[], os.stat_result] | None", "Callable[[], None] | None"]  # immutable, seen_as, publish
 
 
 class LiveUnavailable(Exception):
@@ -87,6 +87,7 @@ class LiveResult:
     remap_ms: float = 0.0  # trap and remap (stopped)
     trap_ms: float = 0.0  # of which: planning and installing the trap
     map_ms: float = 0.0  # of which: the MAP_FIXED mappings (freeing the anonymous pages)
+    publish_ms: float = 0.0  # making the file reachable at its view (the process running)
     pause_ms: float = 0.0  # the longest time the process was stopped at once
     stopped_ms: float = 0.0  # all its stops together
     stops: int = 0  # one per piece of at most CHUNK bytes
@@ -187,7 +188,7 @@ def convert_live(
     pid: int, areas: list[tuple[int, int]], path: Path, view: str, *,
     growth_room: int = DEFAULT_GROWTH_ROOM, rounds: int = 2, trap: Blob | None = None,
     immutable: bool = True, dir_fd: int | None = None, seen_as: Callable[[], os.stat_result] | None = None,
-    pidfd: int | None = None,
+    pidfd: int | None = None, publish: Callable[[], None] | None = None,
 ) -> LiveResult:
     """Move ``areas`` (whole private anonymous areas of ``pid``) into a new memory file at ``path``.
 
@@ -201,7 +202,9 @@ def convert_live(
     ``seen_as``: the file as the process's view shows it (an overlay reports its
     own device and inode), which the file it opened must be; else the file itself.
     ``pidfd``: the process meant (else one is opened now): a pid reused meanwhile
-    by another process is refused at every stop.
+    by another process is refused at every stop. ``publish``: called once the
+    pre-copy is done, before the first stop, to make the file reachable at ``view``
+    (``live_bind``); an ``OSError`` it raises refuses the conversion.
     Raises ``LiveUnavailable`` (the process unchanged, the file removed), but
     for a failure after the first area was mapped from the file: the areas
     mapped already hold the same bytes (and the trap), and the file stays.
@@ -220,15 +223,14 @@ def convert_live(
         except ProcessLookupError:
             raise LiveUnavailable(f"process {pid} is gone") from None
     try:
-        return _convert(pid, planned, slots, path, view, rounds, trap, immutable, dir_fd, seen_as, pidfd)
+        return _convert(pid, planned, slots, path, view, rounds, trap, (immutable, seen_as, publish), dir_fd, pidfd)
     finally:
         if own_pidfd is not None:
             os.close(own_pidfd)
 
 
 def _convert(pid: int, planned: list[LiveArea], slots: Slots, path: Path, view: str, rounds: int,
-             trap: Blob | None, immutable: bool, dir_fd: int | None,
-             seen_as: Callable[[], os.stat_result] | None, pidfd: int) -> LiveResult:
+             trap: Blob | None, how: _How, dir_fd: int | None, pidfd: int) -> LiveResult:
     dst = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
     done = False
     try:
@@ -236,7 +238,7 @@ def _convert(pid: int, planned: list[LiveArea], slots: Slots, path: Path, view: 
         result = LiveResult(path, planned)
         try:
             with Tracker.open(pid, pidfd=pidfd) as tracker:
-                _run(pid, tracker, slots, dst, view, result, rounds, trap, (immutable, seen_as), pidfd)
+                _run(pid, tracker, slots, dst, view, result, rounds, trap, how, pidfd)
         except _PartlyMapped:
             done = True
             raise
@@ -277,7 +279,11 @@ def _run(pid: int, tracker: Tracker, slots: Slots, dst: int, view: str,
             result.rounds.append(n)
         result.precopy_ms = (time.perf_counter() - t0) * 1000
         pieces = [(a, lo, min(lo + CHUNK, a.end)) for a in planned for lo in range(a.start, a.end, CHUNK)]
-        immutable, seen_as = how
+        immutable, seen_as, publish = how
+        if publish is not None:
+            t1 = time.perf_counter()
+            publish()
+            result.publish_ms = (time.perf_counter() - t1) * 1000
         setup = None
         for k, (a, lo, hi) in enumerate(pieces):
             t1 = time.perf_counter()
