@@ -345,7 +345,7 @@ def _run_swrk(criu: Path, pid: int, images_dir: Path, log: Path, flags: Sequence
                 mine.settimeout(timeout)
                 # criu and this thread (which answers its notifications) at real-time
                 # priority from the pre-dump stage (the freeze comes next), at most its budget
-                boost = freeze_boost.Boost((child.pid, threading.get_native_id()))
+                boost = freeze_boost.Boost((child.pid, threading.get_native_id()), latency=True)
                 try:
                     handlers = {**notify, "pre-dump": _then(boost.start, notify.get("pre-dump"))}
                     answer = criu_swrk.converse(mine, req, handlers)

@@ -13,25 +13,52 @@ only its first ``BUDGET_S`` at that priority, so no dump keeps a core from the r
 the machine for longer (and the kernel's real-time throttling leaves others 5 % anyway).
 Threads a boosted one forks meanwhile (criu's namespace dumpers) inherit the priority
 and end within milliseconds. Without CAP_SYS_NICE nothing is boosted.
+
+A ``Boost`` with ``latency`` also holds a CPU latency request of 0 (``/dev/cpu_dma_latency``,
+the kernel's PM QoS) for as long: an idle CPU then polls instead of halting. Each step of
+the parasite's work is a round trip between criu and a frozen task on the other CPU, and
+on this VM a halted vCPU is woken by an interrupt through the hypervisor: delta pause p50
+14.7 -> 11.6 ms (10 dumps each, alternated, load ~1.5). The request goes with the
+descriptor, also when this process dies.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import struct
 import threading
 from collections.abc import Sequence
 
 PRIORITY = 10
 BUDGET_S = 0.05
+LATENCY_DEVICE = "/dev/cpu_dma_latency"
+
+
+def hold_latency(device: str = LATENCY_DEVICE) -> int:
+    """A descriptor holding a CPU latency request of 0 (closing it ends it); -1 where the
+    device is missing or refused."""
+    try:
+        fd = os.open(device, os.O_WRONLY | os.O_CLOEXEC)
+    except OSError:
+        return -1
+    try:
+        os.write(fd, struct.pack("i", 0))
+    except OSError:
+        os.close(fd)
+        return -1
+    return fd
 
 
 class Boost:
-    """SCHED_FIFO for the threads ``tids`` from ``start`` to ``stop`` (at most ``budget_s``)."""
+    """SCHED_FIFO for the threads ``tids`` from ``start`` to ``stop`` (at most ``budget_s``);
+    with ``latency``, idle CPUs polling meanwhile (``hold_latency``)."""
 
-    def __init__(self, tids: Sequence[int], *, budget_s: float = BUDGET_S) -> None:
+    def __init__(self, tids: Sequence[int], *, budget_s: float = BUDGET_S, latency: bool = False) -> None:
         self._tids = tuple(tids)
         self._budget_s = budget_s
+        self._latency = latency
+        self._latency_fd = -1
         self._saved: list[tuple[int, int, os.sched_param]] = []
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
@@ -41,6 +68,8 @@ class Boost:
         with self._lock:
             if self._timer is not None or self._saved:
                 return
+            if self._latency:
+                self._latency_fd = hold_latency()
             for tid in self._tids:
                 try:
                     saved = (tid, os.sched_getscheduler(tid), os.sched_getparam(tid))
@@ -57,10 +86,19 @@ class Boost:
         with self._lock:
             if self._timer is not None:
                 self._timer.cancel()
+            if self._latency_fd >= 0:
+                os.close(self._latency_fd)
+                self._latency_fd = -1
             for tid, policy, param in self._saved:
                 with contextlib.suppress(OSError):  # ended meanwhile
                     os.sched_setscheduler(tid, policy, param)
             self._saved = []
+
+    @property
+    def holds_latency(self) -> bool:
+        """Whether the CPU latency request is held now."""
+        with self._lock:
+            return self._latency_fd >= 0
 
     @property
     def boosted(self) -> tuple[int, ...]:

@@ -63,21 +63,21 @@ def build(cache_dir: Path) -> Path:
 
 class FrozenCopy:
     """A copier waiting for its go; ``run`` (while the tasks are frozen) copies and waits.
-    ``notify`` is what ``criu.dump`` takes: ``run`` at CRIU's ``post-dump`` stage."""
+    ``notify`` is what ``criu.dump`` takes: the copier is boosted at CRIU's ``pre-dump``
+    stage (before the freeze: the boost's timer thread is not started inside the pause)
+    and ``run`` at its ``post-dump`` stage."""
 
     def __init__(self, go: int, done: int, pid: int, pidfd: int, log: Path) -> None:
         self._go, self._done, self.pid, self._pidfd, self._log = go, done, pid, pidfd, log
-        self.notify = {"post-dump": self.run}
+        self.boost = freeze_boost.Boost((pid,))  # real-time priority within freeze_boost's budget
+        self.notify = {"pre-dump": self.boost.start, "post-dump": self.run}
 
     def run(self) -> None:
-        """Copy now (the copier at real-time priority, within ``freeze_boost``'s budget);
-        raise ``BunshinError`` with the copier's own words if it failed."""
-        boost = freeze_boost.Boost((self.pid,))
-        boost.start()
+        """Copy now; raise ``BunshinError`` with the copier's own words if it failed."""
         try:
             self._copy()
         finally:
-            boost.stop()
+            self.boost.stop()
 
     def _copy(self) -> None:
         os.write(self._go, b"g")
@@ -125,7 +125,11 @@ def frozen_copy(cfg: Config, upper: Path, layer: Path, folder: Path, memcg: Path
             child = _start(argv, into, out.fileno())
         try:
             pidfd = os.pidfd_open(child.pid)
-            yield FrozenCopy(go, done, child.pid, pidfd, log)
+            copy = FrozenCopy(go, done, child.pid, pidfd, log)
+            try:
+                yield copy
+            finally:
+                copy.boost.stop()  # a dump that failed before post-dump
         finally:
             os.close(go)
             go = -1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import struct
 import threading
 import time
 
@@ -40,3 +41,55 @@ def test_the_budget_ends_the_boost_by_itself():
     while _policy(me) == os.SCHED_FIFO and time.monotonic() < deadline:
         time.sleep(0.01)
     assert _policy(me) == os.SCHED_OTHER and boost.boosted == ()
+
+
+def _latency_target() -> int:
+    fd = os.open(freeze_boost.LATENCY_DEVICE, os.O_RDONLY)
+    try:
+        return struct.unpack("i", os.read(fd, 4))[0]
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(not os.path.exists(freeze_boost.LATENCY_DEVICE), reason="no /dev/cpu_dma_latency")
+def test_latency_request_held_while_boosted_and_gone_after():
+    me = threading.get_native_id()
+    boost = freeze_boost.Boost((me,), latency=True)
+    boost.start()
+    try:
+        assert boost.holds_latency and _latency_target() == 0  # idle CPUs poll now
+    finally:
+        boost.stop()
+    assert not boost.holds_latency
+    # the request went with its descriptor (another dump on this machine may hold its own)
+    assert all(not link.endswith("cpu_dma_latency") for link in _my_fd_targets())
+    plain = freeze_boost.Boost((me,))
+    plain.start()
+    try:
+        assert not plain.holds_latency
+    finally:
+        plain.stop()
+
+
+def test_latency_budget_ends_the_request_too():
+    me = threading.get_native_id()
+    boost = freeze_boost.Boost((me,), budget_s=0.05, latency=True)
+    boost.start()
+    deadline = time.monotonic() + 5
+    while boost.holds_latency and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not boost.holds_latency
+
+
+def test_hold_latency_refused_is_minus_one(tmp_path):
+    assert freeze_boost.hold_latency(str(tmp_path / "missing")) == -1
+
+
+def _my_fd_targets() -> list[str]:
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{name}"))
+        except OSError:
+            pass
+    return out
