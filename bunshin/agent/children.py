@@ -11,9 +11,8 @@ Races avoided:
 - pid reuse: the reaper first *peeks* at a zombie (``WNOWAIT``), then reaps it
   under the lock; while the zombie exists its pid cannot be handed out again.
 
-``subprocess.Popen`` is used for its fork/exec plumbing only. Its ``wait``/
-``poll`` are never called and its ``returncode`` is filled in at once, so that
-neither its finaliser nor ``subprocess._cleanup`` ever calls ``waitpid``.
+Children are started by ``spawn`` (``fork_exec`` without ``Popen``, whose objects
+would be copied into a forked clone by its first call); only the reaper waits.
 """
 
 from __future__ import annotations
@@ -28,9 +27,11 @@ import sys
 import termios
 import threading
 from collections.abc import Callable, Sequence
-from typing import IO, Any
+from typing import Any
 
+from . import spawn
 from .imagedefaults import IMAGE, Identity
+from .pool import Flag
 from .protocol import AgentFailure, from_os_error, invalid
 from .wire import ErrorCode
 
@@ -73,7 +74,6 @@ DROPPED_CAPS = {
 # namespaces doesn't belong to the target user namespace").
 PID1_ONLY_CAP = "CAP_SYS_MODULE"
 _PR_CAPBSET_DROP = 24
-_OWNED_BY_REAPER = -(2**31)  # placeholder ``Popen.returncode``: the reaper owns the status
 
 
 def child_env(extra: dict[str, str]) -> dict[str, str]:
@@ -165,13 +165,14 @@ def _child_setup(controlling_tty: bool, ident: Identity | None = None) -> Callab
 class Child:
     """A process started by the agent. Its status arrives from the reaper."""
 
-    def __init__(self, pid: int, proc: subprocess.Popen[bytes]) -> None:
+    def __init__(self, pid: int, stdin: spawn.Stream | None = None, stdout: spawn.Stream | None = None,
+                 stderr: spawn.Stream | None = None) -> None:
         self.pid = pid
-        self.stdin: IO[bytes] | None = proc.stdin
-        self.stdout: IO[bytes] | None = proc.stdout
-        self.stderr: IO[bytes] | None = proc.stderr
+        self.stdin = stdin
+        self.stdout = stdout
+        self.stderr = stderr
         self.status: int | None = None  # raw wait status
-        self._done = threading.Event()
+        self._done = Flag()
         self._callbacks: list[Callable[[Child], None]] = []
         self._lock = threading.Lock()
 
@@ -251,23 +252,14 @@ class Reaper:
         ident = IMAGE.identity() if IMAGE is not None else None
         with self._lock:
             try:
-                proc = subprocess.Popen(
-                    argv,
-                    env=env,
-                    cwd=cwd,
-                    stdin=stdin,
-                    stdout=stdout,
-                    stderr=stderr,
-                    start_new_session=True,
-                    preexec_fn=_child_setup(controlling_tty, ident),
-                )
+                pid, *streams = spawn.start(argv, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr,
+                                            preexec_fn=_child_setup(controlling_tty, ident))
             except OSError as exc:
                 raise _start_error(exc, argv[0], cwd, env) from None
             except subprocess.SubprocessError as exc:  # ``ident``'s ids refused
                 raise invalid(f"cannot run {argv[0]} as the image's user {IMAGE.user if IMAGE else ''}: "
                               f"{exc}") from None
-            proc.returncode = _OWNED_BY_REAPER  # see the module docstring
-            child = Child(proc.pid, proc)
+            child = Child(pid, *streams)
             self._children[child.pid] = child
         self._spawned.set()
         return child
@@ -286,7 +278,7 @@ class Reaper:
                 try:
                     pid, status = os.waitpid(info.si_pid, os.WNOHANG)
                 except ChildProcessError:
-                    continue  # reaped elsewhere (Popen after a failed exec)
+                    continue  # reaped elsewhere (spawn.start after a failed exec)
                 child = self._children.pop(pid, None) if pid else None
             if child is not None:
                 child.finish(status)

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import forks
+from .pool import Flag, Pool
 from .protocol import AgentFailure, arg_any, arg_str, failure, invalid, parse_request
 from .wire import (
     JOB_ID,
@@ -184,7 +185,7 @@ def _send(conn: socket.socket, data: bytes) -> bool:
 
 class _ThreadJob:
     def __init__(self) -> None:
-        self.done = threading.Event()
+        self.done = Flag()
         self.answer = b""
         self.finished_at = 0.0
 
@@ -193,8 +194,9 @@ class ThreadJobs:
     """Jobs as threads of the agent itself (``--calls thread``): no fork on the call's path,
     but every page a call writes is the agent's (in a clone: copied from the snapshot)."""
 
-    def __init__(self, answer: Callable[[dict[str, Any]], bytes]) -> None:
+    def __init__(self, answer: Callable[[dict[str, Any]], bytes], pool: Pool) -> None:
         self._answer = answer
+        self._pool = pool
         self._jobs: dict[str, _ThreadJob] = {}
         self._lock = threading.Lock()
 
@@ -210,7 +212,12 @@ class ThreadJobs:
                 if old.done.is_set() and now - old.finished_at > KEEP_FINISHED_S:
                     del self._jobs[old_id]
             self._jobs[job_id] = job
-        threading.Thread(target=self._run, args=(job, inner), name=f"job-{job_id}", daemon=True).start()
+        try:
+            self._pool.submit(self._run, job, inner)
+        except RuntimeError as exc:  # no thread left (pids limit)
+            with self._lock:
+                self._jobs.pop(job_id, None)
+            raise AgentFailure(ErrorCode.RESOURCE_EXHAUSTED, f"cannot start a job: {exc}") from None
         return ok_line({JOB_ID: job_id})
 
     def _run(self, job: _ThreadJob, inner: dict[str, Any]) -> None:

@@ -31,6 +31,7 @@ from typing import Any
 from . import execs, files, forks, procfs
 from .children import Reaper
 from .jobs import CALLS, Jobs, ThreadJobs
+from .pool import Pool
 from .protocol import AgentFailure, arg_any, checked, failure, invalid, parse_request, unix_address
 from .sessions import Sessions
 from .terminals import Attachment
@@ -118,7 +119,7 @@ class Agent:
         forks.kill_tree(os.getpid())
 
     def handle(self, request: dict[str, Any]) -> dict[str, Any] | Attachment:
-        return self.handlers[Op(request[OP])](request)
+        return self.handlers[request[OP]](request)  # a str keys its Op: no Enum call
 
     def ping(self, req: dict[str, Any]) -> dict[str, Any]:
         return {
@@ -140,9 +141,13 @@ class Agent:
     def identity(self) -> dict[str, Any]:
         """Who this workspace is, from ``identity.json`` (the host writes it into a clone
         before restoring it, so a fresh clone needs no call and touches no memory)."""
-        try:
-            with open(os.path.join(self.run_dir, "identity.json"), encoding="utf-8") as f:
-                data = json.load(f)
+        try:  # os.read and json.loads: no io objects (each object a call touches is a page a clone copies)
+            fd = os.open(os.path.join(self.run_dir, "identity.json"), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                raw = os.read(fd, 1 << 20)
+            finally:
+                os.close(fd)
+            data = json.loads(raw.decode())
         except (OSError, ValueError):
             return {}
         return data if isinstance(data, dict) else {}
@@ -179,7 +184,9 @@ class AgentServer:
         self._sock: socket.socket | None = None
         answer: Callable[[dict[str, Any]], bytes] = lambda req: self._reply(encode(req)[:-1])  # noqa: E731
         self.jobs = Jobs(os.path.join(agent.helpers_dir, "jobs"), answer)
-        self.thread_jobs = ThreadJobs(answer) if calls == "thread" else None
+        #: ``thread``: the threads that serve connections and run jobs, started in ``bind``
+        self.pool = Pool("call") if calls == "thread" else None
+        self.thread_jobs = ThreadJobs(answer, self.pool) if self.pool is not None else None
 
     def bind(self) -> None:
         """Create the listening socket (replacing a stale one), mode 0600."""
@@ -197,6 +204,8 @@ class AgentServer:
                 os.close(dir_fd)
         sock.listen(128)
         self._sock = sock
+        if self.pool is not None:
+            self.pool.start()  # before the agent is snapshotted: a clone's calls start none
 
     def serve_forever(self) -> None:
         """Accept until ``close``, a worker forked per connection; a failing accept or fork
@@ -232,8 +241,9 @@ class AgentServer:
             close(fd)
 
     def _serve_threads(self) -> None:
-        """``--calls thread``: a thread per connection; a failing accept or thread start
-        never ends the agent."""
+        """``--calls thread``: each connection served on a thread of the pool; a failing
+        accept or thread start never ends the agent."""
+        assert self.pool is not None
         while self._sock is not None:
             try:
                 conn, _ = self._sock.accept()
@@ -244,7 +254,7 @@ class AgentServer:
                 time.sleep(0.05)
                 continue
             try:
-                threading.Thread(target=self._serve, args=(conn,), name="conn", daemon=True).start()
+                self.pool.submit(self._serve, conn)
             except RuntimeError as exc:  # no thread left (pids limit): refuse this one
                 _send(conn, failure(AgentFailure(ErrorCode.RESOURCE_EXHAUSTED, f"agent: {exc}")))
                 conn.close()

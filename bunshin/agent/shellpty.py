@@ -10,15 +10,14 @@ and its run children reading it themselves (``sessions``).
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import signal
 import termios
-import threading
 import time
 from typing import Any
 
 from .execs import Capture
+from .pool import Flag
 from .protocol import AgentFailure
 from .wire import ErrorCode
 
@@ -39,13 +38,14 @@ class Sink:
     def __init__(self, token: str, limit: int, *, output: bool) -> None:
         tag = _TAG + token.encode()
         self._start: bytes | None = tag + b"S\x1e" if output else None
-        self._end = re.compile(re.escape(tag) + (rb"E(\d+)\x1e" if output else rb"Y()\x1e"))
+        self._end = tag + (b"E" if output else b"Y")  # then the exit code's digits (E only) and \x1e
+        self._digits = output
         self._started = self._start is None
         self._window = bytearray()
         self.output = Capture(limit)
         self.matched = False
         self.exit_code: int | None = None
-        self.done = threading.Event()  # set on the end marker or at the pty's end
+        self.done = Flag()  # set on the end marker or at the pty's end
 
     def feed(self, data: bytes) -> None:
         if self.done.is_set():
@@ -59,10 +59,10 @@ class Sink:
                 return
             del self._window[: at + len(self._start)]
             self._started = True
-        match = self._end.search(self._window)
-        if match:
-            self._keep(self._window[: match.start()])
-            self.exit_code = int(match.group(1)) if match.group(1) else None
+        at, code = _find_end(self._window, self._end, self._digits)
+        if at >= 0:
+            self._keep(self._window[:at])
+            self.exit_code = code
             self.matched = True
             self._window.clear()
             self.done.set()
@@ -82,6 +82,25 @@ class Sink:
             self.output.feed(bytes(data))
 
 
+def _find_end(window: bytearray, end: bytes, digits: bool) -> tuple[int, int | None]:
+    """Where the marker ``end`` + ``\\x1e`` starts in ``window`` (-1: not there yet), with
+    ``digits`` one or more ASCII digits between the two (their value is returned; else
+    ``None``). Plain ``find``: a regex made per run runs the ``re`` compiler on every call,
+    and in a clone each object a call touches is a page copied."""
+    start = 0
+    while True:
+        at = window.find(end, start)
+        if at < 0:
+            return -1, None
+        stop = window.find(b"\x1e", at + len(end))
+        if stop < 0:
+            return -1, None
+        between = bytes(window[at + len(end):stop])
+        if digits and between.isdigit():
+            return at, int(between)
+        if not digits and not between:
+            return at, None
+        start = at + 1
 
 
 class PtyShell:

@@ -158,7 +158,12 @@ RESUMABLE_OPS = tuple(op for op, spec in SPEC.items() if spec.resumable)
 def encode(message: Mapping[str, Any]) -> bytes:
     """One line: compact, ASCII-escaped JSON and ``\\n``. ``TypeError``/``ValueError``
     if ``message`` is not JSON."""
-    return json.dumps(message, separators=(",", ":")).encode() + b"\n"
+    return _ENCODER.encode(message).encode() + b"\n"
+
+
+#: One encoder for every line (``json.dumps`` with separators builds one per call: Python
+#: code each object of which a clone's first call would copy).
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
 
 
 def request_line(op: str, args: Mapping[str, Any]) -> bytes:
@@ -175,8 +180,9 @@ def error_line(code: ErrorCode, message: str) -> bytes:
 
 
 def decode(line: bytes) -> Any:
-    """The JSON value of one line (without its newline); ``ValueError`` if it is none."""
-    return json.loads(line)
+    """The JSON value of one line (without its newline); ``ValueError`` if it is none
+    (``UnicodeDecodeError`` is one)."""
+    return json.loads(line.decode("utf-8", "surrogatepass"))  # str: no encoding detection
 
 
 # --- framing ------------------------------------------------------------------------
