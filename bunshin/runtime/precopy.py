@@ -38,6 +38,7 @@ from pathlib import Path
 from bunshin.config import Config
 from bunshin.errors import BunshinError
 
+from . import statefs
 from . import syscalls as sc
 from .memfile import SUFFIX, criu_images, live_bind, trapcode
 from .memfile.criu_images import referenced_memfiles
@@ -197,7 +198,8 @@ def _convert_one(cfg: Config, name: str, view: str, dir_fd: int, upper: Path, ro
         _placeholder(dir_fd, name)
         try:
             res = convert_live(pid, areas, Path(name), f"{view.rstrip('/')}/{name}", trap=blob, immutable=True,
-                               dir_fd=host, pidfd=pidfd, publish=publish)
+                               dir_fd=host, pidfd=pidfd, publish=publish,
+                               huge=statefs.huge_memfiles(cfg))
         except (LiveUnavailable, OSError) as exc:
             if _exists(host, name):  # the process maps it already (the trap, a piece): the clones need it too
                 with contextlib.suppress(OSError):

@@ -171,24 +171,23 @@ def _copy(mem: int, dst: int, area: LiveArea, runs: list[Run], fresh: bool) -> i
     return total
 
 
-def _precopy(pid: int, pidfd: int, mem: int, dst: int, area: LiveArea, runs: list[Run], fresh: bool) -> int:
+def _precopy(pid: int, pidfd: int, mem: int, dst: int, area: LiveArea, runs: list[Run], fresh: bool,
+             huge: bool = False) -> int:
     """A pre-copy round's copy of ``runs`` (the process running, the file still host root's, 0600):
-    straight into the file (``vmcopy``) unless not ``DIRECT``."""
+    straight into the file (``vmcopy``, over what an earlier round wrote there: every byte of a run
+    is written; dense regions as huge pages if ``huge``) unless not ``DIRECT``."""
     if not DIRECT:
         return _copy(mem, dst, area, runs, fresh)
     spans = [(r.start, r.end) for r in runs]
-    if not fresh:
-        for lo, hi in spans:
-            _punch(dst, area.offset + lo - area.start, hi - lo)
     return vmcopy.copy_runs(pid, dst, area.start, area.end, area.offset, spans,
-                            check_alive=lambda: alive_or_refuse(pidfd, pid), threads=THREADS)
+                            check_alive=lambda: alive_or_refuse(pidfd, pid), threads=THREADS, huge=huge)
 
 
 def convert_live(
     pid: int, areas: list[tuple[int, int]], path: Path, view: str, *,
     growth_room: int = DEFAULT_GROWTH_ROOM, rounds: int = 2, trap: Blob | None = None,
     immutable: bool = True, dir_fd: int | None = None, seen_as: Callable[[], os.stat_result] | None = None,
-    pidfd: int | None = None, publish: Callable[[], None] | None = None,
+    pidfd: int | None = None, publish: Callable[[], None] | None = None, huge: bool = False,
 ) -> LiveResult:
     """Move ``areas`` (whole private anonymous areas of ``pid``) into a new memory file at ``path``.
 
@@ -204,7 +203,8 @@ def convert_live(
     ``pidfd``: the process meant (else one is opened now): a pid reused meanwhile
     by another process is refused at every stop. ``publish``: called once the
     pre-copy is done, before the first stop, to make the file reachable at ``view``
-    (``live_bind``); an ``OSError`` it raises refuses the conversion.
+    (``live_bind``); an ``OSError`` it raises refuses the conversion. ``huge``: the file
+    is on a ``huge=advise`` tmpfs: the first round writes dense 2 MiB regions as huge pages.
     Raises ``LiveUnavailable`` (the process unchanged, the file removed), but
     for a failure after the first area was mapped from the file: the areas
     mapped already hold the same bytes (and the trap), and the file stays.
@@ -223,14 +223,14 @@ def convert_live(
         except ProcessLookupError:
             raise LiveUnavailable(f"process {pid} is gone") from None
     try:
-        return _convert(pid, planned, slots, path, view, rounds, trap, (immutable, seen_as, publish), dir_fd, pidfd)
+        return _convert(pid, planned, slots, path, view, rounds, trap, (immutable, seen_as, publish), dir_fd, pidfd, huge)
     finally:
         if own_pidfd is not None:
             os.close(own_pidfd)
 
 
 def _convert(pid: int, planned: list[LiveArea], slots: Slots, path: Path, view: str, rounds: int,
-             trap: Blob | None, how: _How, dir_fd: int | None, pidfd: int) -> LiveResult:
+             trap: Blob | None, how: _How, dir_fd: int | None, pidfd: int, huge: bool) -> LiveResult:
     dst = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
     done = False
     try:
@@ -238,7 +238,7 @@ def _convert(pid: int, planned: list[LiveArea], slots: Slots, path: Path, view: 
         result = LiveResult(path, planned)
         try:
             with Tracker.open(pid, pidfd=pidfd) as tracker:
-                _run(pid, tracker, slots, dst, view, result, rounds, trap, how, pidfd)
+                _run(pid, tracker, slots, dst, view, result, rounds, trap, how, pidfd, huge)
         except _PartlyMapped:
             done = True
             raise
@@ -256,7 +256,7 @@ def _convert(pid: int, planned: list[LiveArea], slots: Slots, path: Path, view: 
 
 
 def _run(pid: int, tracker: Tracker, slots: Slots, dst: int, view: str,
-         result: LiveResult, rounds: int, trap: Blob | None, how: _How, pidfd: int) -> None:
+         result: LiveResult, rounds: int, trap: Blob | None, how: _How, pidfd: int, huge: bool) -> None:
     planned = result.areas
     t0 = time.perf_counter()
     for a in planned:
@@ -267,7 +267,7 @@ def _run(pid: int, tracker: Tracker, slots: Slots, dst: int, view: str,
         tracked = dict(zip(planned, tracker.areas, strict=True))
         for a in planned:  # round 1: what each area holds now
             # in memory: straight into the file; swapped or never touched (markers): read, zeros left holes
-            result.precopy_bytes += _precopy(pid, pidfd, mem, dst, a, tracker.present(a.start, a.end), True)
+            result.precopy_bytes += _precopy(pid, pidfd, mem, dst, a, tracker.present(a.start, a.end), True, huge)
             result.precopy_bytes += _copy(mem, dst, a, tracker.swapped(a.start, a.end), fresh=True)
         for _ in range(max(rounds - 1, 0)):  # later rounds: what was written meanwhile
             n = 0

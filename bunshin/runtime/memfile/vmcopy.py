@@ -10,7 +10,14 @@ copied as data (the file keeps holes only where it held no page).
 
 The pid names the process at each call, so the caller must hold a pidfd and
 ask it after the copy (``check_alive``): a pid reused meanwhile may have been
-read. Use it only while the file is unreadable to the workspace (host root's,
+read. ``huge`` (a ``huge=advise`` tmpfs): every 2 MiB region of the file that the
+runs fill to at least ``fileio.DENSE`` is left unallocated and faulted in by the
+copy through a ``MADV_HUGEPAGE`` mapping, as one huge page (its pages not in the
+runs then read zero from it, as holes do; a full filesystem still fails the
+copy: the kernel's fault in ``process_vm_readv`` ends it short, never a signal);
+sparser regions are allocated page by page as without.
+
+Use it only while the file is unreadable to the workspace (host root's,
 mode 0600), so that a refusal that removes the file exposes nothing.
 """
 
@@ -22,8 +29,11 @@ import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from .fileio import DENSE
+
 BATCH = 64 << 20
 IOV_MAX = 1024
+HUGE = 2 << 20
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -70,18 +80,46 @@ def _read(pid: int, base: int, start: int, batch: list[tuple[int, int]]) -> int:
     return int(got)
 
 
+def dense_regions(runs: Sequence[tuple[int, int]], shift: int) -> set[int]:
+    """The 2 MiB regions (file offset // ``HUGE``; a run's file offset is its address + ``shift``)
+    that ``runs`` fill to at least ``DENSE``, whole regions only."""
+    held: dict[int, int] = {}
+    for lo, hi in runs:
+        a = lo + shift
+        while a < hi + shift:
+            r = a // HUGE
+            b = min(hi + shift, (r + 1) * HUGE)
+            held[r] = held.get(r, 0) + b - a
+            a = b
+    return {r for r, n in held.items() if n >= DENSE * HUGE}
+
+
+def _allocate(dst: int, lo: int, hi: int) -> None:
+    if hi > lo and _libc.fallocate(dst, 0, lo, hi - lo) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"no room in the memory file: {os.strerror(err)}")
+
+
 def copy_runs(pid: int, dst: int, start: int, end: int, offset: int, runs: Sequence[tuple[int, int]], *,
-              check_alive: Callable[[], None], threads: int = 2) -> int:
+              check_alive: Callable[[], None], threads: int = 2, huge: bool = False) -> int:
     """Copy ``runs`` (page-aligned, inside ``[start, end)`` of ``pid``) into ``dst``, where ``start``
     lies at ``offset``; returns the bytes copied. ``check_alive`` raises if the process is not
-    the one meant any more (it is called after every copy)."""
+    the one meant any more (it is called after every copy). ``huge``: dense regions as huge pages."""
     if not runs:
         return 0
+    shift = offset - start
+    dense = dense_regions(runs, shift) if huge else set()
     for lo, hi in runs:
-        if _libc.fallocate(dst, 0, offset + lo - start, hi - lo) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"no room in the memory file: {os.strerror(err)}")
+        a, b = lo + shift, hi + shift
+        while a < b:  # each region's part: allocated now unless it is to be one huge page
+            r = a // HUGE
+            c = min(b, (r + 1) * HUGE)
+            if r not in dense:
+                _allocate(dst, a, c)
+            a = c
     mm = mmap.mmap(dst, end - start, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
+    if dense:
+        mm.madvise(mmap.MADV_HUGEPAGE)
     anchor = ctypes.c_char.from_buffer(mm)
     try:
         base = ctypes.addressof(anchor)
