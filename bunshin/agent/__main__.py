@@ -9,6 +9,7 @@ import signal
 import sys
 from types import FrameType
 
+from . import immortal
 from .jobs import CALLS
 from .server import Agent, AgentServer
 
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         # those objects, so that collections in a forked clone do not write (and so
         # copy) the pages they sit on.
         gc.collect()
+        immortal.make_all_immortal()  # Python 3.12+; before the freeze (gc.get_objects skips frozen ones)
         gc.freeze()
         server.serve_forever()
     except OSError as exc:

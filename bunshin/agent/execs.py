@@ -9,7 +9,7 @@ from __future__ import annotations
 import base64
 import fcntl
 import os
-import selectors
+import select
 import signal
 import subprocess
 import time
@@ -82,18 +82,21 @@ def _pump(
     assert child.stdout is not None and child.stderr is not None
     start = time.monotonic()
     deadline = None if timeout is None else start + timeout
-    sel = selectors.DefaultSelector()
-    sel.register(child.stdout.fileno(), selectors.EVENT_READ, out)
-    sel.register(child.stderr.fileno(), selectors.EVENT_READ, err)
+    # select.poll itself, not selectors (Python code each call: see pool.py on why that costs)
+    poller = select.poll()
+    streams: dict[int, Capture | None] = {child.stdout.fileno(): out, child.stderr.fileno(): err}
+    poller.register(child.stdout.fileno(), select.POLLIN)
+    poller.register(child.stderr.fileno(), select.POLLIN)
     pending = memoryview(stdin_data)
     if child.stdin is not None:
         fd = child.stdin.fileno()
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
-        sel.register(fd, selectors.EVENT_WRITE, None)
+        streams[fd] = None
+        poller.register(fd, select.POLLOUT)
     timed_out = False
     stop_at: float | None = None  # when to stop waiting for EOF
     try:
-        while sel.get_map():
+        while streams:
             now = time.monotonic()
             if deadline is not None and not timed_out and now >= deadline:
                 timed_out = True
@@ -106,24 +109,26 @@ def _pump(
             # Tick: notice the exit of a child whose pipes a descendant still holds.
             targets = (stop_at,) if timed_out else (deadline, stop_at)
             wait = min([_TICK_S] + [t - now for t in targets if t is not None])
-            for key, _ in sel.select(max(wait, 0.0)):
-                if key.data is None:  # stdin writable
+            for fd, _ in poller.poll(max(wait, 0.0) * 1000.0):
+                capture = streams[fd]
+                if capture is None:  # stdin writable (or its reader gone)
                     try:
-                        written = os.write(key.fd, pending[: 1 << 16])
+                        written = os.write(fd, pending[: 1 << 16])
                     except (BrokenPipeError, BlockingIOError) as exc:
                         written = 0 if isinstance(exc, BlockingIOError) else len(pending)
                     pending = pending[written:]
                     if not pending:
-                        sel.unregister(key.fd)
+                        poller.unregister(fd)
+                        del streams[fd]
                         child.stdin.close()  # type: ignore[union-attr]
                     continue
-                chunk = os.read(key.fd, 1 << 16)
+                chunk = os.read(fd, 1 << 16)
                 if chunk:
-                    key.data.feed(chunk)
+                    capture.feed(chunk)
                 else:
-                    sel.unregister(key.fd)
+                    poller.unregister(fd)
+                    del streams[fd]
     finally:
-        sel.close()
         for stream in (child.stdin, child.stdout, child.stderr):
             if stream is not None and not stream.closed:
                 stream.close()

@@ -3,8 +3,8 @@
 In a forked clone every page a call writes is copied from the snapshot into the clone,
 and Python writes each object it touches (its reference count). Starting a
 ``threading.Thread`` per connection or job runs much of ``threading`` (and makes a
-thread state, a stack and an arena); a ``Pool`` thread waiting on a ``SimpleQueue``
-(C code) is woken instead. ``Flag`` is an event on one lock (``threading.Event`` runs a
+thread state, a stack and an arena); a ``Pool`` thread waiting on a lock of its own is
+woken instead. ``Flag`` is an event on one lock (``threading.Event`` runs a
 ``Condition`` in Python).
 """
 
@@ -15,7 +15,6 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
-from queue import SimpleQueue
 from typing import Any
 
 #: Threads a pool starts ahead (a call uses two or three at once: its connection, its
@@ -56,58 +55,71 @@ class Flag:
         return self._set
 
 
+class _Worker:
+    __slots__ = ("wake", "task")
+
+    def __init__(self) -> None:
+        self.wake = _thread.allocate_lock()
+        self.wake.acquire()
+        self.task: tuple[Callable[..., Any], tuple[Any, ...]] | None = None
+
+
 class Pool:
-    """Runs ``submit``ted calls on threads that wait for work."""
+    """Runs ``submit``ted calls on threads that wait for work, the one idle the shortest
+    first: calls one after another run on the same one or two threads, whose stacks and
+    malloc arenas a clone then copies, not those of every thread."""
 
     def __init__(self, name: str, prestart: int = PRESTART, keep: int = KEEP) -> None:
         self._name = name
-        self._queue: SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]]] = SimpleQueue()
         self._keep = keep
         self._prestart = prestart
         self._threads = 0
-        self._idle = 0
+        self._idle: list[_Worker] = []  # a stack: the last one idle is woken first
         self._lock = _thread.allocate_lock()
 
     def start(self) -> None:
         """Start the threads that wait from now on (before the agent is snapshotted)."""
         for _ in range(self._prestart):
-            self._spawn()
+            self._spawn(None)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on an idle thread, or a new one. ``RuntimeError`` if no thread
         can be started (the workspace's pids limit)."""
         with self._lock:
-            start = self._idle == 0
-            if not start:
-                self._idle -= 1  # taken: the next submit sees one fewer
-        if start:
-            self._spawn()
-            with self._lock:
-                self._idle -= 1
-        self._queue.put((fn, args))
+            worker = self._idle.pop() if self._idle else None
+        if worker is None:
+            self._spawn((fn, args))
+            return
+        worker.task = (fn, args)
+        worker.wake.release()
 
-    def _spawn(self) -> None:
+    def _spawn(self, task: tuple[Callable[..., Any], tuple[Any, ...]] | None) -> None:
+        worker = _Worker()
         with self._lock:
             self._threads += 1
-            self._idle += 1
         try:
-            threading.Thread(target=self._run, name=self._name, daemon=True).start()
+            threading.Thread(target=self._run, args=(worker, task), name=self._name, daemon=True).start()
         except BaseException:
             with self._lock:
                 self._threads -= 1
-                self._idle -= 1
             raise
 
-    def _run(self) -> None:
-        get = self._queue.get
+    def _run(self, worker: _Worker, task: tuple[Callable[..., Any], tuple[Any, ...]] | None) -> None:
         while True:
-            fn, args = get()
-            try:
-                fn(*args)
-            except BaseException:  # a call must not end its thread
-                traceback.print_exc(file=sys.stderr)
-            with self._lock:
-                if self._threads > self._keep:
-                    self._threads -= 1
-                    return
-                self._idle += 1
+            if task is not None:
+                fn, args = task
+                task = None
+                try:
+                    fn(*args)
+                except BaseException:  # a call must not end its thread
+                    traceback.print_exc(file=sys.stderr)
+                with self._lock:
+                    if self._threads > self._keep:
+                        self._threads -= 1
+                        return
+                    self._idle.append(worker)
+            else:
+                with self._lock:
+                    self._idle.append(worker)
+            worker.wake.acquire()
+            task, worker.task = worker.task, None

@@ -77,7 +77,9 @@ def start(argv: Sequence[str], *, env: dict[str, str], cwd: str, stdin: Any, std
     if b"/" in program:
         executables: tuple[bytes, ...] = (program,)
     else:
-        executables = tuple(os.path.join(os.fsencode(d), program) for d in os.get_exec_path(env))
+        # PATH as os.get_exec_path reads it (without its warnings.catch_warnings: more code run)
+        executables = tuple(os.fsencode(d or ".") + b"/" + program
+                            for d in env.get("PATH", os.defpath).split(os.pathsep))
     opened: list[int] = []
     kept: list[int] = []  # the agent's ends, kept on success
     try:
