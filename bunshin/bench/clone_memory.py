@@ -7,13 +7,16 @@ after the restore, after one ``exec(["true"])`` and after one ``bash`` tool call
 ``Anonymous`` (private anonymous memory: in a clone, pages copied on write from the
 shared memory files, plus new ones), ``Pss_Anon`` and ``Private_Dirty`` (the last
 also counts memory-file pages only this clone maps, so it overstates what it owns).
-For the agent, the areas whose ``Anonymous`` grew most during the first exec.
+For the agent, the areas whose ``Anonymous`` grew most during the first exec. Then
+``rounds`` more of each are timed in the clone (what the memory must not cost: call latency).
 
 ``measure_clone(clone, tools)`` measures one clone that nobody has called yet (part of
 any bench that restores one); ``run`` is the report. Result (``--json``):
 ``r["after_tool"]["anon_bytes_p50"]`` (the headline: what a clone holds after its
 first exec and tool call), ``r["fresh"]``, ``r["after_exec"]`` likewise,
-``r["clones"]``: every clone's stages, processes and the agent's written areas.
+``r["clones"]``: every clone's stages, processes and the agent's written areas;
+``r["latency_ms"]``: p50 of the timed exec and tool calls over all clones;
+``r["agent_python"]``: the version of the agent's Python (``agent_bundle.agent_python``).
 """
 
 from __future__ import annotations
@@ -31,13 +34,14 @@ from .. import console as output
 from ..agent.jobs import CALLS
 from ..config import Config
 from ..errors import InvalidArgument
-from ..runtime.agent_bundle import CALLS_ENV, agent_calls
+from ..runtime.agent_bundle import CALLS_ENV, agent_calls, agent_python
 from ..runtime.cgroups import WorkspaceCgroup
 from ..tools import ToolSet
 from ..workspace import Workspace
 
 STAGES = ("fresh", "after_exec", "after_tool")
 TOP_AREAS = 8
+ROUNDS = 20  # timed exec and tool calls per clone, after its memory is measured
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,8 @@ class CloneMemory:
     stages: tuple[Stage, ...]
     agent_areas_exec: tuple[Area, ...]  # the agent's areas that grew most in the first exec
     holder_areas_tool: tuple[Area, ...] = ()  # the session holder's, in the first tool call
+    exec_ms: tuple[float, ...] = ()  # each timed exec(["true"]) after the measured ones
+    tool_ms: tuple[float, ...] = ()  # each timed bash tool call (``true``)
 
     def stage(self, name: str) -> Stage:
         return next(s for s in self.stages if s.name == name)
@@ -160,8 +166,9 @@ def _stage(name: str, ws: Workspace) -> Stage:
     return Stage(name, sum(p.anon_bytes for p in procs), procs)
 
 
-def measure_clone(clone: Workspace, tools: ToolSet | None = None) -> CloneMemory:
-    """Measure a clone nobody has called yet: fresh, after one exec, after one bash tool call."""
+def measure_clone(clone: Workspace, tools: ToolSet | None = None, rounds: int = 0) -> CloneMemory:
+    """Measure a clone nobody has called yet: fresh, after one exec, after one bash tool call;
+    then time ``rounds`` execs and ``rounds`` tool calls in it."""
     tools = tools or ToolSet.default()
     fresh = _stage("fresh", clone)
     agent = next((p.pid for p in fresh.processes if p.role == "agent"), None)
@@ -179,7 +186,15 @@ def measure_clone(clone: Workspace, tools: ToolSet | None = None) -> CloneMemory
                               hint="check the workspace's session with bunshin exec")
     after_tool = _stage("after_tool", clone)
     holder_grown = _grown(before_tool, _areas(holder)) if holder is not None else ()
-    return CloneMemory((fresh, after_exec, after_tool), grown, holder_grown)
+    exec_ms = tuple(_timed(lambda: clone.exec(["true"])) for _ in range(rounds))
+    tool_ms = tuple(_timed(lambda: tools.run_sync(clone, "bash", {"command": "true"})) for _ in range(rounds))
+    return CloneMemory((fresh, after_exec, after_tool), grown, holder_grown, exec_ms, tool_ms)
+
+
+def _timed(call: Any) -> float:
+    t0 = time.perf_counter()
+    call()
+    return (time.perf_counter() - t0) * 1000.0
 
 
 def _summary(values: list[int]) -> dict[str, int]:
@@ -193,7 +208,7 @@ def _by_role(stages: list[Stage]) -> dict[str, int]:
                                           for st in stages)) for role in roles}
 
 
-def run_calls(cfg: Config, *, clones: int = 3, calls: Sequence[str] = CALLS) -> dict[str, Any]:
+def run_calls(cfg: Config, *, clones: int = 3, calls: Sequence[str] = CALLS, rounds: int = ROUNDS) -> dict[str, Any]:
     """``run`` once per way the agent serves calls (``calls``), one after another:
     ``r["by_calls"][mode]`` is each run's result."""
     bad = [c for c in calls if c not in CALLS]
@@ -202,16 +217,18 @@ def run_calls(cfg: Config, *, clones: int = 3, calls: Sequence[str] = CALLS) -> 
                               hint="pass --calls thread, --calls fork or --calls thread,fork")
     if clones < 1:
         raise InvalidArgument(f"clones must be at least 1, not {clones}", hint="pass --clones 1 or more")
-    return {"by_calls": {mode: run(cfg, clones=clones, calls=mode) for mode in calls}}
+    return {"by_calls": {mode: run(cfg, clones=clones, calls=mode, rounds=rounds) for mode in calls}}
 
 
-def run(cfg: Config, *, clones: int = 3, calls: str | None = None) -> dict[str, Any]:
+def run(cfg: Config, *, clones: int = 3, calls: str | None = None, rounds: int = ROUNDS) -> dict[str, Any]:
     """Snapshot a called workspace, restore ``clones`` clones one at a time, measure each.
     ``calls``: how its agent serves calls (``--calls``; ``None``: as ``$BUNSHIN_AGENT_CALLS``)."""
     if clones < 1:
         raise InvalidArgument(f"clones must be at least 1, not {clones}", hint="pass --clones 1 or more")
+    if rounds < 0:
+        raise InvalidArgument(f"rounds must be 0 or more, not {rounds}", hint="pass --rounds 20 (0: no timing)")
     with _agent_calls(calls):
-        result = _run(cfg, clones)
+        result = _run(cfg, clones, rounds)
     result["calls"] = agent_calls() if calls is None else calls
     return result
 
@@ -233,7 +250,7 @@ def _agent_calls(calls: str | None) -> Iterator[None]:
             os.environ[CALLS_ENV] = old
 
 
-def _run(cfg: Config, clones: int) -> dict[str, Any]:
+def _run(cfg: Config, clones: int, rounds: int) -> dict[str, Any]:
     tools = ToolSet.default()
     started = time.monotonic()
     parent = Workspace.create("host", config=cfg)
@@ -247,7 +264,7 @@ def _run(cfg: Config, clones: int) -> dict[str, Any]:
             for _ in range(clones):
                 (clone,) = snap.restore(1)
                 try:
-                    measured.append(measure_clone(clone, tools))
+                    measured.append(measure_clone(clone, tools, rounds))
                 finally:
                     clone.remove()
         finally:
@@ -259,6 +276,12 @@ def _run(cfg: Config, clones: int) -> dict[str, Any]:
     result["parent"] = {"anon_bytes": sum(p.anon_bytes for p in parent_procs), "processes": parent_procs}
     result["clones"] = measured
     result["goal_bytes"] = 1 << 20
+    exec_ms = [t for m in measured for t in m.exec_ms]
+    tool_ms = [t for m in measured for t in m.tool_ms]
+    result["latency_ms"] = {"exec_p50": round(statistics.median(exec_ms), 2) if exec_ms else None,
+                            "tool_p50": round(statistics.median(tool_ms), 2) if tool_ms else None,
+                            "rounds": rounds}
+    result["agent_python"] = agent_python().version
     result["wall_s"] = round(time.monotonic() - started, 1)
     return result
 
@@ -268,8 +291,10 @@ def print_report(r: dict[str, Any]) -> None:
         return f"{n / 1024:.0f} KiB"
 
     rows = [(name, kib(r[name]["anon_bytes_p50"]), kib(r[name]["anon_bytes_max"])) for name in STAGES]
-    output.print_table(f"--calls {r['calls']}: private memory per clone (parent: {kib(r['parent']['anon_bytes'])}; "
-                       "goal <= 1 MiB after a tool call)",
+    lat = r["latency_ms"]
+    output.print_table(f"--calls {r['calls']}, agent Python {r['agent_python']}: private memory per clone "
+                       f"(parent: {kib(r['parent']['anon_bytes'])}; goal <= 1 MiB after a tool call); "
+                       f"p50 of {lat['rounds']} calls more: exec {lat['exec_p50']} ms, tool call {lat['tool_p50']} ms",
                        ["stage", "p50", "max"], rows)
     roles = sorted({role for name in STAGES for role in r["roles"][name]})
     output.print_table("p50 per role", ["stage", *roles],

@@ -64,6 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--clones", type=int, default=3, help="clones measured one after another (default 3)")
     b.add_argument("--calls", default="thread,fork",
                    help="how the agent serves calls, one run each, side by side (default thread,fork)")
+    b.add_argument("--rounds", type=int, default=20, help="exec and tool calls timed per clone after it is measured (default 20)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_clone_memory, release_tmpfs=True)
     b = bsub.add_parser("delta-pause", help="forks of a running fork: the parent's pause per CRIU phase")
@@ -152,7 +153,7 @@ def cmd_bench_image(args: argparse.Namespace) -> int:
 def cmd_bench_clone_memory(args: argparse.Namespace) -> int:
     from ..bench import clone_memory
 
-    r = clone_memory.run_calls(Config.from_env(), clones=args.clones, calls=args.calls.split(","))
+    r = clone_memory.run_calls(Config.from_env(), clones=args.clones, calls=args.calls.split(","), rounds=args.rounds)
     if args.json:
         output.print_json(r)
     else:

@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.criu]
 
 @pytest.mark.parametrize("calls", ["thread", "fork"])
 def test_a_clone_is_measured_at_every_stage(no_leaks, calls):
-    r = clone_memory.run(no_leaks, clones=1, calls=calls)
+    r = clone_memory.run(no_leaks, clones=1, calls=calls, rounds=3)
     assert r["calls"] == calls
     (m,) = r["clones"]
     assert [s.name for s in m.stages] == list(clone_memory.STAGES)
@@ -34,11 +34,18 @@ def test_a_clone_is_measured_at_every_stage(no_leaks, calls):
     if calls == "fork":
         assert m.holder_areas_tool and r["roles"]["after_tool"]["holder"] > 0
     assert sum(r["roles"]["after_tool"].values()) == after_tool.anon_bytes
+    # then timed: three of each, their p50 reported
+    assert len(m.exec_ms) == len(m.tool_ms) == 3 and all(t > 0 for t in m.exec_ms + m.tool_ms)
+    assert r["latency_ms"]["exec_p50"] == round(sorted(m.exec_ms)[1], 2)
+    assert r["latency_ms"]["rounds"] == 3 and r["agent_python"].startswith("3.")
 
 
 def test_no_clones_is_refused(no_leaks):
     with pytest.raises(InvalidArgument, match="at least 1"):
         clone_memory.run(no_leaks, clones=0)
+    with pytest.raises(InvalidArgument, match="rounds must be 0 or more") as e:
+        clone_memory.run(no_leaks, clones=1, rounds=-1)
+    assert "--rounds" in (e.value.hint or "")
     with pytest.raises(InvalidArgument, match="calls must be among") as e:
         clone_memory.run_calls(no_leaks, clones=1, calls=["threads"])
     assert "--calls" in (e.value.hint or "")
