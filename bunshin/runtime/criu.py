@@ -255,6 +255,7 @@ def dump(
     placement: Placement | None = None,
     notify: Mapping[str, Callable[[], None]] | None = None,
     log_level: int = 4,
+    rpc_config: Path | None = None,
 ) -> CriuRun:
     """Dump the process tree rooted at ``pid`` into ``images_dir`` (created if missing).
 
@@ -262,7 +263,8 @@ def dump(
     as ``criu swrk`` (``criu_swrk``): each handler runs in this process when CRIU reaches
     its stage (``"post-dump"``: the tasks are still frozen), where an action script would
     be a process started inside the pause; a handler that raises fails the dump with its
-    own error.
+    own error. ``rpc_config``: a CRIU configuration file that dump applies over its request
+    (``criu_dump_conf``).
     """
     images_dir = Path(images_dir).absolute()
     images_dir.mkdir(parents=True, exist_ok=True)
@@ -272,7 +274,7 @@ def dump(
         placement = dataclasses.replace(placement or Placement(), timens=timens)
     if notify is not None:
         flags = [*(["--leave-running"] if leave_running else []), *extra]
-        ms = _run_swrk(criu, pid, images_dir, log, flags, notify, timeout, placement, log_level)
+        ms = _run_swrk(criu, pid, images_dir, log, flags, notify, timeout, placement, log_level, rpc_config)
         return CriuRun(duration_ms=ms, log=log)
     args = ["dump", "-t", str(pid), "-D", str(images_dir), f"-v{log_level}", "--log-file", str(log)]
     if leave_running:
@@ -325,11 +327,13 @@ def _then(first: Callable[[], None], second: Callable[[], None] | None) -> Calla
 
 def _run_swrk(criu: Path, pid: int, images_dir: Path, log: Path, flags: Sequence[str],
               notify: Mapping[str, Callable[[], None]], timeout: float | None, placement: Placement | None,
-              log_level: int) -> float:
+              log_level: int, rpc_config: Path | None = None) -> float:
     """One dump over CRIU's RPC socket; its wall time in ms, or CriuError (or the error of
     the first notification handler that failed)."""
     criu_kdat.ensure(criu)
     req = criu_swrk.request(-1, pid, log.name, flags, log_level=log_level)  # refused options before anything starts
+    if rpc_config is not None:
+        req.opts.config_file = str(rpc_config)
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     dfd = -1
     with tempfile.TemporaryFile() as out:

@@ -53,6 +53,7 @@ from . import (
     cgroup_moves,
     container,
     criu,
+    criu_dump_conf,
     host_limits,
     memfile,
     netns_image,
@@ -217,13 +218,22 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
         # are not dumped either: a restore runs criu inside the clone's own.
         inside = criu.Placement(netns=f"/proc/{rec.pid}/ns/net")
         try:
-            with upper_copy.frozen_copy(cfg, Path(rec.upper), layer, sdir, _memory_cgroup(rec)) as copy, \
-                    quiesced(Path(rec.root).parent):  # no host call may hold a connection into it
-                extra = [*_COMMON, *DUMP_EXTERNAL, "--manage-cgroups=ignore", "--ghost-limit", str(ghost_limit)]
-                extra += mount_externals(rec.mounts, dump=True)
-                extra += precopy.dump_externals(rec.pid, MEM_VIEW)  # live files' binds (one copy, in paths.mem)
-                run = criu.dump(cfg.criu, rec.pid or 0, images, leave_running=True, extra=extra, placement=inside,
-                                notify=copy.notify, log_level=cfg.dump_log_level)
+            # the upper copied while CRIU dumps (``upper_copy``: early), or at its end when
+            # CRIU linked an open file back into the upper meanwhile (then dumped again)
+            for early in (images, None):
+                try:
+                    with upper_copy.frozen_copy(cfg, Path(rec.upper), layer, sdir, _memory_cgroup(rec),
+                                                early=early) as copy, \
+                            quiesced(Path(rec.root).parent):  # no host call may hold a connection into it
+                        extra = [*_COMMON, *DUMP_EXTERNAL, "--manage-cgroups=ignore", "--ghost-limit", str(ghost_limit)]
+                        extra += mount_externals(rec.mounts, dump=True)
+                        extra += precopy.dump_externals(rec.pid, MEM_VIEW)  # live files' binds (one copy, in paths.mem)
+                        run = criu.dump(cfg.criu, rec.pid or 0, images, leave_running=True, extra=extra,
+                                        placement=inside, notify=copy.notify, log_level=cfg.dump_log_level,
+                                        rpc_config=criu_dump_conf.ensure(cfg.paths.helpers))
+                    break
+                except upper_copy.LinkedRemaps:
+                    upper_copy.start_over(images, layer)
         except CriuError as e:  # what CRIU cannot carry, named (a ghost over the limit, a watch it cannot record)
             refusal = unforkable.find(cfg, rec.id, rec.pid, str(e))
             if refusal is None:

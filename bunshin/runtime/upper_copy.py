@@ -9,6 +9,15 @@ the cgroup *before* the dump: ``upper_copy.c``, built once per source with gcc, 
 opens two fifos and waits. ``FrozenCopy.run`` writes one byte to the first and waits
 for the copier's answer on the second: no process starts inside the pause (a shell
 action script that woke a waiting ``cp -a``: 2.9-4.7 ms of it, mostly the two execs).
+
+An *early* copy (``frozen_copy(..., early=images)``) is told to go at CRIU's
+``query-ext-files`` notification instead, which CRIU sends once every task is frozen:
+the copier then runs on the other CPU while CRIU dumps, and ``post-dump`` only waits for
+its answer. CRIU itself writes into the upper while it dumps in one case: an open file
+whose name is gone but which has other links is linked back as ``link_remap.N`` beside
+it, and the clones' restore opens that name. An early copy may have missed it, so a dump
+that recorded such a remap (``linked_remaps``) fails at ``post-dump`` (``LinkedRemaps``)
+and is made again with the copy at ``post-dump`` (``snapshot.take``).
 """
 
 from __future__ import annotations
@@ -28,9 +37,37 @@ from ..config import Config
 from ..errors import BunshinError, HostUnsupported
 from . import freeze_boost, prepared
 from .criu import Placement
+from .memfile import criu_images
 
 _CFLAGS = ("-O2", "-Wall", "-Wextra", "-Werror")
 LOG = "upper-copy.log"  # the copier's complaints, in the snapshot's folder
+REMAPS = "remap-fpath.img"  # CRIU's remaps of open files, written only when there are any
+_LINKED = (0, "LINKED")  # remap_type of a file CRIU linked back into the tree (the field's default)
+
+
+class LinkedRemaps(BunshinError):
+    """An early copy may lack the files CRIU linked back into the upper: dump again with
+    the copy at ``post-dump``."""
+
+
+def linked_remaps(images: Path) -> bool:
+    """Whether the dump in ``images`` linked an open file back into the tree (an image
+    that cannot be read counts as one)."""
+    path = Path(images) / REMAPS
+    if not path.exists():
+        return False
+    try:
+        entries = criu_images.load(path)["entries"]
+    except Exception:  # noqa: BLE001 (pycriu's own errors too: a bad magic, a short read)
+        return True
+    return any(e.get("remap_type", 0) in _LINKED for e in entries)
+
+
+def start_over(images: Path, layer: Path) -> None:
+    """Empty ``images`` and remove ``layer``: what a failed attempt left, before the next."""
+    shutil.rmtree(images, ignore_errors=True)
+    Path(images).mkdir(parents=True)
+    shutil.rmtree(layer, ignore_errors=True)
 
 
 def _source() -> bytes:
@@ -64,23 +101,37 @@ def build(cache_dir: Path) -> Path:
 class FrozenCopy:
     """A copier waiting for its go; ``run`` (while the tasks are frozen) copies and waits.
     ``notify`` is what ``criu.dump`` takes: the copier is boosted at CRIU's ``pre-dump``
-    stage (before the freeze: the boost's timer thread is not started inside the pause)
-    and ``run`` at its ``post-dump`` stage."""
+    stage (before the freeze: the boost's timer thread is not started inside the pause),
+    told to go at ``query-ext-files`` when ``early`` (the images folder), and ``run`` at
+    ``post-dump``."""
 
-    def __init__(self, go: int, done: int, pid: int, pidfd: int, log: Path) -> None:
+    def __init__(self, go: int, done: int, pid: int, pidfd: int, log: Path, early: Path | None = None) -> None:
         self._go, self._done, self.pid, self._pidfd, self._log = go, done, pid, pidfd, log
+        self._early, self._begun = early, False
         self.boost = freeze_boost.Boost((pid,))  # real-time priority within freeze_boost's budget
         self.notify = {"pre-dump": self.boost.start, "post-dump": self.run}
+        if early is not None:
+            self.notify["query-ext-files"] = self.begin
+
+    def begin(self) -> None:
+        """Tell the copier to copy (once); the tasks must be frozen until ``run`` returns."""
+        if not self._begun:
+            os.write(self._go, b"g")
+            self._begun = True
 
     def run(self) -> None:
-        """Copy now; raise ``BunshinError`` with the copier's own words if it failed."""
+        """Copy now (or wait for the copy begun); raise ``BunshinError`` with the copier's own
+        words if it failed, ``LinkedRemaps`` if an early copy may lack CRIU's links."""
         try:
-            self._copy()
+            self.begin()
+            self._wait()
         finally:
             self.boost.stop()
+        if self._early is not None and linked_remaps(self._early):
+            raise LinkedRemaps("CRIU linked an open file back into the workspace's files after the early copy",
+                               hint="the dump is made again with the copy at its end")
 
-    def _copy(self) -> None:
-        os.write(self._go, b"g")
+    def _wait(self) -> None:
         poller = select.poll()
         poller.register(self._done, select.POLLIN)
         poller.register(self._pidfd, select.POLLIN)
@@ -106,9 +157,11 @@ class FrozenCopy:
 
 
 @contextlib.contextmanager
-def frozen_copy(cfg: Config, upper: Path, layer: Path, folder: Path, memcg: Path | None) -> Iterator[FrozenCopy]:
-    """Start the copier of ``upper`` into the new folder ``layer`` in ``memcg``; yield it.
-    On exit a copier not told to copy reads EOF and ends; every copier is awaited."""
+def frozen_copy(cfg: Config, upper: Path, layer: Path, folder: Path, memcg: Path | None, *,
+                early: Path | None = None) -> Iterator[FrozenCopy]:
+    """Start the copier of ``upper`` into the new folder ``layer`` in ``memcg``; yield it
+    (``early``: the dump's images folder, for an early copy). On exit a copier not told to
+    copy reads EOF and ends; every copier is awaited."""
     binary = build(cfg.paths.helpers)
     go_path, done_path = folder / "copy-go", folder / "copy-done"
     os.mkfifo(go_path, 0o600)
@@ -125,7 +178,7 @@ def frozen_copy(cfg: Config, upper: Path, layer: Path, folder: Path, memcg: Path
             child = _start(argv, into, out.fileno())
         try:
             pidfd = os.pidfd_open(child.pid)
-            copy = FrozenCopy(go, done, child.pid, pidfd, log)
+            copy = FrozenCopy(go, done, child.pid, pidfd, log, early)
             try:
                 yield copy
             finally:

@@ -14,6 +14,7 @@ import shutil
 import socket
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ import pytest
 from bunshin.config import Config
 from bunshin.errors import BunshinError
 from bunshin.runtime import upper_copy
+from bunshin.runtime.memfile import criu_images
 
 pytestmark = pytest.mark.integration
 
@@ -173,3 +175,56 @@ def test_the_copier_is_built_once_per_source(cfg, tmp_path):
     assert first == upper_copy.build(tmp_path / "helpers") and os.access(first, os.X_OK)
     assert stat.S_IMODE(first.stat().st_mode) == 0o700
     shutil.rmtree(tmp_path / "helpers")
+
+
+def _remaps(images: Path, *types: str) -> None:
+    entries = [{"orig_id": i + 1, "remap_id": i + 100, "remap_type": t} for i, t in enumerate(types)]
+    criu_images.save({"magic": "REMAP_FPATH", "entries": entries}, images / upper_copy.REMAPS)
+
+
+def test_an_early_copy_is_made_at_its_go_and_run_only_waits(cfg, tmp_path):
+    src = tmp_path / "upper"
+    src.mkdir()
+    (src / "f").write_text("x")
+    work, images = tmp_path / "work", tmp_path / "images"
+    work.mkdir()
+    images.mkdir()
+    with upper_copy.frozen_copy(cfg, src, tmp_path / "layer", work, None, early=images) as copy:
+        assert set(copy.notify) == {"pre-dump", "query-ext-files", "post-dump"}
+        copy.notify["query-ext-files"]()  # CRIU: every task is frozen
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "layer" / "f").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (tmp_path / "layer" / "f").read_text() == "x"  # copied before post-dump
+        copy.notify["post-dump"]()  # waits for the answer; no remaps: nothing raised
+    late = tmp_path / "late"
+    with upper_copy.frozen_copy(cfg, src, late, work, None) as copy:
+        assert "query-ext-files" not in copy.notify
+        copy.run()
+    assert (late / "f").read_text() == "x"
+
+
+def test_linked_remaps_are_told_from_ghosts(tmp_path):
+    assert not upper_copy.linked_remaps(tmp_path)  # CRIU writes none when there are none
+    _remaps(tmp_path, "GHOST", "PROCFS")  # a ghost (its bytes in the images) and a dead process's /proc
+    assert not upper_copy.linked_remaps(tmp_path)
+    _remaps(tmp_path, "GHOST", "LINKED")  # and a file CRIU linked back into the tree
+    assert upper_copy.linked_remaps(tmp_path)
+    (tmp_path / upper_copy.REMAPS).write_bytes(b"not an image")
+    assert upper_copy.linked_remaps(tmp_path)  # unreadable: counted as one
+
+
+def test_an_early_copy_after_a_linked_remap_asks_for_the_late_one(cfg, tmp_path):
+    src = tmp_path / "upper"
+    src.mkdir()
+    (src / "f").write_text("x")
+    work, images, layer = tmp_path / "work", tmp_path / "images", tmp_path / "layer"
+    work.mkdir()
+    images.mkdir()
+    with upper_copy.frozen_copy(cfg, src, layer, work, None, early=images) as copy:
+        copy.notify["query-ext-files"]()
+        _remaps(images, "LINKED")  # CRIU linked an open file back meanwhile
+        with pytest.raises(upper_copy.LinkedRemaps):
+            copy.notify["post-dump"]()
+    upper_copy.start_over(images, layer)
+    assert not layer.exists() and images.is_dir() and not any(images.iterdir())
