@@ -7,7 +7,8 @@
  * regular files (holes kept), symlinks, device nodes (overlay whiteouts), fifos and
  * sockets, hard links within the tree, owners, modes, extended attributes (overlay's
  * trusted.* included) and times; and writes "0\n" to DONE, or "1\n" after saying what
- * failed on stderr. EOF on GO (the caller gave up) ends it without copying.
+ * failed on stderr; then it waits for EOF on GO (the caller closes it after the dump)
+ * and ends. EOF on GO before the byte (the caller gave up) ends it without copying.
  *
  * SRC is written by a hostile workspace (frozen meanwhile): nothing in it is followed.
  * Every name is opened relative to its folder's descriptor with O_NOFOLLOW, checked
@@ -474,5 +475,9 @@ int main(int argc, char **argv)
 	ok = copy_root(argv[3], argv[4]) == 0;
 	if (write(donefd, ok ? "0\n" : "1\n", 2) != 2)
 		return 1;
+	/* end only once the caller closes GO (after the dump): an exit inside the pause wakes
+	 * the caller's thread that reaps it, which then competes with the one answering CRIU */
+	while (read(gofd, &go, 1) > 0)
+		;
 	return ok ? 0 : 1;
 }

@@ -228,3 +228,22 @@ def test_an_early_copy_after_a_linked_remap_asks_for_the_late_one(cfg, tmp_path)
             copy.notify["post-dump"]()
     upper_copy.start_over(images, layer)
     assert not layer.exists() and images.is_dir() and not any(images.iterdir())
+
+
+def test_the_copier_ends_only_once_the_dump_is_over(cfg, tmp_path):
+    src = tmp_path / "upper"
+    src.mkdir()
+    (src / "f").write_text("x")
+    work = tmp_path / "work"
+    work.mkdir()
+    with upper_copy.frozen_copy(cfg, src, tmp_path / "layer", work, None) as copy:
+        copy.run()
+        # answered, and still there: its exit (and its reaping here) is not inside the pause
+        stat_line = Path(f"/proc/{copy.pid}/stat").read_text()
+        assert stat_line.rsplit(")", 1)[1].split()[0] in ("S", "R")
+        pid = copy.pid
+    assert (tmp_path / "layer" / "f").read_text() == "x"
+    try:
+        assert "upper-copy" not in Path(f"/proc/{pid}/cmdline").read_text()  # reused by now, if at all
+    except FileNotFoundError:
+        pass  # awaited: gone
