@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from bunshin.errors import CriuError, HostUnsupported
+from bunshin.errors import CriuError, HostUnsupported, InvalidArgument
 
 from . import criu_kdat, criu_launch, criu_swrk, freeze_boost, prepared
 from . import syscalls as sc
@@ -396,12 +396,18 @@ def restore(
     timeout: float | None = RESTORE_TIMEOUT_S,
     placement: Placement | None = None,
     keep_log: bool = True,
+    log_level: int = 4,
 ) -> CriuRun:
     """Restore ``images_dir`` detached; return the restored root task's host pid.
 
     Several restores of one images directory may run at once: each needs its
     own ``pidfile`` and log (the default log name is unique). ``keep_log=False``
     deletes the log of a restore that succeeded (~90 KiB of tmpfs per restore).
+
+    A ``placement`` a warm criu can take (``prepared.rpc_fits``) is restored over RPC by a
+    ``criu swrk`` the launcher exec'd ahead (``_restore_warm``: no exec, dynamic loading
+    or start of criu on the restore's path); otherwise, or when none can be had, criu is
+    run as a command. The ``pidfile`` is written by the command only.
     """
     images_dir = Path(images_dir).absolute()
     pidfile = Path(pidfile).absolute()
@@ -420,18 +426,79 @@ def restore(
     ]
     if root is not None:
         args += ["--root", str(root)]
-    ms = _run(criu, [*args, *extra], action="restore", log=log, timeout=timeout, placement=placement)
-    try:
-        pid = int(pidfile.read_text().strip())
-    except (OSError, ValueError) as exc:
-        raise CriuError(
-            "criu restore succeeded but wrote no readable pidfile",
-            log_tail=_tail(log),
-            action="restore",
-        ) from exc
+    warm = _restore_warm(criu, images_dir, log, extra, root, timeout, placement, log_level)
+    if warm is not None:
+        ms, pid = warm
+    else:
+        args[args.index("-v4")] = f"-v{log_level}"
+        ms = _run(criu, [*args, *extra], action="restore", log=log, timeout=timeout, placement=placement)
+        try:
+            pid = int(pidfile.read_text().strip())
+        except (OSError, ValueError) as exc:
+            raise CriuError(
+                "criu restore succeeded but wrote no readable pidfile",
+                log_tail=_tail(log),
+                action="restore",
+            ) from exc
     if not keep_log:
         log.unlink(missing_ok=True)
     return CriuRun(duration_ms=ms, log=log, pid=pid)
+
+
+def _restore_warm(criu: Path, images_dir: Path, log: Path, flags: Sequence[str], root: Path | None,
+                  timeout: float | None, placement: Placement | None, log_level: int) -> tuple[float, int] | None:
+    """A restore by a warm ``criu swrk`` (``prepared.start_rpc``): (wall ms, restored pid),
+    or None when none can take it (the caller runs criu as a command). Failures of the
+    restore itself are CriuError, as a command's."""
+    if not prepared.rpc_fits(placement) or not criu_launch.warmable(criu):
+        return None
+    try:
+        req = criu_swrk.restore_request(str(images_dir), log.name, flags, root=None if root is None else str(root),
+                                        log_level=log_level)
+    except (InvalidArgument, HostUnsupported):
+        return None  # an option RPC has no field for, or no pycriu: the command takes it
+    criu_kdat.ensure(criu)
+    argv = [*criu_launch.argv(criu), "swrk", str(PASSED_FD)]
+    t0 = time.monotonic()
+    try:
+        with open(os.devnull, "wb") as null:  # criu answers on its socket and logs to its file
+            started = prepared.start_rpc(argv, placement, null.fileno())
+    except prepared.LaunchError:
+        return None
+    if started is None:
+        return None
+    child, sock = started
+    try:
+        try:
+            sock.settimeout(timeout)
+            answer = criu_swrk.restore(sock, req)
+        except TimeoutError as exc:
+            child.kill()
+            child.wait()
+            raise CriuError(f"criu restore timed out after {timeout} s", log_tail=_tail(log),
+                            action="restore") from exc
+        except OSError as exc:  # it ended: its log says why
+            answer = criu_swrk.Restored(False, -1, f"criu's socket: {exc}")
+            if not log.exists():  # before it read the request (killed while idle): nothing was restored
+                child.kill()
+                child.wait()
+                return None
+        except BaseException:
+            child.kill()
+            child.wait()
+            raise
+    finally:
+        sock.close()  # criu ends after its answer
+    code = child.wait(timeout)
+    if code is None:
+        child.kill()
+        code = child.wait()
+    ms = (time.monotonic() - t0) * 1000
+    if not answer.success and not log.exists():  # it ended before it read the request
+        return None
+    if not answer.success or code or answer.pid <= 0:
+        raise _failure("restore", code or 1, log, answer.errmsg)
+    return ms, answer.pid
 
 
 def _capture(criu: Path, args: Sequence[str], timeout: float | None) -> subprocess.CompletedProcess[str]:

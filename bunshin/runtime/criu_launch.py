@@ -42,3 +42,17 @@ def argv(criu: Path) -> tuple[str, ...]:
     if "$" in libs or not (os.access(ldso, os.X_OK) and os.access(binary, os.R_OK)):
         return (str(criu),)
     return (ldso, "--library-path", libs, binary)
+
+
+@functools.cache
+def warmable(criu: Path) -> bool:
+    """Whether ``criu`` may be started ahead of its work (``criu.restore``'s warm criu):
+    the wrapper bunshin generates or a binary, not another script, whose start may depend
+    on what it is asked (a test's failure injection counts its runs by their arguments)."""
+    if len(argv(criu)) > 1:
+        return True
+    try:
+        with open(criu, "rb") as f:
+            return f.read(2) != b"#!"
+    except OSError:
+        return False

@@ -54,6 +54,25 @@ def request(images_dir_fd: int, pid: int, log_file: str, flags: Sequence[str], *
     req = r.criu_req(type=r.DUMP)
     o = req.opts
     o.images_dir_fd, o.pid, o.log_level, o.log_file, o.notify_scripts = images_dir_fd, pid, log_level, log_file, True
+    _set_flags(r, o, flags)
+    return req
+
+
+def restore_request(images_dir: str, log_file: str, flags: Sequence[str], *, root: str | None,
+                    log_level: int = 4) -> Any:
+    """A restore request (always detached): the images at the path ``images_dir`` (as criu
+    sees it), its log ``log_file`` in that folder, ``root``, ``flags`` as on the command line."""
+    r = rpc()
+    req = r.criu_req(type=r.RESTORE)
+    o = req.opts
+    o.images_dir_fd, o.images_dir, o.log_level, o.log_file = -1, images_dir, log_level, log_file
+    if root is not None:
+        o.root = root
+    _set_flags(r, o, flags)
+    return req
+
+
+def _set_flags(r: Any, o: Any, flags: Sequence[str]) -> None:
     it = iter(flags)
     for flag in it:
         name, eq, value = flag.partition("=")
@@ -84,7 +103,6 @@ def request(images_dir_fd: int, pid: int, log_file: str, flags: Sequence[str], *
             o.ghost_limit = int(value)
         else:
             o.external.append(value)
-    return req
 
 
 @dataclass(frozen=True)
@@ -95,6 +113,28 @@ class Answer:
     errno: int
     errmsg: str
     handler_error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class Restored:
+    """CRIU's answer to a restore: whether it succeeded, the restored root task's pid."""
+
+    success: bool
+    pid: int
+    errmsg: str
+
+
+def restore(sock: socket.socket, req: Any) -> Restored:
+    """Send a restore request and read CRIU's answer (it sends no notifications)."""
+    r = rpc()
+    sock.send(req.SerializeToString())
+    data = sock.recv(MAX_MSG)
+    if not data:
+        return Restored(False, -1, "criu closed its socket without an answer")
+    resp = r.criu_resp()
+    resp.ParseFromString(data)
+    return Restored(bool(resp.success), int(resp.restore.pid) if resp.HasField("restore") else -1,
+                    str(resp.cr_errmsg))
 
 
 def converse(sock: socket.socket, req: Any, handlers: Mapping[str, Callable[[], None]]) -> Answer:

@@ -47,6 +47,7 @@ class _Pending:
     pid: int | None = None
     status: int | None = None
     error: str | None = None
+    rpc: socket.socket | None = None  # a warm criu's RPC socket (``start_rpc``)
 
 
 class CriuLauncher:
@@ -81,17 +82,25 @@ class CriuLauncher:
 
     def _read(self) -> None:
         while True:
+            fds = array.array("i")
             try:
-                data = self._sock.recv(1 << 16)
+                data, anc, _, _ = self._sock.recvmsg(1 << 16, socket.CMSG_SPACE(4 * fds.itemsize))
             except OSError:
-                data = b""
+                data, anc = b"", []
+            for level, kind, payload in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
             if not data:
                 break
             msg = json.loads(data)
             with self._lock:
                 p = self._pending.get(msg["id"])
-            if p is None:
+            if p is None or (msg.get("rpc") and len(fds) != 1):
+                for fd in fds:
+                    os.close(fd)
                 continue
+            if msg.get("rpc"):
+                p.rpc = socket.socket(fileno=fds[0])
             if "error" in msg:
                 p.error = msg["error"]
                 p.started.set()
@@ -111,17 +120,23 @@ class CriuLauncher:
                 p.ended.set()
 
     def spawn(self, argv: list[str], placement: dict[str, Any], out_fd: int,
-              pass_fd: int | None = None) -> tuple[int, _Pending]:
+              pass_fd: int | None = None, *, rpc: bool = False) -> tuple[int, _Pending]:
         """Start ``argv`` with stdout and stderr on ``out_fd`` after ``placement`` (and
-        ``pass_fd`` as its descriptor ``zygote.PASSED_FD``); its pid."""
+        ``pass_fd`` as its descriptor ``zygote.PASSED_FD``); its pid. ``rpc``: ``argv`` is a
+        ``criu swrk`` the helper keeps exec'd ahead (``start_rpc``); ``LaunchError`` if it
+        cannot give one."""
         rid = next(self._ids)
         p = _Pending()
         with self._lock:
             self._pending[rid] = p
         trees = clone_trees(placement.get("own_mounts") or [])
+        if trees is None and rpc:
+            self._forget(rid)
+            raise LaunchError("NoWarmCriu: the restore's mounts cannot be copied")
         if trees is None:  # the command runs in the host's namespace instead
             placement, trees = {**placement, "own_mounts": []}, []
-        msg = json.dumps({"id": rid, "argv": argv, "placement": placement, "pass_fd": pass_fd is not None}).encode()
+        msg = json.dumps({"id": rid, "argv": argv, "placement": placement, "pass_fd": pass_fd is not None,
+                          "rpc": rpc}).encode()
         passed = [] if pass_fd is None else [pass_fd]
         try:
             self._sock.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
@@ -241,6 +256,29 @@ def start(argv: list[str], placement: Any, out_fd: int, pass_fd: int | None = No
         raise
     assert pending.pid is not None
     return Started(pending.pid, lch, rid, pending)
+
+
+def rpc_fits(placement: Any) -> bool:
+    """Whether a warm criu (``start_rpc``) can take ``placement``: a fresh network namespace
+    and keyring, the restore's own mounts (its sysfs and cgroups are given from outside),
+    nothing joined and no namespace held on the host."""
+    return (placement is not None and placement.new_netns and placement.own_keyring and bool(placement.own_mounts)
+            and placement.netns is None and placement.timens is None and not placement.hold_netns)
+
+
+def start_rpc(argv: list[str], placement: Any, out_fd: int) -> tuple[Started, socket.socket] | None:
+    """A ``criu swrk`` the launcher keeps exec'd ahead (``argv`` ends with its socket's fd,
+    ``zygote.PASSED_FD``), given ``placement`` (``rpc_fits``) and handed over: it and the
+    caller's end of its RPC socket. None when there is no launcher. ``LaunchError`` when no
+    warm one can be had (the caller runs criu the usual way)."""
+    lch = launcher()
+    if lch is None:
+        return None
+    rid, pending = lch.spawn(argv, placement_fields(placement), out_fd, rpc=True)
+    assert pending.pid is not None
+    if pending.rpc is None:
+        raise LaunchError("the criu launcher gave no RPC socket")
+    return Started(pending.pid, lch, rid, pending), pending.rpc
 
 
 def run(argv: list[str], placement: Any, out_fd: int, timeout: float | None) -> tuple[int, bool] | None:

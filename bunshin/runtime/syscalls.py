@@ -141,22 +141,30 @@ def _write_proc(path: str, value: str) -> None:
         os.close(fd)
 
 
-def new_netns() -> None:
+def size_netns_tables() -> None:
+    """Make the network namespaces created from the caller's get a TCP table of
+    ``NETNS_TCP_BUCKETS`` (OSError on a kernel without the setting)."""
+    _write_proc(_TCP_CHILD_BUCKETS, str(NETNS_TCP_BUCKETS))
+
+
+def new_netns(*, sized: bool = False) -> None:
     """Unshare a network namespace with ``lo`` up and a TCP table of its own, in which
     root of a user namespace the host made may still bind ports below 1024 and ping (it
     has no capability there: the namespace belongs to the host).
 
     A namespace's table is sized by the one it is made from, so a first namespace (dropped
-    at once) only sets that size; the namespace kept sets it too, for the one CRIU makes
-    inside it (a clone with TCP connections)."""
+    at once) only sets that size, unless the caller is in one ``size_netns_tables`` set
+    (``sized``); the namespace kept sets it too, for the one CRIU makes inside it (a clone
+    with TCP connections)."""
     unshare(CLONE_NEWNET)
     try:
-        _write_proc(_TCP_CHILD_BUCKETS, str(NETNS_TCP_BUCKETS))
+        size_netns_tables()
     except OSError:
         pass  # an older kernel: the host's table, as before
     else:
-        unshare(CLONE_NEWNET)
-        _write_proc(_TCP_CHILD_BUCKETS, str(NETNS_TCP_BUCKETS))
+        if not sized:
+            unshare(CLONE_NEWNET)
+            size_netns_tables()
     loopback_up()
     for key, value in (("ip_unprivileged_port_start", "0"), ("ping_group_range", "0 2147483647")):
         _write_proc(f"/proc/sys/net/ipv4/{key}", value)

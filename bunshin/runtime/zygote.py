@@ -60,6 +60,7 @@ MAX_MSG = 1 << 16
 MAX_FDS = 64  # descriptors one request may carry (the output file, its mounts, one passed on)
 PASSED_FD = 3  # where the command finds the descriptor a request passes on
 POOL = 2  # warm network namespaces kept ready
+CRIU_POOL = 2  # criu swrk processes kept exec'd ahead for restores (``rpc`` requests)
 # Mounts the small namespace leaves out: bunshin's tmpfs (with everything beneath it:
 # workspaces, images, views), workspace uppers and roots, sysfs of workspaces, held
 # network namespaces, idmapped views.
@@ -148,12 +149,36 @@ def small_namespace(sc: Any, host_mnt: int) -> int | None:
         sc.setns(host_mnt, sc.CLONE_NEWNS)
 
 
+def sized_netns(sc: Any, host_net: int) -> int | None:
+    """A descriptor of an empty network namespace whose ``tcp_child_ehash_entries`` is
+    ``syscalls.NETNS_TCP_BUCKETS``: the namespaces made from it get a TCP table of that size
+    without a throwaway namespace each (~1 ms, and the kernel's cleanup of it, per run).
+    None if it cannot be made. The caller stays in its own."""
+    try:
+        sc.unshare(sc.CLONE_NEWNET)
+    except OSError:
+        return None
+    try:
+        sc.size_netns_tables()
+        return os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    finally:
+        sc.setns(host_net, sc.CLONE_NEWNET)
+
+
 @dataclass(frozen=True)
 class Namespaces:
-    """The helper's mount namespaces: the host's, and the small one (None: none here)."""
+    """The helper's namespaces: the host's mount namespace, the small one (None: none
+    here), the host's network namespace and the sized one new ones are made from."""
 
     host: int
     small: int | None
+    host_net: int = -1
+    net_template: int | None = None
+
+    def fds(self) -> list[int]:
+        return [fd for fd in (self.host, self.small, self.host_net, self.net_template) if fd is not None and fd >= 0]
 
 
 def _settle_mounts(sc: Any, p: dict[str, Any], trees: list[int], ns: Namespaces) -> None:
@@ -238,11 +263,21 @@ def _close_all_but(*keep: int) -> None:
     os.closerange(low, 65536)
 
 
+def _fresh_netns(sc: Any, ns: Namespaces) -> None:
+    """A fresh network namespace with lo up, made from the helper's sized one (else as
+    ``syscalls.new_netns`` makes it: with a throwaway namespace first)."""
+    if ns.net_template is None:
+        sc.new_netns()
+        return
+    sc.setns(ns.net_template, sc.CLONE_NEWNET)
+    sc.new_netns(sized=True)
+
+
 def _warm_child(sc: Any, sock: socket.socket, err_w: int, ns: Namespaces) -> None:
     try:
-        _close_all_but(sock.fileno(), err_w, ns.host, *([] if ns.small is None else [ns.small]))
+        _close_all_but(sock.fileno(), err_w, *ns.fds())
         os.setsid()
-        sc.new_netns()
+        _fresh_netns(sc, ns)
         if ns.small is not None:
             sc.setns(ns.small, sc.CLONE_NEWNS)
             sc.unshare(sc.CLONE_NEWNS)  # a copy of its own, to attach its request's mounts in
@@ -257,6 +292,80 @@ def _warm_child(sc: Any, sock: socket.socket, err_w: int, ns: Namespaces) -> Non
     trees, passed = _split(req, fds[1:])
     _exec(sc, req, fds[0], err_w, netns_ready=True, trees=trees, passed=passed,
           ns=ns if ns.small is not None else None)
+
+
+def _warm_criu_child(sc: Any, argv: list[str], rpc: int, err_w: int, ns: Namespaces) -> None:
+    """In a child: a fresh network namespace, a copy of the small mount namespace, a new
+    session keyring, then exec ``argv`` (``criu swrk PASSED_FD``) with ``rpc`` as its
+    descriptor ``PASSED_FD``: it waits there for a restore. Never returns."""
+    try:
+        _close_all_but(rpc, err_w, *ns.fds())
+        os.setsid()
+        _fresh_netns(sc, ns)
+        assert ns.small is not None
+        sc.setns(ns.small, sc.CLONE_NEWNS)
+        sc.unshare(sc.CLONE_NEWNS)
+        sc.join_session_keyring()
+        null = os.open("/dev/null", os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        if err_w == PASSED_FD:
+            err_w = fcntl.fcntl(err_w, fcntl.F_DUPFD_CLOEXEC, PASSED_FD + 1)
+        os.dup2(rpc, PASSED_FD)  # inheritable
+        os.closerange(PASSED_FD + 1, err_w)
+        os.closerange(err_w + 1, 65536)
+        os.execv(argv[0], argv)
+    except BaseException as e:  # noqa: BLE001 (reported to the helper)
+        try:
+            os.write(err_w, f"{type(e).__name__}: {e}".encode()[:4000])
+        finally:
+            os._exit(127)
+
+
+@dataclass
+class WarmCriu:
+    """A ``criu swrk`` exec'd ahead in its own namespaces: the helper's end of its RPC
+    socket; once exec'd, its pidfd and its mount and network namespaces."""
+
+    pid: int
+    rpc: socket.socket
+    err_r: int
+    pidfd: int = -1
+    mnt: int = -1
+    net: int = -1
+
+    def close(self) -> None:
+        for fd in (self.pidfd, self.mnt, self.net):
+            if fd >= 0:
+                os.close(fd)
+        self.pidfd = self.mnt = self.net = -1
+
+
+def settle_criu(sc: Any, w: WarmCriu, p: dict[str, Any], trees: list[int], ns: Namespaces) -> None:
+    """Give a warm criu its restore's placement from outside, in the helper: ``trees``
+    attached at ``own_mounts``' paths in its mount namespace, the sysfs of its network
+    namespace at ``sysfs``, the process moved into ``cgroup_procs``. The helper is back in
+    its own namespaces after, also on failure (OSError)."""
+    wanted = p.get("own_mounts") or []
+    if len(wanted) != len(trees):
+        raise OSError("a request's mounts and their descriptors differ in number")
+    try:
+        sc.setns(w.mnt, sc.CLONE_NEWNS)
+        for (path, _recursive), fd in zip(wanted, trees, strict=True):
+            sc.attach_tree(fd, path)
+            sc.mount("none", path, None, sc.MS_REC | sc.MS_PRIVATE)
+        if p.get("sysfs") is not None:
+            sc.setns(w.net, sc.CLONE_NEWNET)
+            sc.mount_sysfs(p["sysfs"])
+    finally:
+        sc.setns(ns.host_net, sc.CLONE_NEWNET)
+        sc.setns(ns.host, sc.CLONE_NEWNS)
+    for procs in p.get("cgroup_procs", ()):
+        fd = os.open(procs, os.O_WRONLY)
+        try:
+            os.write(fd, str(w.pid).encode())
+        finally:
+            os.close(fd)
 
 
 @dataclass
@@ -278,7 +387,16 @@ class Zygote:
         self.warm: list[Warm] = []
         self.chunks: dict[int, list[bytes]] = {}
         host = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
-        self.ns = Namespaces(host, small_namespace(self.sc, host))
+        host_net = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        self.ns = Namespaces(host, small_namespace(self.sc, host), host_net, sized_netns(self.sc, host_net))
+        # warm criu (``rpc`` requests): the argv they run, those exec'ing (err pipe fd ->),
+        # those ready (pidfd ->, oldest first), requests waiting for one
+        self.criu_argv: list[str] | None = None
+        self.criu_warming: dict[int, WarmCriu] = {}
+        self.criu_ready: dict[int, WarmCriu] = {}
+        self.criu_waiting: list[tuple[dict[str, Any], int, list[int]]] = []
+        self.criu_broken: str | None = None  # why warm criu cannot be made here
+        self.closed: set[int] = set()  # watched descriptors closed since the last poll
 
     def _fork(self, req: dict[str, Any], out_fd: int, passed: int | None = None) -> tuple[int, int]:
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
@@ -302,7 +420,142 @@ class Zygote:
         os.close(err_w)
         self.warm.append(Warm(pid, mine, err_r))
 
+    # ------------------------------------------------------------- warm criu
+
+    def _add_warm_criu(self) -> None:
+        assert self.criu_argv is not None
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        pid = os.fork()
+        if pid == 0:
+            mine.close()
+            os.close(err_r)
+            _warm_criu_child(self.sc, self.criu_argv, theirs.fileno(), err_w, self.ns)
+        theirs.close()
+        os.close(err_w)
+        self.criu_warming[err_r] = WarmCriu(pid, mine, err_r)
+        self.chunks[err_r] = []
+        self.poller.register(err_r, select.POLLIN)
+
+    def _criu_exec_done(self, err_r: int) -> None:
+        chunk = os.read(err_r, 4096)
+        if chunk:
+            self.chunks[err_r].append(chunk)
+            return
+        w = self.criu_warming.pop(err_r)
+        error = b"".join(self.chunks.pop(err_r)).decode(errors="replace")
+        self._drop(err_r)
+        try:
+            if error:
+                raise OSError(error)
+            w.pidfd = os.pidfd_open(w.pid)
+            w.mnt = os.open(f"/proc/{w.pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+            w.net = os.open(f"/proc/{w.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            self._retire(w)
+            self.criu_broken = f"a warm criu could not start: {e}"
+            for req, out_fd, fds in self.criu_waiting:  # the caller runs these the other way
+                self._refuse(req, out_fd, fds, self.criu_broken)
+            self.criu_waiting.clear()
+            return
+        self.criu_ready[w.pidfd] = w
+        self.poller.register(w.pidfd, select.POLLIN)  # an idle one that ends is reaped
+        while self.criu_waiting and self.criu_ready:
+            self._serve_criu(*self.criu_waiting.pop(0))
+
+    def _drop(self, fd: int) -> None:
+        """Stop watching ``fd`` and close it; an event of it already polled is skipped."""
+        with contextlib.suppress(KeyError):
+            self.poller.unregister(fd)
+        os.close(fd)
+        self.closed.add(fd)
+
+    def _retire(self, w: WarmCriu) -> None:
+        """End a warm criu that serves nobody (its socket closed: it exits) and reap it."""
+        if w.pidfd >= 0:
+            self._drop(w.pidfd)
+            w.pidfd = -1
+        w.rpc.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(w.pid, 9)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(w.pid, 0)
+        w.close()
+
+    def _refuse(self, req: dict[str, Any], out_fd: int, fds: list[int], why: str) -> None:
+        os.close(out_fd)
+        for fd in fds:
+            os.close(fd)
+        _send(self.sock, {"id": req["id"], "error": f"NoWarmCriu: {why}"})
+
+    def start_criu(self, req: dict[str, Any], out_fd: int, fds: list[int]) -> None:
+        """An ``rpc`` request: hand a warm criu to the caller, or queue it until one is ready."""
+        if self.ns.small is None or self.criu_broken is not None:
+            self._refuse(req, out_fd, fds, self.criu_broken or "no small mount namespace here")
+            return
+        if req["argv"] != self.criu_argv:  # the first request (or another criu): a pool for it
+            for w in list(self.criu_ready.values()):
+                self._retire(w)
+            self.criu_ready.clear()
+            self.criu_argv = list(req["argv"])
+        self.criu_waiting.append((req, out_fd, fds))
+        while self.criu_waiting and self.criu_ready:
+            self._serve_criu(*self.criu_waiting.pop(0))
+        if self.criu_waiting and len(self.criu_warming) < len(self.criu_waiting):
+            self._add_warm_criu()
+
+    def _take_criu(self) -> WarmCriu | None:
+        """The oldest ready warm criu still alive (dead ones on the way are reaped)."""
+        while self.criu_ready:
+            pidfd = next(iter(self.criu_ready))
+            w = self.criu_ready.pop(pidfd)
+            self.poller.unregister(pidfd)
+            if not select.select([pidfd], [], [], 0)[0]:
+                return w
+            self._retire(w)  # it ended while idle
+        return None
+
+    def _serve_criu(self, req: dict[str, Any], out_fd: int, fds: list[int]) -> None:
+        w = self._take_criu()
+        if w is None:  # none alive after all: wait for a new one
+            self.criu_waiting.insert(0, (req, out_fd, fds))
+            if not self.criu_warming:
+                self._add_warm_criu()
+            return
+        pidfd = w.pidfd
+        os.close(out_fd)  # criu answers on its socket; its output went to /dev/null
+        try:
+            settle_criu(self.sc, w, req.get("placement") or {}, fds, self.ns)
+        except OSError as e:
+            self._retire(w)
+            _send(self.sock, {"id": req["id"], "error": f"NoWarmCriu: {type(e).__name__}: {e}"})
+            return
+        finally:
+            for fd in fds:
+                os.close(fd)
+        os.close(w.mnt)
+        os.close(w.net)
+        w.mnt = w.net = -1
+        self.running[pidfd] = Starting(w.pid, req["id"])  # its end is reported as any command's
+        self.poller.register(pidfd, select.POLLIN)
+        _send(self.sock, {"id": req["id"], "pid": w.pid, "rpc": True}, [w.rpc.fileno()])
+        w.rpc.close()
+
+    def _idle_criu_ended(self, pidfd: int) -> None:
+        self._retire(self.criu_ready.pop(pidfd))
+
+    def _refill_criu(self) -> None:
+        if self.criu_argv is None or self.criu_broken is not None or self.ns.small is None:
+            return
+        while len(self.criu_ready) + len(self.criu_warming) < CRIU_POOL:
+            self._add_warm_criu()
+
+    # ------------------------------------------------------------- commands
+
     def start(self, req: dict[str, Any], out_fd: int, fds: list[int]) -> None:
+        if req.get("rpc"):
+            self.start_criu(req, out_fd, fds)
+            return
         p = req.get("placement") or {}
         trees, passed = _split(req, fds)
         if p.get("new_netns") and p.get("netns") is None:
@@ -335,8 +588,7 @@ class Zygote:
             return
         child = self.starting.pop(err_r)  # EOF: exec'd (CLOEXEC) or failed and wrote why
         error = b"".join(self.chunks.pop(err_r)).decode(errors="replace")
-        self.poller.unregister(err_r)
-        os.close(err_r)
+        self._drop(err_r)
         if error:
             os.waitpid(child.pid, 0)
             _send(self.sock, {"id": child.rid, "error": error})
@@ -348,8 +600,7 @@ class Zygote:
 
     def _ended(self, pidfd: int) -> None:
         child = self.running.pop(pidfd)
-        self.poller.unregister(pidfd)
-        os.close(pidfd)
+        self._drop(pidfd)
         _, status = os.waitpid(child.pid, 0)
         _send(self.sock, {"id": child.rid, "pid": child.pid, "status": status})
 
@@ -360,12 +611,20 @@ class Zygote:
                 if not self.starting:  # refilled only while no child is on its way to exec
                     while len(self.warm) < POOL:
                         self._add_warm()
+                    self._refill_criu()
+                self.closed.clear()
                 for fd, _ in self.poller.poll():
+                    if fd in self.closed:  # closed (and its number maybe reused) while this batch ran
+                        continue
                     if fd in self.starting:
                         self._started(fd)
                     elif fd in self.running:
                         self._ended(fd)
-                    else:
+                    elif fd in self.criu_warming:
+                        self._criu_exec_done(fd)
+                    elif fd in self.criu_ready:
+                        self._idle_criu_ended(fd)
+                    elif fd == self.sock.fileno():
                         data, fds = _recv(self.sock)
                         if not data:
                             return
@@ -376,10 +635,15 @@ class Zygote:
                 os.close(w.err_r)
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(w.pid, 0)
+            for wc in [*self.criu_ready.values(), *self.criu_warming.values()]:
+                self._retire(wc)  # its socket closes: criu swrk ends
 
 
-def _send(sock: socket.socket, msg: dict[str, Any]) -> None:
-    sock.send(json.dumps(msg).encode())
+def _send(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None = None) -> None:
+    if fds:
+        sock.sendmsg([json.dumps(msg).encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    else:
+        sock.send(json.dumps(msg).encode())
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from bunshin.runtime import criu, prepared
+from bunshin.runtime import syscalls as sc
 
 pytestmark = pytest.mark.integration
 
@@ -24,17 +25,25 @@ def _run(argv: list[str], placement: criu.Placement | None = None, timeout: floa
         return ran[0], ran[1], out.read().decode()
 
 
-def test_every_run_gets_a_fresh_network_namespace_of_its_own():
+def test_every_run_gets_a_fresh_network_namespace_of_its_own(tmp_path):
     own = os.readlink("/proc/self/ns/net")
-    script = "readlink /proc/self/ns/net; cat /proc/sys/net/ipv4/ip_unprivileged_port_start; cat /proc/net/dev"
+    # each run binds its namespace to a file, so that it stays (a freed one's number is given again)
+    script = ("readlink /proc/self/ns/net; cat /proc/sys/net/ipv4/ip_unprivileged_port_start; cat /proc/net/dev; "
+              "cat /proc/sys/net/ipv4/tcp_ehash_entries; touch $0; mount --bind /proc/self/ns/net $0")
     seen = []
-    for _ in range(4):  # more than the warm pool holds
-        code, timed_out, out = _run(["/bin/sh", "-c", script], criu.Placement(new_netns=True))
-        assert (code, timed_out) == (0, False), out
-        ns, port_start, *dev = out.splitlines()
-        assert ns != own and port_start == "0" and any(line.strip().startswith("lo:") for line in dev)
-        seen.append(ns)
-    assert len(set(seen)) == 4  # never one namespace for two runs
+    try:
+        for i in range(4):  # more than the warm pool holds
+            code, timed_out, out = _run(["/bin/sh", "-c", script, str(tmp_path / f"ns{i}")],
+                                        criu.Placement(new_netns=True))
+            assert (code, timed_out) == (0, False), out
+            ns, port_start, *dev, buckets = out.splitlines()
+            assert ns != own and port_start == "0" and any(line.strip().startswith("lo:") for line in dev)
+            assert int(buckets) == sc.NETNS_TCP_BUCKETS  # a TCP table of its own, of that size
+            seen.append(ns)
+        assert len(set(seen)) == 4  # never one namespace for two runs
+    finally:
+        for i in range(4):
+            subprocess.run(["umount", str(tmp_path / f"ns{i}")], check=False, capture_output=True)
     code, _, out = _run(["/bin/sh", "-c", "readlink /proc/self/ns/net"], criu.Placement(netns="/proc/self/ns/net"))
     assert code == 0 and out.strip() == own  # joined: /proc/self of the helper's child is in the caller's
 
@@ -197,6 +206,8 @@ def test_the_warm_pool_is_made_ahead_and_refilled_after_each_exec():
         helper = psutil.Process(lch._proc.pid)
         host_net = os.readlink("/proc/self/ns/net")
 
+        held: list[int] = []  # namespaces seen stay open: a freed one's number can be given again
+
         def warm() -> list[str]:
             deadline = time.monotonic() + 10
             while True:
@@ -204,7 +215,9 @@ def test_the_warm_pool_is_made_ahead_and_refilled_after_each_exec():
                 for p in helper.children():  # a child that ran its command may end while it is looked at
                     try:
                         if p.status() != psutil.STATUS_ZOMBIE:
-                            nets.append(os.readlink(f"/proc/{p.pid}/ns/net"))
+                            fd = os.open(f"/proc/{p.pid}/ns/net", os.O_RDONLY)
+                            held.append(fd)
+                            nets.append(os.readlink(f"/proc/self/fd/{fd}"))
                     except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError):
                         pass
                 if (len(nets) == zygote.POOL and host_net not in nets) or time.monotonic() > deadline:
@@ -218,4 +231,6 @@ def test_the_warm_pool_is_made_ahead_and_refilled_after_each_exec():
         after = warm()
         assert len(after) == zygote.POOL and not set(after) & set(before)  # used ones replaced by fresh ones
     finally:
+        for fd in held:
+            os.close(fd)
         lch.close()

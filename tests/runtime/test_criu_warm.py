@@ -1,0 +1,164 @@
+"""Restores by a warm criu: a ``criu swrk`` the launcher exec'd ahead in a fresh network
+namespace, a copy of the small mount namespace and a keyring of its own, given the
+restore's mounts, sysfs and cgroups from outside, then asked over RPC (``criu.restore``
+with a placement ``prepared.rpc_fits``); and the command it falls back to."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from bunshin.errors import CriuError
+from bunshin.runtime import criu, prepared, zygote
+
+from .procs import kill_and_wait
+from .test_criu import Counters, _scramble, counters, criu_bin, workdir  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.criu
+
+
+@pytest.fixture
+def cgroup() -> Iterator[Path]:
+    """A pids cgroup of this test's (v1 or v2), emptied and removed after it."""
+    base = Path("/sys/fs/cgroup/pids")
+    if not (base / "cgroup.procs").exists():
+        base = Path("/sys/fs/cgroup/unified")
+    if not (base / "cgroup.procs").exists():
+        base = Path("/sys/fs/cgroup")
+    cg = base / f"bunshin-test-warm-{os.getpid()}"
+    cg.mkdir()
+    yield cg
+    for _ in range(100):
+        for pid in (cg / "cgroup.procs").read_text().split():
+            kill_and_wait(int(pid))
+        try:
+            cg.rmdir()
+            return
+        except OSError:
+            time.sleep(0.05)
+
+
+def _placement(folder: Path, cgroup: Path | None = None, *more: tuple[str, bool]) -> criu.Placement:
+    return criu.Placement(new_netns=True, own_keyring=True, own_mounts=((str(folder), True), *more),
+                          cgroup_procs=() if cgroup is None else (str(cgroup / "cgroup.procs"),))
+
+
+def _warm_criu() -> list[psutil.Process]:
+    """The launcher's idle warm criu processes (``criu swrk``, not yet asked)."""
+    lch = prepared.launcher()
+    assert lch is not None
+    found = []
+    for p in psutil.Process(lch._proc.pid).children():
+        try:
+            if "swrk" in p.cmdline() and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def _wait_pool(size: int, timeout: float = 10) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    while True:
+        found = _warm_criu()
+        if len(found) >= size or time.monotonic() > deadline:
+            return found
+        time.sleep(0.02)
+
+
+def test_a_warm_criu_restores_into_the_clones_cgroup_and_fresh_namespaces(counters, criu_bin, workdir, cgroup):  # noqa: F811
+    pid = counters.spawn()
+    images = workdir / "img"
+    criu.dump(criu_bin, pid, images)
+    at_dump = counters.value(pid)
+    clones = []
+    for i in range(3):  # more than the pool holds: its first one is made on the first's path
+        pidfile = workdir / f"clone{i}.pid"
+        r = criu.restore(criu_bin, images, pidfile=pidfile, placement=_placement(workdir, cgroup))
+        assert r.pid is not None and r.pid not in (pid, *clones)
+        assert not pidfile.exists()  # the warm criu's answer gave the pid, no command wrote it
+        counters.pids.append(r.pid)
+        clones.append(r.pid)
+    host_net, host_mnt = os.readlink("/proc/self/ns/net"), os.readlink("/proc/self/ns/mnt")
+    nets = {os.readlink(f"/proc/{c}/ns/net") for c in clones}
+    assert len(nets) == 3 and host_net not in nets  # one fresh namespace each
+    assert all(os.readlink(f"/proc/{c}/ns/mnt") != host_mnt for c in clones)
+    assert {int(p) for p in (cgroup / "cgroup.procs").read_text().split()} >= set(clones)
+    for c in clones:
+        assert counters.value(c) <= at_dump + 10_000 and counters.wait_above(c, counters.value(c))
+    pool = _wait_pool(zygote.CRIU_POOL)
+    assert len(pool) == zygote.CRIU_POOL
+    for p in pool:  # ready ones wait in namespaces of their own, in no clone's cgroup
+        assert os.readlink(f"/proc/{p.pid}/ns/net") not in (host_net, *nets)
+        assert os.readlink(f"/proc/{p.pid}/ns/mnt") != host_mnt
+        assert p.pid not in {int(x) for x in (cgroup / "cgroup.procs").read_text().split()}
+
+
+def test_a_failed_warm_restore_names_criu_first_real_error(counters, criu_bin, workdir):  # noqa: F811
+    pid = counters.spawn()
+    images = workdir / "img"
+    criu.dump(criu_bin, pid, images)
+    (mm,) = images.glob("mm-*.img")
+    _scramble(mm)
+    with pytest.raises(CriuError) as info:
+        criu.restore(criu_bin, images, pidfile=workdir / "x.pid", log_name="restore.log",
+                     placement=_placement(workdir))
+    err = info.value
+    assert err.details["action"] == "restore" and err.details["log"] == str(images / "restore.log")
+    assert err.first_errors.startswith("task 1: ") and mm.name in err.first_errors.splitlines()[0]
+    assert counters.value(pid) > 0  # the dumped task was never touched
+
+
+def test_an_idle_warm_criu_that_dies_is_replaced(counters, criu_bin, workdir):  # noqa: F811
+    pid = counters.spawn()
+    images = workdir / "img"
+    criu.dump(criu_bin, pid, images)
+    first = criu.restore(criu_bin, images, pidfile=workdir / "a.pid", placement=_placement(workdir))
+    counters.pids.append(first.pid or 0)
+    pool = _wait_pool(zygote.CRIU_POOL)
+    assert pool
+    for p in pool:
+        p.kill()
+    r = criu.restore(criu_bin, images, pidfile=workdir / "b.pid", placement=_placement(workdir))
+    assert r.pid is not None and counters.value(r.pid) > 0
+    counters.pids.append(r.pid)
+    fresh = _wait_pool(zygote.CRIU_POOL)
+    assert len(fresh) == zygote.CRIU_POOL and not {p.pid for p in fresh} & {p.pid for p in pool}
+
+
+def test_a_mount_the_warm_criu_cannot_take_falls_back_to_the_command(counters, criu_bin, workdir, tmp_path_factory):  # noqa: F811
+    pid = counters.spawn()
+    images = workdir / "img"
+    criu.dump(criu_bin, pid, images)
+    prepared.launcher()  # started before the mount below: its small namespace lacks it
+    fresh = tmp_path_factory.mktemp("fresh")  # beside the restore's folder, not beneath it
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "bunshin-test-fresh", str(fresh)], check=True)
+    try:
+        (fresh / "inner").mkdir()
+        pidfile = workdir / "c.pid"
+        r = criu.restore(criu_bin, images, pidfile=pidfile,
+                         placement=_placement(workdir, None, (str(fresh / "inner"), False)))
+        assert r.pid is not None and pidfile.read_text().strip() == str(r.pid)  # the command's pidfile
+        counters.pids.append(r.pid)
+        assert counters.value(r.pid) > 0
+    finally:
+        subprocess.run(["umount", "-l", str(fresh)], check=False)
+
+
+def test_a_placement_it_cannot_take_and_a_script_criu_run_as_commands(tmp_path):
+    assert prepared.rpc_fits(_placement(tmp_path))
+    assert not prepared.rpc_fits(criu.Placement(new_netns=True, own_keyring=True))  # no mounts of its own
+    assert not prepared.rpc_fits(criu.Placement(new_netns=True, own_mounts=(("/x", True),)))  # the caller's keyring
+    held = criu.Placement(new_netns=True, own_keyring=True, own_mounts=(("/x", True),), sysfs="/s", hold_netns=True)
+    assert not prepared.rpc_fits(held) and not prepared.rpc_fits(None)
+    script = tmp_path / "criu"
+    script.write_text("#!/bin/sh\nexec criu \"$@\"\n")
+    from bunshin.runtime import criu_launch
+
+    assert not criu_launch.warmable(script) and criu_launch.warmable(Path("/bin/true"))
