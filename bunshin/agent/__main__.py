@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     agent.start()
     try:
         server.bind()
+        if args.calls == "thread":
+            server.warm_up()  # before the freeze: a clone's first calls find the code specialised
         print(f"bunshin-agent: pid {os.getpid()} listening on {args.socket}", file=sys.stderr)
         # Everything allocated so far lives as long as the agent: keep the cyclic GC off
         # those objects, so that collections in a forked clone do not write (and so

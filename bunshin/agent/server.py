@@ -37,6 +37,9 @@ from .sessions import Sessions
 from .terminals import Attachment
 from .threadsessions import ThreadSessions
 from .wire import (
+    JOB_ID,
+    JOB_REQUEST,
+    JOB_WAIT,
     OP,
     VERSION,
     ErrorCode,
@@ -46,7 +49,11 @@ from .wire import (
     Op,
     encode,
     ok_line,
+    request_line,
 )
+
+#: Rounds of ``AgentServer.warm_up`` (each: a ping, a stat, an exec of ``true``).
+WARM_UP_ROUNDS = 3
 
 Handler = Callable[[dict[str, Any]], "dict[str, Any] | Attachment"]
 
@@ -243,10 +250,13 @@ class AgentServer:
     def _serve_threads(self) -> None:
         """``--calls thread``: each connection served on a thread of the pool; a failing
         accept or thread start never ends the agent."""
-        assert self.pool is not None
+        assert self.pool is not None and self._sock is not None
+        # The descriptor only: its socket object is made on the pool's thread, in that
+        # thread's malloc arena (the main thread's holes are all over the snapshot's heap).
+        accept, submit, serve = self._sock._accept, self.pool.submit, self._serve_fd  # type: ignore[attr-defined]  # noqa: SLF001
         while self._sock is not None:
             try:
-                conn, _ = self._sock.accept()
+                fd, _ = accept()
             except OSError as exc:
                 if self._sock is None:
                     return
@@ -254,12 +264,34 @@ class AgentServer:
                 time.sleep(0.05)
                 continue
             try:
-                self.pool.submit(self._serve, conn)
+                submit(serve, fd)
             except RuntimeError as exc:  # no thread left (pids limit): refuse this one
-                _send(conn, failure(AgentFailure(ErrorCode.RESOURCE_EXHAUSTED, f"agent: {exc}")))
-                conn.close()
+                self._refuse(fd, exc)
 
-    def _refuse(self, fd: int, exc: OSError) -> None:
+    def warm_up(self, rounds: int = WARM_UP_ROUNDS) -> None:
+        """Answer a few pings, stats and execs (``true``, as jobs) before the agent is ready.
+
+        Python 3.12 rewrites a function's bytecode the first times it runs (specialising it)
+        and counts down in it after: in a forked clone each function a call runs for the first
+        or second time writes (and so copies) the page it sits on. Run here, the call paths
+        are specialised once in the snapshot.
+        """
+        reply = self._answer
+        for _ in range(rounds):
+            reply(request_line(Op.PING, {}).rstrip(b"\n"))
+            reply(request_line(Op.STAT, {"path": "/"}).rstrip(b"\n"))
+            started = reply(request_line(Op.JOB_START, {JOB_REQUEST: {OP: Op.EXEC.value, "argv": ["true"]}}).rstrip(b"\n"))
+            if not isinstance(started, bytes):
+                return
+            job_id = json.loads(started).get(JOB_ID)
+            if not isinstance(job_id, str):
+                return  # could not start one (pids limit): the agent works, only less warm
+            reply(request_line(Op.JOB_WAIT, {JOB_ID: job_id, JOB_WAIT: 10.0}).rstrip(b"\n"))
+
+    def _serve_fd(self, fd: int) -> None:
+        self._serve(socket.socket(fileno=fd))
+
+    def _refuse(self, fd: int, exc: Exception) -> None:
         with socket.socket(fileno=fd) as conn:
             _send(conn, failure(AgentFailure(ErrorCode.RESOURCE_EXHAUSTED, f"agent: {exc}")))
 

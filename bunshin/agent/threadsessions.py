@@ -10,7 +10,7 @@ processes there instead.
 from __future__ import annotations
 
 import os
-import selectors
+import select
 import signal
 import threading
 import time
@@ -136,13 +136,14 @@ class ThreadSession(PtyShell):
 
     def _read_loop(self) -> None:
         """Drain the pty all the time (a background job must never block on it)."""
-        sel = selectors.DefaultSelector()
-        sel.register(self.master, selectors.EVENT_READ)
-        sel.register(self._wake_r, selectors.EVENT_READ)
+        poller = select.poll()  # not selectors: less Python run per chunk the shell prints
+        poller.register(self.master, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        wake = self._wake_r
         try:
             while True:
-                events = sel.select()
-                if any(key.fd == self._wake_r for key, _ in events):
+                events = poller.poll()
+                if any(fd == wake for fd, _ in events):
                     # The shell exited or close() was called: drain what is left.
                     os.set_blocking(self.master, False)
                 try:
@@ -158,7 +159,6 @@ class ThreadSession(PtyShell):
                 if sink is not None:
                     sink.feed(data)
         finally:
-            sel.close()
             self._eof.set()
             with self._sink_lock:
                 if self._sink is not None:
