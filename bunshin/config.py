@@ -48,6 +48,9 @@ class Config:
     # step (``bench delta-pause`` splits the pause at them), ~3,000 lines of which each is
     # a write inside the pause: ~2 ms of a delta's 13-15 ms here.
     dump_log_level: int = 2
+    # The same for a restore (a kept log, ``snapshot.restore(keep_logs=True)``, is at -v4:
+    # ``bench restore-phases`` splits it): ~2,000 lines, each a write on the restore's path.
+    restore_log_level: int = 2
 
     @classmethod
     def from_env(cls) -> Config:

@@ -573,6 +573,7 @@ def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout
                    *mount_externals(rec.mounts, dump=False, cfg=cfg)],
             placement=into,
             keep_log=keep_log,  # written from inside the clone's cgroup: it would be charged to it
+            log_level=4 if keep_log else cfg.restore_log_level,  # a kept log is read: every step
         )
         assert run.pid is not None
         t2 = time.perf_counter()

@@ -162,3 +162,18 @@ def test_a_placement_it_cannot_take_and_a_script_criu_run_as_commands(tmp_path):
     from bunshin.runtime import criu_launch
 
     assert not criu_launch.warmable(script) and criu_launch.warmable(Path("/bin/true"))
+
+
+def test_the_log_level_reaches_criu_on_both_paths(counters, criu_bin, workdir):  # noqa: F811
+    pid = counters.spawn()
+    images = workdir / "img"
+    criu.dump(criu_bin, pid, images)
+    for name, placement in (("warm", _placement(workdir)), ("command", None)):
+        for level in (2, 4):
+            r = criu.restore(criu_bin, images, pidfile=workdir / f"{name}{level}.pid", placement=placement,
+                             log_name=f"{name}-{level}.log", log_level=level)
+            assert r.pid is not None
+            counters.pids.append(r.pid)
+            text = r.log.read_text()
+            assert ("Reading image tree" in text) == (level == 4), (name, level)  # a debug line
+            assert len(text.splitlines()) < 50 or level == 4
