@@ -30,6 +30,19 @@ must hold its network namespace on the host: ``hold_netns``), or one whose trees
 be attached, runs in the host's namespace as before. Mounts the child makes (its sysfs)
 stay in its namespace, which ends with criu.
 
+Warm criu: a restore's criu was exec'd on its path (the loader relocating ~20 libraries,
+criu's start: ~3-4 ms). For a request marked ``rpc`` (``prepared.start_rpc``) the helper
+keeps ``CRIU_POOL`` ``criu swrk`` processes exec'd ahead (for the argv of the first such
+request), each in a fresh network namespace, a copy of the small mount namespace and a
+new session keyring, waiting on an RPC socket. A request takes the oldest: the helper
+enters its mount namespace and attaches the request's mounts, enters its network
+namespace and mounts the sysfs, moves it into the request's cgroups (``settle_criu``),
+then answers ``{"id", "pid", "rpc": true}`` with the caller's end of the RPC socket, over
+which the caller asks for the restore; its end is reported as any command's. The exec,
+the loading and criu's start are then off the restore's path. A request it cannot settle is
+answered ``NoWarmCriu`` (the caller runs criu as a command); an idle one that dies is
+reaped and replaced.
+
 Protocol on the SOCK_SEQPACKET socket FD (one JSON object per message, each with the
 caller's ``id``): a request ``{"id", "argv", "placement": {...}}`` with the output
 file's descriptor passed alongside (SCM_RIGHTS), then one detached mount per
