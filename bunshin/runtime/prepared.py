@@ -262,8 +262,9 @@ def rpc_fits(placement: Any) -> bool:
     """Whether a warm criu (``start_rpc``) can take ``placement``: a fresh network namespace
     and keyring, the restore's own mounts (its sysfs and cgroups are given from outside),
     nothing joined and no namespace held on the host."""
+    joined = ("netns", "timens", "utsns", "ipcns")  # namespaces a placement may name to join
     return (placement is not None and placement.new_netns and placement.own_keyring and bool(placement.own_mounts)
-            and placement.netns is None and placement.timens is None and not placement.hold_netns)
+            and all(getattr(placement, k, None) is None for k in joined) and not placement.hold_netns)
 
 
 def start_rpc(argv: list[str], placement: Any, out_fd: int) -> tuple[Started, socket.socket] | None:
