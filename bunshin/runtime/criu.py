@@ -74,6 +74,10 @@ class Placement:
     # join this time namespace (``dump`` joins the tree's: CRIU then reads the tree's
     # clocks itself instead of forking a dumper into it, ~0.7 ms of the pause)
     timens: str | None = None
+    # join these UTS and IPC namespaces (a fork's dump joins the tree's: no dumper forked
+    # into each; ``joined_ns`` puts them back into the images)
+    utsns: str | None = None
+    ipcns: str | None = None
     new_netns: bool = False  # or unshare a fresh one and bring lo up
     cgroup_procs: tuple[str, ...] = ()  # cgroup.procs files to join
     # a new session keyring: restored tasks keep criu's, which would be the host's
@@ -103,12 +107,14 @@ class Placement:
                 os.write(fd, b"0")
             finally:
                 os.close(fd)
-        if self.timens is not None:
-            fd = os.open(self.timens, os.O_RDONLY)
-            try:
-                sc.setns(fd, sc.CLONE_NEWTIME)
-            finally:
-                os.close(fd)
+        for path, kind in ((self.timens, sc.CLONE_NEWTIME), (self.utsns, sc.CLONE_NEWUTS),
+                           (self.ipcns, sc.CLONE_NEWIPC)):
+            if path is not None:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    sc.setns(fd, kind)
+                finally:
+                    os.close(fd)
         if self.netns is not None:
             fd = os.open(self.netns, os.O_RDONLY)
             try:

@@ -55,6 +55,7 @@ from . import (
     criu,
     criu_dump_conf,
     host_limits,
+    joined_ns,
     memfile,
     netns_image,
     precopy,
@@ -217,10 +218,13 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
         # freezer every 100 ms, which adds ~100 ms to every parent pause. Cgroups
         # are not dumped either: a restore runs criu inside the clone's own.
         inside = criu.Placement(netns=f"/proc/{rec.pid}/ns/net")
+        seen = None
         try:
-            # the upper copied while CRIU dumps (``upper_copy``: early), or at its end when
-            # CRIU linked an open file back into the upper meanwhile (then dumped again)
+            # the upper copied while CRIU dumps (``upper_copy``: early) and criu in the tree's
+            # UTS and IPC namespaces (``joined_ns``); dumped again without both when CRIU
+            # linked an open file back into the upper meanwhile, or had SysV objects to dump
             for early in (images, None):
+                reader = joined_ns.Reader(rec.pid or 0) if early else None
                 try:
                     with upper_copy.frozen_copy(cfg, Path(rec.upper), layer, sdir, _memory_cgroup(rec),
                                                 early=early) as copy, \
@@ -228,12 +232,19 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
                         extra = [*_COMMON, *DUMP_EXTERNAL, "--manage-cgroups=ignore", "--ghost-limit", str(ghost_limit)]
                         extra += mount_externals(rec.mounts, dump=True)
                         extra += precopy.dump_externals(rec.pid, MEM_VIEW)  # live files' binds (one copy, in paths.mem)
+                        where = inside if reader is None else dataclasses.replace(
+                            inside, utsns=f"/proc/{rec.pid}/ns/uts", ipcns=f"/proc/{rec.pid}/ns/ipc")
                         run = criu.dump(cfg.criu, rec.pid or 0, images, leave_running=True, extra=extra,
-                                        placement=inside, notify=copy.notify, log_level=cfg.dump_log_level,
+                                        placement=where, log_level=cfg.dump_log_level,
+                                        notify=copy.notify if reader is None else reader.notify(copy.notify),
                                         rpc_config=criu_dump_conf.ensure(cfg.paths.helpers))
+                    seen = reader.result() if reader is not None else None
                     break
-                except upper_copy.LinkedRemaps:
+                except (upper_copy.LinkedRemaps, joined_ns.HasSysvObjects):
                     upper_copy.start_over(images, layer)
+                finally:
+                    if reader is not None:
+                        reader.close()
         except CriuError as e:  # what CRIU cannot carry, named (a ghost over the limit, a watch it cannot record)
             refusal = unforkable.find(cfg, rec.id, rec.pid, str(e))
             if refusal is None:
@@ -241,6 +252,8 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
             raise refusal from e
         if not layer.is_dir():
             raise BunshinError(f"the upper layer of {rec.id} was not frozen", hint="see the dump log")
+        if seen is not None:
+            joined_ns.add(images, seen)  # the UTS and IPC namespaces criu was in, as CRIU writes them
         netns_image.add(images, cfg.id_count)  # a clone's network namespace is its user namespace's
         precopy.drop_binds(images)  # the clones reach the live files through their layer, by the same path
         files: tuple[str, ...] = ()

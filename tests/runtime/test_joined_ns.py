@@ -1,0 +1,107 @@
+"""A fork's dump with criu in the tree's UTS and IPC namespaces: what ``joined_ns`` reads is
+what CRIU's own dumpers write, the clone gets both namespaces back (its own, with the
+parent's names and sysctls), and a tree holding SysV objects is dumped by CRIU's dumper."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+
+from bunshin.runtime import joined_ns, upper_copy
+from bunshin.runtime.memfile import criu_images
+
+pytestmark = [pytest.mark.integration, pytest.mark.criu]
+
+
+def _ns(ws, kind: str) -> str:
+    return os.readlink(f"/proc/{ws.record.pid}/ns/{kind}")
+
+
+def _attempts(monkeypatch) -> list[bool]:
+    seen: list[bool] = []
+    start_over = upper_copy.start_over
+
+    def counted(images: Path, layer: Path) -> None:
+        seen.append(True)
+        start_over(images, layer)
+
+    monkeypatch.setattr(upper_copy, "start_over", counted)
+    return seen
+
+
+def _traced(family) -> None:
+    family.cfg = dataclasses.replace(family.cfg, dump_log_level=4)  # the dumpers' lines in the log
+
+
+def test_what_is_read_is_what_criu_writes(family, monkeypatch):
+    """The reader against CRIU's own dumpers (the joined dump refused once: the second is
+    made with criu in its own namespaces), on one tree."""
+    _traced(family)
+    attempts = _attempts(monkeypatch)
+    ws = family.create()
+    reader = joined_ns.Reader(ws.record.pid)
+    try:
+        seen = reader.result()
+    finally:
+        reader.close()
+    refused: list[bool] = []
+
+    def once(self) -> None:
+        if not refused:
+            refused.append(True)
+            raise joined_ns.HasSysvObjects("refused once by the test", hint="")
+
+    monkeypatch.setattr(joined_ns.Reader, "check", once)
+    snap = family.snapshot(ws)
+    assert attempts == [True]
+    images = Path(snap.record.images)
+    assert "Dump UTS namespace" in (images / "dump.log").read_text(errors="replace")  # CRIU's dumper wrote these
+    uts, ipc = joined_ns.tree_ids(images)
+    assert criu_images.load(images / f"utsns-{uts}.img")["entries"] == [
+        {"nodename": seen.nodename, "domainname": seen.domainname}]
+    assert criu_images.load(images / f"ipcns-var-{ipc}.img")["entries"] == [seen.ipc_var]
+    assert seen.nodename == ws.record.hostname and seen.sysv_objects == 0
+    before = {f.name: f.read_bytes() for f in images.iterdir() if f.is_file()}
+    joined_ns.add(images, seen)  # a dump CRIU wrote them in is left as it is
+    assert {f.name: f.read_bytes() for f in images.iterdir() if f.is_file()} == before
+
+
+def test_a_joined_dump_runs_no_dumper_and_the_clone_gets_its_own_namespaces(family, monkeypatch):
+    _traced(family)
+    attempts = _attempts(monkeypatch)
+    ws = family.create()
+    snap = family.snapshot(ws)
+    assert attempts == []
+    images = Path(snap.record.images)
+    log = (images / "dump.log").read_text(errors="replace")
+    assert "Dumping pstree" in log  # a -v4 log, in which CRIU names each dumper it forks
+    assert "Dump UTS namespace" not in log and "Dump IPC namespace" not in log
+    root = criu_images.load(images / "inventory.img")["entries"][0]["root_ids"]
+    uts, ipc = joined_ns.tree_ids(images)
+    assert (root["uts_ns_id"], root["ipc_ns_id"]) != (uts, ipc)  # restored as the tree's own
+    (clone,) = family.restore(snap, 1)
+    for kind in ("uts", "ipc"):
+        assert _ns(clone, kind) not in (_ns(ws, kind), os.readlink(f"/proc/self/ns/{kind}"))
+    assert clone.exec(["hostname"]).stdout.strip() == ws.exec(["hostname"]).stdout.strip() == ws.record.hostname
+    want = ws.exec(["cat", "/proc/sys/kernel/sem", "/proc/sys/fs/mqueue/msg_max"]).stdout
+    assert clone.exec(["cat", "/proc/sys/kernel/sem", "/proc/sys/fs/mqueue/msg_max"]).stdout == want
+    (grand,) = family.fork(clone, 1)  # and a fork of it, joined again
+    assert grand.exec(["hostname"]).stdout.strip() == ws.record.hostname
+    assert _ns(grand, "uts") != _ns(clone, "uts")
+
+
+def test_sysv_objects_are_dumped_by_criu_in_a_second_dump(family, monkeypatch):
+    _traced(family)
+    attempts = _attempts(monkeypatch)
+    ws = family.create()
+    r = ws.exec(["sh", "-c", "ipcmk -M 8192 >/dev/null && ipcmk -Q >/dev/null && ipcs -m -q | grep -c 0x"])
+    assert r.exit_code == 0 and r.stdout.strip() == "2", r
+    snap = family.snapshot(ws)
+    assert attempts == [True], "the joined dump found the objects and was made again"
+    log = (Path(snap.record.images) / "dump.log").read_text(errors="replace")
+    assert "Dump IPC namespace" in log
+    (clone,) = family.restore(snap, 1)
+    assert clone.exec(["sh", "-c", "ipcs -m -q | grep -c 0x"]).stdout.strip() == "2"
