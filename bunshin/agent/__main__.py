@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         immortal.make_all_immortal()  # Python 3.12+; before the freeze (gc.get_objects skips frozen ones)
         gc.freeze()
+        immortal.release_free_memory()
         server.serve_forever()
     except OSError as exc:
         print(f"bunshin-agent: {exc}", file=sys.stderr)

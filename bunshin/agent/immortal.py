@@ -34,9 +34,11 @@ def make_all_immortal() -> int:
     words = (ctypes.c_ssize_t * (1 << 44)).from_address(0)
     seen: set[int] = set()
     frontier: list[object] = [*gc.get_objects(), *sys.modules.values()]
+    seen.update((id(seen), id(frontier)))  # the walk's own containers stay mortal: freed after
     count = 0
     while frontier:
-        level = []
+        level: list[object] = []
+        seen.add(id(level))
         for obj in frontier:
             key = id(obj)
             if key in seen:
@@ -46,9 +48,24 @@ def make_all_immortal() -> int:
             if words[key >> 3] & _LOW32 < _SIGN32:  # not immortal yet (static objects are)
                 words[key >> 3] = IMMORTAL_REFCNT
                 count += 1
+        frontier.clear()
         frontier = gc.get_referents(*level)
+        seen.add(id(frontier))
+        level.clear()
+    seen.clear()
     return count
 
 
 _LOW32 = 0xFFFF_FFFF
 _SIGN32 = 0x8000_0000
+
+
+def release_free_memory() -> None:
+    """Give the free pages malloc holds back to the kernel (glibc's ``malloc_trim``): what
+    imports and the walk above freed is not kept by the agent, nor dumped with it."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)

@@ -17,10 +17,10 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-#: Threads a pool starts ahead (a call uses two or three at once: its connection, its
-#: job and the host's next poll) and keeps at most (busier moments start more, which
-#: end once idle).
-PRESTART = 4
+#: Threads a pool starts ahead (a call uses two at once: its connection and its job; the
+#: host's polls then reuse the first) and keeps at most (busier moments start more, which
+#: end once idle). Each thread is two mappings more (stack and guard) for a dump to walk.
+PRESTART = 2
 KEEP = 8
 
 
