@@ -33,9 +33,9 @@ from .zygote import PASSED_FD
 
 LOG_TAIL_LINES = 30
 FIRST_ERRORS = 4  # error lines shown from the first real one on
-# ``-v4`` logs mark errors ``Error (file.c:line): ...``; a line's prefix is its
-# timestamp and, in a task's part of the log, the task's pid.
-_ERROR = re.compile(r"^\(\s*[\d.]+\)\s+(?:(\d+): )?Error \(([^)]*)\): (.*)$")
+# CRIU's logs mark errors ``Error (file.c:line): ...``; a line's prefix is its timestamp
+# (from ``-v3`` on) and, in a task's part of the log, the task's pid.
+_ERROR = re.compile(r"^(?:\(\s*[\d.]+\))?\s*(?:(\d+): )?Error \(([^)]*)\): (.*)$")
 # Errors CRIU logs on every run here that change nothing: it cannot raise its own
 # RLIMIT_NOFILE (no CAP_SYS_RESOURCE on these machines), and after a failed restore
 # its cgroup daemon complains that its peer went away.

@@ -100,7 +100,8 @@ def test_a_warm_criu_restores_into_the_clones_cgroup_and_fresh_namespaces(counte
         assert p.pid not in {int(x) for x in (cgroup / "cgroup.procs").read_text().split()}
 
 
-def test_a_failed_warm_restore_names_criu_first_real_error(counters, criu_bin, workdir):  # noqa: F811
+@pytest.mark.parametrize("level", [2, 4])  # -v2 lines carry no timestamp
+def test_a_failed_warm_restore_names_criu_first_real_error(counters, criu_bin, workdir, level):  # noqa: F811
     pid = counters.spawn()
     images = workdir / "img"
     criu.dump(criu_bin, pid, images)
@@ -108,7 +109,7 @@ def test_a_failed_warm_restore_names_criu_first_real_error(counters, criu_bin, w
     _scramble(mm)
     with pytest.raises(CriuError) as info:
         criu.restore(criu_bin, images, pidfile=workdir / "x.pid", log_name="restore.log",
-                     placement=_placement(workdir))
+                     placement=_placement(workdir), log_level=level)
     err = info.value
     assert err.details["action"] == "restore" and err.details["log"] == str(images / "restore.log")
     assert err.first_errors.startswith("task 1: ") and mm.name in err.first_errors.splitlines()[0]
