@@ -17,10 +17,11 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-#: Threads a pool starts ahead (a call uses two at once: its connection and its job; the
-#: host's polls then reuse the first) and keeps at most (busier moments start more, which
-#: end once idle). Each thread is two mappings more (stack and guard) for a dump to walk.
-PRESTART = 2
+#: Threads a pool starts ahead and keeps at most (busier moments start more, which end once
+#: idle). A call uses two at once, its connection's and its job's, and the host's first poll
+#: can come before the first is idle again: three, so that a clone's calls never start one
+#: (a thread started in a clone: ~200 KiB more). Each is two mappings (stack, guard) to dump.
+PRESTART = 3
 KEEP = 8
 
 
