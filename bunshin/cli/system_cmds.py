@@ -247,7 +247,10 @@ def cmd_bench_fork(args: argparse.Namespace) -> int:
         from ..bench import fork_precopy
 
         result = fork_precopy.run(Config.from_env(), heap_mib=args.heap_mib or heap, sizes=sizes)
-        output.print_json(result)  # (no table for this mode: its JSON is the report)
+        if args.json:
+            output.print_json(result)
+        else:
+            output.print_table(*fork_precopy.phase_table(result))
         return 0
     modes = {"both": ("cow", "copy"), "trap": ("cow", bench_fork.UNTRAPPED)}.get(args.mode, (args.mode,))
     result = bench_fork.run(Config.from_env(), sizes=sizes, heap_mib=args.heap_mib or heap,

@@ -69,6 +69,9 @@ class Converted:
     share_ms: float  # (none since the one copy: kept for older reports)
     trap_ms: float = 0.0  # of remap_ms: the trap
     map_ms: float = 0.0  # of remap_ms: the MAP_FIXED mappings
+    publish_ms: float = 0.0  # binding the file into its mount namespace (running)
+    rounds: list[int] = field(default_factory=list)  # bytes written meanwhile, per later pre-copy pass
+    pass_ms: list[float] = field(default_factory=list)  # each pre-copy pass (the first copies everything)
 
 
 @dataclass(frozen=True)
@@ -217,7 +220,8 @@ def _convert_one(cfg: Config, name: str, view: str, dir_fd: int, upper: Path, ro
     report.converted.append(Converted(
         pid, str(cfg.paths.mem / name), res.precopy_bytes + res.dirty_bytes, round(res.precopy_ms, 2),
         round(res.pause_ms, 2), round(res.stopped_ms, 2), res.stops, round(res.stop_ms, 2), round(res.dirty_ms, 2),
-        round(res.remap_ms, 2), res.dirty_bytes, 0.0, round(res.trap_ms, 2), round(res.map_ms, 2)))
+        round(res.remap_ms, 2), res.dirty_bytes, 0.0, round(res.trap_ms, 2), round(res.map_ms, 2),
+        round(res.publish_ms, 2), list(res.rounds), [round(t, 2) for t in res.pass_ms]))
 
 
 def _placeholder(dir_fd: int, name: str) -> None:

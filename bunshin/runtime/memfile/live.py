@@ -94,6 +94,7 @@ class LiveResult:
     precopy_bytes: int = 0
     dirty_bytes: int = 0
     rounds: list[int] = field(default_factory=list)  # bytes written during each pre-copy round
+    pass_ms: list[float] = field(default_factory=list)  # each pre-copy pass (the first: everything)
     left: list[tuple[int, int]] = field(default_factory=list)  # pieces changed before their turn: anonymous still
 
 
@@ -269,14 +270,16 @@ def _run(pid: int, tracker: Tracker, slots: Slots, dst: int, view: str,
             # in memory: straight into the file; swapped or never touched (markers): read, zeros left holes
             result.precopy_bytes += _precopy(pid, pidfd, mem, dst, a, tracker.present(a.start, a.end), True, huge)
             result.precopy_bytes += _copy(mem, dst, a, tracker.swapped(a.start, a.end), fresh=True)
+        result.pass_ms.append((time.perf_counter() - t0) * 1000)
         for _ in range(max(rounds - 1, 0)):  # later rounds: what was written meanwhile
-            n = 0
+            n, tp = 0, time.perf_counter()
             for a in planned:
                 runs = tracker.written(tracked[a])
                 if runs is None:
                     raise LiveUnavailable(f"area {a.start:#x}-{a.end:#x} changed during the pre-copy")
                 n += _precopy(pid, pidfd, mem, dst, a, runs, False)
             result.rounds.append(n)
+            result.pass_ms.append((time.perf_counter() - tp) * 1000)
         result.precopy_ms = (time.perf_counter() - t0) * 1000
         pieces = [(a, lo, min(lo + CHUNK, a.end)) for a in planned for lo in range(a.start, a.end, CHUNK)]
         immutable, seen_as, publish = how
