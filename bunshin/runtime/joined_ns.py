@@ -6,8 +6,8 @@ of a delta's pause, measured with criu joining both, 16 dumps each, alternated, 
 ~12). So a fork's criu joins the tree's two namespaces (``criu.Placement.utsns`` and
 ``ipcns``), and this module writes what CRIU's dumpers would have written, read while
 the tasks are frozen by a thread of this process that joins the same namespaces
-(``Reader``: started at CRIU's ``query-ext-files`` notification, awaited at
-``post-dump``): the host and domain name, and the IPC namespace's sysctls (CRIU's
+(``Reader``: made at CRIU's ``pre-dump`` notification, reading at
+``query-ext-files``, awaited at ``post-dump``): the host and domain name, and the IPC namespace's sysctls (CRIU's
 ``ipc_sysctl_req``, the same files and rules). ``add`` then gives the inventory's
 ``root_ids`` (the namespaces criu was in) ids of their own, as ``netns_image`` does for
 the network namespace, so the clone's restore makes both namespaces again (in its user
@@ -92,13 +92,15 @@ def read_here() -> Seen:
 
 @dataclass
 class Reader:
-    """Reads the UTS and IPC namespaces of ``pid`` from a thread that joins them
-    (``start``; the namespaces are opened at once, bound to that process), ``result``
-    awaits it. ``notify`` composes it with other ``criu.dump`` handlers."""
+    """Reads the UTS and IPC namespaces of ``pid`` from a thread that joins them: made and
+    joined at ``prepare`` (before the freeze: no thread starts inside the pause), reading
+    at ``start``; the namespaces are opened at once, bound to that process. ``result``
+    awaits it; ``notify`` composes it with other ``criu.dump`` handlers."""
 
     pid: int
     _fds: list[int] = field(default_factory=list)
     _thread: threading.Thread | None = None
+    _go: threading.Event = field(default_factory=threading.Event)
     _seen: Seen | None = None
     _error: BaseException | None = None
 
@@ -110,14 +112,21 @@ class Reader:
         try:
             for fd, kind in zip(self._fds, (sc.CLONE_NEWUTS, sc.CLONE_NEWIPC), strict=True):
                 sc.setns(fd, kind)  # this thread only; it ends here
+            self._go.wait()
             self._seen = read_here()
         except BaseException as e:  # noqa: BLE001 (handed to result's caller)
             self._error = e
 
-    def start(self) -> None:
+    def prepare(self) -> None:
+        """The thread, in the namespaces, waiting for ``start``."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="bunshin-ns-reader", daemon=True)
             self._thread.start()
+
+    def start(self) -> None:
+        """Read now (the tasks are frozen)."""
+        self.prepare()
+        self._go.set()
 
     def result(self) -> Seen:
         self.start()
@@ -135,6 +144,9 @@ class Reader:
             raise HasSysvObjects("the workspace holds SysV IPC objects", hint="dumped again with CRIU's own dumper")
 
     def close(self) -> None:
+        if self._thread is not None:  # a dump that failed before query-ext-files
+            self._go.set()
+            self._thread.join()
         for fd in self._fds:
             os.close(fd)
         self._fds = []
@@ -142,6 +154,7 @@ class Reader:
     def notify(self, handlers: dict[str, Any]) -> dict[str, Any]:
         """``handlers`` with this reader started at ``query-ext-files`` and checked at ``post-dump``."""
         out = dict(handlers)
+        out["pre-dump"] = _both(handlers.get("pre-dump"), self.prepare)
         out["query-ext-files"] = _both(handlers.get("query-ext-files"), self.start)
         out["post-dump"] = _both(handlers.get("post-dump"), self.check)
         return out

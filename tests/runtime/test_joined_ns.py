@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,23 @@ def test_sysv_objects_are_dumped_by_criu_in_a_second_dump(family, monkeypatch):
     assert "Dump IPC namespace" in log
     (clone,) = family.restore(snap, 1)
     assert clone.exec(["sh", "-c", "ipcs -m -q | grep -c 0x"]).stdout.strip() == "2"
+
+
+def test_the_reader_joins_before_the_freeze_and_reads_only_when_told(family):
+    ws = family.create()
+    reader = joined_ns.Reader(ws.record.pid)
+    try:
+        reader.prepare()  # CRIU's pre-dump: the thread is made and joins the namespaces
+        assert reader._thread is not None
+        tid = reader._thread.native_id
+        deadline = time.monotonic() + 10
+        while os.readlink(f"/proc/self/task/{tid}/ns/uts") != _ns(ws, "uts") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [os.readlink(f"/proc/self/task/{tid}/ns/{k}") for k in ("uts", "ipc")] == [
+            _ns(ws, "uts"), _ns(ws, "ipc")]
+        time.sleep(0.05)
+        assert reader._seen is None  # nothing read before query-ext-files
+        assert reader.result().nodename == ws.record.hostname
+    finally:
+        reader.close()
+    assert os.readlink("/proc/self/ns/uts") != _ns(ws, "uts")  # the rest of this process never joined
