@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
         choices=CALLS,
         default="thread",
         help="serve each connection in a thread of the agent (default), or in a worker process "
-        "forked for it (a forked clone then keeps ~0.7 MiB instead of ~2.9 MiB after its first calls)",
+        "forked for it (a forked clone then keeps ~0.5 MiB instead of ~0.9 MiB after its first calls, "
+        "each call 2-10x slower)",
     )
     args = parser.parse_args(argv)
     # A workspace's pid 1 installs no handler: a signal without one is ignored when

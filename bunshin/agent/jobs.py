@@ -45,7 +45,7 @@ from .wire import (
 
 KEEP_FINISHED_S = 600.0  # answers nobody fetched are dropped after this
 #: How the agent serves calls: a worker process forked per connection (jobs and
-#: sessions in processes of their own), or a thread per connection in the agent.
+#: sessions in processes of their own), or on the agent's pool threads (``pool``).
 CALLS = ("fork", "thread")
 _JOB_ID = re.compile(r"[0-9a-f]{16}")
 

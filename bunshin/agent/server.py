@@ -2,13 +2,14 @@
 
 Two ways to serve calls (``--calls``, ``jobs.CALLS``):
 
-- ``thread`` (the default): a thread per connection in the agent, jobs as its threads.
-  No fork on a call's path; but in a clone every page a call writes is the agent's
-  (copied from the snapshot): ~2.2 MiB after a clone's first exec.
+- ``thread`` (the default): connections and jobs on the agent's pool threads (``pool``,
+  started before any snapshot). No fork on a call's path; in a clone every page a call
+  writes is the agent's (copied from the snapshot): ~0.8 MiB after a clone's first exec
+  and tool call on Python 3.12 (``immortal``), ~1.9 MiB on 3.11.
 - ``fork``: the long-lived agent only accepts; each connection is served by a worker
   forked for it (``bunshin-worker``), which answers its requests and ends with it (it
   runs a job it starts itself, ``jobs``). In a clone what a call writes is copied into
-  a process that ends with the call, not into the agent: ~0.7 MiB after a clone's first
+  a process that ends with the call, not into the agent: ~0.5 MiB after a clone's first
   exec and tool call. Each call pays the worker's copy-on-write faults instead
   (~500 for a ping), milliseconds of CPU.
 

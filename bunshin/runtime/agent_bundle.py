@@ -142,7 +142,7 @@ def _describe(command: str) -> AgentPython | None:
 
 #: How agents started from now on serve calls (``bunshin_agent --calls``): ``thread`` (the
 #: default: no fork on a call's path) or ``fork`` (a worker per connection: a forked
-#: clone keeps ~0.7 MiB instead of ~2.9 MiB after its first exec and tool call).
+#: clone keeps ~0.5 MiB instead of ~0.9 MiB after its first exec and tool call, at 2-10x the latency).
 CALLS_ENV = "BUNSHIN_AGENT_CALLS"
 
 
