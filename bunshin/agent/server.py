@@ -53,8 +53,9 @@ from .wire import (
     request_line,
 )
 
-#: Rounds of ``AgentServer.warm_up`` (each: a ping, a stat, an exec of ``true``).
+#: Rounds of ``AgentServer.warm_up`` (each: a ping, a stat, an exec of ``WARM_UP_ARGV``).
 WARM_UP_ROUNDS = 3
+WARM_UP_ARGV = ["/proc/self/exe", "--version"]
 
 Handler = Callable[[dict[str, Any]], "dict[str, Any] | Attachment"]
 
@@ -270,18 +271,20 @@ class AgentServer:
                 self._refuse(fd, exc)
 
     def warm_up(self, rounds: int = WARM_UP_ROUNDS) -> None:
-        """Answer a few pings, stats and execs (``true``, as jobs) before the agent is ready.
+        """Answer a few pings, stats and execs (as jobs) before the agent is ready.
 
         Python 3.12 rewrites a function's bytecode the first times it runs (specialising it)
         and counts down in it after: in a forked clone each function a call runs for the first
         or second time writes (and so copies) the page it sits on. Run here, the call paths
-        are specialised once in the snapshot.
+        are specialised once in the snapshot. What runs is the agent's own executable
+        (``/proc/self/exe --version``: the agent layer's loader, or its Python), never a
+        program of the image.
         """
         reply = self._answer
         for _ in range(rounds):
             reply(request_line(Op.PING, {}).rstrip(b"\n"))
             reply(request_line(Op.STAT, {"path": "/"}).rstrip(b"\n"))
-            started = reply(request_line(Op.JOB_START, {JOB_REQUEST: {OP: Op.EXEC.value, "argv": ["true"]}}).rstrip(b"\n"))
+            started = reply(request_line(Op.JOB_START, {JOB_REQUEST: {OP: Op.EXEC.value, "argv": WARM_UP_ARGV}}).rstrip(b"\n"))
             if not isinstance(started, bytes):
                 return
             job_id = json.loads(started).get(JOB_ID)
