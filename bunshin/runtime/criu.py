@@ -481,6 +481,7 @@ def _restore_warm(criu: Path, images_dir: Path, log: Path, flags: Sequence[str],
         except TimeoutError as exc:
             child.kill()
             child.wait()
+            child.close()
             raise CriuError(f"criu restore timed out after {timeout} s", log_tail=_tail(log),
                             action="restore") from exc
         except OSError as exc:  # it ended: its log says why
@@ -488,23 +489,30 @@ def _restore_warm(criu: Path, images_dir: Path, log: Path, flags: Sequence[str],
             if not log.exists():  # before it read the request (killed while idle): nothing was restored
                 child.kill()
                 child.wait()
+                child.close()
                 return None
         except BaseException:
             child.kill()
             child.wait()
+            child.close()
             raise
     finally:
         sock.close()  # criu ends after its answer
-    code = child.wait(timeout)
-    if code is None:
-        child.kill()
-        code = child.wait()
-    ms = (time.monotonic() - t0) * 1000
-    if not answer.success and not log.exists():  # it ended before it read the request
+    try:
+        if answer.success and answer.pid > 0:  # restored: wait for criu to be gone from the clone's cgroups
+            if not child.gone(timeout):
+                child.kill()
+                child.wait()
+            return (time.monotonic() - t0) * 1000, answer.pid
+        code = child.wait(timeout)
+        if code is None:
+            child.kill()
+            code = child.wait()
+    finally:
+        child.close()
+    if not log.exists():  # it ended before it read the request
         return None
-    if not answer.success or code or answer.pid <= 0:
-        raise _failure("restore", code or 1, log, answer.errmsg)
-    return ms, answer.pid
+    raise _failure("restore", code or 1, log, answer.errmsg)
 
 
 def _capture(criu: Path, args: Sequence[str], timeout: float | None) -> subprocess.CompletedProcess[str]:

@@ -21,6 +21,7 @@ import contextlib
 import itertools
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -48,6 +49,7 @@ class _Pending:
     status: int | None = None
     error: str | None = None
     rpc: socket.socket | None = None  # a warm criu's RPC socket (``start_rpc``)
+    pidfd: int = -1  # and its pidfd (the caller's to close)
 
 
 class CriuLauncher:
@@ -95,12 +97,12 @@ class CriuLauncher:
             msg = json.loads(data)
             with self._lock:
                 p = self._pending.get(msg["id"])
-            if p is None or (msg.get("rpc") and len(fds) != 1):
+            if p is None or (msg.get("rpc") and len(fds) != 2):
                 for fd in fds:
                     os.close(fd)
                 continue
             if msg.get("rpc"):
-                p.rpc = socket.socket(fileno=fds[0])
+                p.rpc, p.pidfd = socket.socket(fileno=fds[0]), fds[1]
             if "error" in msg:
                 p.error = msg["error"]
                 p.started.set()
@@ -131,7 +133,7 @@ class CriuLauncher:
             self._pending[rid] = p
         trees = clone_trees(placement.get("own_mounts") or [])
         if trees is None and rpc:
-            self._forget(rid)
+            self.forget(rid)
             raise LaunchError("NoWarmCriu: the restore's mounts cannot be copied")
         if trees is None:  # the command runs in the host's namespace instead
             placement, trees = {**placement, "own_mounts": []}, []
@@ -142,14 +144,14 @@ class CriuLauncher:
             self._sock.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
                                         array.array("i", [out_fd, *trees, *passed]))])
         except OSError as e:
-            self._forget(rid)
+            self.forget(rid)
             raise LaunchError(f"the criu launcher is gone: {e}") from e
         finally:
             for fd in trees:
                 os.close(fd)
         p.started.wait()
         if p.error is not None or p.pid is None:
-            self._forget(rid)
+            self.forget(rid)
             raise LaunchError(p.error or "the criu launcher gave no pid")
         return rid, p
 
@@ -157,12 +159,12 @@ class CriuLauncher:
         """The exit code (``-signal`` if killed), or None if it still runs after ``timeout``."""
         if not p.ended.wait(timeout):
             return None
-        self._forget(rid)
+        self.forget(rid)
         if p.status is None:
             raise LaunchError(p.error or "the criu launcher ended before its child")
         return os.waitstatus_to_exitcode(p.status)
 
-    def _forget(self, rid: int) -> None:
+    def forget(self, rid: int) -> None:
         with self._lock:
             self._pending.pop(rid, None)
 
@@ -238,6 +240,28 @@ class Started:
         if not self._pending.ended.is_set():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, 9)
+
+    def gone(self, timeout: float | None = None) -> bool:
+        """A warm criu's (``start_rpc``): wait until it has exited, through its pidfd, without
+        the helper's report (which ``wait`` gives, with the exit code); False on timeout.
+        Its pidfd is closed then, and the launcher forgets it."""
+        fd = self._pending.pidfd
+        if fd < 0:
+            return self.wait(timeout) is not None
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(None if timeout is None else int(timeout * 1000)):
+            return False
+        os.close(fd)
+        self._pending.pidfd = -1
+        self._launcher.forget(self._rid)
+        return True
+
+    def close(self) -> None:
+        """Close what the launcher handed over (the pidfd of a warm criu), if still open."""
+        if self._pending.pidfd >= 0:
+            os.close(self._pending.pidfd)
+            self._pending.pidfd = -1
 
 
 def start(argv: list[str], placement: Any, out_fd: int, pass_fd: int | None = None) -> Started | None:

@@ -38,7 +38,8 @@ new session keyring, waiting on an RPC socket. A request takes the oldest: the h
 enters its mount namespace and attaches the request's mounts, enters its network
 namespace and mounts the sysfs, moves it into the request's cgroups (``settle_criu``),
 then answers ``{"id", "pid", "rpc": true}`` with the caller's end of the RPC socket, over
-which the caller asks for the restore; its end is reported as any command's. The exec,
+which the caller asks for the restore, and a pidfd of it (the caller sees it end without
+waiting for this helper); its end is reported as any command's too. The exec,
 the loading and criu's start are then off the restore's path. A request it cannot settle is
 answered ``NoWarmCriu`` (the caller runs criu as a command); an idle one that dies is
 reaped and replaced.
@@ -552,7 +553,7 @@ class Zygote:
         w.mnt = w.net = -1
         self.running[pidfd] = Starting(w.pid, req["id"])  # its end is reported as any command's
         self.poller.register(pidfd, select.POLLIN)
-        _send(self.sock, {"id": req["id"], "pid": w.pid, "rpc": True}, [w.rpc.fileno()])
+        _send(self.sock, {"id": req["id"], "pid": w.pid, "rpc": True}, [w.rpc.fileno(), pidfd])
         w.rpc.close()
 
     def _idle_criu_ended(self, pidfd: int) -> None:

@@ -178,3 +178,20 @@ def test_the_log_level_reaches_criu_on_both_paths(counters, criu_bin, workdir): 
             text = r.log.read_text()
             assert ("Reading image tree" in text) == (level == 4), (name, level)  # a debug line
             assert len(text.splitlines()) < 50 or level == 4
+
+
+def test_warm_restores_leave_no_descriptor_or_pending_entry(counters, criu_bin, workdir):  # noqa: F811
+    pid = counters.spawn()
+    images = workdir / "img"
+    criu.dump(criu_bin, pid, images)
+    counters.pids.append(criu.restore(criu_bin, images, pidfile=workdir / "0.pid", placement=_placement(workdir)).pid
+                         or 0)  # the launcher and its pool started
+    lch = prepared.launcher()
+    assert lch is not None
+    fds = len(os.listdir("/proc/self/fd"))
+    for i in range(4):
+        r = criu.restore(criu_bin, images, pidfile=workdir / f"{i}.pid", placement=_placement(workdir))
+        counters.pids.append(r.pid or 0)
+        assert r.pid is not None and psutil.pid_exists(r.pid)
+    assert len(os.listdir("/proc/self/fd")) == fds  # the RPC sockets and pidfds handed over are closed
+    assert not lch._pending  # every request is forgotten once its criu is gone
