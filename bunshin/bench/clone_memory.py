@@ -51,6 +51,7 @@ class ProcessMemory:
     anon_bytes: int
     pss_anon_bytes: int
     private_dirty_bytes: int
+    threads: int = 1  # a thread the agent started in the clone shows here (its stack, arena)
 
 
 @dataclass(frozen=True)
@@ -129,8 +130,15 @@ def processes(ws: Workspace) -> tuple[ProcessMemory, ...]:
         except (OSError, IndexError):
             continue  # exited meanwhile
         rows.append(ProcessMemory(pid, role, r.get("Anonymous", 0), r.get("Pss_Anon", 0),
-                                  r.get("Private_Dirty", 0)))
+                                  r.get("Private_Dirty", 0), _threads(pid)))
     return tuple(sorted(rows, key=lambda p: p.pid))
+
+
+def _threads(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return 0
 
 
 def _areas(pid: int) -> dict[tuple[str, str], tuple[int, int]]:
@@ -300,9 +308,10 @@ def print_report(r: dict[str, Any]) -> None:
     output.print_table("p50 per role", ["stage", *roles],
                        [(name, *(kib(r["roles"][name].get(role, 0)) for role in roles)) for name in STAGES])
     first: CloneMemory = r["clones"][0]
-    procs = [(s.name, p.role, p.pid, kib(p.anon_bytes), kib(p.pss_anon_bytes), kib(p.private_dirty_bytes))
+    procs = [(s.name, p.role, p.pid, p.threads, kib(p.anon_bytes), kib(p.pss_anon_bytes), kib(p.private_dirty_bytes))
              for s in first.stages for p in s.processes]
-    output.print_table("first clone, per process", ["stage", "role", "pid", "Anonymous", "Pss_Anon", "Private_Dirty"], procs)
+    output.print_table("first clone, per process", ["stage", "role", "pid", "threads", "Anonymous", "Pss_Anon",
+                                                    "Private_Dirty"], procs)
     output.print_table("first clone: the agent's areas written by its first exec",
                        ["area", "file", "size", "grew"],
                        [(a.start, a.path.rsplit("/", 1)[-1], kib(a.size_bytes), kib(a.grew_bytes)) for a in first.agent_areas_exec])

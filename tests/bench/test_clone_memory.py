@@ -24,6 +24,7 @@ def test_a_clone_is_measured_at_every_stage(no_leaks, calls):
     for stage in m.stages:
         assert {p.role for p in stage.processes} == roles, stage
         assert len([p for p in stage.processes if p.role == "agent"]) == 1
+        assert all(p.threads >= 1 for p in stage.processes)
     assert fresh.anon_bytes < r["parent"]["anon_bytes"] // 4
     # calls copy pages on write: the totals only grow, and the exec's shows in the agent's areas
     assert fresh.anon_bytes < after_exec.anon_bytes <= after_tool.anon_bytes
