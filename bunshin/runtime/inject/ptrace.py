@@ -11,8 +11,10 @@ import errno
 import os
 from dataclasses import dataclass
 
-PTRACE_GETREGS, PTRACE_SETREGS = 12, 13
+PTRACE_CONT, PTRACE_GETREGS, PTRACE_SETREGS = 7, 12, 13
 PTRACE_SINGLESTEP, PTRACE_DETACH = 9, 17
+PTRACE_GETSIGINFO, PTRACE_SETSIGINFO = 0x4202, 0x4203
+SIGINFO_SIZE = 128
 PTRACE_SEIZE, PTRACE_INTERRUPT = 0x4206, 0x4207
 PTRACE_O_EXITKILL = 1 << 20
 PTRACE_O_SUSPEND_SECCOMP = 1 << 21
@@ -63,6 +65,25 @@ def interrupt(tid: int) -> None:
 
 def detach(tid: int, sig: int = 0) -> None:
     _call(PTRACE_DETACH, tid, 0, ctypes.c_void_p(sig))
+
+
+def cont(tid: int, sig: int = 0) -> None:
+    """Resume ``tid``, delivering ``sig`` (a signal-delivery stop's own, to let it be taken)."""
+    _call(PTRACE_CONT, tid, 0, ctypes.c_void_p(sig))
+
+
+def get_siginfo(tid: int) -> bytes:
+    """The ``siginfo_t`` of the signal ``tid`` is stopped delivering."""
+    buf = ctypes.create_string_buffer(SIGINFO_SIZE)
+    _call(PTRACE_GETSIGINFO, tid, 0, ctypes.cast(buf, ctypes.c_void_p))
+    return buf.raw
+
+
+def set_siginfo(tid: int, info: bytes) -> None:
+    """Make ``info`` the signal ``tid`` is stopped delivering (a detach with its number then
+    delivers it as it was, not as a new ``SI_USER`` signal)."""
+    buf = ctypes.create_string_buffer(info, SIGINFO_SIZE)
+    _call(PTRACE_SETSIGINFO, tid, 0, ctypes.cast(buf, ctypes.c_void_p))
 
 
 def tgkill(pid: int, tid: int, sig: int) -> None:

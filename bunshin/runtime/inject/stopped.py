@@ -4,14 +4,17 @@
 ``PTRACE_O_SUSPEND_SECCOMP``, as CRIU does for its parasite: the workspace's
 filter is never opened for us; the call runs with the process's own creds),
 interrupts it and waits until all are stopped; threads created meanwhile are
-seized too, until the set is stable (a stopped thread cannot clone).
+seized too, until the set is stable (a stopped thread cannot clone). A thread
+found delivering a signal is let take it first (its handler's frame is set up,
+as compel's seize does) until the interrupt stops it, so none is held with a
+signal to give back.
 With ``pidfd`` (opened when the process was chosen), a pid reused by
 another process since is refused once its threads are held.
 ``syscall(nr, *args)`` saves the leader's registers, points ``rip`` at a
 ``syscall`` instruction the process already maps (``site``), single-steps it and
 restores the registers (a call the thread was blocked in restarts as it would
-after any signal). Leaving the block detaches every thread, re-delivering a
-signal a stop took. The host process must stay in one thread for all of it.
+after any signal). A signal that arrives before the call runs is kept with its
+``siginfo`` and given back, as it was, at the detach. The host process must stay in one thread for all of it.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class Stopped:
         self._proc = proc
         self._pidfd = pidfd  # the process meant: once its threads are held, it must still be alive
         self._held: dict[int, int] = {}  # tid -> signal to give back on detach
+        self._info: dict[int, bytes] = {}  # tid -> that signal's siginfo
         self._site: int | None = None
         self._more: list[tuple[int, int]] = []
 
@@ -80,10 +84,16 @@ class Stopped:
                 self._held[tid] = 0
                 ptrace.interrupt(tid)
                 stop = ptrace.wait(tid)
+                for _ in range(_MAX_SIGNALS):  # delivering a signal: let it take it; the interrupt stops it next
+                    if stop.exited or not stop.signal:
+                        break
+                    ptrace.cont(tid, stop.signal)
+                    stop = ptrace.wait(tid)
                 if stop.exited:
                     del self._held[tid]
                     continue
-                self._held[tid] = stop.signal  # a signal-delivery stop: given back on detach
+                if stop.signal:
+                    raise InjectionFailed(f"signals keep arriving: thread {tid} does not stop")
         if self.pid not in self._held:
             raise InjectionFailed(f"process {self.pid} exited while being stopped")
         if self._pidfd is not None:  # held now, its pid cannot be reused: is it still the one meant?
@@ -95,16 +105,23 @@ class Stopped:
     def _keep(self, tid: int, sig: int) -> None:
         if not self._held.get(tid):
             self._held[tid] = sig
+            try:
+                self._info[tid] = ptrace.get_siginfo(tid)
+            except ptrace.PtraceError:
+                self._info.pop(tid, None)
         elif self._held[tid] != sig:
             self._more.append((tid, sig))  # a second signal: sent again after the detach
 
     def _release(self) -> None:
         for tid, sig in self._held.items():
             try:
+                if sig and tid in self._info:  # (stopped in a step's SIGTRAP: made the kept signal again)
+                    ptrace.set_siginfo(tid, self._info[tid])
                 ptrace.detach(tid, sig)
             except ptrace.PtraceError:
                 pass  # exited (or killed) meanwhile
         self._held.clear()
+        self._info.clear()
         for tid, sig in self._more:
             ptrace.tgkill(self.pid, tid, sig)
         self._more.clear()
