@@ -12,24 +12,21 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from .protocol import invalid
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
-@dataclass(frozen=True)
-class Identity:
+class Identity(NamedTuple):
     uid: int
     gid: int
     groups: tuple[int, ...]
     home: str
 
 
-@dataclass(frozen=True)
-class ImageDefaults:
+class ImageDefaults(NamedTuple):
     env: dict[str, str]
     cwd: str
     user: str

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class ProcStat:
+class ProcStat(NamedTuple):
     pid: int
     ppid: int
     pgid: int

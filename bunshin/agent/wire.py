@@ -29,9 +29,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 #: Protocol version, answered by ``ping``.
 VERSION = "1"
@@ -97,8 +96,7 @@ class FileType(StrEnum):
     OTHER = "other"
 
 
-@dataclass(frozen=True)
-class OpSpec:
+class OpSpec(NamedTuple):  # not a dataclass: ``dataclasses`` imports ``inspect`` and ``_opcode``
     """What one op takes and answers (``answer``: fields an ok answer may carry)."""
 
     request: frozenset[str]
