@@ -11,8 +11,9 @@
 - ``finish``: usernsd stopped, ghost files cleaned, the pidfile, the network unlock,
   seccomp, the tasks resumed.
 
-``outside`` is what bunshin measures of the criu run (``restore_ms``: spawn to exit)
-minus the log's span: the launcher, the exec and dynamic loading, criu's exit.
+``outside`` is what bunshin measures of the criu run (``restore_ms``: request to exit)
+minus the log's span: with a warm criu (``criu.restore``) the helper's placement of it, the
+RPC request and answer and criu's exit; run as a command, also the exec and dynamic loading.
 
 ``run`` restores ``clones`` clones of a workspace holding a heap (as ``bench fork``'s),
 keeps their logs, splits each, and reports the p50 and p90 of every phase, of
