@@ -193,7 +193,10 @@ class AgentBundle:
             "PYTHONPATH": "/.bunshin/agent",
             "PYTHONDONTWRITEBYTECODE": "1",
             "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-            "LANG": "C.UTF-8",
+            # UTF-8 without a locale: glibc then maps no locale file and no gconv cache of the
+            # image (two mappings fewer to dump per fork; children get their own LANG: BASE_ENV)
+            "PYTHONUTF8": "1",
+            "PYTHONCOERCECLOCALE": "0",
             # 3.12+: the objects it holds are immortal (agent/immortal.py); what a call allocates
             # then goes to glibc's per-thread arenas, not into the free blocks pymalloc left all
             # over the snapshot's pools (a clone's first exec and tool call: ~1.1 -> ~0.85 MiB)
