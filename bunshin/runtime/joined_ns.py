@@ -14,8 +14,10 @@ the network namespace, so the clone's restore makes both namespaces again (in it
 namespace: its root may still set its host name) from those images.
 
 SysV objects (shared memory, message queues, semaphores) are CRIU's to dump: a tree
-whose IPC namespace holds any (``/proc/sysvipc``, read in it) fails its dump at
-``post-dump`` (``HasSysvObjects``) and is dumped again with criu in its own namespaces.
+whose IPC namespace holds any (``/proc/sysvipc``, read in it: ``sysv_objects``, before
+the dump) is dumped with criu in its own namespaces; one made between that look and the
+freeze fails the dump (at ``post-dump``: ``HasSysvObjects``; a mapped segment already in
+CRIU's memory dump: ``SYSV_SHM_ELSEWHERE`` in its error), which is then made again so.
 """
 
 from __future__ import annotations
@@ -47,9 +49,11 @@ MQ_VARS = (
 NEXT_IDS = (("msg_next_id", "kernel/msg_next_id"), ("sem_next_id", "kernel/sem_next_id"),
             ("shm_next_id", "kernel/shm_next_id"))
 SYSV = ("shm", "msg", "sem")  # /proc/sysvipc/*: a header line, then one line per object
+#: CRIU's error for a SysV shared-memory mapping of a namespace it does not dump
+SYSV_SHM_ELSEWHERE = "doesn't live in IPC ns"
 
 
-class HasSysvObjects(BunshinError):
+class HasSysvObjects(Exception):
     """The tree's IPC namespace holds SysV objects: dump again with criu in its own."""
 
 
@@ -88,6 +92,37 @@ def read_here() -> Seen:
         with open(f"/proc/sysvipc/{kind}") as f:
             objects += max(0, len(f.read().splitlines()) - 1)
     return Seen(_read("kernel/hostname"), _read("kernel/domainname"), var, objects)
+
+
+def sysv_objects(pid: int) -> int:
+    """How many SysV objects the IPC namespace of ``pid`` holds, read from a thread that joins
+    it (before a dump: a tree holding any is dumped with CRIU's own IPC dumper, since CRIU
+    refuses a SysV shared-memory mapping outside the IPC namespace it dumps)."""
+    fd = os.open(f"/proc/{pid}/ns/ipc", os.O_RDONLY | os.O_CLOEXEC)
+    found: list[int] = []
+    failed: list[BaseException] = []
+
+    def count() -> None:
+        try:
+            sc.setns(fd, sc.CLONE_NEWIPC)  # this thread only; it ends here
+            n = 0
+            for kind in SYSV:
+                with open(f"/proc/sysvipc/{kind}") as f:
+                    n += max(0, len(f.read().splitlines()) - 1)
+            found.append(n)
+        except BaseException as e:  # noqa: BLE001 (raised by the caller)
+            failed.append(e)
+
+    try:
+        t = threading.Thread(target=count, name="bunshin-sysv-count", daemon=True)
+        t.start()
+        t.join()
+    finally:
+        os.close(fd)
+    if failed:
+        raise BunshinError(f"the workspace's IPC namespace could not be read: {failed[0]}",
+                           hint="the workspace keeps running, nothing was forked") from failed[0]
+    return found[0]
 
 
 @dataclass
@@ -141,7 +176,7 @@ class Reader:
     def check(self) -> None:
         """``post-dump``: the namespaces are read; refuse the dump if CRIU had SysV objects to dump."""
         if self.result().sysv_objects:
-            raise HasSysvObjects("the workspace holds SysV IPC objects", hint="dumped again with CRIU's own dumper")
+            raise HasSysvObjects("the workspace holds SysV IPC objects: dumped again with CRIU's own dumper")
 
     def close(self) -> None:
         if self._thread is not None:  # a dump that failed before query-ext-files

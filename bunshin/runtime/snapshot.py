@@ -223,8 +223,9 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
             # the upper copied while CRIU dumps (``upper_copy``: early) and criu in the tree's
             # UTS and IPC namespaces (``joined_ns``); dumped again without both when CRIU
             # linked an open file back into the upper meanwhile, or had SysV objects to dump
+            join = not joined_ns.sysv_objects(rec.pid or 0)  # (read before the freeze)
             for early in (images, None):
-                reader = joined_ns.Reader(rec.pid or 0) if early else None
+                reader = joined_ns.Reader(rec.pid or 0) if early and join else None
                 try:
                     with upper_copy.frozen_copy(cfg, Path(rec.upper), layer, sdir, _memory_cgroup(rec),
                                                 early=early) as copy, \
@@ -241,6 +242,10 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
                     seen = reader.result() if reader is not None else None
                     break
                 except (upper_copy.LinkedRemaps, joined_ns.HasSysvObjects):
+                    upper_copy.start_over(images, layer)
+                except CriuError as e:  # a SysV segment made and mapped after the look above
+                    if reader is None or joined_ns.SYSV_SHM_ELSEWHERE not in str(e):
+                        raise
                     upper_copy.start_over(images, layer)
                 finally:
                     if reader is not None:

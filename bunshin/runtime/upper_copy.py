@@ -45,7 +45,7 @@ REMAPS = "remap-fpath.img"  # CRIU's remaps of open files, written only when the
 _LINKED = (0, "LINKED")  # remap_type of a file CRIU linked back into the tree (the field's default)
 
 
-class LinkedRemaps(BunshinError):
+class LinkedRemaps(Exception):
     """An early copy may lack the files CRIU linked back into the upper: dump again with
     the copy at ``post-dump``."""
 
@@ -130,8 +130,8 @@ class FrozenCopy:
         self.begin()
         self._wait()
         if self._remaps is not None and os.path.exists(self._remaps) and linked_remaps(Path(self._remaps).parent):
-            raise LinkedRemaps("CRIU linked an open file back into the workspace's files after the early copy",
-                               hint="the dump is made again with the copy at its end")
+            raise LinkedRemaps("CRIU linked an open file back into the workspace's files after the early copy: "
+                               "the dump is made again with the copy at its end")
 
     def _wait(self) -> None:
         poller = select.poll()

@@ -53,7 +53,7 @@ def test_what_is_read_is_what_criu_writes(family, monkeypatch):
     def once(self) -> None:
         if not refused:
             refused.append(True)
-            raise joined_ns.HasSysvObjects("refused once by the test", hint="")
+            raise joined_ns.HasSysvObjects("refused once by the test")
 
     monkeypatch.setattr(joined_ns.Reader, "check", once)
     snap = family.snapshot(ws)
@@ -94,18 +94,53 @@ def test_a_joined_dump_runs_no_dumper_and_the_clone_gets_its_own_namespaces(fami
     assert _ns(grand, "uts") != _ns(clone, "uts")
 
 
-def test_sysv_objects_are_dumped_by_criu_in_a_second_dump(family, monkeypatch):
+def test_sysv_objects_are_counted_in_the_trees_namespace_and_dumped_by_criu(family, monkeypatch):
     _traced(family)
     attempts = _attempts(monkeypatch)
     ws = family.create()
+    assert joined_ns.sysv_objects(ws.record.pid) == 0
     r = ws.exec(["sh", "-c", "ipcmk -M 8192 >/dev/null && ipcmk -Q >/dev/null && ipcs -m -q | grep -c 0x"])
     assert r.exit_code == 0 and r.stdout.strip() == "2", r
+    assert joined_ns.sysv_objects(ws.record.pid) == 2  # the tree's, not this process's namespace
     snap = family.snapshot(ws)
-    assert attempts == [True], "the joined dump found the objects and was made again"
+    assert attempts == [], "seen before the dump: one dump, by CRIU's own IPC dumper"
     log = (Path(snap.record.images) / "dump.log").read_text(errors="replace")
     assert "Dump IPC namespace" in log
     (clone,) = family.restore(snap, 1)
     assert clone.exec(["sh", "-c", "ipcs -m -q | grep -c 0x"]).stdout.strip() == "2"
+
+
+#: a process that makes a SysV shared-memory segment, maps it and waits (as an X client using MIT-SHM)
+_SHM_MAPPER = """
+import ctypes, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+sid = libc.shmget(0, 8192, 0o1600)
+assert sid >= 0 and libc.shmat(sid, None, 0) not in (None, ctypes.c_void_p(-1).value)
+ctypes.memmove(libc.shmat(sid, None, 0), b"mapped", 6)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_segment_mapped_after_the_look_is_dumped_again_by_criu(family, monkeypatch):
+    """A segment made between the look before the dump and the freeze: CRIU refuses its mapping
+    in a namespace it does not dump, and the fork is made again with CRIU's dumper."""
+    _traced(family)
+    attempts = _attempts(monkeypatch)
+    monkeypatch.setattr(joined_ns, "sysv_objects", lambda pid: 0)  # the look saw none
+    ws = family.create()
+    ws.files.write("/tmp/shm.py", _SHM_MAPPER.encode())
+    ws.commands.spawn(["sh", "-c", "exec python3 /tmp/shm.py > /tmp/shm.out"])
+    deadline = time.monotonic() + 20
+    while ws.exec(["cat", "/tmp/shm.out"]).stdout.strip() != "ready":
+        assert time.monotonic() < deadline, ws.exec(["cat", "/tmp/shm.out"])
+        time.sleep(0.1)
+    snap = family.snapshot(ws)
+    assert attempts == [True], "the joined dump failed on the mapping and was made again"
+    assert "Dump IPC namespace" in (Path(snap.record.images) / "dump.log").read_text(errors="replace")
+    (clone,) = family.restore(snap, 1)
+    assert clone.exec(["sh", "-c", "ipcs -m | grep -c 0x"]).stdout.strip() == "1"
 
 
 def test_the_reader_joins_before_the_freeze_and_reads_only_when_told(family):
