@@ -43,7 +43,12 @@ class Config:
     memory_semantics: str = "trap"
     # Before a copy-on-write dump, convert the workspace's processes live into memory
     # files, pre-copied while they run (``runtime.precopy``): the dump is then a delta.
-    fork_precopy: bool = False
+    # Only processes holding at least ``fork_precopy_min_mib`` of anonymous memory (at
+    # least 16 MiB: below, CRIU's copy costs less than a conversion); the rest are left
+    # to CRIU's dump. Measured to pay from 64 MiB to 4 GiB (README, "One copy"). A value that is
+    # not a whole number of MiB is refused where a fork uses it (``precopy.min_bytes``).
+    fork_precopy: bool = True
+    fork_precopy_min_mib: int | str = 256
     # CRIU's log level for a fork's dump (``-v``): 2, warnings and errors; 4 logs every
     # step (``bench delta-pause`` splits the pause at them), ~3,000 lines of which each is
     # a write inside the pause: ~2 ms of a delta's 13-15 ms here.
@@ -55,7 +60,8 @@ class Config:
     @classmethod
     def from_env(cls) -> Config:
         """Defaults, overridden by ``BUNSHIN_HOME``, ``BUNSHIN_TMPFS``, ``BUNSHIN_CRIU``,
-        ``BUNSHIN_GHOST_LIMIT`` (bytes, or with a K/M/G suffix) and ``BUNSHIN_FORK_PRECOPY`` (1/0)."""
+        ``BUNSHIN_GHOST_LIMIT`` (bytes, or with a K/M/G suffix), ``BUNSHIN_FORK_PRECOPY`` (1/0) and
+        ``BUNSHIN_FORK_PRECOPY_MIN_MIB``."""
         cfg = cls.for_home(
             Path(os.environ.get("BUNSHIN_HOME", DEFAULT_HOME)),
             tmpfs=Path(os.environ["BUNSHIN_TMPFS"]) if os.environ.get("BUNSHIN_TMPFS") else None,
@@ -66,6 +72,9 @@ class Config:
             cfg = dataclasses.replace(cfg, ghost_limit=ghost)
         if os.environ.get("BUNSHIN_FORK_PRECOPY") in ("1", "0"):
             cfg = dataclasses.replace(cfg, fork_precopy=os.environ["BUNSHIN_FORK_PRECOPY"] == "1")
+        least = os.environ.get("BUNSHIN_FORK_PRECOPY_MIN_MIB")
+        if least:
+            cfg = dataclasses.replace(cfg, fork_precopy_min_mib=int(least) if least.isdigit() else least)
         return cfg
 
     @classmethod

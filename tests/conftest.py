@@ -48,10 +48,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def cfg(tmp_path_factory: pytest.TempPathFactory) -> Config:
     """A bunshin config private to this test session (its own tmpfs folder and cgroup names);
-    ``BUNSHIN_FORK_PRECOPY=1`` runs the session's forks with live pre-copy."""
+    ``BUNSHIN_FORK_PRECOPY=1`` runs the session's forks with live pre-copy of every process
+    it takes (16 MiB and more), ``BUNSHIN_FORK_PRECOPY=0`` without it."""
     env = Config.from_env()
+    least = 0 if os.environ.get("BUNSHIN_FORK_PRECOPY") == "1" else env.fork_precopy_min_mib
     config = dataclasses.replace(Config.for_home(tmp_path_factory.mktemp("bunshin-home"), criu=env.criu),
-                                 fork_precopy=env.fork_precopy)
+                                 fork_precopy=env.fork_precopy, fork_precopy_min_mib=least)
     yield config
     drop_state_tmpfs(config)
 

@@ -99,7 +99,7 @@ def run(cfg: Config, *, heap_mib: int, sizes: tuple[int, ...] = (1,)) -> dict[st
     with Progress(console=output.err, transient=True) as progress:
         top = progress.add_task("bench fork precopy", total=2 * (len(sizes) + 1))
         for name, on in (("off", False), ("on", True)):
-            side_cfg = dataclasses.replace(cfg, fork_precopy=on)
+            side_cfg = dataclasses.replace(cfg, fork_precopy=on, fork_precopy_min_mib=0)  # the heap, whatever its size
             used0 = fork.settled_used_bytes()
             progress.update(top, description=f"precopy {name}: starting a {heap_mib} MiB heap")
             parent = fork.start_heap(side_cfg, heap_mib)

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bunshin.config import Config
-from bunshin.errors import BunshinError
+from bunshin.errors import BunshinError, InvalidArgument
 
 from . import statefs
 from . import syscalls as sc
@@ -133,6 +133,7 @@ def convert(cfg: Config, ws_id: str, upper: Path, root: Path, view: str, pids: l
 
     ``upper``: the workspace's upper (its ``/.bunshin/mem`` holds the placeholders).
     """
+    min_bytes(cfg)  # a bad setting refused before anything is done
     t0 = time.perf_counter()
     report = Report()
     try:
@@ -154,6 +155,33 @@ def convert(cfg: Config, ws_id: str, upper: Path, root: Path, view: str, pids: l
     return report
 
 
+def wanted(cfg: Config, pids: list[int]) -> bool:
+    """Whether any of ``pids`` may hold enough anonymous memory to be pre-copied: its
+    ``RssAnon`` and ``VmSwap`` (two lines of /proc/PID/status, not the smaps ``convert``
+    reads), so a workspace of small processes, or a clone whose memory is its memory
+    files', forks as before at no cost."""
+    least = min_bytes(cfg)
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status", "rb") as f:
+                fields = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
+        except OSError:
+            continue  # gone: nothing of its to copy
+        held = sum(int(fields.get(k, b"0 kB").split()[0]) for k in (b"RssAnon", b"VmSwap")) << 10
+        if held >= least:
+            return True
+    return False
+
+
+def min_bytes(cfg: Config) -> int:
+    """The anonymous memory a process must hold to be pre-copied (``Config.fork_precopy_min_mib``)."""
+    least = cfg.fork_precopy_min_mib
+    if not isinstance(least, int) or least < 0:
+        raise InvalidArgument(f"fork_precopy_min_mib={least!r} is not a whole number of MiB",
+                              field="fork_precopy_min_mib", hint="e.g. BUNSHIN_FORK_PRECOPY_MIN_MIB=256")
+    return max(MIN_BYTES, least << 20)
+
+
 def _one(cfg: Config, ws_id: str, view: str, dir_fd: int, upper: Path, root: Path, blob: trapcode.Blob,
          pid: int, pid_ns: str, report: Report) -> None:
     try:
@@ -162,7 +190,7 @@ def _one(cfg: Config, ws_id: str, view: str, dir_fd: int, upper: Path, root: Pat
         report.skipped.append(Skipped(pid, f"its memory map cannot be read: {exc.strerror}"))
         return
     areas, size = [(a, b) for a, b, _ in held], sum(n for _, _, n in held)
-    if size < MIN_BYTES:
+    if size < min_bytes(cfg):
         report.skipped.append(Skipped(pid, f"{size >> 20} MiB of anonymous memory: left to the dump"))
         return
     name = f"{PREFIX}{ws_id}-{secrets.token_hex(4)}{SUFFIX}"

@@ -192,7 +192,8 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
     mode = SnapshotMode(mode)
     if rec.state != WorkspaceState.RUNNING or not container.is_alive(rec):
         raise StateConflict(f"workspace {rec.id} is not running", hint="only a running workspace can be forked")
-    check_forkable(rec.id, _tree(rec.pid))  # what CRIU cannot carry: refused before anything is frozen
+    tree = _tree(rec.pid)
+    check_forkable(rec.id, tree)  # what CRIU cannot carry: refused before anything is frozen
     ghost_limit = unforkable.ghost_limit(cfg)
     snap_id = "snap-" + secrets.token_hex(6)
     sdir = cfg.paths.snapshot(snap_id)
@@ -212,8 +213,9 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
         _check_space(cfg, rec)
         live = None
         if cfg.fork_precopy and mode is SnapshotMode.COW and cfg.memory_semantics == "trap":
-            live = precopy.convert(cfg, rec.id, Path(rec.upper), Path(rec.root), MEM_VIEW, _tree(rec.pid))
-            live.save(sdir)
+            if precopy.wanted(cfg, tree):  # (a process started since is left to the dump)
+                live = precopy.convert(cfg, rec.id, Path(rec.upper), Path(rec.root), MEM_VIEW, tree)
+                live.save(sdir)
         # Tasks are frozen with ptrace, not the v1 freezer cgroup: CRIU polls the
         # freezer every 100 ms, which adds ~100 ms to every parent pause. Cgroups
         # are not dumped either: a restore runs criu inside the clone's own.

@@ -59,7 +59,7 @@ def ask(ws) -> str:
 
 @pytest.fixture
 def live_family(no_leaks):
-    fam = Family(dataclasses.replace(no_leaks, fork_precopy=True))
+    fam = Family(dataclasses.replace(no_leaks, fork_precopy=True, fork_precopy_min_mib=0))
     try:
         yield fam
     finally:
@@ -454,3 +454,43 @@ def test_a_converted_process_keeps_its_user_watches_and_ghost_file(live_family) 
         r = w.exec(["sh", "-c", "rm -f /tmp/u/ans; touch /tmp/u/req; while [ ! -s /tmp/u/ans ]; do sleep 0.01; done;"
                     " cat /tmp/u/ans"], timeout=60)
         assert r.exit_code == 0 and r.stdout.strip() == first, r
+
+
+def test_by_default_only_a_process_above_the_threshold_is_pre_copied(no_leaks) -> None:
+    """On by default, from ``fork_precopy_min_mib`` (256 MiB) up: the program's ~64 MiB is left
+    to CRIU's dump (no report, no live file); with the threshold under it, it is pre-copied."""
+    from bunshin.config import Config
+
+    assert Config.fork_precopy is True and Config.fork_precopy_min_mib == 256
+    for least, copied in ((256, False), (32, True)):
+        fam = Family(dataclasses.replace(no_leaks, fork_precopy=True, fork_precopy_min_mib=least))
+        try:
+            ws, hp, first = started(fam)
+            assert precopy.wanted(fam.cfg, [hp]) is copied
+            (c1,) = fam.fork(ws, 1)
+            snap = next(s for s in fam.cfg.paths.snapshots.iterdir())
+            assert (snap / precopy.REPORT).exists() is copied
+            assert ("/.bunshin/mem/live-" in Path(f"/proc/{hp}/maps").read_text()) is copied
+            assert ask(ws) == ask(c1) == first
+        finally:
+            fam.close()
+
+
+def test_a_threshold_that_is_not_a_number_is_refused_before_anything_is_frozen(no_leaks, monkeypatch) -> None:
+    from bunshin.config import Config
+    from bunshin.errors import InvalidArgument
+
+    monkeypatch.setenv("BUNSHIN_FORK_PRECOPY_MIN_MIB", "lots")
+    assert Config.from_env().fork_precopy_min_mib == "lots"
+    monkeypatch.setenv("BUNSHIN_FORK_PRECOPY_MIN_MIB", "64")
+    assert Config.from_env().fork_precopy_min_mib == 64
+    fam = Family(dataclasses.replace(no_leaks, fork_precopy=True, fork_precopy_min_mib="lots"))
+    try:
+        ws, hp, first = started(fam)
+        with pytest.raises(InvalidArgument) as e:
+            fam.fork(ws, 1)
+        assert "BUNSHIN_FORK_PRECOPY_MIN_MIB" in (e.value.hint or "")
+        assert ask(ws) == first  # the workspace runs on, untouched
+        assert not any(fam.cfg.paths.mem.glob("live-*"))
+    finally:
+        fam.close()
