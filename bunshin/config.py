@@ -45,10 +45,11 @@ class Config:
     # files, pre-copied while they run (``runtime.precopy``): the dump is then a delta.
     # Only processes holding at least ``fork_precopy_min_mib`` of anonymous memory (at
     # least 16 MiB: below, CRIU's copy costs less than a conversion); the rest are left
-    # to CRIU's dump. Measured to pay from 64 MiB to 4 GiB (README, "One copy"). A value that is
+    # to CRIU's dump. Faster from 64 MiB up, but below 1 GiB measured to hold more memory
+    # in the demo's workload (README, "On by default"). A value that is
     # not a whole number of MiB is refused where a fork uses it (``precopy.min_bytes``).
     fork_precopy: bool = True
-    fork_precopy_min_mib: int | str = 256
+    fork_precopy_min_mib: int | str = 1024
     # CRIU's log level for a fork's dump (``-v``): 2, warnings and errors; 4 logs every
     # step (``bench delta-pause`` splits the pause at them), ~3,000 lines of which each is
     # a write inside the pause: ~2 ms of a delta's 13-15 ms here.

@@ -178,7 +178,7 @@ def min_bytes(cfg: Config) -> int:
     least = cfg.fork_precopy_min_mib
     if not isinstance(least, int) or least < 0:
         raise InvalidArgument(f"fork_precopy_min_mib={least!r} is not a whole number of MiB",
-                              field="fork_precopy_min_mib", hint="e.g. BUNSHIN_FORK_PRECOPY_MIN_MIB=256")
+                              field="fork_precopy_min_mib", hint="e.g. BUNSHIN_FORK_PRECOPY_MIN_MIB=1024")
     return max(MIN_BYTES, least << 20)
 
 

@@ -457,12 +457,12 @@ def test_a_converted_process_keeps_its_user_watches_and_ghost_file(live_family) 
 
 
 def test_by_default_only_a_process_above_the_threshold_is_pre_copied(no_leaks) -> None:
-    """On by default, from ``fork_precopy_min_mib`` (256 MiB) up: the program's ~64 MiB is left
+    """On by default, from ``fork_precopy_min_mib`` (1 GiB) up: the program's ~64 MiB is left
     to CRIU's dump (no report, no live file); with the threshold under it, it is pre-copied."""
     from bunshin.config import Config
 
-    assert Config.fork_precopy is True and Config.fork_precopy_min_mib == 256
-    for least, copied in ((256, False), (32, True)):
+    assert Config.fork_precopy is True and Config.fork_precopy_min_mib == 1024
+    for least, copied in ((1024, False), (32, True)):
         fam = Family(dataclasses.replace(no_leaks, fork_precopy=True, fork_precopy_min_mib=least))
         try:
             ws, hp, first = started(fam)
