@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -86,8 +87,12 @@ def test_a_speculation_nobody_needs_is_cancelled(world, root):
         cache = cache_with()
         await teach(cache, root)
         traj = cache.start(root)
+        runs = world.counts.get("run", 0)
         await traj.call("write_file", {"path": "a", "content": "x"})
-        await asyncio.sleep(0.05)
+        deadline = time.monotonic() + 10  # its call begun in its fork (a cancel before that wastes no CPU)
+        while world.counts.get("run", 0) == runs:
+            assert time.monotonic() < deadline, "the speculation never began its call"
+            await asyncio.sleep(0.01)
         obs = await traj.call("bash", {"command": "echo other"})
         assert obs.output == "other\n"
         await asyncio.sleep(0.05)
