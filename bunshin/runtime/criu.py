@@ -110,11 +110,7 @@ class Placement:
         for path, kind in ((self.timens, sc.CLONE_NEWTIME), (self.utsns, sc.CLONE_NEWUTS),
                            (self.ipcns, sc.CLONE_NEWIPC)):
             if path is not None:
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    sc.setns(fd, kind)
-                finally:
-                    os.close(fd)
+                sc.setns_path(path, kind)
         if self.netns is not None:
             fd = os.open(self.netns, os.O_RDONLY)
             try:

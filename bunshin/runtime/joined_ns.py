@@ -87,11 +87,16 @@ def read_here() -> Seen:
         value = int(_read(name))
         if value != -1:
             var[key] = value
+    return Seen(_read("kernel/hostname"), _read("kernel/domainname"), var, _sysv_here())
+
+
+def _sysv_here() -> int:
+    """The SysV objects of the calling thread's IPC namespace."""
     objects = 0
     for kind in SYSV:
         with open(f"/proc/sysvipc/{kind}") as f:
             objects += max(0, len(f.read().splitlines()) - 1)
-    return Seen(_read("kernel/hostname"), _read("kernel/domainname"), var, objects)
+    return objects
 
 
 def sysv_objects(pid: int) -> int:
@@ -105,11 +110,7 @@ def sysv_objects(pid: int) -> int:
     def count() -> None:
         try:
             sc.setns(fd, sc.CLONE_NEWIPC)  # this thread only; it ends here
-            n = 0
-            for kind in SYSV:
-                with open(f"/proc/sysvipc/{kind}") as f:
-                    n += max(0, len(f.read().splitlines()) - 1)
-            found.append(n)
+            found.append(_sysv_here())
         except BaseException as e:  # noqa: BLE001 (raised by the caller)
             failed.append(e)
 

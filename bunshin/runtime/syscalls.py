@@ -48,6 +48,15 @@ def setns(fd: int, nstype: int = 0) -> None:
     _check(_libc.setns(ctypes.c_int(fd), ctypes.c_int(nstype)), "setns")
 
 
+def setns_path(path: str, nstype: int) -> None:
+    """Join the namespace of kind ``nstype`` that ``path`` (``/proc/PID/ns/...``) names."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        setns(fd, nstype)
+    finally:
+        os.close(fd)
+
+
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
 

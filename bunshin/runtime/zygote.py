@@ -104,11 +104,7 @@ def enter(sc: Any, p: dict[str, Any], *, netns_ready: bool = False) -> None:
             os.close(fd)
     for key, kind in (("timens", sc.CLONE_NEWTIME), ("utsns", sc.CLONE_NEWUTS), ("ipcns", sc.CLONE_NEWIPC)):
         if p.get(key) is not None:
-            fd = os.open(p[key], os.O_RDONLY)
-            try:
-                sc.setns(fd, kind)
-            finally:
-                os.close(fd)
+            sc.setns_path(p[key], kind)
     if p.get("netns") is not None:
         fd = os.open(p["netns"], os.O_RDONLY)
         try:
