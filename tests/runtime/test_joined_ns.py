@@ -151,7 +151,8 @@ def test_the_reader_joins_before_the_freeze_and_reads_only_when_told(family):
         assert reader._thread is not None
         tid = reader._thread.native_id
         deadline = time.monotonic() + 10
-        while os.readlink(f"/proc/self/task/{tid}/ns/uts") != _ns(ws, "uts") and time.monotonic() < deadline:
+        while (os.readlink(f"/proc/self/task/{tid}/ns/ipc") != _ns(ws, "ipc")  # joined uts, then ipc
+               and time.monotonic() < deadline):
             time.sleep(0.01)
         assert [os.readlink(f"/proc/self/task/{tid}/ns/{k}") for k in ("uts", "ipc")] == [
             _ns(ws, "uts"), _ns(ws, "ipc")]
