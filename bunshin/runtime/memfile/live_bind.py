@@ -14,12 +14,18 @@ namespace through its pidfd (a pid reused meanwhile is refused). The child reach
 the placeholder from that namespace's root one component at a time without
 following a symlink, and attaches only on a host-owned (uid 0) empty regular file
 in host-owned folders. The workspace cannot mount, unmount or move mounts (its
-seccomp filter), nor write host-owned files. ``unbind`` removes it the same way.
+seccomp filter), nor write host-owned files. ``unbind`` removes it the same way
+(unmounting by a name in the host-owned folder, from that folder, never through
+``/proc``: the namespace's ``/proc`` is the workspace's pid namespace's, where the
+helper has no ``self``), and refuses, changing nothing, where nothing is bound or the
+process is gone (its namespace cannot be entered through its pidfd any more; another
+process of the workspace's can).
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import stat
 from pathlib import Path
@@ -31,6 +37,7 @@ _OPEN_TREE_CLONE, _AT_EMPTY_PATH, _AT_SYMLINK_NOFOLLOW = 0x1, 0x1000, 0x100
 _MOVE_MOUNT_F_EMPTY_PATH, _MOVE_MOUNT_T_EMPTY_PATH = 0x4, 0x40
 _MOUNT_ATTR_RDONLY, _MOUNT_ATTR_NOSUID, _MOUNT_ATTR_NODEV = 0x1, 0x2, 0x4
 _MS_PRIVATE = 1 << 18
+_UMOUNT_NOFOLLOW = 0x8
 
 
 class _MountAttr(ctypes.Structure):
@@ -62,13 +69,23 @@ def unbind(pidfd: int, view_dir: str, name: str) -> None:
 
 
 def _in_namespace(pidfd: int, view_dir: str, name: str, tree: int | None) -> None:
+    what = "bind" if tree is not None else "unbind"
     r, w = os.pipe()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        os.close(r)
+        os.close(w)
+        raise BindFailed(f"cannot {what} the live file at {view_dir}/{name}: no helper: {exc.strerror}") from exc
     if pid == 0:  # plain syscalls only: the parent may have threads
         code = 0
         try:
             os.close(r)
-            sc.setns(pidfd, sc.CLONE_NEWNS)  # (root and cwd: that namespace's root)
+            try:
+                sc.setns(pidfd, sc.CLONE_NEWNS)  # (root and cwd: that namespace's root)
+            except OSError as exc:
+                raise OSError(exc.errno, f"its mount namespace cannot be entered: {os.strerror(exc.errno or 0)}"
+                              ) from None
             _attach_or_detach(view_dir, name, tree)
         except OSError as exc:
             os.write(w, f"{exc.strerror or exc}".encode()[:1000])
@@ -85,9 +102,10 @@ def _in_namespace(pidfd: int, view_dir: str, name: str, tree: int | None) -> Non
     finally:
         os.close(r)
         _, status = os.waitpid(pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        what = "bind" if tree is not None else "unbind"
-        raise BindFailed(f"cannot {what} the live file at {view_dir}/{name}: {msg.decode(errors='replace') or status}")
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        why = msg.decode(errors="replace") or f"its helper ended with {code}"
+        raise BindFailed(f"cannot {what} the live file at {view_dir}/{name}: {why}")
 
 
 def _attach_or_detach(view_dir: str, name: str, tree: int | None) -> None:
@@ -101,7 +119,12 @@ def _attach_or_detach(view_dir: str, name: str, tree: int | None) -> None:
         try:
             st = os.fstat(target)
             if tree is None:
-                sc.umount(f"/proc/self/fd/{target}", sc.MNT_DETACH)
+                os.fchdir(folder)  # (host-owned: the name cannot be swapped meanwhile)
+                try:
+                    sc.umount(name, sc.MNT_DETACH | _UMOUNT_NOFOLLOW)
+                except OSError as exc:  # EINVAL: not a mount point (the flags are valid, nothing here is locked)
+                    raise OSError(exc.errno, "nothing is bound there" if exc.errno == errno.EINVAL else exc.strerror
+                                  ) from None
                 return
             if not stat.S_ISREG(st.st_mode) or st.st_uid != 0 or st.st_size != 0:
                 raise OSError(0, f"{view_dir}/{name} is not the host's placeholder")
