@@ -23,6 +23,7 @@ snapshot).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -31,6 +32,7 @@ import re
 import secrets
 import shutil
 import stat
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -206,6 +208,7 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
         depth=(parent.depth + 1) if parent else 1, dump_ms=0, pause_ms=0, rewrite_ms=0,
         memfile_bytes=0, image_bytes=0, layer_bytes=0, owner_pid=os.getpid(),
     )
+    claim(snap_id)
     store.put_object(KIND, snap_id, snap.to_json())  # recorded first: a crash leaves it to gc
     try:
         huge_memfiles = statefs.ensure(cfg)
@@ -285,9 +288,15 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
             layer_bytes=layer_bytes,
             owner_pid=None if keep else snap.owner_pid,  # a fork's snapshot stays owned until `release`
         )
-        return finish(store, snap, **taken)
+        done = finish(store, snap, **taken)
+        if keep:
+            unclaim(snap_id)
+        return done
     except BaseException:
-        _delete(cfg, store, snap)
+        try:
+            _delete(cfg, store, snap)
+        finally:
+            unclaim(snap_id)
         raise
 
 
@@ -636,6 +645,7 @@ def fork(cfg: Config, store: Store, rec: WorkspaceRecord, n: int, *, mode: Snaps
 
 def release(store: Store, snap: SnapshotRecord) -> SnapshotRecord:
     """Clear the snapshot's owner: from now on ``sweep`` may free it when nothing holds it."""
+    unclaim(snap.id)
     return update(store, snap.id, owner_pid=None) or snap
 
 
@@ -646,7 +656,31 @@ def remove(cfg: Config, store: Store, snap: SnapshotRecord) -> None:
     sweep(cfg, store)
 
 
+#: Snapshots this process is taking, forking from or loading right now, with how many of
+#: its threads do (two may load the same one). One it owns (``owner_pid``) but no longer
+#: makes, after a path that missed ``release``, is not held by it.
+_MAKING: collections.Counter[str] = collections.Counter()
+_MAKING_LOCK = threading.Lock()
+
+
+def claim(snap_id: str) -> None:
+    """This thread makes ``snap_id`` from now on (call before writing its record)."""
+    with _MAKING_LOCK:
+        _MAKING[snap_id] += 1
+
+
+def unclaim(snap_id: str) -> None:
+    """This thread no longer makes ``snap_id`` (done, released or failed)."""
+    with _MAKING_LOCK:
+        _MAKING[snap_id] -= 1
+        if _MAKING[snap_id] <= 0:
+            del _MAKING[snap_id]
+
+
 def _owner_alive(snap: SnapshotRecord) -> bool:
+    if snap.owner_pid == os.getpid():
+        with _MAKING_LOCK:
+            return _MAKING[snap.id] > 0
     return snap.owner_pid is not None and psutil.pid_exists(snap.owner_pid)
 
 

@@ -397,9 +397,11 @@ def _load(cfg: Config, store: Store, folder: _Folder) -> rsnap.SnapshotRecord:
         saved, images=str(sdir / "images"), layer=paths[0], lowers=tuple(paths[1:]), keep=True,
         memfiles=tuple(str(cfg.paths.mem / m["name"]) for m in own), owner_pid=os.getpid(),
     )
+    rsnap.claim(rec.id)
     with store.transaction():  # recorded first, as ``take`` does; unless another load was faster
         old = rsnap.update(store, saved.id, keep=True)
         if old is not None:
+            rsnap.unclaim(rec.id)
             return old
         store.put_object(rsnap.KIND, rec.id, rec.to_json())
     try:
@@ -409,9 +411,12 @@ def _load(cfg: Config, store: Store, folder: _Folder) -> rsnap.SnapshotRecord:
         image_policy.check(sdir / "images", cfg)  # trusted or not: criu restore runs as host root
         for entry in todo:
             _extract(cfg, folder, entry, mems[entry["name"]], sdir)
-        return rsnap.finish(store, rec, owner_pid=None)
+        done = rsnap.finish(store, rec, owner_pid=None)
+        rsnap.unclaim(rec.id)
+        return done
     except BaseException:
         store.delete_object(rsnap.KIND, rec.id)
+        rsnap.unclaim(rec.id)
         shutil.rmtree(sdir, ignore_errors=True)
         rsnap.sweep(cfg, store)
         raise

@@ -55,7 +55,8 @@ def test_speculation_is_used_and_hands_over_its_fork(real_root):
             await asyncio.sleep(1.5)  # the policy "thinks": the tests run in a fork meanwhile
             obs = await traj.call(*TESTS)
             assert obs.output == "v2\npassed\n" and obs.exit_code == 0
-            assert obs.cached and obs.speculated and obs.duration_s < 0.3
+            # served, not run again: the command alone sleeps 0.6 s (a bound, not a timing)
+            assert obs.cached and obs.speculated and obs.duration_s < 0.6
             ws = (await traj.workspace()).sync  # the speculation's fork, adopted: nothing replayed
             assert traj.stats.replayed == 0
             nice = ws.exec("for d in /proc/[0-9]*; do read -r l < $d/stat; set -- ${l##*) }; echo ${17}; done")
