@@ -61,6 +61,7 @@ from . import (
     memfile,
     netns_image,
     precopy,
+    restore_boost,
     statefs,
     unforkable,
     upper_copy,
@@ -440,6 +441,7 @@ def restore(cfg: Config, store: Store, snap: SnapshotRecord, n: int, *, keep_log
     treats the clones of a dead forker as unfinished.
     """
     check_batch(n, _snapshot_tasks(snap))
+    restore_boost.factor()  # a malformed setting refused before anything is made
     cgroup_moves.ensure()  # criu's moves into the clone's cgroups: 0.03 ms instead of 3-17 (busy host)
     layout = Layout.discover()
     pool = ThreadPoolExecutor(max_workers=min(n, RESTORE_CONCURRENCY))
@@ -587,6 +589,7 @@ def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout
         container.publish_identity(rec, {"workspace_id": ws_id, "fork_id": ws_id, "parent": snap.source,
                                          "snapshot": snap.id, "depth": snap.depth})
         WorkspaceCgroup.create(layout, cfg.cgroup_prefix + ws_id, memory=snap.memory_limit, pids=snap.pids_limit)
+        boosted = restore_boost.boost(cg, restore_boost.factor())  # criu and the tasks it forks first
         # criu starts inside the clone's cgroups and a fresh network namespace with
         # lo up; the restored tasks inherit both.
         sysfs = str(wdir / "sys")  # beneath the clone's folder: unmounted with it
@@ -605,8 +608,11 @@ def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout
             log_level=4 if keep_log else cfg.restore_log_level,  # a kept log is read: every step
         )
         assert run.pid is not None
+        if boosted:
+            restore_boost.settle(cg)
         t2 = time.perf_counter()
-        netns_image.restored(run.pid)
+        if into.hold_netns:  # CRIU made the clone's namespace; criu's own had the setting already (``new_netns``)
+            netns_image.restored(run.pid)
         pid_start = psutil.Process(run.pid).create_time()
         # what this clone's restore cost, step by step (``bench fork``): its record, folder,
         # overlay, identity and cgroups; the criu run (spawn to exit, ``restore_ms``); the

@@ -75,6 +75,10 @@ MAX_FDS = 64  # descriptors one request may carry (the output file, its mounts, 
 PASSED_FD = 3  # where the command finds the descriptor a request passes on
 POOL = 2  # warm network namespaces kept ready
 CRIU_POOL = 2  # criu swrk processes kept exec'd ahead for restores (``rpc`` requests)
+# The helper's own nice value: a restore waits for its placement of the warm criu while
+# the clone's cgroup is weighed up (``restore_boost``); what it forks runs at 0. Side by
+# side at load 5-6, 64 restores of a 256 MiB heap: p50 45-46 against 51-55 ms at 0.
+NICE = -5
 # Mounts the small namespace leaves out: bunshin's tmpfs (with everything beneath it:
 # workspaces, images, views), workspace uppers and roots, sysfs of workspaces, held
 # network namespaces, idmapped views.
@@ -221,6 +225,7 @@ def _exec(sc: Any, req: dict[str, Any], out_fd: int, err_w: int, *, netns_ready:
     ``ns``: the child is in a copy of the small namespace (``_settle_mounts``); ``passed``:
     given to the command as its descriptor ``PASSED_FD``."""
     try:
+        _plain_nice()
         null = os.open("/dev/null", os.O_RDONLY)
         os.dup2(null, 0)
         os.dup2(out_fd, 1)
@@ -244,6 +249,12 @@ def _exec(sc: Any, req: dict[str, Any], out_fd: int, err_w: int, *, netns_ready:
             os.write(err_w, f"{type(e).__name__}: {e}".encode()[:4000])
         finally:
             os._exit(127)
+
+
+def _plain_nice() -> None:
+    """In a child: the nice value every process starts with, not the helper's (``NICE``)."""
+    if os.getpriority(os.PRIO_PROCESS, 0) != 0:
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
 
 
 def _recv(sock: socket.socket) -> tuple[bytes, list[int]]:
@@ -286,6 +297,7 @@ def _fresh_netns(sc: Any, ns: Namespaces) -> None:
 
 def _warm_child(sc: Any, sock: socket.socket, err_w: int, ns: Namespaces) -> None:
     try:
+        _plain_nice()
         _close_all_but(sock.fileno(), err_w, *ns.fds())
         os.setsid()
         _fresh_netns(sc, ns)
@@ -310,6 +322,7 @@ def _warm_criu_child(sc: Any, argv: list[str], rpc: int, err_w: int, ns: Namespa
     session keyring, then exec ``argv`` (``criu swrk PASSED_FD``) with ``rpc`` as its
     descriptor ``PASSED_FD``: it waits there for a restore. Never returns."""
     try:
+        _plain_nice()
         _close_all_but(rpc, err_w, *ns.fds())
         os.setsid()
         _fresh_netns(sc, ns)
@@ -658,4 +671,6 @@ def _send(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None = None
 
 
 if __name__ == "__main__":
+    with contextlib.suppress(OSError):  # without CAP_SYS_NICE it runs at 0
+        os.setpriority(os.PRIO_PROCESS, 0, NICE)
     Zygote(socket.socket(fileno=int(sys.argv[1]))).serve()

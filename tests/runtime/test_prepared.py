@@ -234,3 +234,21 @@ def test_the_warm_pool_is_made_ahead_and_refilled_after_each_exec():
         for fd in held:
             os.close(fd)
         lch.close()
+
+
+def test_the_helper_runs_at_its_nice_value_and_everything_it_starts_at_zero():
+    from bunshin.runtime import zygote
+
+    lch = prepared.CriuLauncher.start()
+    try:
+        deadline = time.monotonic() + 10
+        while os.getpriority(os.PRIO_PROCESS, lch._proc.pid) != zygote.NICE and time.monotonic() < deadline:
+            time.sleep(0.01)  # set as it starts
+        assert os.getpriority(os.PRIO_PROCESS, lch._proc.pid) == zygote.NICE != 0
+        # a command in the host's namespaces (forked on request) and one in a fresh network
+        # namespace (a warm child made ahead) each print their own nice value
+        for placement in (None, criu.Placement(new_netns=True)):
+            code, out = _spawn(lch, ["/bin/sh", "-c", "cut -d' ' -f19 /proc/self/stat"], placement)
+            assert (code, out.strip()) == (0, "0")
+    finally:
+        lch.close()
