@@ -10,6 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from bunshin.config import DEFAULT_TMPFS, Config
@@ -122,10 +123,25 @@ def no_leaks(cfg: Config):
         with Store.open(cfg.db_path) as store:
             for rec in store.list_workspaces():  # live leftovers too: gc only takes stale ones
                 container.destroy(cfg, store, rec)
+            owners = {s.id: _process(s.owner_pid) for s in rsnap.list_all(store) if s.owner_pid}
+            if owners:
+                left["snapshot_owners"] = owners
             for snap in rsnap.list_all(store):  # kept snapshots too: the next test starts clean
                 rsnap.remove(cfg, store, snap)
+            for snap in rsnap.list_all(store):  # still owned (a live maker): deleted all the same
+                rsnap._delete(cfg, store, snap)
             gc.collect(cfg, store)
         pytest.fail(f"test leaked: {left}")
+
+
+def _process(pid: int) -> str:
+    """Who ``pid`` is now, for a leak report (it may be dead, or reused)."""
+    try:
+        proc = psutil.Process(pid)
+        return f"{pid} (alive, {'this test run' if pid == os.getpid() else ' '.join(proc.cmdline())[:200]}, " \
+               f"started {time.time() - proc.create_time():.0f} s ago)"
+    except psutil.Error:
+        return f"{pid} (gone)"
 
 
 def _machine_state() -> set[str]:
