@@ -38,7 +38,6 @@ from pathlib import Path
 from bunshin.config import Config
 from bunshin.errors import BunshinError, InvalidArgument
 
-from . import statefs
 from . import syscalls as sc
 from .memfile import SUFFIX, criu_images, live_bind, trapcode
 from .memfile.criu_images import referenced_memfiles
@@ -229,8 +228,7 @@ def _convert_one(cfg: Config, name: str, view: str, dir_fd: int, upper: Path, ro
         _placeholder(dir_fd, name)
         try:
             res = convert_live(pid, areas, Path(name), f"{view.rstrip('/')}/{name}", trap=blob, immutable=True,
-                               dir_fd=host, pidfd=pidfd, publish=publish,
-                               huge=statefs.huge_memfiles(cfg))
+                               dir_fd=host, pidfd=pidfd, publish=publish)
         except (LiveUnavailable, OSError) as exc:
             if _exists(host, name):  # the process maps it already (the trap, a piece): the clones need it too
                 with contextlib.suppress(OSError):

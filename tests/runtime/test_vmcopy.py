@@ -185,3 +185,61 @@ def test_huge_on_a_full_filesystem_is_an_error_not_a_sigbus(child, tmp_path) -> 
             os.close(fd)
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+# ------------------------------------------------- the buffered copy (what memfile.live uses)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_buffered_copy_writes_the_runs_exactly_and_leaves_the_rest_holes(child, threads: int, monkeypatch) -> None:
+    p, addr = child
+    monkeypatch.setattr(vmcopy, "BUFFER", 1 << 20)  # several reads, runs cut across them
+    calls = []
+    with tempfile.TemporaryFile(dir="/dev/shm") as f:
+        offset = 2 << 20
+        os.ftruncate(f.fileno(), offset + (6 << 20))
+        runs = [(addr, addr + PAGE), (addr + 3 * PAGE, addr + (5 << 20))]
+        n = vmcopy.copy_runs_buffered(p.pid, f.fileno(), offset - addr, runs, check_alive=lambda: calls.append(1),
+                                      threads=threads)
+        assert n == PAGE + (5 << 20) - 3 * PAGE and len(calls) == len(vmcopy._batches(runs, 1 << 20)) == 5
+        data = os.pread(f.fileno(), 6 << 20, offset)
+        for i in range(0, 6 << 20, PAGE):
+            inside = i < PAGE or 3 * PAGE <= i < (5 << 20)
+            want = bytes([(i // PAGE) % 251 + 1]) * PAGE if inside else bytes(PAGE)
+            assert data[i:i + PAGE] == want, i
+        assert os.lseek(f.fileno(), 0, os.SEEK_DATA) == offset  # nothing written before the slot
+        assert os.lseek(f.fileno(), offset + PAGE, os.SEEK_HOLE) == offset + PAGE  # the gap stays a hole
+
+
+def test_a_read_whose_alive_check_fails_never_reaches_the_file(child) -> None:
+    """The pid may be another process's by the check: what was read is not written."""
+    p, addr = child
+
+    def gone() -> None:
+        raise ProcessLookupError("gone")
+
+    with tempfile.TemporaryFile(dir="/dev/shm") as f:
+        os.ftruncate(f.fileno(), 6 << 20)
+        with pytest.raises(ProcessLookupError):
+            vmcopy.copy_runs_buffered(p.pid, f.fileno(), -addr, [(addr, addr + (6 << 20))], check_alive=gone)
+        assert os.fstat(f.fileno()).st_blocks == 0  # not one byte written
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    with tempfile.TemporaryFile(dir="/dev/shm") as f, pytest.raises(OSError, match="No such process"):
+        vmcopy.copy_runs_buffered(p.pid, f.fileno(), -addr, [(addr, addr + PAGE)], check_alive=lambda: None)
+
+
+def test_the_buffered_copy_on_a_full_filesystem_is_an_error(child, tmp_path) -> None:
+    p, addr = child
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "h7-vmcopy-b", str(mnt)], check=True)
+    try:
+        fd = os.open(mnt / "f", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            with pytest.raises(OSError, match="No space"):
+                vmcopy.copy_runs_buffered(p.pid, fd, -addr, [(addr, addr + (6 << 20))], check_alive=lambda: None)
+        finally:
+            os.close(fd)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)

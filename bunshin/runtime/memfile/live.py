@@ -1,24 +1,34 @@
 """Live conversion: a running process's anonymous areas moved into a memory file, pre-copied while it runs.
 
-``convert_live`` (issue 17's pre-copy):
+``convert_live`` (issue 17's pre-copy), piece by piece (``CHUNK`` bytes of an area):
 
-1. *pre-copy*, the process running: each area is tracked (``dirty.Tracker``:
-   async write-protect) and its populated pages are copied into the memory file
-   (holes stay holes) from ``/proc/PID/mem``;
-2. *stop*: every thread stopped (``inject.Stopped``); each area must still be
-   mapped whole as it was, else nothing is changed and ``LiveUnavailable`` says why;
-3. *dirty copy*: only the pages written since their copy are copied again;
-4. *remap*: the file is sealed, opened in the process (its own path, ``view``,
-   verified from the host by device and inode before anything maps it) and each
-   area is replaced by a ``MAP_PRIVATE | MAP_FIXED`` mapping of its slot, same
-   address and protection; the anonymous pages are freed.
+1. *track*: every area is registered and write-protected (``dirty.Tracker``:
+   async write-protect) before anything is copied;
+2. *pre-copy* of a piece, the process running: its populated pages are copied
+   into the memory file (holes stay holes), then a second round copies what it
+   wrote meanwhile;
+3. *stop*: every thread stopped (``inject.Stopped``); the first time, each area
+   must still be mapped whole as it was, else nothing is changed and
+   ``LiveUnavailable`` says why;
+4. *dirty copy*: only the pages of the piece written since its last round;
+5. *remap*: the file (sealed from the process's side: mode 0444) is opened in the
+   process (its own path, ``view``, verified from the host by device and inode
+   before anything maps it) and the piece is replaced by a ``MAP_PRIVATE |
+   MAP_FIXED`` mapping of its slot, same address and protection; its anonymous
+   pages are freed, and the next piece's copy reuses them.
+
+One piece at a time, not the whole process first: the copy never holds more than
+a piece twice, and its pages are those the last remap freed, which this VM hands
+out at once (memory freed long ago has been given back to the host, and its first
+touch costs a fault there: ~4 s per GiB measured, see the README). No huge pages:
+the file's huge pages come from that given-back memory.
 
 With ``trap`` (the handler blob) the process also gets the trap a restored
 clone gets (``live_trap``: handler areas from the same file, SIGSYS action,
-SIGSYS unblocked, the filter), installed before any area maps the file, so
-converted memory keeps anonymous memory's semantics. The process then reads the
-same bytes from the shared file, as a restored clone does, and a CRIU dump of
-it holds only what it writes afterwards; the dump's rewrite finds the file and
+SIGSYS unblocked, the filter), installed at the first stop, before any area maps
+the file, so converted memory keeps anonymous memory's semantics. The process then
+reads the same bytes from the shared file, as a restored clone does, and a CRIU dump
+of it holds only what it writes afterwards; the dump's rewrite finds the file and
 the trap as in a clone's. ``live_areas`` picks the areas (as ``plan.convertible``).
 """
 
@@ -32,6 +42,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from bunshin.runtime.dirty import Area, Run, Tracker, TrackingUnavailable
 from bunshin.runtime.inject import InjectionFailed, Stopped, check
@@ -44,8 +55,8 @@ from .trap import TrapUnavailable
 from .trapcode import Blob
 
 NR_MMAP, NR_MUNMAP, NR_CLOSE, NR_OPENAT = 9, 11, 3, 257
-CHUNK = 128 << 20  # mapped from the file per stop: the process runs between pieces
-DIRECT = True  # pre-copy with process_vm_readv into a mapping of the file (else pread and pwrite)
+CHUNK = 128 << 20  # copied, then mapped from the file, per stop: the process runs between pieces
+DIRECT = True  # pre-copy with process_vm_readv (``vmcopy.copy_runs_buffered``; else pread of /proc/PID/mem)
 THREADS = 2  # its copies side by side (this machine has two cores)
 PROT_RW = 0x3
 MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS = 0x02, 0x10, 0x20
@@ -81,7 +92,7 @@ class LiveResult:
 
     path: Path
     areas: list[LiveArea]
-    precopy_ms: float = 0.0  # while the process ran
+    precopy_ms: float = 0.0  # while the process ran (all pieces' rounds)
     stop_ms: float = 0.0  # stopping every thread
     dirty_ms: float = 0.0  # copying the pages written during the pre-copy (stopped)
     remap_ms: float = 0.0  # trap and remap (stopped)
@@ -93,8 +104,8 @@ class LiveResult:
     stops: int = 0  # one per piece of at most CHUNK bytes
     precopy_bytes: int = 0
     dirty_bytes: int = 0
-    rounds: list[int] = field(default_factory=list)  # bytes written during each pre-copy round
-    pass_ms: list[float] = field(default_factory=list)  # each pre-copy pass (the first: everything)
+    rounds: list[int] = field(default_factory=list)  # bytes written meanwhile, per later round (all pieces)
+    pass_ms: list[float] = field(default_factory=list)  # per round, all pieces (the first: everything)
     left: list[tuple[int, int]] = field(default_factory=list)  # pieces changed before their turn: anonymous still
 
 
@@ -172,23 +183,22 @@ def _copy(mem: int, dst: int, area: LiveArea, runs: list[Run], fresh: bool) -> i
     return total
 
 
-def _precopy(pid: int, pidfd: int, mem: int, dst: int, area: LiveArea, runs: list[Run], fresh: bool,
-             huge: bool = False) -> int:
-    """A pre-copy round's copy of ``runs`` (the process running, the file still host root's, 0600):
-    straight into the file (``vmcopy``, over what an earlier round wrote there: every byte of a run
-    is written; dense regions as huge pages if ``huge``) unless not ``DIRECT``."""
+def _precopy(pid: int, pidfd: int, mem: int, dst: int, area: LiveArea, runs: list[Run], fresh: bool) -> int:
+    """A pre-copy round's copy of ``runs`` (the process running), over what an earlier round wrote
+    there (every byte of a run is written): with ``process_vm_readv`` through a private buffer, the
+    pidfd asked before the bytes reach the file (``vmcopy.copy_runs_buffered``: the file may be
+    readable from inside by then), unless not ``DIRECT``."""
     if not DIRECT:
         return _copy(mem, dst, area, runs, fresh)
-    spans = [(r.start, r.end) for r in runs]
-    return vmcopy.copy_runs(pid, dst, area.start, area.end, area.offset, spans,
-                            check_alive=lambda: alive_or_refuse(pidfd, pid), threads=THREADS, huge=huge)
+    return vmcopy.copy_runs_buffered(pid, dst, area.offset - area.start, [(r.start, r.end) for r in runs],
+                                     check_alive=lambda: alive_or_refuse(pidfd, pid), threads=THREADS)
 
 
 def convert_live(
     pid: int, areas: list[tuple[int, int]], path: Path, view: str, *,
     growth_room: int = DEFAULT_GROWTH_ROOM, rounds: int = 2, trap: Blob | None = None,
     immutable: bool = True, dir_fd: int | None = None, seen_as: Callable[[], os.stat_result] | None = None,
-    pidfd: int | None = None, publish: Callable[[], None] | None = None, huge: bool = False,
+    pidfd: int | None = None, publish: Callable[[], None] | None = None,
 ) -> LiveResult:
     """Move ``areas`` (whole private anonymous areas of ``pid``) into a new memory file at ``path``.
 
@@ -203,9 +213,8 @@ def convert_live(
     own device and inode), which the file it opened must be; else the file itself.
     ``pidfd``: the process meant (else one is opened now): a pid reused meanwhile
     by another process is refused at every stop. ``publish``: called once the
-    pre-copy is done, before the first stop, to make the file reachable at ``view``
-    (``live_bind``); an ``OSError`` it raises refuses the conversion. ``huge``: the file
-    is on a ``huge=advise`` tmpfs: the first round writes dense 2 MiB regions as huge pages.
+    first piece is pre-copied, before the first stop, to make the file reachable at ``view``
+    (``live_bind``); an ``OSError`` it raises refuses the conversion.
     Raises ``LiveUnavailable`` (the process unchanged, the file removed), but
     for a failure after the first area was mapped from the file: the areas
     mapped already hold the same bytes (and the trap), and the file stays.
@@ -224,14 +233,14 @@ def convert_live(
         except ProcessLookupError:
             raise LiveUnavailable(f"process {pid} is gone") from None
     try:
-        return _convert(pid, planned, slots, path, view, rounds, trap, (immutable, seen_as, publish), dir_fd, pidfd, huge)
+        return _convert(pid, planned, slots, path, view, rounds, trap, (immutable, seen_as, publish), dir_fd, pidfd)
     finally:
         if own_pidfd is not None:
             os.close(own_pidfd)
 
 
 def _convert(pid: int, planned: list[LiveArea], slots: Slots, path: Path, view: str, rounds: int,
-             trap: Blob | None, how: _How, dir_fd: int | None, pidfd: int, huge: bool) -> LiveResult:
+             trap: Blob | None, how: _How, dir_fd: int | None, pidfd: int) -> LiveResult:
     dst = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
     done = False
     try:
@@ -239,7 +248,7 @@ def _convert(pid: int, planned: list[LiveArea], slots: Slots, path: Path, view: 
         result = LiveResult(path, planned)
         try:
             with Tracker.open(pid, pidfd=pidfd) as tracker:
-                _run(pid, tracker, slots, dst, view, result, rounds, trap, how, pidfd, huge)
+                _run(pid, tracker, slots, dst, view, result, rounds, trap, how, pidfd)
         except _PartlyMapped:
             done = True
             raise
@@ -257,7 +266,7 @@ def _convert(pid: int, planned: list[LiveArea], slots: Slots, path: Path, view: 
 
 
 def _run(pid: int, tracker: Tracker, slots: Slots, dst: int, view: str,
-         result: LiveResult, rounds: int, trap: Blob | None, how: _How, pidfd: int, huge: bool) -> None:
+         result: LiveResult, rounds: int, trap: Blob | None, how: _How, pidfd: int) -> None:
     planned = result.areas
     t0 = time.perf_counter()
     for a in planned:
@@ -265,30 +274,25 @@ def _run(pid: int, tracker: Tracker, slots: Slots, dst: int, view: str,
     mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
     try:
         alive_or_refuse(pidfd, pid)  # alive after the open: the pid was still its, the descriptor is its memory
+        result.precopy_ms = (time.perf_counter() - t0) * 1000  # (the tracking counts as the first round's)
+        _add(result.pass_ms, 0, result.precopy_ms)
         tracked = dict(zip(planned, tracker.areas, strict=True))
-        for a in planned:  # round 1: what each area holds now
-            # in memory: straight into the file; swapped or never touched (markers): read, zeros left holes
-            result.precopy_bytes += _precopy(pid, pidfd, mem, dst, a, tracker.present(a.start, a.end), True, huge)
-            result.precopy_bytes += _copy(mem, dst, a, tracker.swapped(a.start, a.end), fresh=True)
-        result.pass_ms.append((time.perf_counter() - t0) * 1000)
-        for _ in range(max(rounds - 1, 0)):  # later rounds: what was written meanwhile
-            n, tp = 0, time.perf_counter()
-            for a in planned:
-                runs = tracker.written(tracked[a])
-                if runs is None:
-                    raise LiveUnavailable(f"area {a.start:#x}-{a.end:#x} changed during the pre-copy")
-                n += _precopy(pid, pidfd, mem, dst, a, runs, False)
-            result.rounds.append(n)
-            result.pass_ms.append((time.perf_counter() - tp) * 1000)
-        result.precopy_ms = (time.perf_counter() - t0) * 1000
         pieces = [(a, lo, min(lo + CHUNK, a.end)) for a in planned for lo in range(a.start, a.end, CHUNK)]
         immutable, seen_as, publish = how
-        if publish is not None:
-            t1 = time.perf_counter()
-            publish()
-            result.publish_ms = (time.perf_counter() - t1) * 1000
         setup = None
         for k, (a, lo, hi) in enumerate(pieces):
+            tp = time.perf_counter()
+            if not _precopy_piece(pid, pidfd, mem, dst, tracker, (a, lo, hi), rounds, result):
+                if k == 0:
+                    raise LiveUnavailable(f"area {a.start:#x}-{a.end:#x} changed during the pre-copy")
+                result.left.append((lo, hi))  # changed since (unmapped, moved): not ours to map any more
+                result.precopy_ms += (time.perf_counter() - tp) * 1000
+                continue
+            result.precopy_ms += (time.perf_counter() - tp) * 1000
+            if k == 0 and publish is not None:
+                t1 = time.perf_counter()
+                publish()
+                result.publish_ms = (time.perf_counter() - t1) * 1000
             t1 = time.perf_counter()
             with Stopped(pid, pidfd=pidfd) as s:
                 t2 = time.perf_counter()
@@ -329,6 +333,33 @@ def _run(pid: int, tracker: Tracker, slots: Slots, dst: int, view: str,
             seal(dst)
     finally:
         os.close(mem)
+
+
+def _precopy_piece(pid: int, pidfd: int, mem: int, dst: int, tracker: Tracker, piece: tuple[LiveArea, int, int],
+                   rounds: int, result: LiveResult) -> bool:
+    """Pre-copy one piece while the process runs: what it holds (in memory: ``_precopy``; swapped or
+    never touched since tracking began, the write-protect markers: read, zeros left holes), then
+    ``rounds - 1`` rounds of what it wrote meanwhile. False if it is not tracked whole any more."""
+    a, lo, hi = piece
+    t = time.perf_counter()
+    result.precopy_bytes += _precopy(pid, pidfd, mem, dst, a, tracker.present(lo, hi), True)
+    result.precopy_bytes += _copy(mem, dst, a, tracker.swapped(lo, hi), fresh=True)
+    _add(result.pass_ms, 0, (time.perf_counter() - t) * 1000)
+    for r in range(1, max(rounds, 1)):
+        t = time.perf_counter()
+        runs = tracker.written(Area(lo, hi))
+        if runs is None:
+            return False
+        n = _precopy(pid, pidfd, mem, dst, a, runs, False)
+        _add(result.rounds, r - 1, n)
+        _add(result.pass_ms, r, (time.perf_counter() - t) * 1000)
+    return True
+
+
+def _add(totals: list[Any], i: int, value: float) -> None:
+    """``totals[i] += value``, the list grown as needed (a sum per round over the pieces)."""
+    totals.extend([0] * (i + 1 - len(totals)))
+    totals[i] += value
 
 
 def _area_prot_within(pid: int, lo: int, hi: int) -> int | None:

@@ -10,16 +10,18 @@ top, and the delta leaves the image.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from .fileio import data_extents, write_data
 
 
-def _mapped_data(fd: int, vma: dict[str, Any]) -> int:
+def _data_sizes(fd: int, vma: dict[str, Any]) -> Iterator[int]:
+    """The sizes of the data extents ``vma`` maps from ``fd``, in order (walked as they are asked)."""
     off = vma["pgoff"]
-    end = off + vma["end"] - vma["start"]
-    return sum(n for _, n in data_extents(fd, off, end))
+    for _, n in data_extents(fd, off, off + vma["end"] - vma["start"]):
+        yield n
 
 
 def choose_rebase(
@@ -29,10 +31,14 @@ def choose_rebase(
     stored: dict[int, int],
     ratio: float,
 ) -> list[int]:
-    """The memory-file areas to rebase: per file, all of them or none.
+    """The memory-file areas to rebase: per file, all of them or none (those whose
+    delta reaches ``ratio`` times the data they map from the file).
 
     ``by_file``: memory file id -> indices of the areas mapping it (all their
-    pages in this image or the file); ``stored``: delta bytes per area.
+    pages in this image or the file); ``stored``: delta bytes per area. The
+    file's data is walked only until the answer is known (a small delta over a
+    large file, as a first fork's after a live pre-copy, looks at its first
+    extents only).
     """
     chosen: list[int] = []
     for shmid, idxs in by_file.items():
@@ -43,8 +49,12 @@ def choose_rebase(
             fd = os.open(base_paths[shmid], os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             continue  # gone: nothing to fold the delta into
+        base = 0
         try:
-            base = sum(_mapped_data(fd, vmas[i]) for i in idxs)
+            for n in (n for i in idxs for n in _data_sizes(fd, vmas[i])):
+                base += n
+                if delta < ratio * base:
+                    break  # more data than the delta reaches: the areas stay as they are
         finally:
             os.close(fd)
         if delta >= ratio * base:

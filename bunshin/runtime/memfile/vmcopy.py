@@ -1,6 +1,12 @@
-"""A running process's pages copied straight into a shared mapping of a memory file.
+"""A running process's pages copied into a memory file with ``process_vm_readv``.
 
-``process_vm_readv`` moves each run from the process into a ``MAP_SHARED``
+``copy_runs_buffered`` (what ``memfile.live`` uses): each read goes into a
+private buffer of the host's, the pidfd is asked, and only then are its bytes
+written into the file (``pwrite``: tmpfs does not zero a page a write fills, and a
+full filesystem is an ``OSError``). The bytes of a pid reused meanwhile never reach
+the file, so it may run while the file is readable from inside.
+
+``copy_runs``: ``process_vm_readv`` moves each run from the process into a ``MAP_SHARED``
 mapping of its slot in the file: one copy, in the kernel, no Python buffer,
 up to ``IOV_MAX`` runs and ``BATCH`` bytes a call, the batches spread over
 ``threads`` (ctypes lets the GIL go during the call). Each run's file range is
@@ -26,12 +32,14 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from .fileio import DENSE
 
 BATCH = 64 << 20
+BUFFER = 4 << 20  # a buffered copy's reads (each thread's own buffer)
 IOV_MAX = 1024
 HUGE = 2 << 20
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -47,28 +55,31 @@ _libc.process_vm_readv.argtypes = (ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.
 _libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
 
 
-def _batches(runs: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
-    """``runs`` cut into calls of at most ``IOV_MAX`` pieces and ``BATCH`` bytes each."""
+def _batches(runs: Sequence[tuple[int, int]], limit: int = 0) -> list[list[tuple[int, int]]]:
+    """``runs`` cut into calls of at most ``IOV_MAX`` pieces and ``limit`` (``BATCH``) bytes each."""
+    limit = limit or BATCH
     out: list[list[tuple[int, int]]] = [[]]
     size = 0
     for lo, hi in runs:
         while lo < hi:
-            if len(out[-1]) == IOV_MAX or size == BATCH:
+            if len(out[-1]) == IOV_MAX or size == limit:
                 out.append([])
                 size = 0
-            n = min(hi - lo, BATCH - size)
+            n = min(hi - lo, limit - size)
             out[-1].append((lo, lo + n))
             size += n
             lo += n
     return [b for b in out if b]
 
 
-def _read(pid: int, base: int, start: int, batch: list[tuple[int, int]]) -> int:
+def _read(pid: int, base: int, start: int, batch: list[tuple[int, int]], *, packed: bool = False) -> int:
+    """One ``process_vm_readv`` of ``batch``: each run at ``base`` + its address - ``start``, or
+    (``packed``) one after another from ``base``."""
     n = len(batch)
     local, remote = (_Iovec * n)(), (_Iovec * n)()
     want = 0
     for i, (lo, hi) in enumerate(batch):
-        local[i].base, local[i].len = base + lo - start, hi - lo
+        local[i].base, local[i].len = (base + want) if packed else (base + lo - start), hi - lo
         remote[i].base, remote[i].len = lo, hi - lo
         want += hi - lo
     got = _libc.process_vm_readv(pid, local, n, remote, n, 0)
@@ -134,3 +145,42 @@ def copy_runs(pid: int, dst: int, start: int, end: int, offset: int, runs: Seque
         mm.close()
     check_alive()
     return total
+
+
+def copy_runs_buffered(pid: int, dst: int, shift: int, runs: Sequence[tuple[int, int]], *,
+                       check_alive: Callable[[], None], threads: int = 2) -> int:
+    """Copy ``runs`` (page-aligned addresses of ``pid``) into ``dst`` at address + ``shift``; returns
+    the bytes copied. Each read (at most ``BUFFER`` bytes and ``IOV_MAX`` runs) is followed by
+    ``check_alive`` (it raises if the process is not the one meant any more) before its bytes are
+    written, so they are the process's own wherever the file can be read from."""
+    batches = _batches(runs, BUFFER)
+    if not batches:
+        return 0
+    local = threading.local()
+
+    def one(batch: list[tuple[int, int]]) -> int:
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = ctypes.create_string_buffer(BUFFER)
+        base = ctypes.addressof(buf)
+        got = _read(pid, base, 0, batch, packed=True)
+        check_alive()
+        view, at = memoryview(buf), 0
+        try:
+            for lo, hi in batch:
+                _pwrite_all(dst, view[at:at + hi - lo], lo + shift)
+                at += hi - lo
+        finally:
+            view.release()
+        return got
+
+    if threads <= 1 or len(batches) == 1:
+        return sum(one(b) for b in batches)
+    with ThreadPoolExecutor(threads) as pool:
+        return sum(pool.map(one, batches))
+
+
+def _pwrite_all(fd: int, data: memoryview, off: int) -> None:
+    while data:
+        done = os.pwrite(fd, data, off)
+        data, off = data[done:], off + done
