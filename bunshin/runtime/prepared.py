@@ -83,6 +83,8 @@ class CriuLauncher:
         return not self._dead and self._proc.poll() is None
 
     def _read(self) -> None:
+        with contextlib.suppress(OSError):  # it hands each answer to a waiting restore (``restore_boost``)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), -5)
         while True:
             fds = array.array("i")
             try:

@@ -12,14 +12,19 @@ first, what the clone runs afterwards weighs as any workspace. The restored task
 the larger weight only between CRIU resuming them and ``settle`` (about a millisecond),
 and nothing inside a workspace can change its cgroup's weight (the host's files).
 
-``BUNSHIN_RESTORE_CPU_BOOST`` sets the factor (1 or 0: off).
+``BUNSHIN_RESTORE_CPU_BOOST`` sets the factor (1 or 0: off). The host's side of a restore
+waits on the criu helper and on criu at each step: its threads run at ``THREAD_NICE``
+while they restore (``in_thread``), as the helper does (``zygote.NICE``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from ..errors import InvalidArgument
 from .cgroups import WorkspaceCgroup
@@ -30,6 +35,9 @@ FACTOR = 8
 DEFAULT = {1: 1024, 2: 100}
 FILE = {1: "cpu.shares", 2: "cpu.weight"}
 _MAX = {1: 262144, 2: 10000}
+#: the nice value of this process's threads that wait on a restore (``in_thread``)
+THREAD_NICE = -5
+T = TypeVar("T")
 
 
 def factor() -> int:
@@ -70,3 +78,20 @@ def settle(cg: WorkspaceCgroup) -> None:
     if f is not None:
         with contextlib.suppress(FileNotFoundError):
             f.write_text(str(DEFAULT[cg.version]))
+
+
+def in_thread(fn: Callable[..., T], *args: object) -> T:
+    """``fn(*args)`` with this thread at ``THREAD_NICE`` (then back to its own value): a
+    restore's thread waits on the helper and on criu, and each wake-up on a busy machine
+    otherwise waits for a CPU behind every other task. Without CAP_SYS_NICE it runs as it is."""
+    tid = threading.get_native_id()
+    try:
+        own = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(own, THREAD_NICE))
+    except OSError:
+        return fn(*args)
+    try:
+        return fn(*args)
+    finally:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, own)

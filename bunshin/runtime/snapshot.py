@@ -448,7 +448,7 @@ def restore(cfg: Config, store: Store, snap: SnapshotRecord, n: int, *, keep_log
     futures: list[Future[WorkspaceRecord]] = []
     try:
         for _ in range(n):  # one by one: an interrupt mid-way still sees every submitted future
-            futures.append(pool.submit(_restore_one, cfg, store, snap, layout, keep_logs))
+            futures.append(pool.submit(restore_boost.in_thread, _restore_one, cfg, store, snap, layout, keep_logs))
         done = [fut.result() for fut in futures]
         with store.transaction():  # the batch is in: the clones are the caller's now
             done = [store.update_workspace(rec.id, _unowned) or _unowned(rec) for rec in done]

@@ -105,3 +105,25 @@ def test_criu_restores_into_a_weighed_up_cgroup_and_the_clone_keeps_the_default(
         w = restore_boost._weight_file(WorkspaceCgroup.of_record(clone.record))
         assert w is not None and int(w.read_text()) == default
         assert clone.exec(["true"]).exit_code == 0
+
+
+def test_in_thread_runs_at_the_restore_nice_value_and_gives_the_thread_its_own_back():
+    import threading
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    seen: list[int] = []
+
+    def body() -> None:
+        before = nice()
+        seen.append(restore_boost.in_thread(nice))
+        seen.append(nice() - before)  # back to its own value
+        with pytest.raises(ZeroDivisionError):  # a restore that fails gives it back too
+            restore_boost.in_thread(lambda: 1 // 0)
+        seen.append(nice() - before)
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    assert seen == [restore_boost.THREAD_NICE, 0, 0]
