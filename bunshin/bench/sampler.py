@@ -59,8 +59,11 @@ def integral(t: Sequence[float], y: Sequence[float]) -> float:
     return total
 
 
-def _tree_bytes(root: Path, skip: tuple[str, ...] = ()) -> int:
+def _tree_bytes(root: Path, skip: tuple[str, ...] = (), seen: set[tuple[int, int]] | None = None) -> int:
+    """The blocks of the files under ``root``, each inode once (``seen``: inodes counted already, shared
+    between calls): a memory file is linked from ``paths.mem`` and from every layer whose clones map it."""
     total = 0
+    seen = set() if seen is None else seen
     if not root.is_dir():
         return 0
     for dirpath, dirnames, filenames in os.walk(root):
@@ -68,9 +71,12 @@ def _tree_bytes(root: Path, skip: tuple[str, ...] = ()) -> int:
             dirnames[:] = [d for d in dirnames if not d.startswith(skip)]
         for name in filenames:
             try:
-                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+                st = os.lstat(os.path.join(dirpath, name))
             except OSError:
-                pass
+                continue
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
     return total
 
 
@@ -106,8 +112,9 @@ class HomeMemory:
         return total
 
     def files(self) -> int:
-        return (_tree_bytes(self.cfg.paths.mem)
-                + _tree_bytes(self.cfg.paths.layers, skip=("agent-", "mask-")))
+        seen: set[tuple[int, int]] = set()
+        return (_tree_bytes(self.cfg.paths.mem, seen=seen)
+                + _tree_bytes(self.cfg.paths.layers, skip=("agent-", "mask-"), seen=seen))
 
     def __call__(self) -> int:
         if self._n % 5 == 0:  # walking the layers is the slow part: every fifth sample
