@@ -37,6 +37,11 @@ def test_a_log_is_split_per_phase_summed_over_tasks():
     assert sum(split.phases_ms.values()) == pytest.approx(split.frozen_ms)
 
 
+def test_p90_of_one_or_more_values():
+    assert dump_phases._p90([7.0]) == 7.0
+    assert dump_phases._p90([float(x) for x in range(1, 11)]) == pytest.approx(9.1)
+
+
 def test_a_log_without_a_thaw_or_a_freeze_gives_none():
     assert dump_phases.parse(LOG.replace("Unfreezing tasks", "Dumping FAILED")) is None
     assert dump_phases.parse("\n".join(ln for ln in LOG.splitlines() if "freezer" not in ln
@@ -49,6 +54,7 @@ def test_a_log_without_a_thaw_or_a_freeze_gives_none():
 def test_delta_dumps_are_split_and_add_up_to_the_pause(no_leaks):
     r = dump_phases.run(no_leaks, forks=2)
     assert len(r["rounds"]) == 2 and r["pause_ms_p50"] > 0
+    assert r["pause_ms_p50"] <= r["pause_ms_p90"] <= r["pause_ms_max"] and 0 <= r["over_goal"] <= 2
     assert len(r["load_1m"]) == 2 and all(x >= 0 for x in r["load_1m"])  # the load it was measured at
     for rnd in r["rounds"]:
         phases = rnd["phases_ms"]
@@ -57,6 +63,8 @@ def test_delta_dumps_are_split_and_add_up_to_the_pause(no_leaks):
         # the log's freeze-to-thaw is CRIU's own frozen_time, give or take its logging
         assert rnd["frozen_ms_in_log"] == pytest.approx(rnd["traced_pause_ms"], rel=0.3, abs=2.0)
         assert rnd["pause_ms"] > 0  # the other dump of the round, at the configured log level
+        # a delta: CRIU wrote what the fork changed since its restore (a few hundred pages), not its memory
+        assert 0 < rnd["pages"] < 4096 and rnd["tasks_wait_ms"] >= 0
     assert r["log_level"] == no_leaks.dump_log_level
 
 
