@@ -352,6 +352,7 @@ def _run_swrk(criu: Path, pid: int, images_dir: Path, log: Path, flags: Sequence
                 # criu and this thread (which answers its notifications) at real-time
                 # priority from the pre-dump stage (the freeze comes next), at most its budget
                 boost = freeze_boost.Boost((child.pid, threading.get_native_id()), latency=True)
+                boost.arm()  # its timer thread started now, not at pre-dump (just before the freeze)
                 try:
                     handlers = {**notify, "pre-dump": _then(boost.start, notify.get("pre-dump"))}
                     answer = criu_swrk.converse(mine, req, handlers)

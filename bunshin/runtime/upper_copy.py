@@ -181,6 +181,7 @@ def frozen_copy(cfg: Config, upper: Path, layer: Path, folder: Path, memcg: Path
         try:
             pidfd = os.pidfd_open(child.pid)
             copy = FrozenCopy(go, done, child.pid, pidfd, log, early)
+            copy.boost.arm()  # (its timer thread started before the dump)
             try:
                 yield copy
             finally:

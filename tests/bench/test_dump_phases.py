@@ -60,8 +60,10 @@ def test_delta_dumps_are_split_and_add_up_to_the_pause(no_leaks):
         phases = rnd["phases_ms"]
         assert set(phases) == set(dump_phases.PHASES) and all(v > 0 for v in phases.values())
         assert sum(phases.values()) == pytest.approx(rnd["frozen_ms_in_log"], abs=0.01)
-        # the log's freeze-to-thaw is CRIU's own frozen_time, give or take its logging
-        assert rnd["frozen_ms_in_log"] == pytest.approx(rnd["traced_pause_ms"], rel=0.3, abs=2.0)
+        # the log's freeze-to-thaw holds CRIU's own frozen_time, which starts once every task is seized
+        # (within the seize phase: on a busy machine seizing alone takes milliseconds)
+        assert rnd["traced_pause_ms"] <= rnd["frozen_ms_in_log"] + 1.0
+        assert rnd["frozen_ms_in_log"] <= rnd["traced_pause_ms"] + phases["seize"] + 1.0
         assert rnd["pause_ms"] > 0  # the other dump of the round, at the configured log level
         # a delta: CRIU wrote what the fork changed since its restore (a few hundred pages), not its memory
         assert 0 < rnd["pages"] < 4096 and rnd["tasks_wait_ms"] >= 0

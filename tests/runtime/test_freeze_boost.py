@@ -93,3 +93,39 @@ def _my_fd_targets() -> list[str]:
         except OSError:
             pass
     return out
+
+
+def _budget_threads() -> int:
+    return sum(t.name == "bunshin-boost-budget" for t in threading.enumerate())
+
+
+def test_an_armed_boost_starts_no_thread_at_start_and_its_budget_still_ends_it():
+    """``arm`` (before the dump) starts the budget's timer; ``start`` (CRIU's pre-dump, just before the
+    freeze) only wakes it: a thread starting there held the GIL the next notification's answer needed."""
+    me = threading.get_native_id()
+    before = _budget_threads()
+    boost = freeze_boost.Boost((me,), budget_s=0.05)
+    boost.arm()
+    boost.arm()  # once
+    assert _budget_threads() == before + 1 and _policy(me) == os.SCHED_OTHER  # armed, not boosted
+    started = threading.active_count()
+    boost.start()
+    assert threading.active_count() == started and _policy(me) == os.SCHED_FIFO
+    deadline = time.monotonic() + 5
+    while (_policy(me) == os.SCHED_FIFO or _budget_threads() > before) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _policy(me) == os.SCHED_OTHER and _budget_threads() == before  # put back, its thread gone
+
+
+def test_a_boost_armed_but_never_started_ends_its_thread_at_stop():
+    me = threading.get_native_id()
+    before = _budget_threads()
+    boost = freeze_boost.Boost((me,))
+    boost.arm()
+    boost.stop()  # a dump that failed before its pre-dump stage
+    deadline = time.monotonic() + 5
+    while _budget_threads() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _budget_threads() == before
+    boost.start()  # stopped: not boosted again
+    assert _policy(me) == os.SCHED_OTHER and boost.boosted == ()

@@ -147,8 +147,8 @@ def test_the_reader_joins_before_the_freeze_and_reads_only_when_told(family):
     ws = family.create()
     reader = joined_ns.Reader(ws.record.pid)
     try:
-        reader.prepare()  # CRIU's pre-dump: the thread is made and joins the namespaces
-        assert reader._thread is not None
+        handlers = reader.notify({})  # composed before the dump: the thread is made and joins the namespaces
+        assert reader._thread is not None and "pre-dump" not in handlers  # nothing starts just before the freeze
         tid = reader._thread.native_id
         deadline = time.monotonic() + 10
         while (os.readlink(f"/proc/self/task/{tid}/ns/ipc") != _ns(ws, "ipc")  # joined uts, then ipc
