@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import mmap
 import os
 import signal
 import subprocess
@@ -38,156 +37,11 @@ def child():
 
 def test_batches_respect_the_call_limits() -> None:
     runs = [(i * 2 * PAGE, i * 2 * PAGE + PAGE) for i in range(vmcopy.IOV_MAX + 5)]
-    b = vmcopy._batches(runs)
+    b = vmcopy._batches(runs, 1 << 30)
     assert [len(x) for x in b] == [vmcopy.IOV_MAX, 5] and sum(b, []) == runs
-    big = vmcopy._batches([(0, 3 * vmcopy.BATCH + PAGE)])
-    assert [sum(hi - lo for lo, hi in x) for x in big] == [vmcopy.BATCH] * 3 + [PAGE]
-    assert vmcopy._batches([]) == []
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-def test_copies_the_runs_exactly_and_leaves_the_rest_holes(child, threads: int) -> None:
-    p, addr = child
-    calls = []
-    with tempfile.TemporaryFile(dir="/dev/shm") as f:
-        offset = 2 << 20
-        os.ftruncate(f.fileno(), offset + (6 << 20))
-        runs = [(addr, addr + PAGE), (addr + 3 * PAGE, addr + (5 << 20))]
-        n = vmcopy.copy_runs(p.pid, f.fileno(), addr, addr + (6 << 20), offset, runs,
-                             check_alive=lambda: calls.append(1), threads=threads)
-        assert n == PAGE + (5 << 20) - 3 * PAGE and calls == [1]
-        data = os.pread(f.fileno(), 6 << 20, offset)
-        for i in range(0, 6 << 20, PAGE):
-            inside = i < PAGE or 3 * PAGE <= i < (5 << 20)
-            want = bytes([(i // PAGE) % 251 + 1]) * PAGE if inside else bytes(PAGE)
-            assert data[i:i + PAGE] == want, i
-        assert os.lseek(f.fileno(), 0, os.SEEK_DATA) == offset  # nothing written before the slot
-
-
-def test_a_run_the_process_does_not_map_is_an_error(child) -> None:
-    p, _ = child
-    low = 0x10000  # (below mmap_min_addr: never mapped)
-    with tempfile.TemporaryFile(dir="/dev/shm") as f:
-        os.ftruncate(f.fileno(), 16 << 20)
-        with pytest.raises(OSError, match="memory changed|Bad address"):
-            vmcopy.copy_runs(p.pid, f.fileno(), low, low + (8 << 20), 0, [(low, low + (8 << 20))],
-                             check_alive=lambda: None)
-
-
-def test_a_full_filesystem_is_an_error_not_a_sigbus(child, tmp_path) -> None:
-    p, addr = child
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "h7-vmcopy", str(mnt)], check=True)
-    try:
-        fd = os.open(mnt / "f", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            os.ftruncate(fd, 6 << 20)
-            with pytest.raises(OSError, match="no room"):
-                vmcopy.copy_runs(p.pid, fd, addr, addr + (6 << 20), 0, [(addr, addr + (6 << 20))],
-                                 check_alive=lambda: None)
-        finally:
-            os.close(fd)
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
-
-
-def test_the_alive_check_failing_is_raised(child) -> None:
-    p, addr = child
-
-    def gone() -> None:
-        raise ProcessLookupError("gone")
-
-    with tempfile.TemporaryFile(dir="/dev/shm") as f:
-        os.ftruncate(f.fileno(), 6 << 20)
-        with pytest.raises(ProcessLookupError):
-            vmcopy.copy_runs(p.pid, f.fileno(), addr, addr + (6 << 20), 0, [(addr, addr + PAGE)], check_alive=gone)
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    with tempfile.TemporaryFile(dir="/dev/shm") as f:
-        os.ftruncate(f.fileno(), 6 << 20)
-        with pytest.raises(OSError, match="No such process"):
-            vmcopy.copy_runs(p.pid, f.fileno(), addr, addr + (6 << 20), 0, [(addr, addr + PAGE)],
-                             check_alive=lambda: None)
-
-
-def test_dense_regions_are_whole_2_mib_regions_the_runs_fill_enough() -> None:
-    mib = 1 << 20
-    # region 0 full, region 1 at 3/4 (from a run crossing the boundary), region 2 at 1/4
-    runs = [(0, 3 * mib + mib // 2), (4 * mib + 1 * mib, 4 * mib + 3 * mib // 2)]
-    assert vmcopy.dense_regions(runs, 0) == {0, 1}
-    assert vmcopy.dense_regions(runs, 2 * mib) == {1, 2}  # the same runs, one region on in the file
-    assert vmcopy.dense_regions([], 0) == set()
-
-
-def _pmd_mapped_kib(path) -> int:
-    """ShmemPmdMapped of a fresh shared mapping of ``path`` once every page is read."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        m = mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ)
-        try:
-            m.madvise(mmap.MADV_HUGEPAGE)
-            for i in range(0, len(m), PAGE):
-                m[i]
-            start = None
-            for line in open("/proc/self/smaps").read().splitlines():
-                head = line.split()
-                if "-" in head[0] and len(head) >= 5 and head[-1] == str(path):
-                    start = True
-                elif start and line.startswith("ShmemPmdMapped:"):
-                    return int(line.split()[1])
-            return 0
-        finally:
-            m.close()
-    finally:
-        os.close(fd)
-
-
-def test_huge_puts_dense_regions_in_huge_pages_exactly(child, tmp_path) -> None:
-    p, addr = child
-    mnt = tmp_path / "huge"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,huge=advise", "h7-vmcopy", str(mnt)], check=True)
-    try:
-        fd = os.open(mnt / "f", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            os.ftruncate(fd, 8 << 20)
-            # the child's 6 MiB at file offset 0: region 0 and 1 whole, region 2 one page only
-            runs = [(addr, addr + (4 << 20)), (addr + (4 << 20), addr + (4 << 20) + PAGE)]
-            n = vmcopy.copy_runs(p.pid, fd, addr, addr + (6 << 20), 0, runs, check_alive=lambda: None, huge=True)
-            assert n == (4 << 20) + PAGE
-            data = os.pread(fd, 6 << 20, 0)
-            for i in range(0, 6 << 20, PAGE):
-                want = bytes([(i // PAGE) % 251 + 1]) * PAGE if i < (4 << 20) + PAGE else bytes(PAGE)
-                assert data[i:i + PAGE] == want, i
-            st = os.fstat(fd)
-            assert (5 << 20) > st.st_blocks * 512 >= (4 << 20) + PAGE  # the sparse region kept its holes
-        finally:
-            os.close(fd)
-        assert _pmd_mapped_kib(mnt / "f") >= 4096  # the two dense regions are huge pages
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
-
-
-def test_huge_on_a_full_filesystem_is_an_error_not_a_sigbus(child, tmp_path) -> None:
-    p, addr = child
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,huge=advise", "h7-vmcopy", str(mnt)], check=True)
-    try:
-        fd = os.open(mnt / "f", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            os.ftruncate(fd, 6 << 20)
-            with pytest.raises(OSError, match="memory changed|Bad address|no room"):
-                vmcopy.copy_runs(p.pid, fd, addr, addr + (6 << 20), 0, [(addr, addr + (6 << 20))],
-                                 check_alive=lambda: None, huge=True)
-        finally:
-            os.close(fd)
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
-
-
-# ------------------------------------------------- the buffered copy (what memfile.live uses)
+    big = vmcopy._batches([(0, 3 * vmcopy.BUFFER + PAGE)], vmcopy.BUFFER)
+    assert [sum(hi - lo for lo, hi in x) for x in big] == [vmcopy.BUFFER] * 3 + [PAGE]
+    assert vmcopy._batches([], vmcopy.BUFFER) == []
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -227,6 +81,13 @@ def test_a_read_whose_alive_check_fails_never_reaches_the_file(child) -> None:
     p.wait()
     with tempfile.TemporaryFile(dir="/dev/shm") as f, pytest.raises(OSError, match="No such process"):
         vmcopy.copy_runs_buffered(p.pid, f.fileno(), -addr, [(addr, addr + PAGE)], check_alive=lambda: None)
+
+
+def test_a_run_the_process_does_not_map_is_an_error(child) -> None:
+    p, _ = child
+    low = 0x10000  # (below mmap_min_addr: never mapped)
+    with tempfile.TemporaryFile(dir="/dev/shm") as f, pytest.raises(OSError, match="memory changed|Bad address"):
+        vmcopy.copy_runs_buffered(p.pid, f.fileno(), -low, [(low, low + (8 << 20))], check_alive=lambda: None)
 
 
 def test_the_buffered_copy_on_a_full_filesystem_is_an_error(child, tmp_path) -> None:
