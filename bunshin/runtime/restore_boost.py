@@ -4,13 +4,13 @@ A restore's criu runs inside the clone's own cgroups (``criu.Placement.cgroup_pr
 and so do the tasks it forks, which do most of the restore's work (their files, their
 memory, the restorer). On two cores shared with other work that CPU time is handed out
 by weight: a clone's cgroup weighs what one task of the host does, so every restore
-waits its turn behind each busy process and the restore's latency is its CPU time times
-the machine's load. ``boost`` gives the clone's CPU cgroup ``FACTOR`` times the default
+waits its turn behind each busy process and takes longer the busier the machine is. ``boost`` gives the clone's CPU cgroup ``FACTOR`` times the default
 weight (v1 ``cpu.shares``, v2 ``cpu.weight``) before criu joins it and ``settle`` puts the
 default back as soon as criu has answered: the restore's few milliseconds of CPU come
 first, what the clone runs afterwards weighs as any workspace. The restored tasks hold
-the larger weight only between CRIU resuming them and ``settle`` (about a millisecond),
-and nothing inside a workspace can change its cgroup's weight (the host's files).
+the larger weight only between CRIU resuming them and ``settle`` (criu's answer and exit:
+0.3-1 ms p50 here, a few ms on a busy machine), and nothing inside a workspace can change
+its cgroup's weight (the host's files).
 
 ``BUNSHIN_RESTORE_CPU_BOOST`` sets the factor (1 or 0: off). The host's side of a restore
 waits on the criu helper and on criu at each step: its threads run at ``THREAD_NICE``
