@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 
 import pytest
 
@@ -104,3 +105,20 @@ def test_the_buffered_copy_on_a_full_filesystem_is_an_error(child, tmp_path) -> 
             os.close(fd)
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_copying_threads_run_boosted_and_get_their_own_nice_back(child, threads: int, monkeypatch) -> None:
+    p, addr = child
+    monkeypatch.setattr(vmcopy, "BUFFER", 1 << 20)
+    seen = []
+
+    def alive() -> None:  # (called in the copying thread)
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with tempfile.TemporaryFile(dir="/dev/shm") as f:
+        vmcopy.copy_runs_buffered(p.pid, f.fileno(), -addr, [(addr, addr + (4 << 20))], check_alive=alive,
+                                  threads=threads)
+    assert len(seen) == 4 and set(seen) == {min(own, vmcopy.NICE)}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
