@@ -12,8 +12,8 @@ Where the file lies: one copy. It is written in ``Config.paths.mem`` as
 snapshot's layer links it (``link_names``) for the clones, as the rewrite's own
 files. The process reaches it at ``/.bunshin/mem/<name>`` (what its mappings
 and its trap's table name) through a read-only bind of that very file over an
-empty placeholder the host makes in the upper's host-owned ``/.bunshin/mem``
-(``memfile.live_bind``). A dump of the process names the bind external
+empty placeholder the host makes in the host-owned ``/.bunshin/mem``, through the
+workspace's merged root (``memfile.live_bind``). A dump of the process names the bind external
 (``dump_externals``) and ``drop_binds`` then takes the bind out of the images:
 the file is named from the workspace's root mount, where each clone's layer
 holds its link. The frozen copy of the upper skips ``/.bunshin/mem`` (each layer
@@ -105,9 +105,11 @@ class Report:
                                                  "stopped_ms": self.stopped_ms}))
 
 
-def _mem_dir(upper: Path) -> int:
-    """The upper's host-owned ``/.bunshin/mem`` (made if missing), opened without following anything."""
-    fd = sc.open_dir_beneath(upper, (".bunshin",))
+def _mem_dir(root: Path) -> int:
+    """The host-owned ``/.bunshin/mem`` of the workspace's merged root (made if missing),
+    opened without following anything. Through the overlay, not in its upper: a clone's
+    folder is its snapshot layer's, and a file made behind the overlay's back is never seen."""
+    fd = sc.open_dir_beneath(root, (".bunshin",))
     try:
         if os.fstat(fd).st_uid != 0:
             raise LiveUnavailable("the workspace's /.bunshin is not the host's")
@@ -130,7 +132,7 @@ def convert(cfg: Config, ws_id: str, upper: Path, root: Path, view: str, pids: l
     what happened. Each is pinned by a pidfd and must be in the init's pid namespace (a pid
     listed may be reused by a host process before its turn).
 
-    ``upper``: the workspace's upper (its ``/.bunshin/mem`` holds the placeholders).
+    ``root``: the workspace's merged root (its ``/.bunshin/mem`` holds the placeholders).
     """
     min_bytes(cfg)  # a bad setting refused before anything is done
     t0 = time.perf_counter()
@@ -138,7 +140,7 @@ def convert(cfg: Config, ws_id: str, upper: Path, root: Path, view: str, pids: l
     try:
         blob = trapcode.build_blob(cfg.paths.sigsys)
         cfg.paths.mem.mkdir(parents=True, exist_ok=True)  # (the live files)
-        dir_fd = _mem_dir(upper)
+        dir_fd = _mem_dir(root)
     except (OSError, LiveUnavailable) as exc:
         report.skipped = [Skipped(p, f"no live conversion: {exc}") for p in pids]
         return report

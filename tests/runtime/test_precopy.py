@@ -112,6 +112,26 @@ def test_fork_with_precopy_is_exact_and_later_forks_are_deltas(live_family, memo
     assert ask(c2) == ask(ws)  # (both at the parent's state when forked, each one step on)
 
 
+def test_a_process_started_in_a_clone_is_pre_copied_when_the_clone_forks(live_family) -> None:
+    """A clone's ``/.bunshin/mem`` is its snapshot layer's: the placeholder must be made
+    through the clone's merged view (made behind the overlay, in the upper, it is never seen)."""
+    parent = live_family.create(memory="1G")
+    (clone,) = live_family.fork(parent, 1)
+    pid = clone.commands.spawn(["python3", "-c", PROG])
+    deadline = time.monotonic() + 60
+    while not clone.exec(["test", "-s", "/tmp/ready"]).ok:
+        assert time.monotonic() < deadline, "the program did not start"
+        time.sleep(0.05)
+    first, hp = clone.files.read_text("/tmp/ready"), host_pid(clone, pid)
+    (grandchild,) = live_family.fork(clone, 1)
+    snap = max(live_family.cfg.paths.snapshots.iterdir(), key=lambda p: p.stat().st_mtime)
+    report = json.loads((snap / precopy.REPORT).read_text())
+    mine = [c for c in report["converted"] if c["pid"] == hp]
+    assert mine and mine[0]["bytes"] >= 64 * MIB, report
+    assert "/.bunshin/mem/live-" in Path(f"/proc/{hp}/maps").read_text()
+    assert ask(clone) == first and ask(grandchild) == first
+
+
 def _mapped_inodes(pid: int) -> set[tuple[str, int]]:
     """(path, inode) of every mapping of a live file in ``pid``'s maps."""
     out = set()
