@@ -162,16 +162,18 @@ def wanted(cfg: Config, pids: list[int]) -> bool:
     reads), so a workspace of small processes, or a clone whose memory is its memory
     files', forks as before at no cost."""
     least = min_bytes(cfg)
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/status", "rb") as f:
-                fields = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
-        except OSError:
-            continue  # gone: nothing of its to copy
-        held = sum(int(fields.get(k, b"0 kB").split()[0]) for k in (b"RssAnon", b"VmSwap")) << 10
-        if held >= least:
-            return True
-    return False
+    return any(anon_bytes(pid) >= least for pid in pids)
+
+
+def anon_bytes(pid: int) -> int:
+    """The anonymous memory ``pid`` holds, resident or swapped (``RssAnon`` + ``VmSwap`` of
+    /proc/PID/status: counters, not a walk of its page tables); 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            fields = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
+    except OSError:
+        return 0
+    return sum(int(fields.get(k, b"0 kB").split()[0]) for k in (b"RssAnon", b"VmSwap")) << 10
 
 
 def min_bytes(cfg: Config) -> int:

@@ -6,6 +6,8 @@ import dataclasses
 import hashlib
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -474,6 +476,39 @@ def test_a_converted_process_keeps_its_user_watches_and_ghost_file(live_family) 
         r = w.exec(["sh", "-c", "rm -f /tmp/u/ans; touch /tmp/u/req; while [ ! -s /tmp/u/ans ]; do sleep 0.01; done;"
                     " cat /tmp/u/ans"], timeout=60)
         assert r.exit_code == 0 and r.stdout.strip() == first, r
+
+
+_HOLDER = """
+import mmap, sys, time
+if sys.argv[1] == "anon":
+    b = bytearray(64 << 20)
+    b[::4096] = b"x" * len(range(0, len(b), 4096))  # every page written
+else:  # a file's pages, read through a private mapping: cache, not anonymous memory
+    f = open(sys.argv[2], "rb")
+    m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ, flags=mmap.MAP_PRIVATE)
+    sum(m[i] for i in range(0, len(m), 4096))
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_anon_bytes_is_what_a_process_wrote_not_the_files_it_reads(tmp_path: Path) -> None:
+    """``anon_bytes`` (the threshold's look and the fork's space check): a process's written
+    memory counts, a file it maps and reads does not, and a process that is gone holds none."""
+    data = tmp_path / "data"
+    data.write_bytes(os.urandom(64 << 20))
+    procs = [subprocess.Popen([sys.executable, "-c", _HOLDER, kind, str(data)], stdout=subprocess.PIPE, text=True)
+             for kind in ("anon", "file")]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        writer, reader = (precopy.anon_bytes(p.pid) for p in procs)
+        assert writer >= 64 * MIB > 32 * MIB > reader, (writer, reader)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert precopy.anon_bytes(procs[0].pid) == 0
 
 
 def test_by_default_only_a_process_above_the_threshold_is_pre_copied(no_leaks) -> None:
