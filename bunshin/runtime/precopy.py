@@ -127,7 +127,7 @@ def _mem_dir(root: Path) -> int:
     return child
 
 
-def convert(cfg: Config, ws_id: str, upper: Path, root: Path, view: str, pids: list[int]) -> Report:
+def convert(cfg: Config, ws_id: str, root: Path, view: str, pids: list[int]) -> Report:
     """Convert each of ``pids`` (host pids of the workspace, its init first) that holds enough memory;
     what happened. Each is pinned by a pidfd and must be in the init's pid namespace (a pid
     listed may be reused by a host process before its turn).
@@ -147,7 +147,7 @@ def convert(cfg: Config, ws_id: str, upper: Path, root: Path, view: str, pids: l
     try:
         pid_ns = os.readlink(f"/proc/{pids[0]}/ns/pid") if pids else ""
         for pid in pids:
-            _one(cfg, ws_id, view, dir_fd, upper, root, blob, pid, pid_ns, report)
+            _one(cfg, ws_id, view, dir_fd, blob, pid, pid_ns, report)
     except OSError as exc:
         report.skipped.append(Skipped(pids[0], f"the workspace's pid namespace cannot be told: {exc.strerror}"))
     finally:
@@ -185,8 +185,8 @@ def min_bytes(cfg: Config) -> int:
     return max(MIN_BYTES, least << 20)
 
 
-def _one(cfg: Config, ws_id: str, view: str, dir_fd: int, upper: Path, root: Path, blob: trapcode.Blob,
-         pid: int, pid_ns: str, report: Report) -> None:
+def _one(cfg: Config, ws_id: str, view: str, dir_fd: int, blob: trapcode.Blob, pid: int, pid_ns: str,
+         report: Report) -> None:
     try:
         held = live_areas_held(pid)
     except OSError as exc:
@@ -212,15 +212,14 @@ def _one(cfg: Config, ws_id: str, view: str, dir_fd: int, upper: Path, root: Pat
         report.skipped.append(Skipped(pid, str(exc)))
         return
     try:
-        _convert_one(cfg, name, view, dir_fd, upper, root, blob, pid, pidfd, areas, size, report)
+        _convert_one(cfg, name, view, dir_fd, blob, pid, pidfd, areas, report)
     finally:
         os.close(pidfd)
 
 
-def _convert_one(cfg: Config, name: str, view: str, dir_fd: int, upper: Path, root: Path, blob: trapcode.Blob,
-                 pid: int, pidfd: int, areas: list[tuple[int, int]], size: int, report: Report) -> None:
-    """The file is written in ``paths.mem`` and bound over a placeholder of the upper (``live_bind``)."""
-    del upper, root, size
+def _convert_one(cfg: Config, name: str, view: str, dir_fd: int, blob: trapcode.Blob, pid: int, pidfd: int,
+                 areas: list[tuple[int, int]], report: Report) -> None:
+    """The file is written in ``paths.mem`` and bound over a placeholder in ``dir_fd`` (``live_bind``)."""
     host = os.open(cfg.paths.mem, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     bound = []
 

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import restore_boost
 from . import syscalls as sc
 
 ZYGOTE = Path(__file__).with_name("zygote.py")
@@ -84,7 +85,7 @@ class CriuLauncher:
 
     def _read(self) -> None:
         with contextlib.suppress(OSError):  # it hands each answer to a waiting restore (``restore_boost``)
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), -5)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), restore_boost.THREAD_NICE)
         while True:
             fds = array.array("i")
             try:

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 from ..errors import InvalidArgument
+from . import syscalls as sc
 from .cgroups import WorkspaceCgroup
 
 ENV = "BUNSHIN_RESTORE_CPU_BOOST"
@@ -84,14 +84,5 @@ def in_thread(fn: Callable[..., T], *args: object) -> T:
     """``fn(*args)`` with this thread at ``THREAD_NICE`` (then back to its own value): a
     restore's thread waits on the helper and on criu, and each wake-up on a busy machine
     otherwise waits for a CPU behind every other task. Without CAP_SYS_NICE it runs as it is."""
-    tid = threading.get_native_id()
-    try:
-        own = os.getpriority(os.PRIO_PROCESS, tid)
-        os.setpriority(os.PRIO_PROCESS, tid, min(own, THREAD_NICE))
-    except OSError:
+    with sc.thread_nice(THREAD_NICE):
         return fn(*args)
-    try:
-        return fn(*args)
-    finally:
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, tid, own)

@@ -214,11 +214,11 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
     try:
         huge_memfiles = statefs.ensure(cfg)
         images.mkdir(parents=True)
-        _check_space(cfg, rec)
+        _check_space(cfg, rec, tree)
         live = None
         if cfg.fork_precopy and mode is SnapshotMode.COW and cfg.memory_semantics == "trap":
             if precopy.wanted(cfg, tree):  # (a process started since is left to the dump)
-                live = precopy.convert(cfg, rec.id, Path(rec.upper), Path(rec.root), MEM_VIEW, tree)
+                live = precopy.convert(cfg, rec.id, Path(rec.root), MEM_VIEW, tree)
                 live.save(sdir)
         # Tasks are frozen with ptrace, not the v1 freezer cgroup: CRIU polls the
         # freezer every 100 ms, which adds ~100 ms to every parent pause. Cgroups
@@ -310,14 +310,14 @@ def _source_snapshot(store: Store, rec: WorkspaceRecord) -> SnapshotRecord | Non
         return None
 
 
-def _check_space(cfg: Config, rec: WorkspaceRecord) -> None:
-    """Refuse early when tmpfs cannot hold the workspace's memory and upper once more."""
+def _check_space(cfg: Config, rec: WorkspaceRecord, tree: list[int]) -> None:
+    """Refuse early when tmpfs cannot hold the memory of the workspace's ``tree`` and its upper once more."""
     st = os.statvfs(cfg.tmpfs)
     free = st.f_bavail * st.f_frsize
     upper = _du(Path(rec.upper))
     # what the dump writes to memory files: the tree's anonymous memory, from counters (USS
     # walks every page table: 44-48 ms for a 4 GiB process at load ~1, against 0.1-0.3 ms)
-    need = upper + sum(precopy.anon_bytes(pid) for pid in _tree(rec.pid))
+    need = upper + sum(precopy.anon_bytes(pid) for pid in tree)
     if need > free:
         raise ResourceExhausted(
             f"tmpfs {cfg.tmpfs} has {free >> 20} MiB free, the snapshot of {rec.id} needs about {need >> 20} MiB",

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import fcntl
 import os
 import socket
 import struct
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Iterable, Iterator, Sequence
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
@@ -55,6 +57,24 @@ def setns_path(path: str, nstype: int) -> None:
         setns(fd, nstype)
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def thread_nice(nice: int) -> Iterator[None]:
+    """This thread at ``nice`` (or its own, if lower) inside the block, then back to its own
+    value, also on failure; without CAP_SYS_NICE it runs as it is."""
+    tid = threading.get_native_id()
+    try:
+        own = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(own, nice))
+    except OSError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, own)
 
 
 FALLOC_FL_KEEP_SIZE = 0x01

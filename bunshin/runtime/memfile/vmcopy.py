@@ -19,12 +19,13 @@ on first touch, ~4 s per GiB; see the README's *Piece by piece*.)
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+
+from ..syscalls import thread_nice
 
 BUFFER = 4 << 20  # the bytes of one read (each thread's own buffer)
 NICE = -5  # the copying threads' nice while they copy (the fork's critical path; as restore_boost's threads)
@@ -103,17 +104,8 @@ def copy_runs_buffered(pid: int, dst: int, shift: int, runs: Sequence[tuple[int,
         return got
 
     def boosted(batch: list[tuple[int, int]]) -> int:
-        tid = threading.get_native_id()
-        try:
-            own = os.getpriority(os.PRIO_PROCESS, tid)
-            os.setpriority(os.PRIO_PROCESS, tid, min(own, NICE))
-        except OSError:
+        with thread_nice(NICE):
             return one(batch)
-        try:
-            return one(batch)
-        finally:
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, tid, own)
 
     if threads <= 1 or len(batches) == 1:
         return sum(boosted(b) for b in batches)
