@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -196,3 +197,47 @@ def test_warm_restores_leave_no_descriptor_or_pending_entry(counters, criu_bin, 
         assert r.pid is not None and psutil.pid_exists(r.pid)
     assert len(os.listdir("/proc/self/fd")) == fds  # the RPC sockets and pidfds handed over are closed
     assert not lch._pending  # every request is forgotten once its criu is gone
+
+
+
+_SPAWN = """
+import json, os, socket, sys
+sys.path.insert(0, sys.argv[1])
+from bunshin.runtime import zygote
+sc = zygote._load_syscalls()
+host = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+net = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+ns = zygote.Namespaces(host, zygote.small_namespace(sc, host), net, zygote.sized_netns(sc, net))
+leak = os.open("/", os.O_RDONLY)
+os.set_inheritable(leak, True)  # as a descriptor received over SCM_RIGHTS is
+mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+os.setpriority(os.PRIO_PROCESS, 0, -5)
+pid, mnt, cnet = zygote.spawn_warm_criu(sc, ["/bin/sleep", "30"], theirs.fileno(), ns)
+fds = {fd: os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+print(json.dumps({"fds": fds, "sid": os.getsid(pid), "pid": pid, "nice": os.getpriority(os.PRIO_PROCESS, pid),
+                  "my_nice": os.getpriority(os.PRIO_PROCESS, 0),
+                  "net": os.readlink(f"/proc/{pid}/ns/net"), "mnt": os.readlink(f"/proc/{pid}/ns/mnt"),
+                  "held": [os.readlink(f"/proc/self/fd/{mnt}"), os.readlink(f"/proc/self/fd/{cnet}")],
+                  "my_net": os.readlink("/proc/self/ns/net"), "my_mnt": os.readlink("/proc/self/ns/mnt")}))
+os.kill(pid, 9)
+os.waitpid(pid, 0)
+"""
+
+
+def test_a_warm_criu_is_spawned_with_only_its_socket_and_the_helper_stays_where_it_was():
+    """``zygote.spawn_warm_criu`` in a helper-like process: the spawned command holds its
+    socket and /dev/null only (not an inheritable descriptor of the helper's), runs in its
+    own session at nice 0 in namespaces the helper made and left."""
+    import json
+
+    root = str(Path(zygote.__file__).parents[2])
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", _SPAWN, root], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    r = json.loads(out)
+    fds = {int(k): v for k, v in r["fds"].items()}
+    assert set(fds) == {0, 1, 2, zygote.PASSED_FD}, fds  # nothing of the helper's
+    assert {fds[0], fds[1], fds[2]} == {"/dev/null"} and fds[zygote.PASSED_FD].startswith("socket:")
+    assert r["sid"] == r["pid"] and r["nice"] == 0 and r["my_nice"] == -5
+    assert r["net"] != r["my_net"] and r["mnt"] != r["my_mnt"]  # the helper is back in its own
+    assert r["held"] == [r["mnt"], r["net"]]  # and holds the command's, for its placement
+    assert r["my_net"] == os.readlink("/proc/self/ns/net") and r["my_mnt"] == os.readlink("/proc/self/ns/mnt")
