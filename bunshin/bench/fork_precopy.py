@@ -49,6 +49,7 @@ def phases(out: dict[str, Any]) -> dict[str, float]:
         ph["longest_stop_ms"] = round(max(c["pause_ms"] for c in conv), 2)
     if wall:
         ph["precopy_wall_ms"] = round(wall, 2)
+        ph["precopy_cpu_boost"] = out.get("precopy", {}).get("cpu_boost", 1)
     ph["criu_dump_ms"] = out["dump_ms"]
     ph["criu_frozen_ms"] = out.get("criu", {}).get("frozen_ms", out["pause_ms"])
     ph["rewrite_ms"] = out["rewrite_ms"]

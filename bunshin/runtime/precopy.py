@@ -20,7 +20,8 @@ holds its link. The frozen copy of the upper skips ``/.bunshin/mem`` (each layer
 gets its own anew). A live file stays while its workspace exists or a layer
 links it (``sweep_keeps``). A process that cannot be converted exactly
 (``LiveUnavailable``: no trap, areas that change under the copy, ...) is left
-to CRIU as before, the reason recorded.
+to CRIU as before, the reason recorded. The host's threads doing it weigh
+``fork_boost.factor()`` times the default CPU weight meanwhile (``fork_boost``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from pathlib import Path
 from bunshin.config import Config
 from bunshin.errors import BunshinError, InvalidArgument
 
+from . import fork_boost
 from . import syscalls as sc
 from .memfile import SUFFIX, criu_images, live_bind, trapcode
 from .memfile.criu_images import referenced_memfiles
@@ -84,6 +86,7 @@ class Report:
     converted: list[Converted] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
     wall_ms: float = 0.0
+    cpu_boost: int = 1  # the host's threads' CPU weight meanwhile, times the default (``fork_boost``)
 
     @property
     def pause_ms(self) -> float:
@@ -134,7 +137,8 @@ def convert(cfg: Config, ws_id: str, root: Path, view: str, pids: list[int]) -> 
 
     ``root``: the workspace's merged root (its ``/.bunshin/mem`` holds the placeholders).
     """
-    min_bytes(cfg)  # a bad setting refused before anything is done
+    min_bytes(cfg)  # bad settings refused before anything is done
+    by = fork_boost.factor()
     t0 = time.perf_counter()
     report = Report()
     try:
@@ -146,8 +150,10 @@ def convert(cfg: Config, ws_id: str, root: Path, view: str, pids: list[int]) -> 
         return report
     try:
         pid_ns = os.readlink(f"/proc/{pids[0]}/ns/pid") if pids else ""
-        for pid in pids:
-            _one(cfg, ws_id, view, dir_fd, blob, pid, pid_ns, report)
+        with fork_boost.boosted(by) as boost:  # the copies, stops and remaps first (bounded)
+            report.cpu_boost = by if boost is not None else 1
+            for pid in pids:
+                _one(cfg, ws_id, view, dir_fd, blob, pid, pid_ns, report)
     except OSError as exc:
         report.skipped.append(Skipped(pids[0], f"the workspace's pid namespace cannot be told: {exc.strerror}"))
     finally:

@@ -549,3 +549,23 @@ def test_a_threshold_that_is_not_a_number_is_refused_before_anything_is_frozen(n
         assert not any(fam.cfg.paths.mem.glob("live-*"))
     finally:
         fam.close()
+
+
+def test_a_malformed_cpu_boost_is_refused_before_anything_is_frozen(live_family, monkeypatch) -> None:
+    from bunshin.errors import InvalidArgument
+    from bunshin.runtime import fork_boost
+
+    ws, hp, first = started(live_family)
+    monkeypatch.setenv(fork_boost.ENV, "much")
+    with pytest.raises(InvalidArgument) as e:
+        live_family.fork(ws, 1)
+    assert fork_boost.ENV in str(e.value) and "default weight" in (e.value.hint or "")
+    assert ask(ws) == first  # the workspace runs on, untouched
+    assert not any(live_family.cfg.paths.mem.glob("live-*"))
+    monkeypatch.setenv(fork_boost.ENV, "3")
+    (c1,) = live_family.fork(ws, 1)
+    snap = next(s for s in live_family.cfg.paths.snapshots.iterdir())
+    report = json.loads((snap / precopy.REPORT).read_text())
+    assert report["converted"] and report["cpu_boost"] == (3 if fork_boost.cpu_root() else 1)
+    assert ask(c1) == ask(ws)  # (one step on from first, each)
+    assert not any(p.name.startswith(fork_boost.PREFIX) for p in (fork_boost.cpu_root() or Path("/nonexistent")).glob("*"))
