@@ -219,6 +219,7 @@ def _popen_wait(argv: list[str], placement: Placement | None, out: IO[bytes], ti
         stdout=out,
         stderr=subprocess.STDOUT,
         close_fds=True,
+        env=criu_launch.env(),
         preexec_fn=placement.enter if placement else None,  # noqa: PLW1509 (syscalls only)
     )
     # A blocking wait with a timer that kills criu, not ``wait(timeout)``: that polls

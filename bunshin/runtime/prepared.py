@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import restore_boost
+from . import criu_launch, restore_boost
 from . import syscalls as sc
 
 ZYGOTE = Path(__file__).with_name("zygote.py")
@@ -72,7 +72,7 @@ class CriuLauncher:
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", str(ZYGOTE), str(theirs.fileno())], pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                start_new_session=True,
+                start_new_session=True, env=criu_launch.env(),  # what it runs is criu: its environment
             )
         finally:
             theirs.close()

@@ -54,3 +54,25 @@ def test_anything_else_is_run_as_given(tmp_path):
     assert criu_launch.argv(gone) == (str(gone),)
     assert criu_launch.argv(tmp_path / "missing") == (str(tmp_path / "missing"),)
     assert criu_launch.argv(Path("/bin/true")) == ("/bin/true",)
+
+
+def _seeds_gnutls(argv: tuple[str, ...], env: dict[str, str]) -> bool:
+    """Whether ``criu --version`` run with ``env`` initialised gnutls (its RNG seeds itself
+    with a blocking 32-byte ``getrandom``)."""
+    out = subprocess.run(["strace", "-f", "-e", "trace=getrandom", *argv, "--version"], capture_output=True,
+                         text=True, check=True, timeout=30, env=env).stderr
+    return any("getrandom(" in line and ", 32, 0)" in line for line in out.splitlines())
+
+
+@pytest.mark.criu
+def test_criu_runs_without_gnutls_initialising_itself(cfg):
+    import os
+    import shutil
+
+    if shutil.which("strace") is None:
+        pytest.skip("needs strace")
+    argv = criu_launch.argv(cfg.criu)
+    plain = {k: v for k, v in os.environ.items() if k not in criu_launch.ENV}
+    assert _seeds_gnutls(argv, plain)  # the control: gnutls's constructor runs by default
+    assert not _seeds_gnutls(argv, criu_launch.env())
+    assert _run(argv, "--version").startswith("Version:")

@@ -126,6 +126,7 @@ def test_an_idle_warm_criu_that_dies_is_replaced(counters, criu_bin, workdir):  
     pool = _wait_pool(zygote.CRIU_POOL)
     assert pool
     assert all(p.nice() == 0 for p in pool)  # not the helper's own nice value (``zygote.NICE``)
+    assert all(p.environ().get("GNUTLS_NO_IMPLICIT_INIT") == "1" for p in pool)  # criu_launch.env
     for p in pool:
         p.kill()
     r = criu.restore(criu_bin, images, pidfile=workdir / "b.pid", placement=_placement(workdir))
