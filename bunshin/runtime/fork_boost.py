@@ -85,13 +85,21 @@ def thread_cgroup(tid: int) -> str | None:
 
 
 class Boost:
-    """One boost: its cgroup, where its tasks go back to, and the end (``end``: once, idempotent)."""
+    """One boost: its cgroup, where its tasks go back to, and its end (``close``, or its budget's
+    timer: once, whichever is first)."""
 
     def __init__(self, root: Path, origin: Path, path: Path) -> None:
         self.root, self.origin, self.path = root, origin, path
         self._lock = threading.Lock()
         self.ended = False
         self.timed_out = False
+        self.timer: threading.Timer | None = None
+
+    def close(self) -> None:
+        """End it now (its budget's timer stopped)."""
+        if self.timer is not None:
+            self.timer.cancel()
+        self.end()
 
     def end(self, *, timed_out: bool = False) -> None:
         """Every task of the cgroup back to ``origin``, the cgroup removed (a task that just
@@ -133,16 +141,16 @@ def _sweep(root: Path) -> None:
                 os.rmdir(root / name)
 
 
-def start(by: int) -> Boost | None:
-    """Move the calling thread into a new boost cgroup weighing ``by`` times the default; None
-    where it was not (factor 1, no v1 CPU hierarchy, a write refused: it runs as it was)."""
+def start(by: int, budget_s: float = BUDGET_S) -> Boost | None:
+    """Move the calling thread into a new boost cgroup weighing ``by`` times the default, for at
+    most ``budget_s`` (``Boost.close`` ends it sooner); None where it was not (factor 1, no v1 CPU
+    hierarchy, a write refused: it runs as it was)."""
     root = cpu_root() if by > 1 else None
     tid = threading.get_native_id()
     own = thread_cgroup(tid) if root is not None else None
     if root is None or own is None:
         return None
     _sweep(root)
-    origin = root / own.lstrip("/")
     path = root / f"{PREFIX}{os.getpid()}.{tid}"
     with contextlib.suppress(OSError):
         os.rmdir(path)  # an empty one left by a process that had this pid (held: not empty, refused below)
@@ -150,12 +158,15 @@ def start(by: int) -> Boost | None:
         path.mkdir()
     except OSError:
         return None  # (this thread holds one already: it runs as it is)
-    boost = Boost(root, origin, path)
+    boost = Boost(root, root / own.lstrip("/"), path)
     try:
         (path / "cpu.shares").write_text(str(min(DEFAULT_SHARES * by, MAX_SHARES)))
+        boost.timer = threading.Timer(budget_s, lambda: boost.end(timed_out=True))
+        boost.timer.daemon = True
+        boost.timer.start()  # (before the move: its thread stays where it is)
         (path / "tasks").write_text(str(tid))
     except OSError:
-        boost.end()
+        boost.close()
         return None
     return boost
 
@@ -164,24 +175,9 @@ def start(by: int) -> Boost | None:
 def boosted(by: int | None = None, *, budget_s: float = BUDGET_S) -> Iterator[Boost | None]:
     """The calling thread (and what it starts) at ``by`` (default ``factor()``) times the
     default CPU weight inside the block, at most ``budget_s``; then as before, also on failure."""
-    by = factor() if by is None else by
-    holder: list[Boost] = []
-
-    def expire() -> None:
-        if holder:
-            holder[0].end(timed_out=True)
-
-    timer = threading.Timer(budget_s, expire)
-    timer.daemon = True
-    timer.start()  # (before the move: its thread stays where it is)
-    boost = start(by)
-    if boost is None:
-        timer.cancel()
-        yield None
-        return
-    holder.append(boost)
+    boost = start(factor() if by is None else by, budget_s)
     try:
         yield boost
     finally:
-        timer.cancel()
-        boost.end()
+        if boost is not None:
+            boost.close()

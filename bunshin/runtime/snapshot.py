@@ -56,6 +56,7 @@ from . import (
     container,
     criu,
     criu_dump_conf,
+    fork_boost,
     host_limits,
     joined_ns,
     memfile,
@@ -68,6 +69,7 @@ from . import (
 )
 from . import syscalls as sc
 from .agent_client import quiesced
+from .agent_trim import before_freeze as trim_agent
 from .cgroups import Layout, WorkspaceCgroup
 from .fork_checks import check as check_forkable
 from .idmap import share as share_view
@@ -211,6 +213,7 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
     )
     claim(snap_id)
     store.put_object(KIND, snap_id, snap.to_json())  # recorded first: a crash leaves it to gc
+    boost: fork_boost.Boost | None = None
     try:
         huge_memfiles = statefs.ensure(cfg)
         images.mkdir(parents=True)
@@ -236,6 +239,7 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
                     with upper_copy.frozen_copy(cfg, Path(rec.upper), layer, sdir, _memory_cgroup(rec),
                                                 early=early) as copy, \
                             quiesced(Path(rec.root).parent):  # no host call may hold a connection into it
+                        trim_agent(rec)  # its waiting threads end first: CRIU dumps each thread in the pause
                         extra = [*_COMMON, *DUMP_EXTERNAL, "--manage-cgroups=ignore", "--ghost-limit", str(ghost_limit)]
                         extra += mount_externals(rec.mounts, dump=True)
                         extra += precopy.dump_externals(rec.pid, MEM_VIEW)  # live files' binds (one copy, in paths.mem)
@@ -261,6 +265,8 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
             if refusal is None:
                 raise
             raise refusal from e
+        if live is not None and live.converted and live.cpu_boost > 1:  # after the dump (run at SCHED_FIFO: not in that cgroup)
+            boost = fork_boost.start(live.cpu_boost)  # the rest of a pre-copied fork weighed up too
         if not layer.is_dir():
             raise BunshinError(f"the upper layer of {rec.id} was not frozen", hint="see the dump log")
         if seen is not None:
@@ -299,6 +305,9 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
         finally:
             unclaim(snap_id)
         raise
+    finally:
+        if boost is not None:
+            boost.close()
 
 
 def _source_snapshot(store: Store, rec: WorkspaceRecord) -> SnapshotRecord | None:
