@@ -2,10 +2,10 @@
 
 Two ways to serve calls (``--calls``, ``jobs.CALLS``):
 
-- ``thread`` (the default): connections and jobs on the agent's pool threads (``pool``,
-  started before any snapshot). No fork on a call's path; in a clone every page a call
-  writes is the agent's (copied from the snapshot): ~0.8 MiB after a clone's first exec
-  and tool call on Python 3.12 (``immortal``), ~1.9 MiB on 3.11.
+- ``thread`` (the default): each connection and each job on a thread of its own that ends
+  with it (``pool``: no thread waits idle, so none is dumped). No fork on a call's path;
+  in a clone every page a call writes is the agent's (copied from the snapshot): ~0.8 MiB
+  after a clone's first exec and tool call on Python 3.12 (``immortal``), ~1.9 MiB on 3.11.
 - ``fork``: the long-lived agent only accepts; each connection is served by a worker
   forked for it (``bunshin-worker``), which answers its requests and ends with it (it
   runs a job it starts itself, ``jobs``). In a clone what a call writes is copied into
@@ -193,8 +193,8 @@ class AgentServer:
         self._sock: socket.socket | None = None
         answer: Callable[[dict[str, Any]], bytes] = lambda req: self._reply(encode(req)[:-1])  # noqa: E731
         self.jobs = Jobs(os.path.join(agent.helpers_dir, "jobs"), answer)
-        #: ``thread``: the threads that serve connections and run jobs, started in ``bind``
-        self.pool = Pool("call") if calls == "thread" else None
+        #: ``thread``: a thread per connection and per job, each ending with it
+        self.pool = Pool() if calls == "thread" else None
         self.thread_jobs = ThreadJobs(answer, self.pool) if self.pool is not None else None
 
     def bind(self) -> None:
@@ -213,8 +213,6 @@ class AgentServer:
                 os.close(dir_fd)
         sock.listen(128)
         self._sock = sock
-        if self.pool is not None:
-            self.pool.start()  # before the agent is snapshotted: a clone's calls start none
 
     def serve_forever(self) -> None:
         """Accept until ``close``, a worker forked per connection; a failing accept or fork
@@ -292,6 +290,20 @@ class AgentServer:
                 return  # could not start one (pids limit): the agent works, only less warm
             reply(request_line(Op.JOB_WAIT, {JOB_ID: job_id, JOB_WAIT: 10.0}).rstrip(b"\n"))
 
+    def trim(self) -> dict[str, int]:
+        """End the pool's waiting threads (before a fork: CRIU dumps every thread inside the
+        pause). ``threads``: the agent's threads once they, and the thread answering this
+        (a pool's), have ended; busy ones end with their call. ``fork`` has no pool (a
+        worker answers: the agent's own count)."""
+        try:
+            threads = len(os.listdir(f"/proc/{self.agent.pid}/task"))
+        except OSError:
+            threads = 1  # no /proc to count in: the host finds nothing to wait for either
+        if self.pool is None:
+            return {"threads": threads}
+        ending = self.pool.threads - self.pool.trim()  # the idle ones
+        return {"threads": max(1, threads - ending - 1)}
+
     def _serve_fd(self, fd: int) -> None:
         self._serve(socket.socket(fileno=fd))
 
@@ -368,6 +380,8 @@ class AgentServer:
                 return jobs.start(request)
             if op == Op.JOB_WAIT:
                 return jobs.wait(request)
+            if op == Op.TRIM:
+                return checked(op, self.trim())
             result = self.agent.handle(request)
         except AgentFailure as exc:
             return failure(exc)

@@ -74,6 +74,7 @@ class Op(StrEnum):
     PROCESSES = "processes"
     JOB_START = "job_start"
     JOB_WAIT = "job_wait"
+    TRIM = "trim"
 
 
 class ErrorCode(StrEnum):
@@ -145,6 +146,9 @@ SPEC: dict[Op, OpSpec] = {
     Op.JOB_START: _spec(JOB_REQUEST, JOB_ID),
     # The answer of a finished job is the inner op's answer.
     Op.JOB_WAIT: _spec(f"{JOB_ID} {JOB_WAIT}", JOB_RUNNING),
+    # Before a fork: the agent's waiting threads end (``pool.Pool.trim``); ``threads``: how
+    # many the agent has once they and the thread answering have ended.
+    Op.TRIM: _spec("", "threads"),
 }
 
 RESUMABLE_OPS = tuple(op for op, spec in SPEC.items() if spec.resumable)

@@ -562,6 +562,11 @@ class AgentClient:
             for s in self.call(Op.SESSION_LIST)["sessions"]
         ]
 
+    def trim(self) -> int:
+        """End the agent's waiting threads (before a fork's freeze: CRIU dumps every thread
+        inside the pause); how many threads the agent has once they have ended."""
+        return int(self.call(Op.TRIM)["threads"])
+
     def attach(
         self,
         kind: str = "bash",

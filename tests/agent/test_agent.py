@@ -806,5 +806,5 @@ def test_client_public_api() -> None:
     assert public == {
         "call", "ping", "wait_ready", "identify", "exec", "spawn", "kill", "processes",
         "read_file", "write_file", "list_dir", "stat", "remove", "session_open",
-        "session_run", "session_close", "session_list", "attach",
+        "session_run", "session_close", "session_list", "attach", "trim",
     }  # fmt: skip

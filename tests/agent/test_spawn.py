@@ -103,9 +103,19 @@ def test_flag_wait_set_and_timeout():
     assert woke == [True, True, True] and flag.is_set() and flag.wait(0)
 
 
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _until(predicate, seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.002)
+    return predicate()
+
+
 def test_pool_runs_calls_beyond_its_threads_and_survives_a_failing_one(capsys):
-    pool = Pool("test", prestart=1, keep=2)
-    pool.start()
+    pool = Pool(keep=2)
     gate, done = threading.Event(), []
 
     def work(i: int) -> None:
@@ -116,14 +126,43 @@ def test_pool_runs_calls_beyond_its_threads_and_survives_a_failing_one(capsys):
         raise RuntimeError("boom")
 
     pool.submit(fail)
-    for i in range(4):  # more than its threads, all blocked at once: it starts more
+    for i in range(4):  # more than it keeps, all blocked at once: it starts more
         pool.submit(work, i)
     gate.set()
-    deadline = time.monotonic() + 5
-    while len(done) < 4 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert sorted(done) == [0, 1, 2, 3]
+    assert _until(lambda: len(done) == 4) and sorted(done) == [0, 1, 2, 3]
     assert "boom" in capsys.readouterr().err
+    assert _until(lambda: pool.threads == 2)  # those past ``keep`` ended once idle
+    pool.trim()
+
+
+def test_trim_ends_the_idle_threads_now_and_a_busy_one_with_its_call():
+    pool = Pool()
+    before = _os_threads()
+    ran: list[int] = []
+    for i in range(3):
+        pool.submit(ran.append, i)
+    assert _until(lambda: len(ran) == 3)
+    assert _until(lambda: pool.threads >= 1)
+    started = pool.threads
+    gate, busy_done = threading.Event(), threading.Event()
+
+    def busy() -> None:
+        gate.wait(5)
+        busy_done.set()
+
+    pool.submit(busy)  # takes an idle thread (or a new one)
+    assert _until(lambda: pool.threads >= 1)
+    left = pool.trim()
+    assert left == 1  # the busy one
+    assert _until(lambda: pool.threads == 1) and _until(lambda: _os_threads() == before + 1)
+    gate.set()
+    assert busy_done.wait(5)
+    assert _until(lambda: pool.threads == 0) and _until(lambda: _os_threads() == before)  # it ended with its call
+    assert started >= 1
+    pool.submit(ran.append, 9)  # a call after the trim starts a thread, which waits again
+    assert _until(lambda: ran[-1:] == [9])
+    assert _until(lambda: pool.threads == 1) and not _until(lambda: pool.threads == 0, 0.1)
+    assert pool.trim() == 0 and _until(lambda: pool.threads == 0) and _until(lambda: _os_threads() == before)
 
 
 @pytest.mark.parametrize(("window", "end", "digits", "found"), [

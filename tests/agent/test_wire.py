@@ -83,7 +83,7 @@ def test_the_agent_cannot_raise_a_code_the_wire_does_not_know() -> None:
 
 def test_the_agent_serves_exactly_the_wire_ops(tmp_path: Path) -> None:
     agent = Agent(str(tmp_path / "run"))
-    assert set(agent.handlers) | {Op.JOB_START, Op.JOB_WAIT} == set(Op) == set(SPEC)
+    assert set(agent.handlers) | {Op.JOB_START, Op.JOB_WAIT, Op.TRIM} == set(Op) == set(SPEC)
     for op in Op:
         assert protocol.parse_request(wire.request_line(op, {})[:-1])[wire.OP] == op
     with pytest.raises(protocol.AgentFailure) as info:
@@ -120,6 +120,7 @@ def test_the_client_speaks_every_op_and_only_declared_arguments(
     client.session_list()
     client.session_close(sid)
     client.attach().close()
+    client.trim()
 
     requests = sent + [r[wire.JOB_REQUEST] for r in sent if wire.JOB_REQUEST in r]
     assert {r[wire.OP] for r in requests} == set(Op)
