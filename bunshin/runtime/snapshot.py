@@ -69,6 +69,7 @@ from . import (
 )
 from . import syscalls as sc
 from .agent_client import quiesced
+from .agent_trim import before_freeze as trim_agent
 from .cgroups import Layout, WorkspaceCgroup
 from .fork_checks import check as check_forkable
 from .idmap import share as share_view
@@ -238,6 +239,7 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
                     with upper_copy.frozen_copy(cfg, Path(rec.upper), layer, sdir, _memory_cgroup(rec),
                                                 early=early) as copy, \
                             quiesced(Path(rec.root).parent):  # no host call may hold a connection into it
+                        trim_agent(rec)  # its waiting threads end first: CRIU dumps each thread in the pause
                         extra = [*_COMMON, *DUMP_EXTERNAL, "--manage-cgroups=ignore", "--ghost-limit", str(ghost_limit)]
                         extra += mount_externals(rec.mounts, dump=True)
                         extra += precopy.dump_externals(rec.pid, MEM_VIEW)  # live files' binds (one copy, in paths.mem)
