@@ -20,10 +20,19 @@ keeps their logs, splits each, and reports the p50 and p90 of every phase, of
 ``outside``, and of bunshin's steps around criu (``restore_steps_ms``), with the
 clones already alive counted (``--json``: ``r["phases_ms_p50"][name]``,
 ``r["restore_ms_p50"]``, ``r["batches"]``: the same per batch, to see growth).
+
+``cpu_ms_per_clone``: where a clone's CPU went, per batch and over the run (``cpu_split``):
+``bunshin``, this process's threads (the restore threads, the launcher's reader);
+``helper``, the criu launcher's helper (``zygote.py``: the warm criu's namespaces, its
+spawn and placement); ``clones``, the clones' own cgroups right after the batch (criu from
+its placement on, the tasks it forks, their first moments). Not in any of them: each warm
+criu's CPU before its placement (exec, loading, start: ~2.5-3 ms, in the helper's cgroup).
+The logs are kept at ``-v4`` here, which costs criu more than a plain restore's ``-v2``.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -33,7 +42,9 @@ from typing import Any
 from .. import console as output
 from ..config import Config
 from ..errors import InvalidArgument
+from ..runtime import prepared
 from ..runtime import snapshot as rsnap
+from ..runtime.cgroups import WorkspaceCgroup
 from ..runtime.store import Store
 from ..workspace import Workspace
 from ..workspace.batch import remove_all
@@ -79,6 +90,39 @@ def parse(log: str) -> RestorePhases | None:
     return None
 
 
+@dataclass(frozen=True)
+class CpuMark:
+    """CPU time used so far (seconds): this process's threads, the criu helper's."""
+
+    bunshin: float
+    helper: float
+
+
+def _helper_seconds() -> float:
+    """The criu launcher's helper's CPU time so far (its own, not its children's); 0 without one."""
+    lch = prepared.launcher()
+    if lch is None:
+        return 0.0
+    try:
+        with open(f"/proc/{lch.pid}/schedstat") as f:  # nanoseconds on CPU
+            return int(f.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def cpu_mark() -> CpuMark:
+    t = os.times()
+    return CpuMark(t.user + t.system, _helper_seconds())
+
+
+def cpu_split(before: CpuMark, after: CpuMark, clones_s: float, n: int) -> dict[str, float]:
+    """ms of CPU per clone of a batch of ``n``: this process, the helper, the clones' cgroups, and their sum."""
+    parts = {"bunshin": after.bunshin - before.bunshin, "helper": after.helper - before.helper, "clones": clones_s}
+    out = {k: round(v * 1000 / max(n, 1), 2) for k, v in parts.items()}
+    out["total"] = round(sum(parts.values()) * 1000 / max(n, 1), 2)
+    return out
+
+
 def _stats(values: list[float]) -> dict[str, float]:
     return {"p50": round(percentile(values, 50), 2), "p90": round(percentile(values, 90), 2)} if values else {}
 
@@ -105,6 +149,7 @@ def run(cfg: Config, *, clones: int = 64, heap_mib: int = 64) -> dict[str, Any]:
     made: list[Workspace] = []
     batches: list[dict[str, Any]] = []
     rows: list[dict[str, Any]] = []
+    cpu: list[tuple[dict[str, float], int]] = []
     try:
         time.sleep(1.0)  # the parent's tool call settled
         snap = parent.snapshot()
@@ -112,11 +157,15 @@ def run(cfg: Config, *, clones: int = 64, heap_mib: int = 64) -> dict[str, Any]:
             while len(made) < clones:
                 alive = len(made)
                 with Store.open(cfg.db_path) as store:
+                    mark = cpu_mark()
                     recs = rsnap.restore(cfg, store, snap.record, min(BATCH, clones - alive), keep_logs=True)
+                    end = cpu_mark()
                 made += [Workspace(cfg, r) for r in recs]
+                split = cpu_split(mark, end, sum(WorkspaceCgroup.of_record(r).cpu_seconds() for r in recs), len(recs))
+                cpu.append((split, len(recs)))
                 batch = [_row(r.extra) for r in recs]
                 rows += batch
-                batches.append({"alive_before": alive, **_summary(batch)})
+                batches.append({"alive_before": alive, **_summary(batch), "cpu_ms_per_clone": split})
         finally:
             remove_all(made)
             snap.remove()
@@ -129,6 +178,8 @@ def run(cfg: Config, *, clones: int = 64, heap_mib: int = 64) -> dict[str, Any]:
         "phases_ms_p50": {k: v.get("p50") for k, v in s["phases_ms"].items()},
         "outside_ms_p50": s["outside_ms"].get("p50"),
         "steps_ms_p50": {k: v.get("p50") for k, v in s["steps_ms"].items()},
+        "cpu_ms_per_clone": {k: round(sum(c[k] * n for c, n in cpu) / max(sum(n for _, n in cpu), 1), 2)
+                             for k in ("bunshin", "helper", "clones", "total")},
         "all": s, "batches": batches,
         "wall_s": round(time.monotonic() - started, 1),
     }
@@ -155,3 +206,5 @@ def print_report(r: dict[str, Any]) -> None:
     output.print_table("by batch: criu run p50 as clones accumulate", ["alive before", "p50", "p90"],
                        [(b["alive_before"], b["restore_ms"].get("p50"), b["restore_ms"].get("p90"))
                         for b in r["batches"]])
+    output.print_table("CPU per clone, ms (the warm criu's start before its placement not counted)",
+                       ["bunshin", "helper", "clones' cgroups", "total"], [tuple(r["cpu_ms_per_clone"].values())])

@@ -80,6 +80,11 @@ class CriuLauncher:
         return cls(proc, mine)
 
     @property
+    def pid(self) -> int:
+        """The helper's pid."""
+        return self._proc.pid
+
+    @property
     def alive(self) -> bool:
         return not self._dead and self._proc.poll() is None
 

@@ -43,3 +43,12 @@ def test_a_tiny_run_splits_every_real_restore_and_leaves_no_log(no_leaks):
     assert s["log_span_ms"]["p50"] <= s["restore_ms"]["p50"] and r["outside_ms_p50"] > 0
     assert set(r["steps_ms_p50"]) == {"prepare", "criu_call", "after"}
     assert [b["alive_before"] for b in r["batches"]] == [0]
+    cpu = r["cpu_ms_per_clone"]
+    assert set(cpu) == {"bunshin", "helper", "clones", "total"} and cpu == r["batches"][0]["cpu_ms_per_clone"]
+    assert cpu["bunshin"] > 0 and cpu["helper"] > 0 and cpu["clones"] > 0  # each part measured
+    assert cpu["total"] == pytest.approx(cpu["bunshin"] + cpu["helper"] + cpu["clones"], abs=0.02)
+
+
+def test_the_cpu_split_is_per_clone_and_adds_up():
+    split = restore_phases.cpu_split(restore_phases.CpuMark(1.0, 2.0), restore_phases.CpuMark(1.012, 2.004), 0.064, 4)
+    assert split == {"bunshin": 3.0, "helper": 1.0, "clones": 16.0, "total": 20.0}
