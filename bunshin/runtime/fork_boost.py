@@ -8,7 +8,7 @@ as much as the whole bunshin process: the copying threads' own nice (``vmcopy.NI
 only counts against threads of the same session. Measured beside two busy loops in
 sessions of their own, 4 GiB: usable 6.3 s, of it 4.6 s the first pre-copy pass and 7.9 s
 of run-queue wait summed over the threads, against 2.3 s with the process in a CPU cgroup
-weighing 8 times the default (see the README's *The first fork beside other work*).
+weighing 8 times the default (the README's *Beside other work*).
 
 ``boosted`` moves the calling thread into a CPU cgroup of its own at the hierarchy's top
 (``fork-boost.bunshin.<pid>.<tid>``, cgroup v1 ``cpu.shares`` = ``factor`` x 1024); threads and
