@@ -10,9 +10,11 @@ sessions of their own, 4 GiB: usable 6.3 s, of it 4.6 s the first pre-copy pass 
 of run-queue wait summed over the threads, against 2.3 s with the process in a CPU cgroup
 weighing 8 times the default (the README's *Beside other work*).
 
-``boosted`` moves the calling thread into a CPU cgroup of its own at the hierarchy's top
-(``fork-boost.bunshin.<pid>.<tid>``, cgroup v1 ``cpu.shares`` = ``factor`` x 1024); threads and
-processes it starts meanwhile inherit it. On leaving, or after ``BUDGET_S`` whichever is
+``boosted`` moves the calling thread into a CPU cgroup of its own, a child of the thread's
+own v1 CPU cgroup (``fork-boost.bunshin.<pid>.<tid>``, ``cpu.shares`` = ``factor`` x 1024);
+threads and processes it starts meanwhile inherit it. Here bunshin runs at the hierarchy's
+top, so it weighs against every session and workspace; run in a service's cgroup it weighs
+only against its siblings there, and the service's own limits still hold. On leaving, or after ``BUDGET_S`` whichever is
 first, every task in it goes back to the thread's own cgroup (where the kernel's autogroup
 applies again) and the cgroup is removed. A machine-wide choice: for those seconds the
 fork's host threads weigh ``factor`` sessions. Nothing of the workspace is ever in it (its
@@ -150,15 +152,16 @@ def start(by: int, budget_s: float = BUDGET_S) -> Boost | None:
     own = thread_cgroup(tid) if root is not None else None
     if root is None or own is None:
         return None
-    _sweep(root)
-    path = root / f"{PREFIX}{os.getpid()}.{tid}"
+    origin = root / own.lstrip("/")
+    _sweep(origin)
+    path = origin / f"{PREFIX}{os.getpid()}.{tid}"  # beneath its own: whatever bounds the host set there still hold
     with contextlib.suppress(OSError):
         os.rmdir(path)  # an empty one left by a process that had this pid (held: not empty, refused below)
     try:
         path.mkdir()
     except OSError:
         return None  # (this thread holds one already: it runs as it is)
-    boost = Boost(root, root / own.lstrip("/"), path)
+    boost = Boost(root, origin, path)
     try:
         (path / "cpu.shares").write_text(str(min(DEFAULT_SHARES * by, MAX_SHARES)))
         boost.timer = threading.Timer(budget_s, lambda: boost.end(timed_out=True))
