@@ -73,6 +73,7 @@ class Converted:
     publish_ms: float = 0.0  # binding the file into its mount namespace (running)
     rounds: list[int] = field(default_factory=list)  # bytes written meanwhile, per later pre-copy pass
     pass_ms: list[float] = field(default_factory=list)  # each pre-copy pass (the first copies everything)
+    cut_short: str = ""  # why its later pieces were left to the dump (e.g. the tmpfs was full)
 
 
 @dataclass(frozen=True)
@@ -256,7 +257,7 @@ def _convert_one(cfg: Config, name: str, view: str, dir_fd: int, blob: trapcode.
         pid, str(cfg.paths.mem / name), res.precopy_bytes + res.dirty_bytes, round(res.precopy_ms, 2),
         round(res.pause_ms, 2), round(res.stopped_ms, 2), res.stops, round(res.stop_ms, 2), round(res.dirty_ms, 2),
         round(res.remap_ms, 2), res.dirty_bytes, 0.0, round(res.trap_ms, 2), round(res.map_ms, 2),
-        round(res.publish_ms, 2), list(res.rounds), [round(t, 2) for t in res.pass_ms]))
+        round(res.publish_ms, 2), list(res.rounds), [round(t, 2) for t in res.pass_ms], res.cut_short))
 
 
 def _placeholder(dir_fd: int, name: str) -> None:

@@ -223,6 +223,7 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
             if precopy.wanted(cfg, tree):  # (a process started since is left to the dump)
                 live = precopy.convert(cfg, rec.id, Path(rec.root), MEM_VIEW, tree)
                 live.save(sdir)
+                _check_space(cfg, rec, tree)  # what is left to the dump must still fit (a tmpfs filled meanwhile)
         # Tasks are frozen with ptrace, not the v1 freezer cgroup: CRIU polls the
         # freezer every 100 ms, which adds ~100 ms to every parent pause. Cgroups
         # are not dumped either: a restore runs criu inside the clone's own.

@@ -107,6 +107,7 @@ class LiveResult:
     rounds: list[int] = field(default_factory=list)  # bytes written meanwhile, per later round (all pieces)
     pass_ms: list[float] = field(default_factory=list)  # per round, all pieces (the first: everything)
     left: list[tuple[int, int]] = field(default_factory=list)  # pieces changed before their turn: anonymous still
+    cut_short: str = ""  # why the pieces after the first that failed were left anonymous (e.g. a full tmpfs)
 
 
 def alive_or_refuse(pidfd: int, pid: int) -> None:
@@ -281,54 +282,58 @@ def _run(pid: int, tracker: Tracker, slots: Slots, dst: int, view: str,
         immutable, seen_as, publish = how
         setup = None
         for k, (a, lo, hi) in enumerate(pieces):
-            tp = time.perf_counter()
-            if not _precopy_piece(pid, pidfd, mem, dst, tracker, (a, lo, hi), rounds, result):
-                if k == 0:
-                    raise LiveUnavailable(f"area {a.start:#x}-{a.end:#x} changed during the pre-copy")
-                result.left.append((lo, hi))  # changed since (unmapped, moved): not ours to map any more
-                result.precopy_ms += (time.perf_counter() - tp) * 1000
-                continue
-            result.precopy_ms += (time.perf_counter() - tp) * 1000
-            if k == 0 and publish is not None:
-                t1 = time.perf_counter()
-                publish()
-                result.publish_ms = (time.perf_counter() - t1) * 1000
-            t1 = time.perf_counter()
-            with Stopped(pid, pidfd=pidfd) as s:
-                t2 = time.perf_counter()
-                result.stop_ms += (t2 - t1) * 1000
-                if k == 0:  # nothing changes unless every area is as planned
-                    for b in planned:
-                        if tracker.written(tracked[b], protect=False) is None or _area_prot(pid, b.start, b.end) != b.prot:
-                            raise LiveUnavailable(f"area {b.start:#x}-{b.end:#x} changed during the pre-copy")
-                runs = tracker.written(Area(lo, hi))
-                if runs is None or _area_prot_within(pid, lo, hi) != a.prot:
+            try:
+                tp = time.perf_counter()
+                if not _precopy_piece(pid, pidfd, mem, dst, tracker, (a, lo, hi), rounds, result):
+                    if k == 0:
+                        raise LiveUnavailable(f"area {a.start:#x}-{a.end:#x} changed during the pre-copy")
                     result.left.append((lo, hi))  # changed since (unmapped, moved): not ours to map any more
-                    result.stopped_ms += (time.perf_counter() - t1) * 1000
+                    result.precopy_ms += (time.perf_counter() - tp) * 1000
                     continue
-                result.dirty_bytes += _copy(mem, dst, LiveArea(lo, hi, a.prot, a.offset + lo - a.start), runs,
-                                            fresh=False)
-                t3 = time.perf_counter()
-                result.dirty_ms += (t3 - t2) * 1000
-                if k == 0 and trap is not None:
-                    setup = live_trap.plan(pid, trap, str(Path(view).parent), [(b.start, b.end) for b in planned])
-                    setup.offset = slots.place(setup.base, setup.size)
-                    os.ftruncate(dst, slots.cursor)
-                if k == 0:
-                    os.fchmod(dst, 0o444)  # (the host's descriptor still writes: later pieces' pages)
-                    _map_piece(s, pid, dst, view, seen_as, setup, (a, lo, hi), False, result)
-                else:
-                    try:
+                result.precopy_ms += (time.perf_counter() - tp) * 1000
+                if k == 0 and publish is not None:
+                    t1 = time.perf_counter()
+                    publish()
+                    result.publish_ms = (time.perf_counter() - t1) * 1000
+                t1 = time.perf_counter()
+                with Stopped(pid, pidfd=pidfd) as s:
+                    t2 = time.perf_counter()
+                    result.stop_ms += (t2 - t1) * 1000
+                    if k == 0:  # nothing changes unless every area is as planned
+                        for b in planned:
+                            if tracker.written(tracked[b], protect=False) is None or _area_prot(pid, b.start, b.end) != b.prot:
+                                raise LiveUnavailable(f"area {b.start:#x}-{b.end:#x} changed during the pre-copy")
+                    runs = tracker.written(Area(lo, hi))
+                    if runs is None or _area_prot_within(pid, lo, hi) != a.prot:
+                        result.left.append((lo, hi))  # changed since (unmapped, moved): not ours to map any more
+                        result.stopped_ms += (time.perf_counter() - t1) * 1000
+                        continue
+                    result.dirty_bytes += _copy(mem, dst, LiveArea(lo, hi, a.prot, a.offset + lo - a.start), runs,
+                                                fresh=False)
+                    t3 = time.perf_counter()
+                    result.dirty_ms += (t3 - t2) * 1000
+                    if k == 0 and trap is not None:
+                        setup = live_trap.plan(pid, trap, str(Path(view).parent), [(b.start, b.end) for b in planned])
+                        setup.offset = slots.place(setup.base, setup.size)
+                        os.ftruncate(dst, slots.cursor)
+                    if k == 0:
+                        os.fchmod(dst, 0o444)  # (the host's descriptor still writes: later pieces' pages)
+                        _map_piece(s, pid, dst, view, seen_as, setup, (a, lo, hi), False, result)
+                    else:
                         _map_piece(s, pid, dst, view, seen_as, None, (a, lo, hi), True, result)
-                    except (InjectionFailed, LiveUnavailable, OSError):
-                        # the pieces mapped already are exact (trap and file); the rest stays anonymous
-                        result.left += [(lo2, hi2) for _, lo2, hi2 in pieces[k:]]
-                        break
-                result.remap_ms += (time.perf_counter() - t3) * 1000
-            stopped = (time.perf_counter() - t1) * 1000
-            result.pause_ms = max(result.pause_ms, stopped)
-            result.stopped_ms += stopped
-            result.stops += 1
+                    result.remap_ms += (time.perf_counter() - t3) * 1000
+                stopped = (time.perf_counter() - t1) * 1000
+                result.pause_ms = max(result.pause_ms, stopped)
+                result.stopped_ms += stopped
+                result.stops += 1
+            except (TrackingUnavailable, InjectionFailed, LiveUnavailable, OSError) as exc:
+                if k == 0:
+                    raise
+                # a later piece failed (its copy found the tmpfs full, its remap was refused): the
+                # pieces mapped already are exact (trap and file), this one and the rest stay anonymous
+                result.left += [(lo2, hi2) for _, lo2, hi2 in pieces[k:]]
+                result.cut_short = str(exc) or type(exc).__name__
+                break
         if immutable:
             seal(dst)
     finally:
