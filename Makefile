@@ -18,7 +18,7 @@ install:
 	@bash $(ROOT)/scripts/install.sh
 
 test: install check
-	cd $(ROOT) && $(VENV)/bin/python -m pytest -q -rs $(PYTEST_ARGS)
+	cd $(ROOT) && $(VENV)/bin/python -m pytest -q -rs --durations=15 $(PYTEST_ARGS)
 
 demo: install
 	cd $(ROOT) && $(VENV)/bin/bunshin demo
