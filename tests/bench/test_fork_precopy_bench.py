@@ -6,6 +6,7 @@ import pytest
 
 from bunshin.bench import fork_precopy
 from bunshin.errors import InvalidArgument
+from bunshin.runtime import fork_boost
 
 pytestmark = [pytest.mark.integration, pytest.mark.criu]
 
@@ -20,6 +21,8 @@ def test_tiny_side_by_side_run(no_leaks) -> None:
     c = heap[0]
     assert 0 < c["pause_ms"] <= c["stopped_ms"] and c["stops"] >= 1 and c["precopy_ms"] > 0
     assert on["first_fork"]["criu_pause_ms"] > 0
+    # the host's threads' CPU weight meanwhile, as the report says
+    assert on["first_fork"]["phases"]["precopy_cpu_boost"] == (fork_boost.factor() if fork_boost.cpu_root() else 1)
     assert on["first_fork"]["pause_ms"] == pytest.approx(on["first_fork"]["criu_pause_ms"] + live["pause_ms"], abs=0.05)
     # the dump after it holds what the other processes own and what the heap wrote since: not the heap
     assert on["first_fork"]["criu"]["pages_written"] * 4096 < (48 << 20) < off["first_fork"]["criu"]["pages_written"] * 4096
