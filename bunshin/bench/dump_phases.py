@@ -23,7 +23,10 @@ markers cost ~2 ms of writes), alternated, and reports both pauses (CRIU's
 the tail, each dump at the configured level also gives the pages CRIU wrote
 (``pages``, its stats) and how long the dumped tasks' threads waited for a CPU while it
 ran (``tasks_wait_ms``: their schedstat run-queue wait, before and after the dump; they
-are idle but for CRIU's parasite, so nearly all of it falls inside the pause).
+are idle but for CRIU's parasite, so nearly all of it falls inside the pause); each ``-v4``
+dump the threads CRIU seized besides each process's main one (``threads``, at most
+``r["threads_max"]``: each is dumped inside the pause; the agent's waiting ones end before
+the freeze, ``runtime/agent_trim``).
 """
 
 from __future__ import annotations
@@ -58,18 +61,21 @@ MARKERS = (
 )
 PHASES = tuple(name for name, _ in MARKERS)
 _END = re.compile(r"Unfreezing tasks")
+_THREAD = re.compile(r"Seizing \d+'s \d+ thread")  # a thread besides its process's main one
 
 
 @dataclass(frozen=True)
 class DumpPhases:
     frozen_ms: float  # from the freeze to the thaw, as the log tells it
     phases_ms: dict[str, float]  # every name of PHASES, summed over the tasks
+    threads: int = 0  # threads CRIU seized besides each process's main one
 
 
 def parse(log: str) -> DumpPhases | None:
     """The pause of one dump per phase; None for a log without a freeze and a thaw."""
     spent = dict.fromkeys(PHASES, 0.0)
     start = phase = last = None
+    threads = 0
     for line in log.splitlines():
         m = _TS.match(line)
         if not m:
@@ -78,7 +84,8 @@ def parse(log: str) -> DumpPhases | None:
         if start is not None and _END.search(line):
             assert phase is not None and last is not None
             spent[phase] += t - last
-            return DumpPhases(round(t - start, 3), {k: round(v, 3) for k, v in spent.items()})
+            return DumpPhases(round(t - start, 3), {k: round(v, 3) for k, v in spent.items()}, threads)
+        threads += bool(_THREAD.search(line))
         for name, pattern in MARKERS:
             if not pattern.search(line) or (start is None and name != "seize") or name == phase:
                 continue
@@ -207,6 +214,7 @@ def run(cfg: Config, *, forks: int = 8) -> dict[str, Any]:
         "traced_pause_ms_p90": _p90([r["traced_pause_ms"] for r in rounds]),
         "phases_ms_p50": {k: _p50([p[k] for p in split_rounds]) for k in PHASES} if split_rounds else {},
         "phases_ms_max": {k: max(p[k] for p in split_rounds) for k in PHASES} if split_rounds else {},
+        "threads_max": max((r["threads"] for r in rounds if r.get("threads") is not None), default=None),
         "goal_ms": GOAL_MS,
         "load_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],  # at the start and the end
         "rounds": rounds,
@@ -231,7 +239,7 @@ def _round(fork: Workspace, traced: Workspace, *, traced_first: bool) -> dict[st
             else:
                 split = of_snapshot(snap)
                 out.update(traced_pause_ms=snap.record.pause_ms, frozen_ms_in_log=split.frozen_ms if split else None,
-                           phases_ms=split.phases_ms if split else None)
+                           phases_ms=split.phases_ms if split else None, threads=split.threads if split else None)
         finally:
             snap.remove()
     return out
@@ -242,6 +250,7 @@ def print_report(r: dict[str, Any]) -> None:
             ("  of it, the dumped tasks waiting for a CPU", r["tasks_wait_ms_p50"], r["tasks_wait_ms_p90"], None),
             (f"pause at -v{TRACE_LEVEL}, split below", r["traced_pause_ms_p50"], r["traced_pause_ms_p90"], None)]
     rows += [(name, r["phases_ms_p50"].get(name), None, r["phases_ms_max"].get(name)) for name in PHASES]
+    rows.append(("threads seized besides each process's main one (count)", None, None, r.get("threads_max")))
     load = "-".join(str(x) for x in r["load_1m"])
     output.print_table(f"forks of a running fork: parent pause per phase, ms ({r['forks']} forks at load {load}; "
                        "goal <= 10 ms)",

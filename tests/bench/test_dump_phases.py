@@ -35,6 +35,7 @@ def test_a_log_is_split_per_phase_summed_over_tasks():
             "tree": 0.1 + 1.7, "post_dump": 3.0}
     assert split.phases_ms == pytest.approx(want)
     assert sum(split.phases_ms.values()) == pytest.approx(split.frozen_ms)
+    assert split.threads == 1  # 12756's 12759
 
 
 def test_p90_of_one_or_more_values():
@@ -67,6 +68,8 @@ def test_delta_dumps_are_split_and_add_up_to_the_pause(no_leaks):
         assert rnd["pause_ms"] > 0  # the other dump of the round, at the configured log level
         # a delta: CRIU wrote what the fork changed since its restore (a few hundred pages), not its memory
         assert 0 < rnd["pages"] < 4096 and rnd["tasks_wait_ms"] >= 0
+        # the agent's reaper and the session's pty reader: its waiting pool threads ended before the freeze
+        assert rnd["threads"] == 2
     assert r["log_level"] == no_leaks.dump_log_level
 
 
