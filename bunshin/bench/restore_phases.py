@@ -32,7 +32,6 @@ The logs are kept at ``-v4`` here, which costs criu more than a plain restore's 
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from dataclasses import dataclass
@@ -111,8 +110,7 @@ def _helper_seconds() -> float:
 
 
 def cpu_mark() -> CpuMark:
-    t = os.times()
-    return CpuMark(t.user + t.system, _helper_seconds())
+    return CpuMark(time.process_time(), _helper_seconds())  # all threads, exited ones too; not tick-rounded
 
 
 def cpu_split(before: CpuMark, after: CpuMark, clones_s: float, n: int) -> dict[str, float]:
