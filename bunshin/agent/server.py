@@ -2,8 +2,8 @@
 
 Two ways to serve calls (``--calls``, ``jobs.CALLS``):
 
-- ``thread`` (the default): each connection and each job on a thread of its own that ends
-  with it (``pool``: no thread waits idle, so none is dumped). No fork on a call's path;
+- ``thread`` (the default): connections and jobs on the pool's threads, which wait between
+  calls and end before a fork (``pool``, ``trim``: none is dumped). No fork on a call's path;
   in a clone every page a call writes is the agent's (copied from the snapshot): ~0.8 MiB
   after a clone's first exec and tool call on Python 3.12 (``immortal``), ~1.9 MiB on 3.11.
 - ``fork``: the long-lived agent only accepts; each connection is served by a worker
@@ -193,7 +193,7 @@ class AgentServer:
         self._sock: socket.socket | None = None
         answer: Callable[[dict[str, Any]], bytes] = lambda req: self._reply(encode(req)[:-1])  # noqa: E731
         self.jobs = Jobs(os.path.join(agent.helpers_dir, "jobs"), answer)
-        #: ``thread``: a thread per connection and per job, each ending with it
+        #: ``thread``: the threads that serve connections and run jobs (started by the calls)
         self.pool = Pool() if calls == "thread" else None
         self.thread_jobs = ThreadJobs(answer, self.pool) if self.pool is not None else None
 
