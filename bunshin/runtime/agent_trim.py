@@ -2,8 +2,8 @@
 
 CRIU seizes every thread of the dumped tree inside the pause and dumps each one
 (registers, signal mask, cgroups: a round trip to its parasite); the agent's pool threads
-waiting for calls were 3 of its 6 (``bench delta-pause`` at load 3-8: p50 7.42 -> 6.81 ms,
-p90 11.55 -> 9.83 ms, 160 dumps each). ``before_freeze``
+waiting for calls were 3 of its 6 (``bench delta-pause`` at load 3-8: p50 7.32 -> 6.78 ms,
+p90 11.09 -> 9.85 ms, 240 dumps each). ``before_freeze``
 asks the agent to end them (``trim``: the thread answering ends too, once the host has
 hung up) and waits, at most ``WAIT_S``, until ``/proc`` shows they are gone. The parent and
 its clones start threads again at their next calls.
