@@ -162,7 +162,7 @@ def test_a_boost_cgroup_a_dead_process_left_is_swept(cpu_root):
 def test_the_boost_cgroup_is_a_child_of_the_threads_own_so_the_hosts_bounds_on_it_hold(cpu_root):
     """Run from a service's cgroup (made here, with a CPU quota), the boost sits beneath it:
     the quota still bounds the boosted threads, and they go back into it after."""
-    service = cpu_root / f"bunshin-test-fork-boost-{os.getpid()}"
+    service = cpu_root / f"test-service.bunshin.{os.getpid()}"  # (not a workspace's prefix: no gc takes it)
     service.mkdir()
     try:
         (service / "cpu.cfs_quota_us").write_text("50000")
@@ -179,8 +179,9 @@ def test_the_boost_cgroup_is_a_child_of_the_threads_own_so_the_hosts_bounds_on_i
                 (cpu_root / "tasks").write_text(str(tid))
 
         (parent, own_inside), after = _in_thread(body)
-        assert parent == service and own_inside is not None and own_inside.startswith(f"/{service.name}/")
-        assert after == f"/{service.name}"
+        seen = (parent, own_inside, after)
+        assert parent == service and own_inside is not None and own_inside.startswith(f"/{service.name}/"), seen
+        assert after == f"/{service.name}", seen
         assert [p.name for p in service.iterdir() if p.is_dir()] == []  # removed after
     finally:
         service.rmdir()
