@@ -26,7 +26,7 @@ from .records import WorkspaceRecord
 
 #: Longest the host waits for the agent's answer, then for its threads to be gone.
 TIMEOUT_S = 0.5
-WAIT_S = 0.05
+WAIT_S = 0.2  # normally < 1 ms; a loaded machine may take a while to run the threads to their end
 
 
 def _threads(pid: int) -> int:
