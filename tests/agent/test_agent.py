@@ -808,3 +808,23 @@ def test_client_public_api() -> None:
         "read_file", "write_file", "list_dir", "stat", "remove", "session_open",
         "session_run", "session_close", "session_list", "attach", "trim",
     }  # fmt: skip
+
+
+def test_trim_ends_the_waiting_threads_and_the_next_calls_start_them_again(fresh_agent, calls: str) -> None:
+    client = fresh_agent.client
+    client.exec(["true"])  # its connection and job ran on threads of the pool (thread) or in a worker (fork)
+    time.sleep(0.2)  # their threads back to waiting (one still busy ending its call would be counted as staying)
+    tasks = f"/proc/{fresh_agent.agent_pid}/task"
+    before = len(os.listdir(tasks))
+    left = client.trim()
+    deadline = time.monotonic() + 5
+    while len(os.listdir(tasks)) > left and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert len(os.listdir(tasks)) <= left
+    if calls == "thread":
+        assert left < before  # the pool's waiting threads (and the one that answered) ended
+    else:
+        assert left == before  # a forked worker answered: the agent has no pool
+    assert client.exec(["echo", "again"]).stdout == "again\n"
+    time.sleep(0.2)
+    assert client.trim() == left  # the threads that call started end again
