@@ -35,15 +35,15 @@ criu's start: ~3-4 ms). For a request marked ``rpc`` (``prepared.start_rpc``) th
 keeps ``CRIU_POOL`` ``criu swrk`` processes exec'd ahead (for the argv of the first such
 request), each in a fresh network namespace, a copy of the small mount namespace and a
 new session keyring, waiting on an RPC socket; the helper makes those itself and
-``posix_spawn``s criu into them (``spawn_warm_criu``: no fork of the helper's Python). A request takes the oldest: the helper
-enters its mount namespace and attaches the request's mounts, enters its network
+``posix_spawn``s criu into them (``spawn_warm_criu``: no fork of the helper's Python).
+A request takes the oldest: the helper enters its mount namespace and attaches the request's mounts, enters its network
 namespace and mounts the sysfs, moves it into the request's cgroups (``settle_criu``),
 then answers ``{"id", "pid", "rpc": true}`` with the caller's end of the RPC socket, over
 which the caller asks for the restore, and a pidfd of it (the caller sees it end without
 waiting for this helper); its end is reported as any command's too. The exec,
 the loading and criu's start are then off the restore's path. A request it cannot settle is
-answered ``NoWarmCriu`` (the caller runs criu as a command); an idle one that dies is
-reaped and replaced.
+answered ``NoWarmCriu`` (the caller runs criu as a command), as is one that finds only
+dead ones; an idle one that dies is reaped and replaced.
 
 Protocol on the SOCK_SEQPACKET socket FD (one JSON object per message, each with the
 caller's ``id``): a request ``{"id", "argv", "placement": {...}}`` with the output
