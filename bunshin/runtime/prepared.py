@@ -26,7 +26,7 @@ import socket
 import subprocess
 import sys
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -225,9 +225,12 @@ def launcher() -> CriuLauncher | None:
 
 
 def placement_fields(placement: Any) -> dict[str, Any]:
-    """A ``criu.Placement`` as the helper takes it."""
-    return {} if placement is None else {k: (list(v) if isinstance(v, tuple) else v)
-                                         for k, v in asdict(placement).items()}
+    """A ``criu.Placement`` as the helper takes it (its fields are plain values and tuples of
+    them: read as they are, not deep-copied as ``dataclasses.asdict`` does)."""
+    if placement is None:
+        return {}
+    return {f.name: (list(v) if isinstance(v := getattr(placement, f.name), tuple) else v)
+            for f in fields(placement)}
 
 
 @dataclass

@@ -252,3 +252,15 @@ def test_the_helper_runs_at_its_nice_value_and_everything_it_starts_at_zero():
             assert (code, out.strip()) == (0, "0")
     finally:
         lch.close()
+
+
+def test_a_placement_reaches_the_helper_as_plain_fields():
+    import dataclasses
+
+    p = criu.Placement(new_netns=True, own_keyring=True, sysfs="/s", cgroup_procs=("/a", "/b"),
+                       own_mounts=(("/x", True), ("/y", False)), utsns="/proc/1/ns/uts")
+    fields = prepared.placement_fields(p)
+    assert set(fields) == {f.name for f in dataclasses.fields(p)} and prepared.placement_fields(None) == {}
+    assert fields["cgroup_procs"] == ["/a", "/b"] and fields["utsns"] == "/proc/1/ns/uts"
+    assert [list(m) for m in fields["own_mounts"]] == [["/x", True], ["/y", False]]
+    assert isinstance(p.cgroup_procs, tuple)  # the placement itself is left as it was
