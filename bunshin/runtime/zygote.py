@@ -364,13 +364,20 @@ def spawn_warm_criu(sc: Any, argv: list[str], rpc: int, ns: Namespaces) -> tuple
             os.close(net)
             raise
     finally:
-        with contextlib.suppress(OSError):
-            if os.getpriority(os.PRIO_PROCESS, 0) != nice:
-                os.setpriority(os.PRIO_PROCESS, 0, nice)
-        sc.join_session_keyring()  # the helper's own again: criu's keyring is no one else's
         os.close(null)
         sc.setns(ns.host_net, sc.CLONE_NEWNET)
         sc.setns(ns.host, sc.CLONE_NEWNS)
+        with contextlib.suppress(OSError):
+            if os.getpriority(os.PRIO_PROCESS, 0) != nice:
+                os.setpriority(os.PRIO_PROCESS, 0, nice)
+    try:
+        sc.join_session_keyring()  # the helper's own again: criu's keyring is no one else's
+    except OSError:
+        os.kill(pid, 9)  # it would share its keyring with everything the helper starts next
+        os.waitpid(pid, 0)
+        os.close(mnt)
+        os.close(net)
+        raise
     return pid, mnt, net
 
 
