@@ -38,14 +38,17 @@ def spawn() -> Iterator:
         p.wait()
 
 
-def _settled(pid: int, command: str, timeout: float = 10) -> int:
-    """``pid`` once its command name starts with ``command`` (after unshare's exec), or its child's does."""
+def _settled(pid: int, command: str, timeout: float = 10, *, arg: str | None = None) -> int:
+    """``pid`` once its command name starts with ``command`` (after unshare's exec), or its child's
+    does; with ``arg``, once its command line holds it too (a fork of this Python, not yet
+    exec'd, is called "python" as well)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for cand in [pid, *map(int, open(f"/proc/{pid}/task/{pid}/children").read().split())]:
             with open(f"/proc/{cand}/comm") as f:
-                if f.read().strip().startswith(command):
-                    return cand
+                named = f.read().strip().startswith(command)
+            if named and (arg is None or arg.encode() in open(f"/proc/{cand}/cmdline", "rb").read().split(b"\0")):
+                return cand
         time.sleep(0.01)
     raise TimeoutError(f"{pid} does not run {command}")
 
@@ -93,7 +96,7 @@ def test_a_connected_socket_is_not_refused():
 def test_a_command_is_named_without_its_control_characters(spawn):
     _needs_root()
     code = "import time; time.sleep(60)"
-    pid = _settled(spawn("unshare", "--ipc", sys.executable, "-c", code, "\x1b[2J\nforged line"), "python")
+    pid = _settled(spawn("unshare", "--ipc", sys.executable, "-c", code, "\x1b[2J\nforged line"), "python", arg=code)
     found = fork_checks.refusals([os.getpid(), pid])
     assert len(found) == 1, (found, open(f"/proc/{pid}/stat").read(), os.readlink(f"/proc/{pid}/ns/ipc"),
                              os.readlink(f"/proc/{os.getpid()}/ns/ipc"))
