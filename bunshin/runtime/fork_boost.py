@@ -37,8 +37,8 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import InvalidArgument
 from .cgroups import Layout
+from .limits import env_factor
 
 ENV = "BUNSHIN_FORK_CPU_BOOST"
 FACTOR = 8
@@ -50,13 +50,7 @@ PREFIX = "fork-boost.bunshin."  # (not a workspace's cgroup_prefix: gc never tak
 
 def factor() -> int:
     """The boost factor from ``ENV`` (default ``FACTOR``); 1 means none."""
-    text = os.environ.get(ENV)
-    if text is None or text == "":
-        return FACTOR
-    if not text.isdigit():
-        raise InvalidArgument(f"{ENV}={text!r} is not a whole number",
-                              hint=f"set {ENV} to a factor such as {FACTOR}, or 0 to fork at the default weight")
-    return max(int(text), 1)
+    return env_factor(ENV, FACTOR, "fork")
 
 
 def cpu_root() -> Path | None:

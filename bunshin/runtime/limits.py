@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 from ..errors import InvalidArgument
 
@@ -23,3 +24,15 @@ def check_timeout(timeout: float | None, what: str = "timeout") -> float | None:
             hint=f"give a finite number of seconds > 0 and <= {MAX_TIMEOUT_S:g} (7 days), or no timeout",
         )
     return float(timeout)
+
+
+def env_factor(name: str, default: int, doing: str) -> int:
+    """A CPU-weight factor from the environment variable ``name`` (``default`` when unset or
+    empty; 0 and 1 both mean none); ``InvalidArgument`` unless it is a whole number."""
+    text = os.environ.get(name)
+    if text is None or text == "":
+        return default
+    if not text.isdigit():
+        raise InvalidArgument(f"{name}={text!r} is not a whole number",
+                              hint=f"set {name} to a factor such as {default}, or 0 to {doing} at the default weight")
+    return max(int(text), 1)

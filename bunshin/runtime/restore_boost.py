@@ -20,14 +20,13 @@ while they restore (``in_thread``), as the helper does (``zygote.NICE``).
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from ..errors import InvalidArgument
 from . import syscalls as sc
 from .cgroups import WorkspaceCgroup
+from .limits import env_factor
 
 ENV = "BUNSHIN_RESTORE_CPU_BOOST"
 FACTOR = 8
@@ -42,13 +41,7 @@ T = TypeVar("T")
 
 def factor() -> int:
     """The boost factor from ``ENV`` (default ``FACTOR``); 1 means none."""
-    text = os.environ.get(ENV)
-    if text is None or text == "":
-        return FACTOR
-    if not text.isdigit():
-        raise InvalidArgument(f"{ENV}={text!r} is not a whole number",
-                              hint=f"set {ENV} to a factor such as {FACTOR}, or 0 to restore at the default weight")
-    return max(int(text), 1)
+    return env_factor(ENV, FACTOR, "restore")
 
 
 def _weight_file(cg: WorkspaceCgroup) -> Path | None:
