@@ -217,13 +217,13 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
     try:
         huge_memfiles = statefs.ensure(cfg)
         images.mkdir(parents=True)
-        _check_space(cfg, rec, tree)
+        upper_bytes = _check_space(cfg, rec, tree)
         live = None
         if cfg.fork_precopy and mode is SnapshotMode.COW and cfg.memory_semantics == "trap":
             if precopy.wanted(cfg, tree):  # (a process started since is left to the dump)
                 live = precopy.convert(cfg, rec.id, Path(rec.root), MEM_VIEW, tree)
                 live.save(sdir)
-                _check_space(cfg, rec, tree)  # what is left to the dump must still fit (a tmpfs filled meanwhile)
+                _check_space(cfg, rec, tree, upper_bytes)  # what is left to the dump must still fit (a tmpfs filled meanwhile)
         # Tasks are frozen with ptrace, not the v1 freezer cgroup: CRIU polls the
         # freezer every 100 ms, which adds ~100 ms to every parent pause. Cgroups
         # are not dumped either: a restore runs criu inside the clone's own.
@@ -320,11 +320,13 @@ def _source_snapshot(store: Store, rec: WorkspaceRecord) -> SnapshotRecord | Non
         return None
 
 
-def _check_space(cfg: Config, rec: WorkspaceRecord, tree: list[int]) -> None:
-    """Refuse early when tmpfs cannot hold the memory of the workspace's ``tree`` and its upper once more."""
+def _check_space(cfg: Config, rec: WorkspaceRecord, tree: list[int], upper: int | None = None) -> int:
+    """Refuse early when tmpfs cannot hold the memory of the workspace's ``tree`` and its upper once more;
+    the upper's bytes (``upper``: as measured already, not walked again)."""
     st = os.statvfs(cfg.tmpfs)
     free = st.f_bavail * st.f_frsize
-    upper = _du(Path(rec.upper))
+    if upper is None:
+        upper = _du(Path(rec.upper))
     # what the dump writes to memory files: the tree's anonymous memory, from counters (USS
     # walks every page table: 44-48 ms for a 4 GiB process at load ~1, against 0.1-0.3 ms)
     need = upper + sum(precopy.anon_bytes(pid) for pid in tree)
@@ -341,6 +343,7 @@ def _check_space(cfg: Config, rec: WorkspaceRecord, tree: list[int]) -> None:
             f"({limit >> 20} MiB) has {max(left, 0) >> 20} MiB left",
             hint="delete files in the workspace (/tmp, build output) or give it a larger --memory",
         )
+    return upper
 
 
 def _memory_cgroup(rec: WorkspaceRecord) -> Path | None:
