@@ -3,6 +3,7 @@ hold is refused before anything is frozen, and loses nothing; one that fits is t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import subprocess
@@ -36,21 +37,28 @@ while not os.path.exists("/tmp/stop"):
 """
 
 
-@pytest.fixture
-def small_home(tmp_path: Path, cfg: Config) -> Iterator[Config]:
+@contextlib.contextmanager
+def _home_on_tmpfs(tmp_path: Path, cfg: Config, mib: int) -> Iterator[Config]:
     """A private home whose tmpfs (at its usual place, which workspaces' user namespaces can
-    reach) is mounted by the test at 192 MiB before bunshin's first use, unmounted after."""
+    reach) is mounted by the test at ``mib`` MiB before bunshin's first use, unmounted after."""
     home = Config.for_home(tmp_path / "home", criu=cfg.criu)
-    small = home.tmpfs
-    small.mkdir(parents=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_MIB}m,mode=0755", "bunshin", str(small)], check=True)
+    home.tmpfs.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m,mode=0755", "bunshin", str(home.tmpfs)], check=True)
     try:
         yield home
     finally:
         drop_state_tmpfs(home)
-        while os.path.ismount(small):
-            subprocess.run(["umount", "-l", str(small)], check=False)
-        small.rmdir() if small.is_dir() else None
+        while os.path.ismount(home.tmpfs):
+            subprocess.run(["umount", "-l", str(home.tmpfs)], check=False)
+        if home.tmpfs.is_dir():
+            home.tmpfs.rmdir()
+
+
+@pytest.fixture
+def small_home(tmp_path: Path, cfg: Config) -> Iterator[Config]:
+    """A private home on a 192 MiB tmpfs of the test's own."""
+    with _home_on_tmpfs(tmp_path, cfg, TMPFS_MIB) as home:
+        yield home
 
 
 def _free(path: Path) -> int:
@@ -137,12 +145,14 @@ def test_a_tmpfs_filled_during_the_pre_copy_refuses_the_fork_and_loses_nothing(t
     """Another workspace fills the tmpfs while a first fork pre-copies (here: the moment the
     first piece is copied and bound): the pieces mapped already stay exact, the rest stays
     anonymous, the fork is refused with what to do, and once there is room it forks, exactly."""
+    with _home_on_tmpfs(tmp_path, cfg, 448) as home:
+        _fill_during_the_pre_copy(dataclasses.replace(home, fork_precopy=True, fork_precopy_min_mib=16), monkeypatch)
+        assert leftovers(home) == {}
+
+
+def _fill_during_the_pre_copy(home: Config, monkeypatch) -> None:
     from bunshin.runtime.memfile import live_bind
 
-    home = Config.for_home(tmp_path / "home", criu=cfg.criu)
-    home.tmpfs.mkdir(parents=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=448m,mode=0755", "bunshin", str(home.tmpfs)], check=True)
-    home = dataclasses.replace(home, fork_precopy=True, fork_precopy_min_mib=16)
     filler = home.tmpfs / "filler"
     real_bind, filled = live_bind.bind, []
 
@@ -184,9 +194,3 @@ def test_a_tmpfs_filled_during_the_pre_copy_refuses_the_fork_and_loses_nothing(t
         assert _heap_hash(ws) == want
     finally:
         ws.remove()
-        drop_state_tmpfs(home)
-        while os.path.ismount(home.tmpfs):
-            subprocess.run(["umount", "-l", str(home.tmpfs)], check=False)
-        if home.tmpfs.is_dir():
-            home.tmpfs.rmdir()
-    assert leftovers(home) == {}
