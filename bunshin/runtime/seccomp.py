@@ -16,6 +16,13 @@ loading, ``reboot``, ``swapon``/``swapoff``, ``syslog``, ``open_by_handle_at``,
 ``iopl``/``ioperm``, and every x32-ABI syscall. ``clone3`` gets ``ENOSYS`` (its
 flags live in memory BPF cannot read), so libc falls back to ``clone``. A foreign
 architecture is killed.
+
+``socket``/``socketpair`` of the address families docker's default profile leaves out
+get ``EAFNOSUPPORT`` (docker answers ``EPERM``; "not supported" is what a program that
+probes for a family expects, and what a kernel without it says): ``AF_VSOCK`` (a VM's
+channel to its hypervisor, outside every namespace), ``AF_ALG`` (the kernel's crypto
+API, a frequent source of kernel bugs), the obsolete DECnet, Econet, ATM SVC, IrDA,
+WAN pipe, ISDN and CAIF, and every family past the last one known (``AF_MCTP``, 45).
 """
 
 from __future__ import annotations
@@ -42,6 +49,13 @@ DENIED = {
     "umount2": 166, "userfaultfd": 323, "uselib": 134, "vhangup": 153,
 }
 CLONE, UNSHARE, CLONE3 = 56, 272, 435
+SOCKET, SOCKETPAIR = 41, 53
+# Address families refused (docker's default profile allows socket() for all others up
+# to AF_MCTP): DECnet 12, Econet 19, ATMSVC 20, IrDA 23, WANPIPE 25, ISDN 34, CAIF 37,
+# ALG 38, VSOCK 40; and every family from FIRST_UNKNOWN_FAMILY on.
+DENIED_FAMILIES = {"AF_DECnet": 12, "AF_ECONET": 19, "AF_ATMSVC": 20, "AF_IRDA": 23, "AF_WANPIPE": 25,
+                   "AF_ISDN": 34, "AF_CAIF": 37, "AF_ALG": 38, "AF_VSOCK": 40}
+FIRST_UNKNOWN_FAMILY = 46
 # Syscalls refused when the argument at index ``arg`` is pid 1.
 AT_PID1 = {"ptrace": (101, 1), "process_vm_readv": (310, 0), "process_vm_writev": (311, 0),
            "prlimit64": (302, 0), "pidfd_open": (434, 0)}
@@ -101,12 +115,20 @@ def program() -> bytes:
     p.op(_JEQ_K, CLONE3, "enosys", 0)
     p.op(_JEQ_K, UNSHARE, "flags0", 0)
     p.op(_JEQ_K, CLONE, "flags0", 0)
+    p.op(_JEQ_K, SOCKET, "family", 0)
+    p.op(_JEQ_K, SOCKETPAIR, "family", 0)
     for name, (nr, _arg) in sorted(AT_PID1.items()):
         p.op(_JEQ_K, nr, f"pid1_{name}", 0)
     p.op(_RET_K, RET_ALLOW)
     p.label("flags0")  # unshare(flags) / clone(flags, ...): no CLONE_NEWUSER
     p.op(_LD_W_ABS, _arg_lo(0))
     p.op(_JSET_K, CLONE_NEWUSER, "deny", 0)
+    p.op(_RET_K, RET_ALLOW)
+    p.label("family")  # socket(family, ...) / socketpair(family, ...): the kernel reads an int
+    p.op(_LD_W_ABS, _arg_lo(0))
+    p.op(_JGE_K, FIRST_UNKNOWN_FAMILY, "eafnosupport", 0)
+    for family in sorted(DENIED_FAMILIES.values()):
+        p.op(_JEQ_K, family, "eafnosupport", 0)
     p.op(_RET_K, RET_ALLOW)
     for name, (_nr, arg) in sorted(AT_PID1.items()):
         p.label(f"pid1_{name}")
@@ -118,6 +140,8 @@ def program() -> bytes:
     p.op(_RET_K, RET_ALLOW)
     p.label("deny")
     p.op(_RET_K, RET_ERRNO | errno.EPERM)
+    p.label("eafnosupport")
+    p.op(_RET_K, RET_ERRNO | errno.EAFNOSUPPORT)
     p.label("enosys")
     p.op(_RET_K, RET_ERRNO | errno.ENOSYS)
     p.label("kill")

@@ -165,6 +165,28 @@ def test_seccomp_refuses_escape_syscalls(ws):
     assert status == ["NoNewPrivs:", "1", "Seccomp:", "2"]
 
 
+def test_seccomp_refuses_vsock_alg_and_unknown_address_families(ws):
+    """A VM's channel to its hypervisor (AF_VSOCK) and the kernel's crypto API (AF_ALG) are
+    refused as "not supported", as a kernel without them says; ordinary families work."""
+    families = {"AF_VSOCK": 40, "AF_ALG": 38, "AF_DECnet": 12, "past AF_MCTP": 46, "negative": -1}
+    socket_of = lambda af: f"call(41, {af}, 1, 0)"  # socket(af, SOCK_STREAM, 0)  # noqa: E731
+    pair_of = lambda af: f"call(53, {af}, 1, 0, id(bytearray(8)))"  # socketpair  # noqa: E731
+    got = probe(ws, *(socket_of(af) for af in families.values()), *(pair_of(af) for af in families.values()),
+                "call(41, 40, 1 | 0x80000, 0)", "call(41, 40 | 0x100000000, 1, 0)")
+    for name, af in families.items():
+        assert got[socket_of(af)] == errno.EAFNOSUPPORT, (name, got)
+        assert got[pair_of(af)] == errno.EAFNOSUPPORT, (name, got)
+    assert got["call(41, 40, 1 | 0x80000, 0)"] == errno.EAFNOSUPPORT  # SOCK_CLOEXEC changes nothing
+    assert got["call(41, 40 | 0x100000000, 1, 0)"] == errno.EAFNOSUPPORT  # the kernel reads an int
+    r = ws.exec(["python3", "-c", "import socket\n"
+                 "for af, kind in ((socket.AF_UNIX, 1), (socket.AF_INET, 1), (socket.AF_INET6, 2), (socket.AF_NETLINK, 3)):\n"
+                 "    socket.socket(af, kind).close()\n"
+                 "a, b = socket.socketpair(); a.close(); b.close()\n"
+                 "try:\n    socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)\n"
+                 "except OSError as e:\n    print(e.strerror)\n"])
+    assert (r.exit_code, r.stdout) == (0, "Address family not supported by protocol\n"), r.stderr
+
+
 def test_proc_and_sys_are_masked_and_read_only(ws):
     got = probe(ws, "opened('/proc/kcore')", "opened('/proc/keys')", "opened('/proc/timer_list')",
                 "opened('/proc/sysrq-trigger', 'wb')", "opened('/proc/sys/kernel/hostname', 'wb')",
