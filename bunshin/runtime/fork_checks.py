@@ -62,15 +62,29 @@ class Task:
         inside = host_pid
         with contextlib.suppress(OSError, ValueError, IndexError):
             inside = _nspids(host_pid, proc)[level]
-        command = ""
-        with contextlib.suppress(OSError):
-            command = (base / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-        if not command:
-            with contextlib.suppress(OSError):
-                command = f"[{(base / 'comm').read_text().strip()}]"
+        command = _command(base)
         # the workspace wrote it: no control characters into messages and terminals
         command = "".join(c if c.isprintable() else "?" for c in command)
         return cls(host_pid=host_pid, pid=inside, command=command[:120])
+
+
+def _command(base: Path) -> str:
+    """The process's command line; a zombie thread-group leader has none of its own (its
+    memory went with its main thread), so a live thread's (they share it); else its name
+    (``[comm]``, which a program may set empty: ``prctl(PR_SET_NAME, "")``); never empty."""
+    tasks: list[str] = []
+    with contextlib.suppress(OSError):
+        tasks = [t for t in os.listdir(base / "task") if t != base.name]
+    for cmdline in [base / "cmdline", *(base / "task" / t / "cmdline" for t in tasks)]:
+        with contextlib.suppress(OSError):
+            command = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            if command:
+                return command
+    with contextlib.suppress(OSError):
+        name = (base / "comm").read_text().strip()
+        if name:
+            return f"[{name}]"
+    return "no command line or name"
 
 
 def pid_level(init: int, proc: Path = Path("/proc")) -> int:

@@ -34,16 +34,23 @@ def _zombie_leader(tmp_path: Path) -> Path:
     return out
 
 
-def test_a_zombie_leader_with_running_threads_is_refused(family, tmp_path):
+@pytest.mark.parametrize("name", ["", "noname"])
+def test_a_zombie_leader_with_running_threads_is_refused(family, tmp_path, name):
+    """Named by its command line, which a zombie leader reads empty (a live thread's is read),
+    also when it emptied its name (comm) before its main thread exited."""
     ws = family.create(memory="256M")
     ws.files.write("/root/zl", _zombie_leader(tmp_path).read_bytes())
     ws.exec(["chmod", "+x", "/root/zl"])
-    pid = ws.commands.spawn(["/root/zl", "/tmp/zl.ready"])
+    argv = ["/root/zl", "/tmp/zl.ready", *([name] if name else [])]
+    pid = ws.commands.spawn(argv)
     _wait_for(ws, "/tmp/zl.ready")
+    assert ws.exec(["cat", f"/proc/{pid}/comm"]).stdout == ("\n" if name else "zl\n")
     with pytest.raises(NotForkable) as info:
         family.fork(ws, 1)
     err = info.value
-    assert f"process {pid} (" in err.message and "is a zombie whose 1 other thread(s) still run" in err.message
+    command = " ".join(argv)
+    assert f"process {pid} ({command}) is a zombie whose 1 other thread(s) still run" in err.message, err.message
+    assert err.details["command"] == command
     assert err.details["process"] == pid and "pthread_join" in (err.hint or "")
     # untouched: the leader is still a zombie and its thread still runs
     stat = ws.exec(["cat", f"/proc/{pid}/stat"]).stdout

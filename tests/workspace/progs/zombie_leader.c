@@ -1,8 +1,11 @@
 /* A zombie thread-group leader: the main thread exits (pthread_exit) while a
  * second thread keeps running, as in CRIU's ZDTM test pthread02.
- *     zombie_leader READY_FILE
- * The thread writes READY_FILE once the leader is gone, then sleeps. */
+ *     zombie_leader READY_FILE [noname]
+ * The thread writes READY_FILE once the leader is gone, then sleeps. With "noname" the
+ * leader first empties its name (prctl PR_SET_NAME ""): its comm reads empty too. */
 #include <pthread.h>
+#include <string.h>
+#include <sys/prctl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -36,9 +39,11 @@ static void *worker(void *arg) {
 
 int main(int argc, char **argv) {
     pthread_t t;
-    if (argc != 2)
+    if (argc != 2 && argc != 3)
         return 2;
     ready = argv[1];
+    if (argc == 3 && strcmp(argv[2], "noname") == 0)
+        prctl(PR_SET_NAME, "", 0, 0, 0);
     if (pthread_create(&t, NULL, worker, NULL))
         return 1;
     pthread_exit(NULL);
