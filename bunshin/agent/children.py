@@ -32,7 +32,7 @@ from typing import Any
 from . import spawn
 from .imagedefaults import IMAGE, Identity
 from .pool import Flag
-from .protocol import AgentFailure, from_os_error, invalid
+from .protocol import AgentFailure, cannot_start, from_os_error, invalid
 from .wire import ErrorCode
 
 BASE_ENV = {
@@ -109,7 +109,7 @@ def check_cwd(cwd: str) -> None:
 
 def _start_error(exc: OSError, program: str, cwd: str, env: dict[str, str]) -> AgentFailure:
     if exc.errno in (errno.EAGAIN, errno.ENOMEM) and exc.filename is None:
-        return AgentFailure(ErrorCode.RESOURCE_EXHAUSTED, f"cannot start {program}: {exc.strerror}")
+        return cannot_start(program, exc.strerror)
     if exc.filename == cwd and program != cwd:
         return from_os_error(exc, f"cwd {cwd}")
     if isinstance(exc, FileNotFoundError):

@@ -27,7 +27,7 @@ from typing import Any
 
 from . import forks
 from .pool import Flag, Pool
-from .protocol import AgentFailure, arg_any, arg_str, failure, invalid, parse_request
+from .protocol import AgentFailure, arg_any, arg_str, cannot_start, failure, invalid, parse_request
 from .wire import (
     JOB_ID,
     JOB_REQUEST,
@@ -81,7 +81,7 @@ class Jobs:
         except OSError as exc:
             listen.close()
             os.unlink(path)
-            raise AgentFailure(ErrorCode.RESOURCE_EXHAUSTED, f"cannot start a job: {exc}") from None
+            raise cannot_start("a job", exc) from None
         if pid == 0:
             forks.keep_only(listen.fileno())
             job = _Job(listen, path, inner, self._answer)
@@ -217,7 +217,7 @@ class ThreadJobs:
         except RuntimeError as exc:  # no thread left (pids limit)
             with self._lock:
                 self._jobs.pop(job_id, None)
-            raise AgentFailure(ErrorCode.RESOURCE_EXHAUSTED, f"cannot start a job: {exc}") from None
+            raise cannot_start("a job", exc) from None
         return ok_line({JOB_ID: job_id})
 
     def _run(self, job: _ThreadJob, inner: dict[str, Any]) -> None:

@@ -26,10 +26,11 @@ from .wire import OK, OP, SPEC, ErrorCode, decode, error_line, ok_line
 class AgentFailure(Exception):
     """An error answered to the client as ``{"ok": false, "error": ...}``."""
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, hint: str | None = None) -> None:
         super().__init__(message)
         self.code = ErrorCode(code)  # ValueError for a code the wire does not know
         self.message = message
+        self.hint = hint
 
 
 def invalid(message: str) -> AgentFailure:
@@ -50,8 +51,17 @@ def from_os_error(exc: OSError, what: str) -> AgentFailure:
     return AgentFailure(ErrorCode.AGENT_ERROR, f"{what}: {reason}")
 
 
+def cannot_start(what: str, reason: object) -> AgentFailure:
+    """The workspace has no pid left for ``what`` (a thread or a process counts one)."""
+    return AgentFailure(
+        ErrorCode.RESOURCE_EXHAUSTED, f"cannot start {what}: {reason}",
+        hint="the workspace is at its pids limit: end processes or close sessions in it, "
+             "or create it with a larger pids limit",
+    )
+
+
 def failure(exc: AgentFailure) -> bytes:
-    return error_line(exc.code, exc.message)
+    return error_line(exc.code, exc.message, exc.hint)
 
 
 def checked(op: str, result: dict[str, Any]) -> bytes:
@@ -92,7 +102,8 @@ def unline(line: bytes) -> dict[str, Any]:
         return {k: v for k, v in answer.items() if k != OK}
     error: Any = answer.get("error")
     try:
-        raise AgentFailure(ErrorCode(error["code"]), str(error["message"]))
+        hint = error.get("hint")
+        raise AgentFailure(ErrorCode(error["code"]), str(error["message"]), hint if isinstance(hint, str) else None)
     except (TypeError, KeyError, ValueError):
         raise AgentFailure(ErrorCode.AGENT_ERROR, f"a helper failed without saying why: {line[:200]!r}") from None
 

@@ -47,11 +47,12 @@ from .protocol import (
     arg_int,
     arg_str,
     arg_timeout,
+    cannot_start,
     failure,
     unix_address,
     unline,
 )
-from .shellpty import SESSION_ENV, PtyShell, Sink
+from .shellpty import SESSION_ENV, PtyShell, Sink, check_session_cap
 from .terminals import pick_shell, start_shell
 from .wire import ErrorCode, ok_line
 
@@ -166,6 +167,7 @@ class Session(PtyShell):
             self.read(0.5 if remaining is None else min(remaining, 0.5), sink)
             if sink.done.is_set():
                 return sink.matched
+            self._resume_if_stopped()
             if not self.alive:
                 drain_until = time.monotonic() + 0.1  # what the shell left
                 while not sink.done.is_set() and not self.eof and time.monotonic() < drain_until:
@@ -378,7 +380,9 @@ class Sessions:
             # the user plants there is followed by the agent)
             os.chmod(self._scripts_dir, 0o711)
         pick_shell(arg_str(req, "kind", None), interactive_rc=False)  # a bad kind fails here
-        numbers = [int(_ID.fullmatch(i).group(1)) for i in self._ids()]  # type: ignore[union-attr]
+        ids = self._ids()
+        check_session_cap(len(ids))  # each holder listens on its socket there, also while it starts
+        numbers = [int(_ID.fullmatch(i).group(1)) for i in ids]  # type: ignore[union-attr]
         session_id = f"s{max(numbers, default=0) + 1}-{os.urandom(3).hex()}"
         path = self._socket(session_id)
         listen = forks.listen_at(path)
@@ -390,7 +394,7 @@ class Sessions:
             os.unlink(path)
             for fd in (ready_r, ready_w):
                 os.close(fd)
-            raise AgentFailure(ErrorCode.RESOURCE_EXHAUSTED, f"cannot start a session: {exc}") from None
+            raise cannot_start("a session", exc) from None
         if pid == 0:
             forks.keep_only(listen.fileno(), ready_w)
             forks.run_and_exit(lambda: _hold(session_id, req, listen, path, self._scripts_dir, ready_w))

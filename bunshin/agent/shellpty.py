@@ -16,6 +16,7 @@ import termios
 import time
 from typing import Any
 
+from . import procfs
 from .execs import Capture
 from .pool import Flag
 from .protocol import AgentFailure
@@ -24,9 +25,26 @@ from .wire import ErrorCode
 #: Extra environment of tool sessions: nothing may wait for a human at a pager.
 SESSION_ENV = {"PAGER": "cat", "GIT_PAGER": "cat"}
 START_TIMEOUT_S = 10.0
+#: Most sessions open at once in one workspace. Each holds a shell and a thread or holder
+#: process (two of the workspace's pids); without a cap, sessions opened in a loop take
+#: the pids limit and the agent can then start no thread, so no exec either.
+MAX_SESSIONS = 64
 INTERRUPT_GRACE_S = 1.0
+#: What a run's output says after the shell was found stopped and continued.
+CONTINUED_NOTE = "\n[bunshin: the session's shell was stopped (SIGSTOP) and has been continued (SIGCONT)]\n"
 _TAG = b"\x1eBS"
 _MAX_MARKER = 64
+
+
+def check_session_cap(open_now: int) -> None:
+    """Refuse a new session while ``MAX_SESSIONS`` are open (``resource_exhausted``)."""
+    if open_now >= MAX_SESSIONS:
+        raise AgentFailure(
+            ErrorCode.RESOURCE_EXHAUSTED,
+            f"session limit reached: {open_now} sessions are open in this workspace (at most {MAX_SESSIONS})",
+            hint="close sessions you no longer use (ws.sessions.list() or GET /workspaces/ID/sessions "
+                 "shows them) and open the new one again",
+        )
 
 
 class Sink:
@@ -112,6 +130,7 @@ class PtyShell:
     kind: str
     master: int
     script: str
+    _continued = False  # this run found the shell stopped and continued it
 
     @property
     def alive(self) -> bool:
@@ -134,6 +153,19 @@ class PtyShell:
 
     def _install(self, sink: Sink | None) -> None:
         """Where the pty's output goes from now on (``None``: discarded)."""
+
+    def _resume_if_stopped(self) -> None:
+        """Continue the shell if it is stopped (state ``T``): ``kill -STOP $$`` stops it for
+        good (a stopped shell reads nothing and prints nothing until SIGCONT), so each
+        later run would only time out. A tracer's stop (``t``) is left alone."""
+        stat = procfs.read_stat(self._shell_pid())
+        if stat is None or stat.state != "T":
+            return
+        try:
+            os.kill(stat.pid, signal.SIGCONT)
+        except OSError:
+            return
+        self._continued = True
 
     def _start(self, argv0: str) -> None:
         """Bring a just-started shell to the protocol: no prompts, no history file."""
@@ -161,6 +193,7 @@ class PtyShell:
         token = os.urandom(8).hex()
         sink = Sink(token, limit, output=True)
         start = time.monotonic()
+        self._continued = False
         self._install(sink)
         try:
             self._type(self._run_line(token))
@@ -169,6 +202,8 @@ class PtyShell:
             if timed_out:
                 self._recover()
             sink.flush()
+            if self._continued:
+                sink.output.feed(CONTINUED_NOTE.encode())
             exit_code = sink.exit_code if finished else None
             if not self.alive:
                 code = self._exit_code_within(1.0)
@@ -214,6 +249,7 @@ class PtyShell:
         for _ in range(3):
             if not self.alive:
                 return
+            self._resume_if_stopped()
             self._install(None)  # what the interrupt prints is not the command's output
             try:
                 os.write(self.master, b"\x03")

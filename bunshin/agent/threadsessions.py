@@ -20,8 +20,8 @@ from . import procfs
 from .children import Child, Reaper
 from .execs import DEFAULT_MAX_OUTPUT
 from .imagedefaults import IMAGE
-from .protocol import AgentFailure, arg_int, arg_str, arg_timeout
-from .shellpty import SESSION_ENV, PtyShell, Sink
+from .protocol import AgentFailure, arg_int, arg_str, arg_timeout, cannot_start
+from .shellpty import SESSION_ENV, PtyShell, Sink, check_session_cap
 from .terminals import pick_shell, start_shell
 from .wire import ErrorCode
 
@@ -45,7 +45,12 @@ class ThreadSession(PtyShell):
         self._reader = threading.Thread(
             target=self._read_loop, name=f"pty-{session_id}", daemon=True
         )
-        self._reader.start()
+        try:
+            self._reader.start()
+        except RuntimeError as exc:  # "can't start new thread": the pids limit
+            for fd in (self._wake_r, self._wake_w):
+                os.close(fd)
+            raise cannot_start("a session's reader thread", exc) from None
         child.on_exit(lambda _child: self._wake())
 
     @classmethod
@@ -116,6 +121,7 @@ class ThreadSession(PtyShell):
                 return sink.matched
             if sink.done.wait(0.5 if remaining is None else min(remaining, 0.5)):
                 return sink.matched
+            self._resume_if_stopped()
             if not self.alive:
                 sink.done.wait(0.1)  # the reader drains what the shell left
                 return sink.matched
@@ -199,6 +205,7 @@ class ThreadSessions:
         self._lock = threading.Lock()
         self._sessions: dict[str, ThreadSession] = {}
         self._counter = 0
+        self._opening = 0  # opens in progress: they count against the cap too
 
     def _get(self, req: dict[str, Any]) -> ThreadSession:
         session_id = arg_str(req, "session_id")
@@ -215,11 +222,17 @@ class ThreadSessions:
             # the user plants there is followed by the agent)
             os.chmod(self._scripts_dir, 0o711)
         with self._lock:
+            check_session_cap(len(self._sessions) + self._opening)
+            self._opening += 1
             self._counter += 1
             session_id = f"s{self._counter}-{os.urandom(3).hex()}"
-        session = ThreadSession.open(self._reaper, session_id, req, self._scripts_dir)
-        with self._lock:
-            self._sessions[session_id] = session
+        try:
+            session = ThreadSession.open(self._reaper, session_id, req, self._scripts_dir)
+            with self._lock:
+                self._sessions[session_id] = session
+        finally:
+            with self._lock:
+                self._opening -= 1
         return {"session_id": session_id, "kind": session.kind, "pid": session.child.pid}
 
     def run(self, req: dict[str, Any]) -> dict[str, Any]:

@@ -48,6 +48,7 @@ OK = "ok"
 ERROR = "error"
 CODE = "code"
 MESSAGE = "message"
+HINT = "hint"  # optional: what to do (``bunshin.errors``' hint)
 # Fields of the job ops (and the only answer field of a job still running).
 JOB_REQUEST = "request"
 JOB_ID = "job_id"
@@ -177,8 +178,11 @@ def ok_line(fields: Mapping[str, Any] | None = None) -> bytes:
     return encode({OK: True, **(fields or {})})
 
 
-def error_line(code: ErrorCode, message: str) -> bytes:
-    return encode({OK: False, ERROR: {CODE: str(code), MESSAGE: message}})
+def error_line(code: ErrorCode, message: str, hint: str | None = None) -> bytes:
+    error = {CODE: str(code), MESSAGE: message}
+    if hint is not None:
+        error[HINT] = hint
+    return encode({OK: False, ERROR: error})
 
 
 def decode(line: bytes) -> Any:

@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from bunshin.agent.shellpty import CONTINUED_NOTE, MAX_SESSIONS
 from bunshin.errors import (
     AgentError,
     InvalidArgument,
     NotFound,
     PathNotFound,
+    ResourceExhausted,
     StateConflict,
 )
 from bunshin.runtime.agent_client import AgentClient
@@ -610,6 +612,53 @@ def test_session_command_reading_stdin(client: AgentClient, session: str) -> Non
     r = client.session_run(session, "read line; echo got:$line", timeout=0.3)
     assert r.timed_out
     assert client.session_run(session, "echo fine").output == "fine\n"
+
+
+def test_session_shell_stopped_from_inside_is_continued(client: AgentClient, session: str) -> None:
+    """``kill -STOP $$`` stops the shell itself: the run still ends (the agent continues the
+    shell and says so in the output), and later runs work, also when it is stopped between runs."""
+    client.session_run(session, "KEEP=me")
+    started = time.monotonic()
+    r = client.session_run(session, "echo before; kill -STOP $$; echo after", timeout=30)
+    assert time.monotonic() - started < 10
+    assert (r.output, r.exit_code, r.timed_out, r.alive) == ("before\nafter\n" + CONTINUED_NOTE, 0, False, True)
+    # stopped while a run with a short timeout waits: it times out, then the shell works on
+    r = client.session_run(session, "kill -STOP $$; sleep 30", timeout=0.3)
+    assert r.timed_out and r.alive and r.output.endswith(CONTINUED_NOTE)
+    assert client.session_run(session, "echo $KEEP", timeout=30).output == "me\n"
+    # stopped between runs, by a job of its own
+    client.session_run(session, "(sleep 0.2; kill -STOP $$) >/dev/null 2>&1 &")
+    deadline = time.monotonic() + 10
+    while client.exec(["sh", "-c", f"grep -q '^State:.*T (stopped)' /proc/{_shell_pid(client, session)}/status"]).exit_code:
+        assert time.monotonic() < deadline, "the job did not stop the shell"
+        time.sleep(0.05)
+    r = client.session_run(session, "echo $KEEP", timeout=30)
+    assert r.output.startswith("me\n") and r.output.endswith(CONTINUED_NOTE) and r.exit_code == 0
+    assert client.session_run(session, "echo fine", timeout=30).output.endswith("fine\n")
+
+
+def _shell_pid(client: AgentClient, session_id: str) -> int:
+    return next(s.pid for s in client.session_list() if s.session_id == session_id)
+
+
+def test_sessions_past_the_cap_are_refused_by_name(fresh_agent: RunningAgent) -> None:
+    """Sessions opened in a loop stop at ``MAX_SESSIONS`` with a clear error (not at the pids
+    limit, where the agent can start no thread and so no exec); the agent keeps serving."""
+    client = fresh_agent.client
+    opened = [client.session_open() for _ in range(MAX_SESSIONS)]
+    for _ in range(3):
+        with pytest.raises(ResourceExhausted) as info:
+            client.session_open()
+        err = info.value
+        assert f"{MAX_SESSIONS} sessions are open" in err.message and "close sessions" in (err.hint or "")
+    assert client.exec(["echo", "served"]).stdout == "served\n"
+    assert len(client.session_list()) == MAX_SESSIONS
+    client.session_close(opened.pop())
+    opened.append(client.session_open())  # a closed one makes room
+    assert client.session_run(opened[-1], "echo ok").output == "ok\n"
+    for session_id in opened:
+        client.session_close(session_id)
+    assert client.session_list() == []
 
 
 def test_session_truncates_output(client: AgentClient, session: str) -> None:
