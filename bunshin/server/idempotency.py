@@ -3,9 +3,8 @@
 A mutating call may carry ``Idempotency-Key: <key>`` (or ``X-Request-ID``). The first
 call with a key claims it in the SQLite store (``objects`` of kind ``idempotency``,
 written before any work, like every record bunshin keeps), runs, and stores its
-answer: status and body, errors included, as Stripe does. Every later call with the
-same key gets that answer back, marked ``Idempotent-Replayed: true``, for 24 hours,
-also from a restarted server. The rules follow Stripe and the IETF draft
+answer if it succeeded. Every later call with the same key gets that answer back,
+marked ``Idempotent-Replayed: true``, for 24 hours, also from a restarted server. The rules follow Stripe and the IETF draft
 ``draft-ietf-httpapi-idempotency-key-header``:
 
 - the same key with another request (method, path or validated body) is
@@ -14,9 +13,11 @@ also from a restarted server. The rules follow Stripe and the IETF draft
   :class:`~bunshin.errors.RequestInProgress`, 409 with ``Retry-After``: the caller
   retries and then gets the first call's answer (waiting in the server would hold a
   thread per impatient client; Stripe answers 409 too);
-- a call refused by admission control (:class:`~bunshin.errors.RateLimited`, 429)
-  did nothing, so its key is released and a retry runs anew; so is a key whose call
-  died of something that is not a bunshin error;
+- a call that failed stores nothing: its key is released and a retry runs anew. A
+  failed create, fork, snapshot or restore made nothing (admission refusals did no
+  work; the runtime's batches are all or none), so there is no answer to keep, and a
+  retry after the cause is gone (a cap freed, a workspace started) must not be told
+  the old error for a day;
 - a claim left ``running`` by a server that has since stopped (kill -9 mid-fork)
   is taken over: that call answered nobody, and its half-made workspaces are
   ``bunshin gc``'s (the runtime's batches are all or none).
@@ -39,7 +40,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from ..config import Config
-from ..errors import BunshinError, IdempotencyKeyReused, RateLimited, RequestInProgress
+from ..errors import IdempotencyKeyReused, RequestInProgress
 from ..runtime.store import Store
 
 KIND = "idempotency"
@@ -107,19 +108,12 @@ class Idempotency:
             return JSONResponse(prior.body, status_code=prior.status or 200,
                                 headers={"Idempotent-Replayed": "true"})
         try:
-            body, code = jsonable_encoder(fn()), status
-        except RateLimited:
-            self._release(key)
-            raise
-        except BunshinError as exc:
-            body, code = exc.to_dict(), exc.http_status
-            self._finish(key, fp, code, body)
-            raise
+            body = jsonable_encoder(fn())
         except BaseException:
             self._release(key)
             raise
-        self._finish(key, fp, code, body)
-        return JSONResponse(body, status_code=code)
+        self._finish(key, fp, status, body)
+        return JSONResponse(body, status_code=status)
 
     def _claim(self, key: str, fp: str) -> Entry | None:
         """None: the key is ours now, run the call; else the finished entry to replay."""

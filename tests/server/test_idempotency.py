@@ -72,6 +72,25 @@ def test_the_same_key_with_another_request_is_refused(served):
             ws.remove()
 
 
+def test_a_failed_call_stores_nothing_and_its_retry_runs_anew(served):
+    """A create refused (the name is taken) made nothing: its key keeps no answer, so the same
+    retry after the cause is gone makes the workspace instead of replaying the old error."""
+    body = {"memory": "1G", "name": "taken"}
+    with served.client() as c:
+        holder = c.create(memory="1G", name="taken")
+        try:
+            refused = _post(served.url, "/v1/workspaces", body, "retry-me")
+            assert refused.status_code == 400 and "already exists" in refused.json()["message"], refused.text
+            assert served.config is not None
+            with Store.open(served.config.db_path) as store:
+                assert store.get_object(KIND, "retry-me") is None
+        finally:
+            holder.remove()
+        made = _post(served.url, "/v1/workspaces", body, "retry-me")
+        assert made.status_code == 201 and "idempotent-replayed" not in made.headers, made.text
+        c.get(made.json()[0]["id"]).remove()
+
+
 def test_a_restarted_server_still_answers_the_retry(no_leaks):
     body = {"memory": "1G"}
     with serve_in_thread(no_leaks, TOKEN) as url:
