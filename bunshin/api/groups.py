@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from ..runtime.budget import MIN_PIDS, PID_MAX_LIMIT
 from .models import MAX_COUNT, Model, ServedImage
 
 #: A group key: it names the group in URLs and in the server's records.
@@ -39,7 +40,7 @@ class CreateGroup(Model):
     tools: list[str] | None = Field(default=None, min_length=1)
     speculation: bool = True
     memory: str | int | None = "2G"
-    pids: int | None = Field(default=512, ge=1)
+    pids: int | None = Field(default=512, ge=MIN_PIDS, le=PID_MAX_LIMIT)
 
     @model_validator(mode="after")
     def _one_root(self) -> CreateGroup:

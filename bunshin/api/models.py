@@ -23,7 +23,8 @@ from ..runtime.agent_types import (
     SessionInfo,
     SessionResult,
 )
-from ..runtime.limits import MAX_TIMEOUT_S
+from ..runtime.budget import MIN_PIDS, PID_MAX_LIMIT
+from ..runtime.limits import MAX_OUTPUT, MAX_TIMEOUT_S
 from ..runtime.oci.refs import looks_like_ref
 from ..runtime.records import SnapshotMode
 from ..runtime.stats import MemoryStats, WorkspaceStats
@@ -91,7 +92,7 @@ class CreateWorkspace(Model):
     image: ServedImage = "host"
     name: str | None = Field(default=None, max_length=64)
     memory: str | int | None = "2G"
-    pids: int | None = Field(default=512, ge=1)
+    pids: int | None = Field(default=512, ge=MIN_PIDS, le=PID_MAX_LIMIT)
     count: int = Field(default=1, ge=1, le=MAX_COUNT)
     ttl: TTL = None
 
@@ -145,7 +146,7 @@ class ExecRequest(Model):
     cwd: str | None = None
     env: dict[str, str] | None = None
     stdin: str | None = None
-    max_output: int | None = Field(default=None, ge=0)
+    max_output: int | None = Field(default=None, ge=0, le=MAX_OUTPUT)
     text: bool = True
 
 
@@ -220,7 +221,7 @@ class OpenedSession(Model):
 class RunInSession(Model):
     command: str
     timeout: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)
-    max_output: int | None = Field(default=None, ge=0)
+    max_output: int | None = Field(default=None, ge=0, le=MAX_OUTPUT)
 
 
 class SessionRunOut(Model):

@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..config import Config
 from ..errors import InvalidArgument
+from ..runtime.budget import MIN_PIDS, PID_MAX_LIMIT
 from ..runtime.limits import MAX_TIMEOUT_S
 from ..runtime.records import check_mounts
 from ..workspace.desktop import DesktopSpec
@@ -94,7 +95,7 @@ class TaskSpec(BaseModel):
     id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
     image: str = "host"
     memory: str | int | None = "2G"
-    pids: int | None = Field(default=512, gt=0)
+    pids: int | None = Field(default=512, ge=MIN_PIDS, le=PID_MAX_LIMIT)
     files: dict[str, str] = Field(default_factory=dict)
     mounts: tuple[str, ...] = ()  # checked, as "HOST:PATH:ro|rw"
     setup: tuple[SetupStep, ...] = ()

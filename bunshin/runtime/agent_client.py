@@ -39,12 +39,17 @@ from .agent_types import (
     SessionInfo,
     SessionResult,
 )
-from .limits import check_timeout
+from .limits import MAX_OUTPUT, check_max_output, check_timeout
 
 PathLike = str | os.PathLike[str]
 
 #: Bytes per ``read_file``/``write_file`` request (the agent caps reads at this).
 CHUNK = wire.MAX_CHUNK
+#: Longest answer line taken from an agent: an exec's two streams of ``MAX_OUTPUT`` bytes,
+#: each byte at most 6 when JSON-escaped (``\ufffd`` for an undecodable one), and room to
+#: spare. A longer answer (a folder of millions of entries) is an ``AgentError``, not
+#: host memory.
+MAX_ANSWER = 12 * MAX_OUTPUT + (16 << 20)
 #: How much longer than a command's own timeout to wait for the agent's answer
 #: (the agent kills, drains and, for sessions, re-synchronises the shell).
 ANSWER_GRACE_S = 30.0
@@ -398,6 +403,7 @@ class AgentClient:
         ``text=False``: ``stdout``/``stderr`` are the exact bytes written (base64 on the wire).
         """
         check_timeout(timeout)
+        check_max_output(max_output)
         a = self.call(
             Op.EXEC,
             answer_timeout=None if timeout is None else timeout + ANSWER_GRACE_S,
@@ -530,6 +536,7 @@ class AgentClient:
         max_output: int | None = None,
     ) -> SessionResult:
         """Run ``command`` in the session's shell; state carries over between runs."""
+        check_max_output(max_output)
         a = self.call(
             Op.SESSION_RUN,
             answer_timeout=None if timeout is None else timeout + ANSWER_GRACE_S,
@@ -598,10 +605,10 @@ class AgentClient:
                 sock.settimeout(self.call_timeout)
                 sock.sendall(line)
                 # byte by byte: what follows the answer is the pty's
-                reader = wire.LineReader(lambda _n: sock.recv(1), limit=None)
+                reader = wire.LineReader(lambda _n: sock.recv(1), limit=1 << 16)
                 try:
                     raw = reader.readline()
-                except wire.LineCut:
+                except wire.FramingError:
                     raw = None
                 if raw is None:
                     raise AgentError(f"agent at {self.socket_path} closed the attach connection")
@@ -677,9 +684,12 @@ class _Dropped(ConnectionResetError):
 
 
 def _read_line(sock: socket.socket) -> bytes:
-    """One answer line (any length); ``_Dropped`` if the agent closes first."""
+    """One answer line (at most ``MAX_ANSWER`` bytes); ``_Dropped`` if the agent closes first."""
     try:
-        line = wire.LineReader(sock.recv, limit=None).readline()
+        line = wire.LineReader(sock.recv, limit=MAX_ANSWER).readline()
+    except wire.LineTooLong:
+        raise AgentError(f"the agent's answer is longer than {MAX_ANSWER} bytes: refused",
+                         hint="ask for less (a folder in parts, output into a file)") from None
     except wire.LineCut:
         line = None
     if line is None:

@@ -26,7 +26,7 @@ import psutil
 
 from ..config import DEFAULT_HOME, INSTALL_DIR, Config
 from ..errors import BunshinError, InvalidArgument, RuntimeFailure
-from . import idmap, mountinfo, statefs, teardown
+from . import budget, idmap, mountinfo, statefs, teardown
 from . import syscalls as sc
 from .agent_bundle import AgentBundle
 from .agent_client import AgentClient
@@ -167,8 +167,7 @@ def create(
     validate_name(name)
     shared = check_shared(cfg, mounts)
     mem_bytes = parse_size(memory)
-    if pids is not None and pids < 8:
-        raise InvalidArgument(f"pids limit {pids} is too small", hint="give at least 8 (the agent needs a few)")
+    pids = budget.check_pids_limit(pids)
     statefs.ensure(cfg)
     base = resolve_image(cfg, store, image)
     lowers = base.lowers
@@ -198,7 +197,7 @@ def create(
         mounts=shared,
         extra={"image_id": base.image_id, "image_config": base.config.agent_defaults()} if base.config else {},
     )
-    store.add_workspace(rec)
+    budget.add_within(store, rec)  # refused here (nothing made) if the host's pids budget is spent
     try:
         make_workspace_dir(rec, cfg.id_base)
         prepare_upper(Path(rec.upper), cfg.id_base)

@@ -9,6 +9,14 @@ from ..errors import InvalidArgument
 
 #: Longest timeout a command, a session run or a tool call may ask for: 7 days.
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+#: Most bytes of output (each of stdout and stderr) one command or session run may ask to
+#: keep (``max_output``; the agent's default is 1 MiB). The answer holds them JSON-escaped
+#: (up to 6 bytes each) and the host holds the answer whole: larger output goes to a file,
+#: read in parts.
+MAX_OUTPUT = 16 << 20
+#: Largest file read or written whole in one call (``Files.read`` without a ``length``, the
+#: server's file bodies, SWE-ReX uploads and the members a zip unpacks to).
+MAX_FILE_BYTES = 1 << 30
 
 
 def check_timeout(timeout: float | None, what: str = "timeout") -> float | None:
@@ -24,6 +32,18 @@ def check_timeout(timeout: float | None, what: str = "timeout") -> float | None:
             hint=f"give a finite number of seconds > 0 and <= {MAX_TIMEOUT_S:g} (7 days), or no timeout",
         )
     return float(timeout)
+
+
+def check_max_output(max_output: int | None) -> int | None:
+    """``max_output`` (bytes kept of each stream; ``None``: the agent's default), or
+    ``InvalidArgument`` unless it is a whole number from 0 to :data:`MAX_OUTPUT`."""
+    if max_output is None:
+        return None
+    if isinstance(max_output, bool) or not isinstance(max_output, int) or not 0 <= max_output <= MAX_OUTPUT:
+        raise InvalidArgument(f"max_output {max_output!r} is out of range",
+                              hint=f"give a whole number of bytes from 0 to {MAX_OUTPUT} ({MAX_OUTPUT >> 20} MiB); "
+                                   "send larger output to a file and read it in parts")
+    return max_output
 
 
 def env_factor(name: str, default: int, doing: str) -> int:

@@ -52,6 +52,7 @@ from ..errors import (
     StateConflict,
 )
 from . import (
+    budget,
     cgroup_moves,
     container,
     criu,
@@ -453,6 +454,7 @@ def restore(cfg: Config, store: Store, snap: SnapshotRecord, n: int, *, keep_log
     treats the clones of a dead forker as unfinished.
     """
     check_batch(n, _snapshot_tasks(snap))
+    budget.check_room(store, snap.pids_limit, n)  # each clone's record is checked again as it is added
     restore_boost.factor()  # a malformed setting refused before anything is made
     cgroup_moves.ensure()  # criu's moves into the clone's cgroups: 0.03 ms instead of 3-17 (busy host)
     layout = Layout.discover()
@@ -510,7 +512,7 @@ MAX_BATCH = 1024
 #: private per clone plus kernel memory: tasks, page tables, namespaces; rounded up).
 CLONE_MEMORY = 2 << 20
 #: Share of ``kernel.pid_max`` a batch must leave free.
-PID_MARGIN = 0.1
+PID_MARGIN = budget.PID_MARGIN
 
 
 def check_batch(n: int, tasks_per_clone: int) -> None:
@@ -540,10 +542,7 @@ def check_batch(n: int, tasks_per_clone: int) -> None:
 
 
 def _pid_max() -> int:
-    try:
-        return int(Path("/proc/sys/kernel/pid_max").read_text())
-    except (OSError, ValueError):
-        return 32768  # the kernel's default
+    return budget.pid_max()
 
 
 def _tasks_now() -> int:
@@ -594,7 +593,7 @@ def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout
         owner_pid=os.getpid(), parent=snap.source, snapshot=snap.id, mounts=snap.mounts,
     )
     t0 = time.perf_counter()
-    store.add_workspace(rec)
+    budget.add_within(store, rec)
     try:
         container.make_workspace_dir(rec, cfg.id_base)
         container.mount_overlay(rec, cfg)
@@ -652,6 +651,7 @@ def fork(cfg: Config, store: Store, rec: WorkspaceRecord, n: int, *, mode: Snaps
     if the restores fail or are interrupted it is freed at once.
     """
     check_batch(n, _live_tasks(rec))  # before the dump: a refused fork creates nothing
+    budget.check_room(store, rec.pids_limit, n)
     snap = take(cfg, store, rec, keep=False, mode=mode)
     try:
         clones = restore(cfg, store, snap, n)

@@ -142,6 +142,11 @@ class Store:
             raise WorkspaceNotFound(f"no workspace {ref!r}", hint="`bunshin ls` lists the workspaces")
         return WorkspaceRecord.from_json(rows[0][0])
 
+    def live_pids_limits(self) -> list[int | None]:
+        """The pids limit of every workspace not dead (``budget``), read in SQL: no record is parsed."""
+        rows = self._rows("SELECT json_extract(data, '$.pids_limit') FROM workspaces WHERE state != 'dead'")
+        return [None if r[0] is None else int(r[0]) for r in rows]
+
     def list_workspaces(self) -> list[WorkspaceRecord]:
         rows = self._rows("SELECT data FROM workspaces ORDER BY created_at")
         return [WorkspaceRecord.from_json(r[0]) for r in rows]
