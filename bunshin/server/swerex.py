@@ -34,10 +34,13 @@ from __future__ import annotations
 import hmac
 import io
 import json
+import lzma
 import posixpath
 import shlex
+import struct
 import traceback
 import zipfile
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -321,12 +324,27 @@ def _member_path(target: str, name: str) -> str:
     return posixpath.join(target, posixpath.normpath(name))
 
 
+#: What reading a zip that lies (about its CRCs, sizes, offsets, compression or encryption)
+#: raises from Python's ``zipfile`` and its decompressors.
+_ZIP_LIES = (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, RuntimeError, EOFError, OSError,
+             ValueError, struct.error, zlib.error, lzma.LZMAError)
+
+
+@contextmanager
+def _lying_zip() -> Iterator[None]:
+    """A zip's lies as SWE-ReX's ``BadZipFile`` (a bad request, never the server's failure)."""
+    try:
+        yield
+    except Transfer:
+        raise
+    except _ZIP_LIES as e:
+        raise Transfer("zipfile.BadZipFile", f"upload with unzip: a damaged or unreadable zip ({e})") from None
+
+
 def _unzip(ws: Workspace, data: bytes, target: str) -> None:
     """Unpack a zip into ``target`` through the workspace's file API (all members checked first)."""
-    try:
+    with _lying_zip():
         zf = zipfile.ZipFile(io.BytesIO(data))
-    except zipfile.BadZipFile as e:
-        raise Transfer("zipfile.BadZipFile", f"upload with unzip: {e}") from None
     with zf:
         members = zf.infolist()
         if len(members) > MAX_ZIP_MEMBERS:
@@ -341,7 +359,7 @@ def _unzip(ws: Workspace, data: bytes, target: str) -> None:
         for m, path in plan:
             if m.is_dir():
                 continue
-            with zf.open(m) as f:
+            with _lying_zip(), zf.open(m) as f:
                 body = f.read(m.file_size + 1)
             if len(body) != m.file_size:
                 raise Transfer("builtins.ValueError", f"zip member {m.filename!r} is not the size it says")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import stat
+import struct
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -210,6 +211,41 @@ def test_hostile_uploads_stay_in_the_workspace(served, ws: RemoteWorkspace, tmp_
     r = _upload(served, ws.id, b"not a zip", "/work/z2")
     assert r.status_code == 511 and r.json()["swerexception"]["class_path"] == "zipfile.BadZipFile"
     assert canary.read_text() == "untouched"
+
+
+def _lies() -> dict[str, bytes]:
+    """Zips whose headers lie (CRC, compression method, encryption, offsets, sizes)."""
+    good = io.BytesIO()
+    with zipfile.ZipFile(good, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        z.writestr("a.txt", b"hello world" * 100)
+    raw = good.getvalue()
+    cd, eocd = raw.find(b"PK\x01\x02"), raw.find(b"PK\x05\x06")
+
+    def patch(*edits: tuple[int, bytes]) -> bytes:
+        b = bytearray(raw)
+        for at, value in edits:
+            b[at:at + len(value)] = value
+        return bytes(b)
+
+    return {
+        "crc": patch((14, b"\0" * 4), (cd + 16, b"\0" * 4)),
+        "method": patch((8, struct.pack("<H", 99)), (cd + 10, struct.pack("<H", 99))),
+        "encrypted": patch((6, bytes([raw[6] | 1])), (cd + 8, bytes([raw[cd + 8] | 1]))),
+        "bzip2": patch((8, struct.pack("<H", 12)), (cd + 10, struct.pack("<H", 12))),
+        "offset": patch((eocd + 16, struct.pack("<I", 0xFFFFFFF0))),
+        "local header": patch((cd + 42, struct.pack("<I", 3))),
+        "size": patch((cd + 24, struct.pack("<I", 5000))),
+    }
+
+
+@pytest.mark.parametrize("lie", list(_lies()))
+def test_a_lying_zip_is_a_clear_error_and_writes_nothing(served, ws: RemoteWorkspace, lie: str) -> None:
+    r = _upload(served, ws.id, _lies()[lie], "/work/lie")
+    assert r.status_code == 511, r.text  # SWE-ReX's error shape: its client raises the class below
+    err = r.json()["swerexception"]
+    assert err["class_path"] in ("zipfile.BadZipFile", "builtins.ValueError"), err
+    assert "zip" in err["message"] and "Traceback" not in err["message"], err
+    assert not ws.exec("test -e /work/lie/a.txt").ok
 
 
 def test_remote_deployment_from_its_config(served, ws: RemoteWorkspace) -> None:
