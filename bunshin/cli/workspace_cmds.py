@@ -13,11 +13,16 @@ import tty
 from datetime import datetime
 
 from .. import console as output
+from ..agent.execs import DEFAULT_MAX_OUTPUT
 from ..errors import InvalidArgument
-from ..runtime.limits import check_timeout
+from ..runtime.limits import MAX_OUTPUT, check_max_output, check_timeout
 from ..workspace import Snapshot, Workspace
 from ..workspace.batch import remove_all
 from ..workspace.desktop import DesktopSpec
+
+#: ``bunshin exec``'s exit code when the command exited 0 but its output was cut at
+#: ``--max-output`` (128 + SIGPIPE: the reader stopped taking its output).
+EXIT_TRUNCATED = 141
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -42,6 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, help="kill the command (its whole process group) after S seconds (at most 7 days)")
     p.add_argument("--cwd", help="working directory inside the workspace")
     p.add_argument("-e", "--env", action="append", metavar="K=V", help="set an environment variable")
+    p.add_argument("--max-output", default=None, metavar="SIZE",
+                   help="bytes of stdout and of stderr kept, e.g. 4M (default 1M, at most 16M); output cut "
+                        f"there is marked on stderr and exits {EXIT_TRUNCATED} if the command exited 0")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of streaming it")
     p.add_argument("cmd", nargs="*", help="-- CMD...")
     p.set_defaults(func=cmd_exec)
@@ -84,27 +92,47 @@ def cmd_create(args: argparse.Namespace) -> int:
 
 
 def cmd_exec(args: argparse.Namespace) -> int:
-
     argv = args.cmd
     if not argv:
         raise InvalidArgument("no command given", hint="bunshin exec WS -- CMD [ARGS...]")
     check_timeout(args.timeout, "--timeout")
+    keep = _max_output(args.max_output)
     ws = Workspace.get(args.workspace)
+    kw = {"timeout": args.timeout, "cwd": args.cwd, "env": parse_env(args.env), "max_output": keep}
     # Streamed output is passed through as the exact bytes the command wrote.
     if args.json:
-        output.print_json(ws.exec(argv, timeout=args.timeout, cwd=args.cwd, env=parse_env(args.env)))
+        output.print_json(ws.commands.run(argv, **kw))  # stdout_truncated / stderr_truncated say if it was cut
         return 0
-    res = ws.exec(argv, timeout=args.timeout, cwd=args.cwd, env=parse_env(args.env), text=False)
+    res = ws.commands.run(argv, text=False, **kw)
     sys.stdout.flush()
     sys.stdout.buffer.write(res.stdout)
     sys.stdout.buffer.flush()
     sys.stderr.flush()
     sys.stderr.buffer.write(res.stderr)
     sys.stderr.buffer.flush()
+    cut = [name for name, was in (("stdout", res.stdout_truncated), ("stderr", res.stderr_truncated)) if was]
+    if cut:
+        shown = output.human_bytes(keep if keep is not None else DEFAULT_MAX_OUTPUT)
+        sys.stderr.write(f"\nbunshin: {' and '.join(cut)} cut at {shown}: the rest was dropped "
+                         f"(--max-output up to {MAX_OUTPUT >> 20}M, or write it to a file and read that)\n")
     if res.timed_out:
         sys.stderr.write(f"bunshin: command timed out after {args.timeout} s and was killed\n")
         return 124
+    if res.exit_code == 0 and cut:
+        return EXIT_TRUNCATED
     return res.exit_code if res.exit_code >= 0 else 128 + (res.signal or 9)
+
+
+def _max_output(text: str | None) -> int | None:
+    """``--max-output``: a size such as 4M, within ``MAX_OUTPUT``."""
+    if text is None:
+        return None
+    units = {"": 1, "k": 1 << 10, "m": 1 << 20}
+    t = text.strip().lower().removesuffix("b").removesuffix("i")
+    num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
+    if not num.isdigit():
+        raise InvalidArgument(f"--max-output {text!r} is not a size", hint="give bytes or a size such as 512K or 4M")
+    return check_max_output(int(num) * units[unit])
 
 
 def cmd_sh(args: argparse.Namespace) -> int:

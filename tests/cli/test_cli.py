@@ -46,6 +46,26 @@ def test_lifecycle_across_invocations(no_leaks):
     assert json.loads(bunshin(cfg, "ls", "--json").stdout) == []
 
 
+def test_exec_marks_output_cut_at_max_output(no_leaks):
+    """Output past --max-output is never cut silently: a marker line on stderr and, for a
+    command that exited 0, exit code 141; raised within the cap it all comes through."""
+    ws = json.loads(bunshin(no_leaks, "create", "--memory", "256M", "--json").stdout)["id"]
+    try:
+        cmd = ("exec", ws, "--", "sh", "-c", "head -c 2000000 /dev/zero | tr '\\0' x")
+        r = bunshin(no_leaks, *cmd, check=False)
+        assert r.returncode == 141, r.stderr
+        assert r.stdout == "x" * (1 << 20) and "stdout cut at 1.0 MiB" in r.stderr, r.stderr[-300:]
+        r = bunshin(no_leaks, "exec", "--max-output", "2M", *cmd[1:])
+        assert r.stdout == "x" * 2_000_000 and "cut" not in r.stderr
+        failing = ("exec", ws, "--max-output", "1K", "--", "sh", "-c", "head -c 5000 /dev/zero; exit 3")
+        r = bunshin(no_leaks, *failing, check=False)
+        assert r.returncode == 3 and "stdout cut at 1.0 KiB" in r.stderr  # the command's own failure wins
+        r = bunshin(no_leaks, "exec", ws, "--max-output", "17M", "--", "true", check=False)
+        assert r.returncode == 1 and "max_output" in r.stderr and "Traceback" not in r.stderr
+    finally:
+        bunshin(no_leaks, "rm", ws)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
