@@ -34,7 +34,7 @@ import shutil
 import stat
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +64,7 @@ from . import (
     netns_image,
     precopy,
     restore_boost,
+    restore_check,
     statefs,
     unforkable,
     upper_copy,
@@ -460,12 +461,14 @@ def restore(cfg: Config, store: Store, snap: SnapshotRecord, n: int, *, keep_log
     layout = Layout.discover()
     pool = ThreadPoolExecutor(max_workers=min(n, RESTORE_CONCURRENCY))
     futures: list[Future[WorkspaceRecord]] = []
+    watch = restore_check.Watch().start()  # every restored process alive at the end, or the batch fails
     try:
         for _ in range(n):  # one by one: an interrupt mid-way still sees every submitted future
             futures.append(pool.submit(restore_boost.in_thread, _restore_one, cfg, store, snap, layout, keep_logs))
         done = [fut.result() for fut in futures]
+        check_ms = restore_check.check(Path(snap.images), [(r.id, r.pid or 0) for r in done], watch)
         with store.transaction():  # the batch is in: the clones are the caller's now
-            done = [store.update_workspace(rec.id, _unowned) or _unowned(rec) for rec in done]
+            done = [store.update_workspace(rec.id, _committed(check_ms)) or _committed(check_ms)(rec) for rec in done]
         pool.shutdown()
         return done
     except BaseException as exc:
@@ -474,10 +477,13 @@ def restore(cfg: Config, store: Store, snap: SnapshotRecord, n: int, *, keep_log
         if limit is not None:
             raise limit from exc
         raise
+    finally:
+        watch.close()
 
 
-def _unowned(rec: WorkspaceRecord) -> WorkspaceRecord:
-    return rec.replace(owner_pid=None)
+def _committed(check_ms: float) -> Callable[[WorkspaceRecord], WorkspaceRecord]:
+    """A clone of a batch that is in: no owner, the batch's check cost in its ``extra``."""
+    return lambda rec: rec.replace(owner_pid=None, extra={**rec.extra, "restore_check_ms": round(check_ms, 2)})
 
 
 def _roll_back(cfg: Config, store: Store, pool: ThreadPoolExecutor, futures: Sequence[Future[WorkspaceRecord]]) -> None:

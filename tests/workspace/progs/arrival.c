@@ -1,0 +1,33 @@
+/*
+ * arrival HOW DIR: waits for its restore into another pid namespace (a clone), then
+ * dies there at once: HOW "segv" raises SIGSEGV (no core), "exit" exits with 0.
+ * Writes DIR/ready (its pid) when it runs.
+ */
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <time.h>
+#include <unistd.h>
+
+int main(int argc, char **argv) {
+    char first[64] = {0}, now[64], path[512];
+    struct rlimit none = {0, 0};
+    if (argc != 3 || readlink("/proc/self/ns/pid", first, sizeof first - 1) < 0)
+        return 2;
+    setrlimit(RLIMIT_CORE, &none);
+    snprintf(path, sizeof path, "%s/ready", argv[2]);
+    FILE *f = fopen(path, "w");
+    fprintf(f, "%d\n", getpid());
+    fclose(f);
+    struct timespec nap = {0, 200000};
+    for (;;) {
+        nanosleep(&nap, NULL);
+        memset(now, 0, sizeof now);
+        if (readlink("/proc/self/ns/pid", now, sizeof now - 1) > 0 && strcmp(now, first)) {
+            if (!strcmp(argv[1], "exit"))
+                return 0;
+            raise(SIGSEGV);
+        }
+    }
+}

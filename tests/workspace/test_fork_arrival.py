@@ -1,0 +1,63 @@
+"""Integration: a fork that reports success gives clones whose processes run (issue 30).
+
+``restore_check``: a restored process that dies by a signal right after its restore
+fails the whole batch (no clone is left), named by its pid, command line and signal;
+one that exits normally does not (it may have finished). ``progs/arrival.c`` dies
+that way only once it finds itself in another pid namespace, i.e. in a clone.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from bunshin.errors import RuntimeFailure
+from bunshin.runtime.store import Store
+from bunshin.workspace import Workspace
+from tests.workspace.test_fork import wait_file
+
+pytestmark = [pytest.mark.integration, pytest.mark.criu]
+
+PROGS = Path(__file__).parent / "progs"
+
+
+@pytest.fixture(scope="module")
+def arrival(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    out = tmp_path_factory.mktemp("arrival") / "arrival"
+    subprocess.run(["gcc", "-O2", "-o", str(out), str(PROGS / "arrival.c")], check=True)
+    return out.read_bytes()
+
+
+def start(ws: Workspace, binary: bytes, how: str) -> int:
+    ws.files.write("/root/arrival", binary, mode=0o755)
+    assert ws.exec(["mkdir", "-p", "/tmp/arr"]).exit_code == 0
+    ws.commands.spawn(["/root/arrival", how, "/tmp/arr"])
+    return int(wait_file(ws, "/tmp/arr/ready"))
+
+
+def test_a_process_killed_on_arrival_fails_the_fork_naming_it(family, arrival):
+    ws = family.create()
+    pid = start(ws, arrival, "segv")
+    with Store.open(family.cfg.db_path) as store:
+        before = {w.id for w in store.list_workspaces()}
+    with pytest.raises(RuntimeFailure) as err:
+        family.fork(ws, 2)
+    assert f"process {pid} (/root/arrival segv /tmp/arr)" in err.value.message
+    assert "signal 11 (SIGSEGV)" in err.value.message
+    assert {d["signal"] for d in err.value.details["dead"]} == {11}
+    assert err.value.hint
+    with Store.open(family.cfg.db_path) as store:  # all or none: no clone is left
+        assert {w.id for w in store.list_workspaces()} == before
+    assert ws.exec(["kill", "-0", str(pid)]).exit_code == 0  # the parent's runs on
+
+
+def test_a_process_that_exits_normally_on_arrival_is_no_failure(family, arrival):
+    ws = family.create()
+    pid = start(ws, arrival, "exit")
+    (c,) = family.fork(ws, 1)
+    assert c.exec(["true"]).exit_code == 0
+    assert c.exec(["kill", "-0", str(pid)]).exit_code != 0  # it did exit there
+    assert ws.exec(["kill", "-0", str(pid)]).exit_code == 0
+    assert c.record.extra["restore_check_ms"] >= 0
