@@ -1,7 +1,8 @@
 """File operations: ``read_file``, ``write_file``, ``list_dir``, ``stat``, ``remove``.
 
 Paths must be absolute. Only regular files are read or written (a FIFO or a
-device could block the agent or never end).
+device could block the agent or never end). Paths are walked by ``pathwalk``: none
+reaches the agent's own ``/proc`` entries, which processes inside are refused.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import stat
 from typing import Any
 
+from . import pathwalk
 from .protocol import (
     AgentFailure,
     arg_bool,
@@ -38,7 +40,7 @@ def _type_name(mode: int) -> FileType:
     return FileType.OTHER
 
 
-def _entry(name: str, path: str, st: os.stat_result) -> dict[str, Any]:
+def _entry(name: str, path: str, st: os.stat_result, dir_fd: int | None = None) -> dict[str, Any]:
     entry: dict[str, Any] = {
         "name": name,
         "type": _type_name(st.st_mode),
@@ -48,7 +50,7 @@ def _entry(name: str, path: str, st: os.stat_result) -> dict[str, Any]:
     }
     if stat.S_ISLNK(st.st_mode):
         try:
-            entry["link_target"] = os.readlink(path)
+            entry["link_target"] = os.readlink(path, dir_fd=dir_fd)
         except OSError:
             entry["link_target"] = None
     return entry
@@ -57,7 +59,11 @@ def _entry(name: str, path: str, st: os.stat_result) -> dict[str, Any]:
 def _open_regular(path: str, flags: int, mode: int = 0o644) -> int:
     """Open ``path`` without blocking on FIFOs; refuse anything but a regular file."""
     try:
-        fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+        walked = pathwalk.walk(path)
+        try:
+            fd = walked.reopen(flags | os.O_NONBLOCK, mode)
+        finally:
+            walked.close()
     except OSError as exc:
         if exc.errno == errno.ENXIO:  # a FIFO without a reader
             raise invalid(f"{path}: not a regular file") from None
@@ -138,12 +144,22 @@ def list_dir(req: dict[str, Any]) -> dict[str, Any]:
     path = arg_path(req)
     entries = []
     try:
-        with os.scandir(path) as it:
-            for item in it:
-                try:
-                    entries.append(_entry(item.name, item.path, item.stat(follow_symlinks=False)))
-                except FileNotFoundError:
-                    continue  # removed while listing
+        walked = pathwalk.walk(path)
+        try:
+            if walked.obj < 0:
+                raise FileNotFoundError(errno.ENOENT, "no such file or directory", path)
+            fd = walked.reopen(os.O_RDONLY | os.O_DIRECTORY)
+        finally:
+            walked.close()
+        try:
+            with os.scandir(fd) as it:
+                for item in it:
+                    try:
+                        entries.append(_entry(item.name, item.name, item.stat(follow_symlinks=False), fd))
+                    except FileNotFoundError:
+                        continue  # removed while listing
+        finally:
+            os.close(fd)
     except NotADirectoryError:
         raise invalid(f"{path}: not a directory") from None
     except OSError as exc:
@@ -155,10 +171,16 @@ def list_dir(req: dict[str, Any]) -> dict[str, Any]:
 def stat_op(req: dict[str, Any]) -> dict[str, Any]:
     path = arg_path(req)
     try:
-        st = os.lstat(path)
+        walked = pathwalk.walk(path, follow_last=False)
+        try:
+            if walked.obj < 0:
+                raise FileNotFoundError(errno.ENOENT, "no such file or directory", path)
+            st = os.fstat(walked.obj)
+            return _entry(os.path.basename(path.rstrip("/")) or "/", walked.name, st, walked.parent)
+        finally:
+            walked.close()
     except OSError as exc:
         raise from_os_error(exc, path) from None
-    return _entry(os.path.basename(path.rstrip("/")) or "/", path, st)
 
 
 def remove(req: dict[str, Any]) -> dict[str, Any]:
@@ -167,15 +189,22 @@ def remove(req: dict[str, Any]) -> dict[str, Any]:
     if os.path.normpath(path) == "/":
         raise invalid("refusing to remove /")
     try:
-        st = os.lstat(path)
-        if not stat.S_ISDIR(st.st_mode):
-            os.unlink(path)
-        elif recursive:
-            import shutil  # here: at module level it loads bz2 and lzma into every agent
+        walked = pathwalk.walk(path, follow_last=False)
+        try:
+            if walked.obj < 0:
+                raise FileNotFoundError(errno.ENOENT, "no such file or directory", path)
+            st = os.fstat(walked.obj)
+            name, parent = walked.name, walked.parent
+            if not stat.S_ISDIR(st.st_mode):
+                os.unlink(name, dir_fd=parent)
+            elif recursive:
+                import shutil  # here: at module level it loads bz2 and lzma into every agent
 
-            shutil.rmtree(path)
-        else:
-            os.rmdir(path)
+                shutil.rmtree(name, dir_fd=parent)
+            else:
+                os.rmdir(name, dir_fd=parent)
+        finally:
+            walked.close()
     except OSError as exc:
         if exc.errno == errno.ENOTEMPTY:
             raise invalid(f"{path}: directory not empty (pass recursive)") from None

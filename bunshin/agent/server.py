@@ -269,7 +269,8 @@ class AgentServer:
                 self._refuse(fd, exc)
 
     def warm_up(self, rounds: int = WARM_UP_ROUNDS) -> None:
-        """Answer a few pings, stats and execs (as jobs) before the agent is ready.
+        """Answer a few pings, stats (of the socket's folder: a walk of a few components) and
+        execs (as jobs) before the agent is ready.
 
         Python 3.12 rewrites a function's bytecode the first times it runs (specialising it)
         and counts down in it after: in a forked clone each function a call runs for the first
@@ -281,7 +282,7 @@ class AgentServer:
         reply = self._answer
         for _ in range(rounds):
             reply(request_line(Op.PING, {}).rstrip(b"\n"))
-            reply(request_line(Op.STAT, {"path": "/"}).rstrip(b"\n"))
+            reply(request_line(Op.STAT, {"path": os.path.dirname(self.socket_path)}).rstrip(b"\n"))  # a walk (pathwalk)
             started = reply(request_line(Op.JOB_START, {JOB_REQUEST: {OP: Op.EXEC.value, "argv": WARM_UP_ARGV}}).rstrip(b"\n"))
             if not isinstance(started, bytes):
                 return

@@ -462,8 +462,88 @@ def test_large_file_goes_in_chunks(client: AgentClient, tmp_path: Path) -> None:
     )
 
 
-def test_proc_files_are_readable(client: AgentClient) -> None:
-    assert b"Name:" in client.read_file("/proc/self/status")
+def test_proc_files_of_processes_inside_are_readable(client: AgentClient, tmp_path: Path) -> None:
+    pid = client.spawn(cmd="exec sleep 30", env={"CANARY": "inside"})
+    try:
+        assert b"Name:\tsleep" in client.read_file(f"/proc/{pid}/status")
+        assert b"CANARY=inside" in client.read_file(f"/proc/{pid}/environ")
+        assert client.stat(f"/proc/{pid}/fd").type == FileType.DIR
+        assert {e.name for e in client.list_dir(f"/proc/{pid}/fd")} >= {"0", "1", "2"}
+        (tmp_path / "own").symlink_to(f"/proc/{pid}")
+        assert b"CANARY=inside" in client.read_file(tmp_path / "own" / "environ")
+    finally:
+        client.kill(pid, 9)
+
+
+def _agent_paths(agent: RunningAgent, tmp_path: Path) -> tuple[list[str], list[str]]:
+    """Paths through the agent's own /proc entries, however reached; and symlinks to them
+    (a stat or a remove of those is of the link itself)."""
+    pid = agent.agent_pid
+    tids = os.listdir(f"/proc/{pid}/task")
+    (tmp_path / "abs").symlink_to("/proc/self/environ")
+    (tmp_path / "procdir").symlink_to("/proc")
+    (tmp_path / "chain").symlink_to(tmp_path / "procdir")
+    (tmp_path / "rel").symlink_to("../" * len(tmp_path.parts) + "proc/thread-self")
+    (tmp_path / "log").symlink_to("/proc/self/fd/2")
+    return [
+        "/proc/self/environ", "/proc/self/maps", "/proc/self/mem", "/proc/self/status", "/proc/self/fd/2",
+        "/proc/thread-self/environ", f"/proc/{pid}/environ", f"/proc/{pid}/root/etc/hostname",
+        f"/proc/{pid}/cwd", f"/proc/{pid}/fd", *(f"/proc/{pid}/task/{t}/environ" for t in tids),
+        *(f"/proc/{t}/environ" for t in tids), "/proc//self/./environ", "/proc/self/../self/environ",
+        f"/proc/sys/../{pid}/environ", str(tmp_path / "procdir/self/environ"),
+        str(tmp_path / "chain/self/environ"), str(tmp_path / "rel/environ"),
+    ], [str(tmp_path / "abs"), str(tmp_path / "log")]
+
+
+def test_the_agents_own_proc_entries_are_refused(agent: RunningAgent, tmp_path: Path) -> None:
+    """The agent may open its own /proc entries (its thread group always may); a file call
+    must not: processes inside are refused them (EACCES), however the path gets there."""
+    client = agent.client
+    through, links = _agent_paths(agent, tmp_path)
+    following = (client.read_file, client.list_dir, lambda p: client.write_file(p, "x"))
+    for path, calls in [*((p, (*following, client.stat, client.remove)) for p in through),
+                        *((p, following) for p in links)]:
+        for call in calls:
+            with pytest.raises(InvalidArgument, match="permission denied.*the workspace agent's own") as info:
+                call(path)
+            assert "exec" in (info.value.hint or ""), path
+    assert client.stat(tmp_path / "log").link_target == "/proc/self/fd/2"  # the link itself
+    client.remove(tmp_path / "log")
+    assert not (tmp_path / "log").is_symlink()
+    # another process's links that lead there: a descriptor of the agent's /proc folder, a cwd in it
+    hold = tmp_path / "hold"
+    pid = client.spawn(["python3", "-c", f"import os, time; fd = os.open('/proc/{agent.agent_pid}', os.O_RDONLY); "
+                        f"open('{hold}', 'w').write(str(fd)); time.sleep(60)"])
+    cwd = client.spawn(cmd=f"cd /proc/{agent.agent_pid} && exec sleep 60")
+    try:
+        wait_until(lambda: hold.exists() and hold.read_text() != "", what="the holder's descriptor")
+        for path in (f"/proc/{pid}/fd/{hold.read_text()}/environ", f"/proc/{cwd}/cwd/environ"):
+            with pytest.raises(InvalidArgument, match="permission denied"):
+                client.read_file(path)
+    finally:
+        client.kill(pid, 9)
+        client.kill(cwd, 9)
+    assert client.read_file(tmp_path / "hold") == hold.read_bytes()  # ordinary files as before
+
+
+def test_files_through_symlinks_and_dotdot_as_the_kernel_resolves_them(client: AgentClient, tmp_path: Path) -> None:
+    (tmp_path / "d" / "e").mkdir(parents=True)
+    (tmp_path / "d" / "e" / "f").write_text("deep")
+    (tmp_path / "up").symlink_to("d/e")
+    (tmp_path / "abs").symlink_to(tmp_path / "d")
+    (tmp_path / "dangling").symlink_to("d/new")
+    (tmp_path / "loop").symlink_to("loop")
+    assert client.read_file(tmp_path / "up" / "f") == b"deep"
+    assert client.read_file(f"{tmp_path}/up/../e/f") == b"deep"  # .. of where the link led, as the kernel
+    assert client.read_file(f"{tmp_path}/abs/./e/../e/f") == b"deep"
+    client.write_file(tmp_path / "dangling", "made")  # created where the link points, as open(O_CREAT)
+    assert (tmp_path / "d" / "new").read_text() == "made"
+    assert [e.name for e in client.list_dir(tmp_path / "abs")] == ["e", "new"]
+    assert client.stat(tmp_path / "up").type == FileType.SYMLINK
+    with pytest.raises(AgentError, match="symbolic links"):
+        client.read_file(tmp_path / "loop")
+    client.remove(tmp_path / "up")
+    assert (tmp_path / "d" / "e" / "f").exists()
 
 
 def test_file_errors(client: AgentClient, tmp_path: Path) -> None:
