@@ -13,6 +13,8 @@ DEFAULT_TMPFS = Path("/dev/shm/bunshin")
 INSTALL_DIR = Path("/opt/bunshin")  # what `make install` puts on the host (CRIU)
 DEFAULT_CRIU = INSTALL_DIR / "criu" / "bin" / "criu"
 DEFAULT_GHOST_LIMIT = 256 << 20
+DEFAULT_IMAGE_MAX_BYTES = "32G"
+DEFAULT_IMAGE_MAX_LAYERS = 125  # docker's overlay2 refuses more (its "max depth exceeded")
 
 
 @dataclass(frozen=True)
@@ -57,12 +59,17 @@ class Config:
     # The same for a restore (a kept log, ``snapshot.restore(keep_logs=True)``, is at -v4:
     # ``bench restore-phases`` splits it): ~2,000 lines, each a write on the restore's path.
     restore_log_level: int = 2
+    # Caps on one image load, pull or build (``runtime.oci.caps``): the bytes its layers
+    # unpack to (counted as they are written: a gzip or zstd bomb stops there; bytes, or a
+    # size such as "32G") and its layer count (refused before anything is unpacked).
+    image_max_bytes: int | str = DEFAULT_IMAGE_MAX_BYTES
+    image_max_layers: int | str = DEFAULT_IMAGE_MAX_LAYERS
 
     @classmethod
     def from_env(cls) -> Config:
         """Defaults, overridden by ``BUNSHIN_HOME``, ``BUNSHIN_TMPFS``, ``BUNSHIN_CRIU``,
-        ``BUNSHIN_GHOST_LIMIT`` (bytes, or with a K/M/G suffix), ``BUNSHIN_FORK_PRECOPY`` (1/0) and
-        ``BUNSHIN_FORK_PRECOPY_MIN_MIB``."""
+        ``BUNSHIN_GHOST_LIMIT`` (bytes, or with a K/M/G suffix), ``BUNSHIN_FORK_PRECOPY`` (1/0),
+        ``BUNSHIN_FORK_PRECOPY_MIN_MIB``, ``BUNSHIN_IMAGE_MAX_BYTES`` and ``BUNSHIN_IMAGE_MAX_LAYERS``."""
         cfg = cls.for_home(
             Path(os.environ.get("BUNSHIN_HOME", DEFAULT_HOME)),
             tmpfs=Path(os.environ["BUNSHIN_TMPFS"]) if os.environ.get("BUNSHIN_TMPFS") else None,
@@ -76,6 +83,11 @@ class Config:
         least = os.environ.get("BUNSHIN_FORK_PRECOPY_MIN_MIB")
         if least:
             cfg = dataclasses.replace(cfg, fork_precopy_min_mib=int(least) if least.isdigit() else least)
+        # the image caps are checked where an image is loaded (``runtime.oci.caps``)
+        if os.environ.get("BUNSHIN_IMAGE_MAX_BYTES"):
+            cfg = dataclasses.replace(cfg, image_max_bytes=os.environ["BUNSHIN_IMAGE_MAX_BYTES"])
+        if os.environ.get("BUNSHIN_IMAGE_MAX_LAYERS"):
+            cfg = dataclasses.replace(cfg, image_max_layers=os.environ["BUNSHIN_IMAGE_MAX_LAYERS"])
         return cfg
 
     @classmethod

@@ -56,3 +56,17 @@ def env_factor(name: str, default: int, doing: str) -> int:
         raise InvalidArgument(f"{name}={text!r} is not a whole number",
                               hint=f"set {name} to a factor such as {default}, or 0 to {doing} at the default weight")
     return max(int(text), 1)
+
+
+_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def byte_size(raw: int | str, what: str, hint: str) -> int:
+    """``raw`` in bytes: a positive int, or a whole number with a K, M, G or T suffix
+    ("64M"); ``InvalidArgument`` (``what`` named, ``hint`` given) otherwise."""
+    text = str(raw).strip().upper().removesuffix("B").removesuffix("I")
+    unit = text[-1:] if text[-1:] in _SUFFIXES else ""
+    number = text[: len(text) - len(unit)]
+    if isinstance(raw, bool) or not number.isdigit() or int(number) <= 0:
+        raise InvalidArgument(f"{what} {raw!r} is not a size", hint=hint)
+    return int(number) * _SUFFIXES[unit]

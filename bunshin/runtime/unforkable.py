@@ -29,25 +29,19 @@ from collections.abc import Iterator
 import psutil
 
 from ..config import Config
-from ..errors import InvalidArgument, NotForkable
+from ..errors import NotForkable
 from . import mountinfo
 from .fork_checks import Task, pid_level
+from .limits import byte_size
 
-_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _WATCH = re.compile(r"^inotify wd:\S+ ino:([0-9a-f]+) sdev:([0-9a-f]+) ")
 _DELETED = " (deleted)"
 
 
 def ghost_limit(cfg: Config) -> int:
     """``cfg.ghost_limit`` in bytes: an int, or a number with a K, M or G suffix ("64M")."""
-    raw = cfg.ghost_limit
-    text = str(raw).strip().upper().removesuffix("B").removesuffix("I")
-    unit = text[-1:] if text[-1:] in _SUFFIXES else ""
-    number = text[: len(text) - len(unit)]
-    if isinstance(raw, bool) or not number.isdigit() or int(number) <= 0:
-        raise InvalidArgument(f"ghost limit {raw!r} is not a size",
-                              hint="set BUNSHIN_GHOST_LIMIT (or Config.ghost_limit) to bytes or e.g. 64M, 1G")
-    return int(number) * _SUFFIXES[unit]
+    return byte_size(cfg.ghost_limit, "ghost limit",
+                     "set BUNSHIN_GHOST_LIMIT (or Config.ghost_limit) to bytes or e.g. 64M, 1G")
 
 
 def _holder(host_pid: int, level: int) -> Task | None:

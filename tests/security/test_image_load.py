@@ -7,7 +7,10 @@ staging) and writes nothing outside the store (canaries the test plants)."""
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
+import hashlib
+import io
 import json
 import os
 import subprocess
@@ -17,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from bunshin.config import Config
-from bunshin.errors import ImageNotFound, InvalidArgument, ResourceExhausted
+from bunshin.errors import ImageNotFound, InvalidArgument, PayloadTooLarge, ResourceExhausted
 from bunshin.runtime.oci import store as oci_store
 from bunshin.runtime.store import Store
 from bunshin.workspace import Workspace
@@ -42,7 +45,7 @@ def canary(tmp_path: Path) -> Path:
     return d
 
 
-BASE_DIFF_ID = "sha256:" + __import__("hashlib").sha256(oi.busybox_base().tar_bytes()).hexdigest()
+BASE_DIFF_ID = "sha256:" + hashlib.sha256(oi.busybox_base().tar_bytes()).hexdigest()
 
 
 def nothing_stored(cfg: Config, store: Store) -> None:
@@ -233,3 +236,108 @@ def test_an_oci_layout_with_planted_links_and_fifos_is_refused(tmp_path: Path, h
         oci_store.load(cfg, store, layout)
     nothing_stored(cfg, store)
     canary_intact(canary)
+
+
+
+# ------------------------------------------------------------------ caps (issue 25)
+
+_ZEROS = 1 << 27  # the bombs' repeated member (gzip) or frame (zstd): 128 MiB of zeros
+
+
+def _compress(kind: str, data: bytes) -> bytes:
+    if kind == "gzip":
+        return gzip.compress(data, compresslevel=9, mtime=0)
+    import zstandard
+
+    return zstandard.ZstdCompressor(level=3).compress(data)
+
+
+def write_bomb(dest: Path, kind: str, size: int) -> str:
+    """A compressed tar of one file of ``size`` zero bytes, as concatenated gzip members
+    (zstd frames): the header, then the same 128 MiB of zeros again and again, then the
+    rest; the uncompressed stream is never made. Returns the blob's digest."""
+    ti = tarfile.TarInfo("zeros")
+    ti.size, ti.mode = size, 0o644
+    tail = size + (-size % 512) + 1024  # the data, its padding, the end-of-archive blocks
+    block = _compress(kind, bytes(_ZEROS))
+    h = hashlib.sha256()
+    with open(dest, "wb") as out:
+        for part in (_compress(kind, ti.tobuf(tarfile.PAX_FORMAT)), *[block] * (tail // _ZEROS),
+                     _compress(kind, bytes(tail % _ZEROS))):
+            out.write(part)
+            h.update(part)
+    return "sha256:" + h.hexdigest()
+
+
+def bomb_layout(dest: Path, kind: str, size: int) -> Path:
+    """An OCI layout whose one layer is a bomb (its diff id the sha256 of nothing: the
+    cap must stop the unpack long before the digest is known)."""
+    blobs = dest / "blobs" / "sha256"
+    blobs.mkdir(parents=True)
+    tmp = blobs / "bomb"
+    digest = write_bomb(tmp, kind, size)
+    tmp.rename(blobs / digest[7:])
+    config = json.dumps({"architecture": "amd64", "os": "linux", "config": {},
+                         "rootfs": {"type": "layers", "diff_ids": ["sha256:" + hashlib.sha256().hexdigest()]}}).encode()
+    (blobs / hashlib.sha256(config).hexdigest()).write_bytes(config)
+    manifest = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                           "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                                      "digest": "sha256:" + hashlib.sha256(config).hexdigest(), "size": len(config)},
+                           "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": digest,
+                                       "size": tmp.parent.joinpath(digest[7:]).stat().st_size}]}).encode()
+    (blobs / hashlib.sha256(manifest).hexdigest()).write_bytes(manifest)
+    (dest / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+    (dest / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [
+        {"mediaType": "application/vnd.oci.image.manifest.v1+json",
+         "digest": "sha256:" + hashlib.sha256(manifest).hexdigest(), "size": len(manifest)}]}))
+    return dest
+
+
+@pytest.mark.parametrize(("kind", "size"), [("gzip", 4 << 30), ("zstd", 64 << 30), ("archive", 4 << 30)])
+def test_a_decompression_bomb_stops_at_the_size_cap(kind: str, size: int, tmp_path: Path, home) -> None:
+    """A few MiB (gzip: deflate's 1:1032) or a few hundred KiB (zstd) that unpack to GiBs:
+    refused at the 64 MiB cap by name, nothing kept (also a whole archive that is a bomb,
+    decompressed into staging before anything is read)."""
+    cfg, store = home
+    cfg = dataclasses.replace(cfg, image_max_bytes="64M")
+    if kind == "archive":
+        path = tmp_path / "img.tar.gz"
+        write_bomb(path, "gzip", size)
+    else:
+        path = bomb_layout(tmp_path / "layout", kind, size)
+    assert sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file()) < size >> 9, "a bomb, not data"
+    with pytest.raises(PayloadTooLarge, match="image_max_bytes=67108864") as exc:
+        oci_store.load(cfg, store, path)
+    assert "--max-size" in (exc.value.hint or "") and "BUNSHIN_IMAGE_MAX_BYTES" in (exc.value.hint or "")
+    nothing_stored(cfg, store)
+    assert oci_store.stored_layers(cfg) == []
+
+
+def test_a_huge_pax_header_is_refused_before_it_is_read(tmp_path: Path, home) -> None:
+    """tarfile reads an extended header whole into memory: one of 2 MiB (a bomb's could be GiBs) is refused."""
+    cfg, store = home
+    ti = tarfile.TarInfo("x")
+    ti.pax_headers = {"comment": "z" * (2 << 20)}
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        tar.addfile(ti)
+    with pytest.raises(InvalidArgument, match="extended header"):
+        oci_store.load(cfg, store, _raw_layout(tmp_path, buf.getvalue()))
+    nothing_stored(cfg, store)
+
+
+def _raw_layout(tmp_path: Path, tar: bytes) -> Path:
+    oi.build_layout(tmp_path / "raw", [_RawLayer(tar)])
+    return tmp_path / "raw"
+
+
+def test_more_layers_than_the_cap_are_refused_before_unpacking(tmp_path: Path, home) -> None:
+    cfg, store = home
+    layout = tmp_path / "deep"
+    oi.build_layout(layout, [oi.Layer().add(f"f{i}", "file", str(i)) for i in range(6)])
+    with pytest.raises(PayloadTooLarge, match=r"6 layers, more than the layer cap image_max_layers=5") as exc:
+        oci_store.load(dataclasses.replace(cfg, image_max_layers=5), store, layout)
+    assert "--max-layers" in (exc.value.hint or "")
+    assert oci_store.stored_layers(cfg) == [], "not one layer unpacked"
+    nothing_stored(cfg, store)
+    assert cfg.image_max_layers == 125, "docker's limit by default"

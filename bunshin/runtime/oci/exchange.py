@@ -31,14 +31,13 @@ from ...config import Config
 from ...errors import ImageNotFound, InvalidArgument, Unauthorized
 from ..keys import home_key, mac
 from ..store import Store
-from . import layer_tar
+from . import caps, layer_tar
 from . import store as oci_store
 from .records import ImageConfig, ImageRecord
 from .unpack import unpack
 
 FORMAT = "bunshin-image-1"
 LAYER_FORMAT = "bunshin-image-layer-1"
-MAX_LAYERS = 256
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 _KEY_HINT = ("hosts of one cluster share the head's snapshot.key (BUNSHIN_HOME/snapshot.key); "
              "`bunshin cluster up` copies it into every host's home")
@@ -111,9 +110,11 @@ def check_manifest(cfg: Config, doc: Any) -> tuple[ImageRecord, list[LayerEntry]
     image_id, config, layers = doc.get("id"), doc.get("config"), doc.get("layers")
     if not isinstance(image_id, str) or not _DIGEST.fullmatch(image_id):
         raise _bad(f"id {image_id!r} is not a sha256 digest")
-    if not isinstance(config, dict) or not isinstance(layers, list) or not 0 < len(layers) <= MAX_LAYERS:
-        raise _bad(f"it needs a config and 1 to {MAX_LAYERS} layers")
+    if not isinstance(config, dict) or not isinstance(layers, list) or not layers:
+        raise _bad("it needs a config and at least one layer")
+    caps.check_layers(cfg, len(layers), f"image {image_id[7:19]}")
     entries = [check_entry(e) for e in layers]
+    caps.Budget.of(cfg).check(sum(e.size for e in entries), f"image {image_id[7:19]}")
     rootfs = config.get("rootfs")
     diff_ids = rootfs.get("diff_ids") if isinstance(rootfs, dict) else None
     if diff_ids != [e.diff_id for e in entries]:
@@ -171,12 +172,13 @@ def import_layer(cfg: Config, store: Store, image_id: str, entry: LayerEntry, st
     if oci_store.stored_layer_size(cfg, store, entry.diff_id) is not None:
         return LayerImport(entry.diff_id, 0, skipped=True)
     read = 0
+    budget = caps.Budget.of(cfg)  # one layer at a time: each within the image's cap
 
     def fill(tmp: Any) -> Any:
         nonlocal read
         done = unpack(stream, str(tmp), id_base=cfg.id_base, id_count=cfg.id_count, blob_digest=None,
                       diff_id=entry.digest, name=entry.diff_id[7:19], limit=entry.size,
-                      told_by="its signed entry")
+                      told_by="its signed entry", budget=budget)
         if done.blob_digest != entry.digest:  # uncompressed: the tar is the stream itself
             raise InvalidArgument(f"layer {entry.diff_id[7:19]}: the stream is not the tar its entry names",
                                   hint="fetch the layer again from its holder")

@@ -20,11 +20,14 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
+from typing import Any
 
 from ...config import Config
 from ...errors import HostUnsupported, ImageNotFound, InvalidArgument, RuntimeFailure, Unreachable
 from ..store import Store
+from . import caps
 from . import store as oci_store
 from .records import ImageRecord
 from .refs import Reference
@@ -32,6 +35,7 @@ from .sources import DirSource, images_in
 
 SKOPEO = "skopeo"
 PULL_TIMEOUT_S = 3600.0
+_WATCH_S = 0.2
 _UNREACHABLE = ("connection refused", "no such host", "i/o timeout", "network is unreachable",
                 "connection reset", "tls: ", "server gave http response", "dial tcp")
 _NOT_FOUND = ("manifest unknown", "name unknown", "not found", "unauthorized", "denied",
@@ -69,12 +73,15 @@ def pull(cfg: Config, store: Store, text: str, *, progress: oci_store.Progress =
     tmp = Path(tempfile.mkdtemp(prefix=".pull-", dir=cfg.paths.image_staging))
     try:
         authfile = _credentials(ref, tmp) or auth_file()
-        stored = _already_stored(cfg, store, ref, authfile)
-        if stored is not None:
-            progress(f"{ref}: image {stored.short_id} and all its layers already stored")
-            return stored
+        remote = _remote_manifest(ref, authfile)
+        if remote is not None:
+            _check_caps(cfg, ref, remote[1])
+            stored = _already_stored(cfg, store, ref, *remote)
+            if stored is not None:
+                progress(f"{ref}: image {stored.short_id} and all its layers already stored")
+                return stored
         dest = tmp / "image"
-        _run(skopeo_argv(ref, dest, authfile), ref, progress)
+        _run(skopeo_argv(ref, dest, authfile), ref, progress, (dest, caps.max_bytes(cfg)))
         manifest = (dest / "manifest.json").read_bytes()
         served = "sha256:" + hashlib.sha256(manifest).hexdigest()
         if ref.digest and served != ref.digest and "manifests" not in json.loads(manifest):
@@ -100,10 +107,10 @@ def _inspect_raw(ref: str, loopback: bool, authfile: Path | None) -> bytes | Non
     return out.stdout if out.returncode == 0 else None
 
 
-def _already_stored(cfg: Config, store: Store, ref: Reference, authfile: Path | None) -> ImageRecord | None:
-    """The stored image ``ref`` names now, if the store holds it whole: only its manifest
-    is fetched (``skopeo inspect --raw``, its digest checked against a pin), no blob.
-    None when anything is missing or unclear (the full pull then decides)."""
+def _remote_manifest(ref: Reference, authfile: Path | None) -> tuple[str, dict[str, Any]] | None:
+    """The digest the registry serves for ``ref`` and the manifest of this machine's
+    instance (``skopeo inspect --raw``, its digest checked against a pin), no blob; None
+    when anything is missing or unclear (the full pull then decides)."""
     raw = _inspect_raw(str(ref), ref.is_loopback, authfile)
     if raw is None:
         return None
@@ -121,8 +128,27 @@ def _already_stored(cfg: Config, store: Store, ref: Reference, authfile: Path | 
             if raw is None or "sha256:" + hashlib.sha256(raw).hexdigest() != picked[0]["digest"]:
                 return None
             doc = json.loads(raw)
-        image_id = doc["config"]["digest"]
     except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return (served, doc) if isinstance(doc, dict) else None
+
+
+def _check_caps(cfg: Config, ref: Reference, doc: dict[str, Any]) -> None:
+    """Refuse, before a blob is fetched, a manifest of more layers than the cap or whose
+    blobs alone (compressed) are larger than the size cap."""
+    layers = doc.get("layers")
+    if not isinstance(layers, list):
+        return
+    caps.check_layers(cfg, len(layers), str(ref))
+    sizes = [d.get("size") for d in layers if isinstance(d, dict)]
+    caps.Budget.of(cfg).check(sum(n for n in sizes if type(n) is int and n > 0), f"{ref}'s layer blobs")
+
+
+def _already_stored(cfg: Config, store: Store, ref: Reference, served: str, doc: dict[str, Any]) -> ImageRecord | None:
+    """The stored image the manifest ``doc`` names, if the store holds it whole."""
+    try:
+        image_id = doc["config"]["digest"]
+    except (KeyError, TypeError):
         return None
     rec = oci_store.complete(cfg, store, image_id) if isinstance(image_id, str) else None
     if rec is None:
@@ -162,12 +188,33 @@ def _credentials(ref: Reference, tmp: Path) -> Path | None:
     return path
 
 
-def _run(argv: list[str], ref: Reference, progress: oci_store.Progress) -> None:
+def _folder_bytes(folder: Path) -> int:
+    try:
+        return sum(e.stat(follow_symlinks=False).st_blocks * 512 for e in os.scandir(folder))
+    except OSError:
+        return 0
+
+
+def _watch(proc: subprocess.Popen[str], folder: Path, cap: int, done: threading.Event, over: list[int]) -> None:
+    """Kill ``proc`` once ``folder`` (skopeo's ``dir:``, flat) holds more than ``cap`` bytes:
+    a registry's blob may be longer than its manifest says (skopeo checks that at the end)."""
+    while not done.wait(_WATCH_S):
+        size = _folder_bytes(folder)
+        if size > cap:
+            over.append(size)
+            proc.kill()
+            return
+
+
+def _run(argv: list[str], ref: Reference, progress: oci_store.Progress, watch: tuple[Path, int]) -> None:
     env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "XDG_RUNTIME_DIR", "HTTPS_PROXY",
                                                           "HTTP_PROXY", "NO_PROXY", "https_proxy", "http_proxy",
                                                           "no_proxy")}
     with tempfile.TemporaryFile(mode="w+") as errf:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=errf, text=True, env=env)
+        done, over = threading.Event(), list[int]()
+        watcher = threading.Thread(target=_watch, args=(proc, *watch, done, over), daemon=True)
+        watcher.start()
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
@@ -178,8 +225,14 @@ def _run(argv: list[str], ref: Reference, progress: oci_store.Progress) -> None:
             proc.kill()
             proc.wait()
             raise
+        finally:
+            done.set()
+            watcher.join()
         errf.seek(0)
         err = errf.read()
+    if over:
+        raise caps.Budget(watch[1]).refuse(f"{ref}'s download ({over[0]} bytes so far, more than its manifest "
+                                           "says)")
     if proc.returncode == 0:
         return
     text = err.strip().splitlines()[-1] if err.strip() else f"skopeo exited {proc.returncode}"

@@ -17,7 +17,6 @@ import os
 import platform
 import posixpath
 import re
-import shutil
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from typing import IO, Any, Protocol
 
 from ...errors import ImageNotFound, InvalidArgument, ResourceExhausted
 from .. import syscalls as sc
+from .caps import Budget
 from .unpack import compression, decompressed
 
 MAX_JSON = 8 << 20
@@ -151,8 +151,9 @@ def _norm(rel: str) -> str:
 
 
 @contextlib.contextmanager
-def open_source(path: Path, staging: Path) -> Iterator[Source]:
-    """``path`` (a folder or an archive, compressed or not) as a ``Source``."""
+def open_source(path: Path, staging: Path, budget: Budget | None = None) -> Iterator[Source]:
+    """``path`` (a folder or an archive, compressed or not) as a ``Source``; a compressed
+    archive is decompressed into ``staging`` up to ``budget`` bytes (the image's size cap)."""
     if not os.path.lexists(path):
         raise ImageNotFound(f"no image file or folder at {path}", hint="give the path of an image archive or folder")
     if path.is_dir():
@@ -169,8 +170,7 @@ def open_source(path: Path, staging: Path) -> Iterator[Source]:
                 staging.mkdir(parents=True, exist_ok=True)
                 tmp = staging / f".archive-{os.getpid()}-{os.urandom(4).hex()}.tar"
                 try:
-                    with open(tmp, "wb") as out:
-                        shutil.copyfileobj(stream, out, 1 << 20)
+                    _decompress(stream, tmp, budget, f"the archive {path}")
                 except OSError as e:
                     if e.errno == 28:
                         raise ResourceExhausted(f"no room to decompress {path} in {staging}",
@@ -178,6 +178,8 @@ def open_source(path: Path, staging: Path) -> Iterator[Source]:
                     raise _bad(str(path), f"cannot decompress it ({e})",
                                "the archive is corrupt or truncated: make or download it again") from e
                 except Exception as e:  # EOFError, BadGzipFile, zstd's errors
+                    if isinstance(e, InvalidArgument):
+                        raise
                     raise _bad(str(path), f"cannot decompress it ({type(e).__name__}: {e})",
                                "the archive is corrupt or truncated: make or download it again") from e
                 source = TarSource(tmp)
@@ -188,6 +190,17 @@ def open_source(path: Path, staging: Path) -> Iterator[Source]:
     finally:
         if tmp is not None:
             tmp.unlink(missing_ok=True)
+
+
+def _decompress(stream: IO[bytes], dest: Path, budget: Budget | None, what: str) -> None:
+    """Write ``stream`` into the new file ``dest``, stopping before ``budget`` is passed."""
+    done = 0
+    with open(dest, "xb") as out:
+        while chunk := stream.read(1 << 20):
+            done += len(chunk)
+            if budget is not None:
+                budget.check(done, what)
+            out.write(chunk)
 
 
 # ------------------------------------------------------------------ image parts

@@ -25,9 +25,10 @@ from ...errors import ImageNotFound, InvalidArgument
 from ..entries import remove_entry
 from ..records import WorkspaceRecord
 from ..store import Store
+from . import caps
 from .records import KIND, LAYER_KIND, LAYER_TAR_KIND, ImageConfig, ImageRecord
 from .refs import Reference
-from .sources import ImageParts, Source, images_in, open_source
+from .sources import ImageParts, LayerBlob, Source, images_in, open_source
 from .unpack import Unpacked, unpack
 
 PENDING_KIND = "image-pending"
@@ -50,7 +51,7 @@ def load(cfg: Config, store: Store, path: Path, *, tags: Iterable[str] = (), dig
     """Load every image of the archive or folder ``path``; ``tags`` name them too.
     ``mapped_from``: see ``unpack`` (only for what ``oci.build`` made)."""
     extra = tuple(normalize_name(t) for t in tags)
-    with open_source(Path(path), cfg.paths.image_staging) as src:
+    with open_source(Path(path), cfg.paths.image_staging, caps.Budget.of(cfg)) as src:
         found = images_in(src, str(path))
         if extra and len(found) != 1:
             raise InvalidArgument(f"{path} holds {len(found)} images: a tag names one",
@@ -72,15 +73,18 @@ def _names(parts: ImageParts) -> tuple[str, ...]:
 
 def add(cfg: Config, store: Store, src: Source, parts: ImageParts, *, names: tuple[str, ...] = (),
         digest: str | None = None, progress: Progress = quiet, mapped_from: int | None = None) -> ImageRecord:
-    """Unpack the layers of ``parts`` the store lacks, then record the image."""
+    """Unpack the layers of ``parts`` the store lacks, then record the image. Refused
+    (``PayloadTooLarge``) when it has more layers than ``cfg.image_max_layers``, before any
+    is read, or unpacks to more than ``cfg.image_max_bytes`` (``caps``)."""
     config = ImageConfig.of(parts.config)
+    caps.check_layers(cfg, len(parts.layers), f"image {parts.id[7:19]}")
+    budget = caps.Budget.of(cfg)
     pending = f"{os.getpid()}-{os.urandom(4).hex()}"
     store.put_object(PENDING_KIND, pending, "\n".join(b.diff_id for b in parts.layers))
     try:
         total = 0
         for i, blob in enumerate(parts.layers, 1):
-            size = _ensure_layer(cfg, store, src, blob.rel, blob.blob_digest, blob.diff_id,
-                                 f"{i}/{len(parts.layers)}", progress, mapped_from)
+            size = _ensure_layer(cfg, store, src, blob, f"{i}/{len(parts.layers)}", progress, budget, mapped_from)
             total += size
         all_names = tuple(dict.fromkeys(_names(parts) + names))
         with store.transaction():
@@ -148,9 +152,10 @@ def _replace(rec: ImageRecord, **changes: object) -> ImageRecord:
     return dataclasses.replace(rec, **changes)  # type: ignore[arg-type]
 
 
-def _ensure_layer(cfg: Config, store: Store, src: Source, rel: str, blob_digest: str | None, diff_id: str,
-                  label: str, progress: Progress, mapped_from: int | None = None) -> int:
-    """The layer ``diff_id`` in the store (unpacked unless there); its size in bytes."""
+def _ensure_layer(cfg: Config, store: Store, src: Source, blob: LayerBlob, label: str, progress: Progress,
+                  budget: caps.Budget, mapped_from: int | None = None) -> int:
+    """The layer ``blob`` in the store (unpacked unless there, charged to ``budget``); its size in bytes."""
+    rel, blob_digest, diff_id = blob.rel, blob.blob_digest, blob.diff_id
     known = stored_layer_size(cfg, store, diff_id)
     if known is not None:
         progress(f"layer {label} {diff_id[7:19]} already stored")
@@ -165,7 +170,7 @@ def _ensure_layer(cfg: Config, store: Store, src: Source, rel: str, blob_digest:
                                   hint="the archive or folder is incomplete: make or download it again") from None
         with f:
             return unpack(f, str(tmp), id_base=cfg.id_base, id_count=cfg.id_count, blob_digest=blob_digest,
-                          diff_id=diff_id, name=diff_id[7:19], mapped_from=mapped_from)
+                          diff_id=diff_id, name=diff_id[7:19], mapped_from=mapped_from, budget=budget)
 
     return stage_layer(cfg, store, diff_id, fill).size_bytes
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import IO, Any, cast
 
 from ...errors import InvalidArgument, ResourceExhausted
+from .caps import Budget
 
 OPAQUE_XATTR = "trusted.overlay.opaque"
 WHITEOUT_PREFIX = ".wh."
@@ -45,16 +46,24 @@ _CHUNK = 1 << 20
 _GZIP_MAGIC = b"\x1f\x8b"
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# tarfile reads a pax header or a GNU long name whole into memory: a bomb could make it GiBs
+MAX_HEADER = 1 << 20
+_HEADER_TYPES = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME,
+                 tarfile.GNUTYPE_LONGLINK)
 
 
 class HashingReader(io.RawIOBase):
-    """Reads ``inner``, hashing (sha256) and counting every byte read."""
+    """Reads ``inner``, hashing (sha256) and counting every byte read; more than ``limit``
+    bytes (the length announced) is refused, and so is more than ``budget`` has left
+    (the image's size cap, charged by the caller once the layer is whole)."""
 
-    def __init__(self, inner: IO[bytes], limit: int | None = None) -> None:
+    def __init__(self, inner: IO[bytes], limit: int | None = None, budget: Budget | None = None,
+                 what: str = "the layer") -> None:
         self.inner = inner
         self.sha = hashlib.sha256()
         self.count = 0
         self.limit = limit
+        self.budget, self.what = budget, what
 
     def readable(self) -> bool:
         return True
@@ -67,6 +76,8 @@ class HashingReader(io.RawIOBase):
         if self.limit is not None and self.count + n > self.limit:
             raise InvalidArgument(f"the layer stream is longer than the {self.limit} bytes it was announced with",
                                   hint="the stream is corrupt or was replaced: fetch the layer again")
+        if self.budget is not None:
+            self.budget.check(self.count + n, self.what)
         b[:n] = data
         self.sha.update(data)
         self.count += n
@@ -101,6 +112,21 @@ def decompressed(raw: Any) -> IO[bytes]:
     return buf
 
 
+class _TarInfo(tarfile.TarInfo):
+    """A member header whose extended headers are bounded (``MAX_HEADER``; global pax
+    headers, which the tar keeps for every later member, in all) before tarfile reads them."""
+
+    def _proc_member(self, tf: Any) -> Any:
+        if self.type in _HEADER_TYPES:
+            seen = self.size + (getattr(tf, "bunshin_global_bytes", 0) if self.type == tarfile.XGLTYPE else 0)
+            if seen > MAX_HEADER:
+                raise InvalidArgument(f"the layer's tar has an extended header of {self.size} bytes (at most "
+                                      f"{MAX_HEADER} are read)", hint="the image is malformed or hostile: it is not stored")
+            if self.type == tarfile.XGLTYPE:
+                tf.bunshin_global_bytes = seen
+        return super()._proc_member(tf)  # type: ignore[misc]  # tarfile's own hook
+
+
 @dataclass(frozen=True)
 class Unpacked:
     """What ``unpack`` read and wrote: the blob's and the tar's digests, bytes and entries."""
@@ -113,7 +139,7 @@ class Unpacked:
 
 def unpack(blob: IO[bytes], dest: str, *, id_base: int, id_count: int,
            blob_digest: str | None, diff_id: str, name: str, mapped_from: int | None = None,
-           limit: int | None = None, told_by: str = "the image config") -> Unpacked:
+           limit: int | None = None, told_by: str = "the image config", budget: Budget | None = None) -> Unpacked:
     """Unpack the layer ``blob`` (compressed or not) into the empty folder ``dest``.
 
     ``blob_digest`` (the manifest's, None when the layer comes uncompressed from a
@@ -122,14 +148,17 @@ def unpack(blob: IO[bytes], dest: str, *, id_base: int, id_count: int,
     the disk is full; the caller removes ``dest`` then. ``mapped_from``: ids at or above
     it were written through that mapping (a build's user namespace: ``oci.build``) and
     count from it. ``limit``: bytes ``blob`` may hold at most; ``told_by``: who named
-    ``diff_id`` (for the error).
+    ``diff_id`` (for the error). ``budget``: the image's size cap (``caps``), checked
+    before each chunk is written (``PayloadTooLarge`` past it) and charged with the
+    layer's size once it is whole.
     """
     raw = HashingReader(blob, limit)
+    what = f"layer {name}"
     try:
-        inner = HashingReader(decompressed(raw))
-        writer = _Writer(dest, id_base, id_count, name, mapped_from)
+        inner = HashingReader(decompressed(raw), budget=budget, what=what)
+        writer = _Writer(dest, id_base, id_count, name, mapped_from, budget)
         try:
-            with tarfile.open(fileobj=cast(IO[bytes], inner), mode="r|", errorlevel=2) as tar:
+            with tarfile.open(fileobj=cast(IO[bytes], inner), mode="r|", errorlevel=2, tarinfo=_TarInfo) as tar:
                 for member in tar:
                     writer.add(tar, member)
             inner.drain()
@@ -159,7 +188,15 @@ def unpack(blob: IO[bytes], dest: str, *, id_base: int, id_count: int,
     if inner.digest != diff_id:
         raise InvalidArgument(f"layer {name}: its tar's digest is {inner.digest}, {told_by} says {diff_id}",
                               hint="the layer is corrupt or was replaced: fetch the image again")
+    if budget is not None:
+        budget.charge(max(inner.count, writer.bytes), what)
     return Unpacked(raw.digest, inner.digest, writer.bytes, writer.entries)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _parts(name: str, what: str, layer: str) -> list[str]:
@@ -178,10 +215,11 @@ def _parts(name: str, what: str, layer: str) -> list[str]:
 class _Writer:
     """Makes the members of one layer tar under ``root``, through descriptors."""
 
-    def __init__(self, root: str, id_base: int, id_count: int, layer: str, mapped_from: int | None = None) -> None:
+    def __init__(self, root: str, id_base: int, id_count: int, layer: str, mapped_from: int | None = None,
+                 budget: Budget | None = None) -> None:
         self.root_fd = os.open(root, _DIR_FLAGS)
         self.id_base, self.id_count, self.layer = id_base, id_count, layer
-        self.mapped_from = mapped_from
+        self.mapped_from, self.budget = mapped_from, budget
         self.bytes = 0
         self.entries = 0
         self.dir_times: list[tuple[list[str], int]] = []
@@ -313,7 +351,9 @@ class _Writer:
             src = tar.extractfile(m)
             if src is not None:
                 while chunk := src.read(_CHUNK):
-                    os.write(fd, chunk)
+                    if self.budget is not None:
+                        self.budget.check(self.bytes + len(chunk), f"layer {self.layer}")
+                    _write_all(fd, chunk)
                     self.bytes += len(chunk)
             os.fchown(fd, uid, gid)
             os.fchmod(fd, mode)  # after chown, which clears setuid bits

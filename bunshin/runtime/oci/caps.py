@@ -1,0 +1,76 @@
+"""Caps on one image load, pull or build: the bytes its layers unpack to and its layers.
+
+An image is untrusted input, and its compressed size says nothing of what it unpacks
+to: deflate reaches ~1,000:1, zstd ~30,000:1 (runs of zeros), so a few MiB can hold
+TiBs. ``Budget`` is charged as a layer is unpacked, per chunk, before the chunk is
+written (the larger of the layer's tar stream and the bytes written to files: a GNU
+sparse member writes more than its tar holds); past ``Config.image_max_bytes`` the
+unpack stops with ``PayloadTooLarge`` and the store removes the layer's staging folder.
+The layer count (``Config.image_max_layers``, docker's 125 by default: overlayfs
+stacks at most 500 lowers and every fork adds one) is refused before a layer is read.
+"""
+
+from __future__ import annotations
+
+from ...config import Config
+from ...errors import InvalidArgument, PayloadTooLarge
+from ..limits import byte_size
+
+BYTES_HINT = ("raise the cap if you trust the image: --max-size SIZE (image load/pull/build), "
+              "BUNSHIN_IMAGE_MAX_BYTES or Config.image_max_bytes (e.g. 64G)")
+LAYERS_HINT = ("an image of that many layers cannot be stacked here; squash it (buildah --squash, "
+               "docker build --squash) or raise the cap: --max-layers N, BUNSHIN_IMAGE_MAX_LAYERS or "
+               "Config.image_max_layers")
+
+
+def max_bytes(cfg: Config) -> int:
+    """``cfg.image_max_bytes`` in bytes."""
+    return byte_size(cfg.image_max_bytes, "image size cap (image_max_bytes)",
+                     "set BUNSHIN_IMAGE_MAX_BYTES, --max-size or Config.image_max_bytes to bytes or e.g. 32G")
+
+
+def max_layers(cfg: Config) -> int:
+    """``cfg.image_max_layers``: a whole number >= 1 (at most overlayfs's 500 lowers)."""
+    raw = cfg.image_max_layers
+    if isinstance(raw, bool) or not str(raw).strip().isdigit() or not 1 <= int(str(raw).strip()) <= 500:
+        raise InvalidArgument(f"image layer cap (image_max_layers) {raw!r} is not a whole number from 1 to 500",
+                              hint="set BUNSHIN_IMAGE_MAX_LAYERS, --max-layers or Config.image_max_layers")
+    return int(str(raw).strip())
+
+
+def check_layers(cfg: Config, count: int, where: str) -> None:
+    """Refuse an image of more layers than ``cfg`` allows, naming the cap."""
+    cap = max_layers(cfg)
+    if count > cap:
+        raise PayloadTooLarge(f"{where}: the image has {count} layers, more than the layer cap "
+                              f"image_max_layers={cap}; nothing was unpacked", hint=LAYERS_HINT)
+
+
+class Budget:
+    """The bytes an image may still unpack to; ``charge`` refuses what goes past the cap."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.used = 0
+
+    @classmethod
+    def of(cls, cfg: Config) -> Budget:
+        return cls(max_bytes(cfg))
+
+    @property
+    def left(self) -> int:
+        return self.cap - self.used
+
+    def refuse(self, what: str) -> PayloadTooLarge:
+        return PayloadTooLarge(f"{what} goes past the image size cap image_max_bytes={self.cap} bytes "
+                               f"({self.cap / (1 << 30):.4g} GiB): stopped there, nothing of it is kept",
+                               hint=BYTES_HINT)
+
+    def check(self, n: int, what: str) -> None:
+        """Refuse unless ``n`` more bytes (not yet charged) fit."""
+        if n > self.left:
+            raise self.refuse(what)
+
+    def charge(self, n: int, what: str) -> None:
+        self.check(n, what)
+        self.used += n
