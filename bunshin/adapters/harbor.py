@@ -19,8 +19,8 @@ go in and out through the workspace's file API (a folder download copies regular
 and folders only: a symlink planted inside is not followed to the host nor recreated on
 it). Workspaces have no network. Options (Harbor's environment kwargs): ``fork`` (default
 true; false: a fresh workspace from the image per trial), ``memory`` (default
-``[environment] memory_mb``, else 2G), ``build_network`` (``host``/``none``, for
-``RUN`` steps), ``bunshin_config``.
+``[environment] memory_mb``, else 2G), ``build_network`` (``RUN`` steps': ``none`` by
+default, ``host`` for a dataset you trust, with a warning: ``oci.build``), ``bunshin_config``.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def context_hash(folder: Path) -> str:
 
 
 def image_for(cfg: Config, environment_dir: Path, name: str, *, docker_image: str | None = None,
-              force_build: bool = False, network: str = "host") -> str:
+              force_build: bool = False, network: str = "none") -> str:
     """The stored image of a Harbor environment: ``docker_image`` as named (stored or
     pulled), else the folder's Dockerfile built once per content (``harbor/<name>:<hash>``)."""
     from ..runtime.images import stored_image
@@ -114,7 +114,7 @@ class BunshinEnvironment(BaseEnvironment):
     """One Harbor trial's environment: a workspace restored from its task environment's root."""
 
     def __init__(self, *args: Any, fork: bool = True, memory: str | int | None = None,
-                 build_network: str = "host", bunshin_config: Config | None = None, **kwargs: Any) -> None:
+                 build_network: str = "none", bunshin_config: Config | None = None, **kwargs: Any) -> None:
         self._fork = bool(fork)
         self._memory = memory
         self._build_network = build_network

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from datetime import datetime
@@ -23,11 +24,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                                      "(.tar, .tar.gz, .tar.zst)")
     p.add_argument("file")
     p.add_argument("--tag", action="append", default=[], metavar="REF", help="also name the image REF")
+    _caps(p)
     p.add_argument("--json", action="store_true", help="print the loaded images as JSON")
     p.set_defaults(func=cmd_load)
 
     p = isub.add_parser("pull", help="pull REF[@sha256:...] from a registry (through skopeo)")
     p.add_argument("ref")
+    _caps(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_pull)
 
@@ -35,7 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("dir")
     p.add_argument("-f", "--file", default="Dockerfile", help="the Dockerfile's name in DIR (default Dockerfile)")
     p.add_argument("-t", "--tag", action="append", default=[], metavar="REF", help="name the image REF")
-    p.add_argument("--network", default="host", choices=["host", "none"], help="RUN steps' network (default host)")
+    p.add_argument("--network", default="none", metavar="none|egress|host",
+                   help="RUN steps' network: none (default: their own namespace, loopback only); host (the "
+                        "host's: every service on its loopback; warns); egress is not supported yet")
+    _caps(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_build)
 
@@ -52,6 +58,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("refs", nargs="+")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_rm)
+
+
+def _caps(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-size", metavar="SIZE", help="refuse an image that unpacks to more (default "
+                   "BUNSHIN_IMAGE_MAX_BYTES or 32G)")
+    p.add_argument("--max-layers", metavar="N", help="refuse an image of more layers (default "
+                   "BUNSHIN_IMAGE_MAX_LAYERS or 125)")
+
+
+def _config(args: argparse.Namespace) -> Config:
+    """The config from the environment, with the command's caps."""
+    cfg = Config.from_env()
+    if args.max_size is not None:
+        cfg = dataclasses.replace(cfg, image_max_bytes=args.max_size)
+    if args.max_layers is not None:
+        cfg = dataclasses.replace(cfg, image_max_layers=args.max_layers)
+    return cfg
+
+
+def _warn(line: str) -> None:
+    print(f"warning: {line}", file=sys.stderr, flush=True)
 
 
 class _Status:
@@ -81,7 +108,7 @@ def _progress(args: argparse.Namespace) -> _Status:
 
 
 def cmd_load(args: argparse.Namespace) -> int:
-    cfg = Config.from_env()
+    cfg = _config(args)
     t0 = time.perf_counter()
     with Store.open(cfg.db_path) as store, _progress(args) as progress:
         recs = oci_store.load(cfg, store, args.file, tags=args.tag, progress=progress)
@@ -96,7 +123,7 @@ def cmd_load(args: argparse.Namespace) -> int:
 def cmd_pull(args: argparse.Namespace) -> int:
     from ..runtime.oci.pull import pull
 
-    cfg = Config.from_env()
+    cfg = _config(args)
     t0 = time.perf_counter()
     with Store.open(cfg.db_path) as store, _progress(args) as progress:
         rec = pull(cfg, store, args.ref, progress=progress)
@@ -110,11 +137,11 @@ def cmd_pull(args: argparse.Namespace) -> int:
 def cmd_build(args: argparse.Namespace) -> int:
     from ..runtime.oci.build import build
 
-    cfg = Config.from_env()
+    cfg = _config(args)
     t0 = time.perf_counter()
     with Store.open(cfg.db_path) as store, _progress(args) as progress:
         rec = build(cfg, store, args.dir, dockerfile=args.file, tags=tuple(args.tag), network=args.network,
-                    progress=progress)
+                    progress=progress, warn=_warn)
     if args.json:
         output.print_json({**rec.summary(), "seconds": round(time.perf_counter() - t0, 3)})
     else:

@@ -4,6 +4,8 @@ across invocations (issue 11)."""
 from __future__ import annotations
 
 import json
+import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -70,3 +72,82 @@ def test_image_pull_shows_progress_and_prints_json(no_leaks, tmp_path: Path) -> 
         assert out["id"] == info["config"] and info["manifest"] in out["digests"]
     bunshin(cfg, "image", "rm", info["config"])
     bunshin(cfg, "gc")
+
+
+@pytest.fixture
+def loopback_listener():
+    """A TCP server on the host's 127.0.0.1 (random port) counting the connections it accepts."""
+    accepted: list[str] = []
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except TimeoutError:
+                continue
+            accepted.append("x")
+            conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        yield srv.getsockname()[1], accepted
+    finally:
+        stop.set()
+        t.join()
+        srv.close()
+
+
+def test_build_steps_get_no_network_unless_host_is_asked_with_a_warning(no_leaks, tmp_path: Path,
+                                                                          loopback_listener) -> None:
+    """A Dockerfile's RUN tries the host's loopback: by default it cannot reach it (its own
+    network namespace); only with --network host, which warns; egress is refused by name."""
+    cfg, (port, accepted) = no_leaks, loopback_listener
+    oi.build_layout(tmp_path / "base", [oi.busybox_base()])
+    oi.oci_archive(tmp_path / "base", tmp_path / "base.tar")
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "Dockerfile").write_text(
+        f"FROM oci-archive:{tmp_path / 'base.tar'}\n"
+        f"RUN (busybox nc -w 5 127.0.0.1 {port} </dev/null && echo reached || echo unreachable) > /net\n")
+    r = bunshin(cfg, "image", "build", str(ctx), "--network", "egress", check=False)
+    assert r.returncode == 1 and "network 'egress'" in r.stderr and "not supported" in r.stderr, r.stderr
+    ids = []
+    try:
+        for args, want in ((), "unreachable\n"), (("--network", "host"), "reached\n"):
+            r = bunshin(cfg, "image", "build", str(ctx), *args, "--json", timeout=600)
+            rec = json.loads(r.stdout)
+            ids.append(rec["id"])
+            layers = json.loads(bunshin(cfg, "image", "inspect", rec["id"], "--json").stdout)["layers"]
+            assert (cfg.paths.image_layer(layers[-1]) / "net").read_text() == want
+            assert ("warning: RUN steps share the host's network namespace" in r.stderr) == bool(args), r.stderr
+            assert len(accepted) == (1 if args else 0)
+    finally:
+        if ids:
+            bunshin(cfg, "image", "rm", *ids)
+
+
+def test_caps_are_set_by_flag_or_environment_and_a_pull_is_refused_before_download(
+        no_leaks, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = no_leaks
+    before = bunshin(cfg, "image", "ls", "--json").stdout
+    layout = tmp_path / "layout"
+    oi.build_layout(layout, [oi.busybox_base(), oi.Layer().add("f", "file", "f\n")])
+    (tmp_path / "reg").mkdir()
+    with oi.Registry(tmp_path / "reg") as reg:
+        ref = reg.push(layout, "cli/capped:1")
+        for args, why in ((("--max-layers", "1"), "2 layers, more than the layer cap image_max_layers=1"),
+                          (("--max-size", "1K"), "layer blobs goes past the image size cap image_max_bytes=1024")):
+            r = bunshin(cfg, "image", "pull", ref, *args, check=False)
+            assert r.returncode == 1 and why in r.stderr, r.stderr
+            assert "Copying blob" not in r.stderr, "refused from the manifest, before a blob is fetched"
+    monkeypatch.setenv("BUNSHIN_IMAGE_MAX_BYTES", "1M")  # busybox alone unpacks to ~2 MiB
+    r = bunshin(cfg, "image", "load", str(layout), check=False)
+    assert r.returncode == 1 and "image_max_bytes=1048576" in r.stderr and "--max-size" in r.stderr, r.stderr
+    r = bunshin(cfg, "image", "load", str(layout), "--max-size", "abc", check=False)
+    assert r.returncode == 1 and "'abc' is not a size" in r.stderr, r.stderr
+    assert bunshin(cfg, "image", "ls", "--json").stdout == before, "nothing stored"
+    assert not list(cfg.paths.image_staging.iterdir())

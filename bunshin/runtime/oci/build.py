@@ -3,14 +3,20 @@
 ``buildah bud`` runs in a private storage of the store's staging folder, with
 ``--isolation oci`` (runc) and a user namespace mapping the build's ids onto the
 workspaces' range (``Config.id_base``..): a ``RUN`` step is root only inside it, as in a
-workspace, never host root. ``RUN`` steps get the host's network (as ``docker build``
-gets one), unless ``network="none"``. The result is pushed to an OCI layout and loaded
-like any other (``store.load``: every digest checked, layers unpacked safely); the
-staging folder, buildah's storage included, is removed whatever happens.
+workspace, never host root. A Dockerfile is untrusted input (a dataset's), so ``RUN``
+steps get no network by default (``none``: a network namespace of their own holding only
+its loopback); ``host`` (the host's namespace: every service on its loopback, as
+``docker build --network host``) only when asked, with a warning. ``egress`` (a private
+namespace that reaches out only, as docker's default bridge) is refused by name: it
+needs netavark or slirp4netns/pasta, which bunshin does not set up. The result is pushed
+to an OCI layout and loaded like any other (``store.load``: every digest checked,
+layers unpacked safely, the image's caps applied); the staging folder, buildah's
+storage included, is removed whatever happens.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import shutil
@@ -28,21 +34,28 @@ from .records import ImageRecord
 
 BUILDAH = "buildah"
 BUILD_TIMEOUT_S = 3 * 3600.0
-NETWORKS = ("host", "none")
+NETWORKS = ("none", "host")
+NOT_YET = {"egress": "a private network namespace with egress", "private": "buildah's private network"}
+HOST_WARNING = ("RUN steps share the host's network namespace (--network host): the Dockerfile reaches every "
+                "service on the host's loopback and network; build only Dockerfiles you trust this way")
+log = logging.getLogger("bunshin.image")
 
 
 def build(cfg: Config, store: Store, context: Path, *, dockerfile: str = "Dockerfile", tags: tuple[str, ...] = (),
-          network: str = "host", progress: oci_store.Progress = oci_store.quiet) -> ImageRecord:
-    """Build ``context``'s Dockerfile; the stored image (named ``tags``)."""
+          network: str = "none", progress: oci_store.Progress = oci_store.quiet,
+          warn: oci_store.Progress = log.warning) -> ImageRecord:
+    """Build ``context``'s Dockerfile; the stored image (named ``tags``). ``network``: the
+    RUN steps' (``none``, or ``host`` with ``warn`` told ``HOST_WARNING``)."""
     context = Path(context).absolute()
+    check_network(network)
     if shutil.which(BUILDAH) is None:
         raise HostUnsupported("buildah is not installed", hint="run `make install` (Debian's buildah builds images)")
     if not context.is_dir():
         raise InvalidArgument(f"build context {context} is not a folder", hint="give the folder holding the Dockerfile")
     if not (context / dockerfile).is_file():
         raise InvalidArgument(f"no {dockerfile} in {context}", hint="write one, or name it with -f")
-    if network not in NETWORKS:
-        raise InvalidArgument(f"network {network!r} is not one of {', '.join(NETWORKS)}", hint="--network host|none")
+    if network == "host":
+        warn(HOST_WARNING)
     tags = tuple(oci_store.normalize_name(t) for t in tags)
     cfg.paths.image_staging.mkdir(parents=True, exist_ok=True)
     os.chmod(cfg.paths.images, 0o700)
@@ -68,6 +81,18 @@ def build(cfg: Config, store: Store, context: Path, *, dockerfile: str = "Docker
             except OSError:
                 pass
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_network(network: str) -> None:
+    """Refuse a network mode other than ``NETWORKS``; ``egress`` by name."""
+    if network in NOT_YET:
+        raise InvalidArgument(f"network {network!r} ({NOT_YET[network]}) is not supported yet: it needs netavark "
+                              "or slirp4netns/pasta, which bunshin does not set up",
+                              hint="use --network none (the default: fetch what the build needs into the "
+                                   "context), or --network host for a Dockerfile you trust")
+    if network not in NETWORKS:
+        raise InvalidArgument(f"network {network!r} is not one of {', '.join(NETWORKS)}",
+                              hint="--network none (the default) or host")
 
 
 def _run(argv: list[str], what: str, progress: oci_store.Progress) -> None:
