@@ -61,11 +61,11 @@ def env_factor(name: str, default: int, doing: str) -> int:
 _SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
-def byte_size(raw: int | str, what: str, hint: str) -> int:
-    """``raw`` in bytes: a positive int, or a whole number with a K, M, G or T suffix
-    ("64M"); ``InvalidArgument`` (``what`` named, ``hint`` given) otherwise."""
+def byte_size(raw: int | str, what: str, hint: str, units: str = "KMGT") -> int:
+    """``raw`` in bytes: a positive int, or a whole number with one of ``units`` as its
+    suffix ("64M"); ``InvalidArgument`` (``what`` named, ``hint`` given) otherwise."""
     text = str(raw).strip().upper().removesuffix("B").removesuffix("I")
-    unit = text[-1:] if text[-1:] in _SUFFIXES else ""
+    unit = text[-1:] if text[-1:] and text[-1:] in units else ""
     number = text[: len(text) - len(unit)]
     if isinstance(raw, bool) or not number.isdigit() or int(number) <= 0:
         raise InvalidArgument(f"{what} {raw!r} is not a size", hint=hint)

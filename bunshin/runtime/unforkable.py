@@ -41,7 +41,7 @@ _DELETED = " (deleted)"
 def ghost_limit(cfg: Config) -> int:
     """``cfg.ghost_limit`` in bytes: an int, or a number with a K, M or G suffix ("64M")."""
     return byte_size(cfg.ghost_limit, "ghost limit",
-                     "set BUNSHIN_GHOST_LIMIT (or Config.ghost_limit) to bytes or e.g. 64M, 1G")
+                     "set BUNSHIN_GHOST_LIMIT (or Config.ghost_limit) to bytes or e.g. 64M, 1G", units="KMG")
 
 
 def _holder(host_pid: int, level: int) -> Task | None:
