@@ -33,6 +33,8 @@ FORMAT = "bunshin-snapshot/2"
 _UNSIGNED_FORMATS = ("bunshin-snapshot/1",)  # older folders: no hashes, no MAC (load with trust)
 _ROLES = {"base", "mask", "agent", "snapshot", "image"}
 _TRUST_HINT = "load only folders this home saved, or pass --trust (Python: trust=True) for a folder you trust"
+_FOLDER_HINT = ("if that folder is a root filesystem you mean workspaces to see, create one on it first "
+                "(`bunshin create --image DIR`), then load; or load a folder this home saved")
 
 # What every id and name in a folder must look like (``take``, ``AgentBundle``, ``images``, ``memfile``)
 SNAP_ID = re.compile(r"snap-[0-9a-f]{12}")
@@ -121,9 +123,12 @@ def check_limits(memory: Any, pids: Any, *, memory_total: int, pid_max: int) -> 
     return memory, pids
 
 
-def check_layers(cfg: Config, entries: Any, rec: rsnap.SnapshotRecord) -> list[dict[str, Any]]:
+def check_layers(cfg: Config, entries: Any, rec: rsnap.SnapshotRecord,
+                 known_bases: frozenset[str] | None = None) -> list[dict[str, Any]]:
     """The layer stack, top first: snapshot layers, the agent layer, the mask layer
-    (exactly one, for the ``host`` image) and the base, as ``take`` makes it."""
+    (exactly one, for the ``host`` image) and the base, as ``take`` makes it.
+    ``known_bases``: the folder images a folder this home did not sign may name (None:
+    it did sign it; any folder that passes ``_check_base`` then)."""
     if not isinstance(entries, list) or not 3 <= len(entries) <= 4096 or not all(
             isinstance(e, dict) and isinstance(e.get("name"), str) and e.get("role") in _ROLES for e in entries):
         raise InvalidArgument("the saved layer stack is damaged (bad entries or roles)")
@@ -148,6 +153,11 @@ def check_layers(cfg: Config, entries: Any, rec: rsnap.SnapshotRecord) -> list[d
                               hint="it was saved by another bunshin version (or Python): load it with that one")
     if not stored:
         _check_base(cfg, entries[-1].get("path"), rec.image)
+        if rec.image != images.HOST and known_bases is not None and entries[-1]["path"] not in known_bases:
+            raise InvalidArgument(
+                f"the saved base image {entries[-1]['path']} is a host folder this home does not know as an image: "
+                "a folder it did not sign may stack only on 'host', stored images or a folder image one of "
+                "its workspaces or snapshots uses", hint=_FOLDER_HINT)
     return entries
 
 
@@ -208,6 +218,16 @@ def check_extents(extents: Any, size: Any, name: str) -> int:
 # Character devices a layer may hold: overlayfs whiteouts (0:0) and the nodes every
 # workspace's /dev gets (``container.prepare_upper``: null, zero, full, random, urandom, tty)
 SAFE_DEVICES = {(0, 0), (1, 3), (1, 5), (1, 7), (1, 8), (1, 9), (5, 0)}
+# The extended attributes a loaded layer keeps (GNU tar's --xattrs-include, on save and
+# load, whatever the trust): the workspace's own user.* ones and overlayfs's opaque
+# folder, which only hides what lies below (as the workspace's ``rm -rf``; "y", on a
+# folder: ``OPAQUE_XATTR``). Every other trusted.* and security.* one is dropped: overlayfs
+# follows a lower layer's trusted.overlay.redirect and metacopy to other paths of the
+# stack (past the mask layer onto host files), and a v2 security.capability gives host
+# processes capabilities.
+OPAQUE_XATTR = "trusted.overlay.opaque"
+KEPT_XATTRS = ("user.*", OPAQUE_XATTR)
+_PAX_XATTR = "SCHILY.xattr."
 _FILE_TYPES = {tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE, tarfile.GNUTYPE_SPARSE}
 _OK_TYPES = _FILE_TYPES | {tarfile.DIRTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE, tarfile.FIFOTYPE, tarfile.CHRTYPE}
 
@@ -220,8 +240,9 @@ def check_tar_members(members: Iterable[tarfile.TarInfo], layer: str, ids: range
     names or ``..``, names given twice, hard links to anything but an earlier regular
     file, a member below a symbolic link of the same archive (GNU tar would write
     through it), anything but folders on the memory-file view (``load`` links memory
-    files there) and, given ``ids``, owners that are neither root nor in that range
-    (the host ids workspaces map to).
+    files there), an opaque mark overlayfs would not write, an xattr in libarchive's form
+    and, given ``ids``, owners that are neither root nor in that range (the host ids
+    workspaces map to). Other xattrs than ``KEPT_XATTRS`` are dropped by the unpack.
     """
     kinds: dict[str, bytes] = {}
     symlinks: set[str] = set()
@@ -256,6 +277,7 @@ def check_tar_members(members: Iterable[tarfile.TarInfo], layer: str, ids: range
             raise refuse(ti, "lies on the memory-file view, which holds only folders in an archive")
         if name == "" and not ti.isdir():
             raise refuse(ti, "replaces the layer's root folder")
+        _check_xattrs(ti, refuse)
         kinds[name] = ti.type
         if ti.issym():
             symlinks.add(name)
@@ -266,6 +288,16 @@ def check_tar_members(members: Iterable[tarfile.TarInfo], layer: str, ids: range
                 raise InvalidArgument(f"layer {layer}: archive member {name!r} lies below the symbolic link "
                                       f"{'/'.join(parts[:i])!r} of the same archive",
                                       hint="the archive was not written by `snapshot save`")
+
+
+def _check_xattrs(ti: tarfile.TarInfo, refuse: Any) -> None:
+    """An opaque mark only as overlayfs writes it; no xattr in libarchive's form (not
+    written by ``save``: GNU tar's filter may not see it). Others are dropped on unpack."""
+    for key, value in ti.pax_headers.items():
+        if key.startswith("LIBARCHIVE.xattr."):
+            raise refuse(ti, f"carries an extended attribute in libarchive's form ({key[:80]!r})")
+        if key == _PAX_XATTR + OPAQUE_XATTR and (value != "y" or not ti.isdir()):
+            raise refuse(ti, f"carries {OPAQUE_XATTR}={value[:20]!r} (overlayfs writes 'y', on folders only)")
 
 
 def _member_name(raw: str) -> str | None:

@@ -8,7 +8,8 @@ config: it hides that config's own state)::
     DIR/snapshot.json     format, the record, the layer stack (top first), memory files,
                           the sha256 of every file below and an HMAC of it all
     DIR/images/*.img      the CRIU images
-    DIR/layers/NAME.tar   each snapshot layer (xattrs, whiteouts and holes kept),
+    DIR/layers/NAME.tar   each snapshot layer (whiteouts, holes, user.* xattrs and
+                          overlayfs's opaque folders kept: ``KEPT_XATTRS``),
                           its memory-file links left out
     DIR/mem/NAME          a memory file's data extents back to back (the file
                           itself is sparse and terabytes long; the extents are
@@ -25,7 +26,10 @@ hash, unless the caller says ``trust``; with or without it, every id, name and
 relative path is checked against a strict pattern, files are opened below the
 folder without following symbolic links, tar members are inspected before GNU
 tar sees them, the layer stack must have the shape ``take`` makes, the limits
-are bounded by the host and sizes by free tmpfs and memory. Images, layer
+are bounded by the host and sizes by free tmpfs and memory, a folder this home
+did not sign stacks only on 'host', stored image layers or a folder image this home's
+workspaces or snapshots use (never any host folder it names), and a layer keeps only
+``KEPT_XATTRS`` (no overlayfs redirect or metacopy, no capability). Images, layer
 archives and memory-file data are copied into this home's tmpfs once, hashed on
 the way, and used only from there, so a folder changed during a load cannot
 swap in other bytes.
@@ -72,6 +76,7 @@ from .snapshot_checks import (
     _TRUST_HINT,
     _UNSIGNED_FORMATS,
     FORMAT,
+    KEPT_XATTRS,
     MAX_MANIFEST_BYTES,
     MEMFILE_NAME,
     _authenticate,
@@ -86,7 +91,7 @@ from .snapshot_checks import (
 from .store import Store
 
 MANIFEST = "snapshot.json"
-_TAR_XATTRS = ["--xattrs", "--xattrs-include=*", "--numeric-owner"]
+_TAR_XATTRS = ["--xattrs", *(f"--xattrs-include={x}" for x in KEPT_XATTRS), "--numeric-owner"]
 _CHUNK = 8 << 20
 
 
@@ -258,7 +263,7 @@ def load(cfg: Config, store: Store, src: Path, *, trust: bool = False) -> rsnap.
                               hint="give a folder `snapshot save` wrote") from e
     fds: dict[str, int] = {}
     try:
-        folder = _open_folder(cfg, src, dfd, trust, fds)
+        folder = _open_folder(cfg, store, src, dfd, trust, fds)
         return _load(cfg, store, folder)
     finally:
         for fd in fds.values():
@@ -287,17 +292,18 @@ def _read_manifest(src: Path, dfd: int) -> dict[str, Any]:
     return manifest
 
 
-def _open_folder(cfg: Config, src: Path, dfd: int, trust: bool, fds: dict[str, int]) -> _Folder:
+def _open_folder(cfg: Config, store: Store, src: Path, dfd: int, trust: bool, fds: dict[str, int]) -> _Folder:
     """Check the manifest (MAC first unless ``trust``) and open every file it uses."""
     manifest = _read_manifest(src, dfd)
     if not trust:
         _authenticate(cfg, src, manifest)
+    signed = not trust or _signed(cfg, src, manifest)
     rec = check_record(manifest.get("record"), memory_total=psutil.virtual_memory().total, pid_max=_pid_max())
     if rec.mounts:  # host folders to share (--mount): named only by a folder the caller trusts
         if not trust:
             raise InvalidArgument(f"{src} shares host folders: {', '.join(map(str, rec.mounts))}", hint=_TRUST_HINT)
         rec = dataclasses.replace(rec, mounts=container.check_shared(cfg, rec.mounts))
-    layers = check_layers(cfg, manifest.get("layers"), rec)
+    layers = check_layers(cfg, manifest.get("layers"), rec, None if signed else _known_bases(store))
     snaps = [e for e in layers if e["role"] == "snapshot"]
     mems = check_memfiles(manifest.get("memfiles"), (e["name"] for e in snaps))
     hashes = None if trust else _check_hashes(manifest.get("files"))
@@ -314,6 +320,20 @@ def _open_folder(cfg: Config, src: Path, dfd: int, trust: bool, fds: dict[str, i
         if folder.size(m["data"]) != sum(n for _, n in m["extents"]):
             raise InvalidArgument(f"memory file {m['name']}: {m['data']} does not hold exactly its extents")
     return folder
+
+
+def _signed(cfg: Config, src: Path, manifest: dict[str, Any]) -> bool:
+    try:
+        _authenticate(cfg, src, manifest)
+    except InvalidArgument:
+        return False
+    return True
+
+
+def _known_bases(store: Store) -> frozenset[str]:
+    """The folder images (base layers) this home's workspaces and snapshots stack on."""
+    stacks = [w.lowers for w in store.list_workspaces()] + [s.lowers for s in rsnap.list_all(store)]
+    return frozenset(str(lowers[-1]) for lowers in stacks if lowers)
 
 
 def _check_hashes(files: Any) -> dict[str, str]:

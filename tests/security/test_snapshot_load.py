@@ -37,6 +37,7 @@ from tests.cli.test_cli import bunshin
 from tests.conftest import drop_state_tmpfs
 
 CANARY_TEXT = "host file: must stay as it is\n"
+_XATTR = "SCHILY.xattr."
 def _real(fn):
     """The real runtime: root, CRIU."""
     return pytest.mark.criu(pytest.mark.integration(fn))
@@ -369,6 +370,12 @@ def _tar_attacks(canary: Path) -> dict[str, tuple[list, str]]:
         "memory-view-symlink": ([(member(".bunshin", tarfile.SYMTYPE, linkname=str(canary)), None)],
                                 "memory-file view|twice"),
         "foreign-owner": ([(member("etc/x", uid=12345, gid=12345), b"x")], "owned by 12345"),
+        "opaque-file": ([(member("opq", pax_headers={f"{_XATTR}trusted.overlay.opaque": "y"}), b"x")],
+                        "overlayfs writes 'y', on folders only"),
+        "opaque-x": ([(member("opqdir", tarfile.DIRTYPE, mode=0o755,
+                              pax_headers={f"{_XATTR}trusted.overlay.opaque": "x"}), None)], "overlayfs writes 'y'"),
+        "libarchive-xattr": ([(member("la", pax_headers={"LIBARCHIVE.xattr.trusted.overlay.redirect": "L2V0Yw=="}),
+                               b"x")], "libarchive's form"),
     }
 
 
@@ -384,6 +391,50 @@ def test_dangerous_tar_members_are_refused(attack, no_leaks, canary, kind):
 def test_a_file_that_is_no_tar_is_refused(attack, no_leaks):
     (attack / snap_layer(manifest(attack))["archive"]).write_bytes(b"\x01" * 10000)
     refused(no_leaks, attack, "not a tar archive")
+
+
+@real
+def test_overlay_and_security_xattrs_of_a_layer_are_not_loaded(saved, no_leaks, tmp_path):
+    """A trusted folder's layer carries overlayfs's redirect and metacopy (they would point the
+    overlay at other files of the stack: the host's, past the mask) and a capability: loaded
+    without them; the workspace's own user.* xattrs and an opaque folder stay."""
+    folder = tmp_path / "folder"
+    shutil.copytree(saved, folder)
+    cap = "\x01\x00\x00\x02" + "\x00" * 16  # v2: cap_* on the host
+    add_members(folder / snap_layer(manifest(folder))["archive"],
+                (member("redir", tarfile.DIRTYPE, mode=0o755, pax_headers={
+                    f"{_XATTR}trusted.overlay.redirect": "/etc", f"{_XATTR}trusted.overlay.opaque": "y",
+                    f"{_XATTR}user.note": "kept", f"{_XATTR}security.capability": cap}), None),
+                (member("meta", pax_headers={f"{_XATTR}trusted.overlay.metacopy": "",
+                                             f"{_XATTR}trusted.overlay.redirect": "/etc/shadow",
+                                             f"{_XATTR}security.capability": cap}), b"x"))
+    snap = Snapshot.load(folder, config=no_leaks, trust=True)
+    try:
+        layer = Path(snap.record.layer)
+        assert xattrs(layer / "redir") == {"trusted.overlay.opaque": b"y", "user.note": b"kept"}
+        assert xattrs(layer / "meta") == {} and (layer / "meta").read_bytes() == b"x"
+    finally:
+        snap.remove()
+
+
+def xattrs(path: Path) -> dict[str, bytes]:
+    return {x: os.getxattr(path, x, follow_symlinks=False) for x in os.listxattr(path, follow_symlinks=False)}
+
+
+@real
+@pytest.mark.parametrize("base", ["canary", "/etc"])
+def test_a_trusted_folder_cannot_stack_on_a_host_folder_bunshin_does_not_know(attack, no_leaks, canary, base):
+    """Even with --trust, a folder's base is 'host', stored image layers or a folder image
+    this home's workspaces or snapshots use: never any host folder it names."""
+    path = str(canary) if base == "canary" else base
+
+    def change(m):
+        m["record"].update(image=path)
+        m["layers"].pop(2)  # no mask: a folder image has none
+        m["layers"][-1].update(path=path)
+    edit(attack, change)
+    err = refused(no_leaks, attack, f"base image {path} is a host folder this home does not know as an image")
+    assert "bunshin create --image" in (err.hint or "")
 
 
 # ------------------------------------------------------ memory files, sizes
