@@ -295,7 +295,7 @@ def bomb_layout(dest: Path, kind: str, size: int) -> Path:
 
 @pytest.mark.parametrize(("kind", "size"), [("gzip", 4 << 30), ("zstd", 64 << 30), ("archive", 4 << 30)])
 def test_a_decompression_bomb_stops_at_the_size_cap(kind: str, size: int, tmp_path: Path, home) -> None:
-    """A few MiB (gzip: deflate's 1:1032) or a few hundred KiB (zstd) that unpack to GiBs:
+    """4 MiB of gzip (deflate's 1:1032) or 2 MiB of zstd that unpack to 4 and 64 GiB:
     refused at the 64 MiB cap by name, nothing kept (also a whole archive that is a bomb,
     decompressed into staging before anything is read)."""
     cfg, store = home
