@@ -117,6 +117,19 @@ for cmd in ip nft unshare nsenter mount busybox ps; do
         die "'$cmd' is still missing after installing the system packages"
 done
 
+# The pid space: every live workspace's pids limit is counted against kernel.pid_max
+# (bunshin.runtime.budget), and the kernel's default (32768) holds ~57 workspaces of the
+# default 512. systemd raises it to 4194304 (the 64-bit maximum) on every boot
+# (50-pid-max.conf); a host without systemd gets the same here, never a lower value.
+if [ "$(cat /proc/sys/kernel/pid_max 2>/dev/null || echo 0)" -lt 4194304 ]; then
+    if sysctl -q -w kernel.pid_max=4194304 >/dev/null 2>&1; then
+        say "kernel.pid_max raised to 4194304 (as systemd does): room for thousands of workspaces"
+    else
+        printf 'install: warning: could not raise kernel.pid_max (%s); bunshin refuses workspaces past it\n' \
+            "$(cat /proc/sys/kernel/pid_max)" >&2
+    fi
+fi
+
 # ---------------------------------------------------------------------------
 # 2. CRIU >= 4.2 in a private prefix
 # ---------------------------------------------------------------------------
