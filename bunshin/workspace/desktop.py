@@ -23,6 +23,7 @@ import json
 import re
 import shlex
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from typing import Any
 
 from ..errors import InvalidArgument, RuntimeFailure, StateConflict
 from ..runtime.agent_bundle import AgentBundle
+from ..runtime.limits import MAX_OUTPUT
 from . import xwd
 from .keys import xdotool_combo
 from .protocol import WorkspaceAPI
@@ -277,12 +279,21 @@ class Desktop:
     # --- observation ----------------------------------------------------------------
 
     def screenshot_xwd(self) -> bytes:
-        r = self.ws.commands.run(["xwd", "-root", "-silent"], env=self.spec.env, timeout=30,
-                                 max_output=_MAX_XWD, text=False)
+        """The screen as XWD: the command's output when it fits ``MAX_OUTPUT`` (screens up to
+        about 2048x2048), else through a file in the workspace's /tmp."""
+        most = self.spec.width * self.spec.height * 4 + 65536  # 32 bits a pixel at 24 bits deep, the header
+        out = None if most <= MAX_OUTPUT else f"/tmp/.bunshin-shot-{uuid.uuid4().hex}.xwd"
+        argv = ["xwd", "-root", "-silent", *(["-out", out] if out else [])]
+        r = self.ws.commands.run(argv, env=self.spec.env, timeout=30, max_output=None if out else most, text=False)
         if r.exit_code != 0:
             raise RuntimeFailure(f"xwd failed in workspace {self.ws.id}: {r.stderr.decode(errors='replace')[:500]}",
                                  hint="is the desktop still running? `bunshin exec WS -- ps ax`")
-        return r.stdout
+        if out is None:
+            return r.stdout
+        try:
+            return self.ws.files.read(out)  # a whole read: bounded by MAX_FILE_BYTES
+        finally:
+            self.ws.files.remove(out)
 
     def screenshot(self) -> bytes:
         """The whole screen as PNG bytes."""

@@ -41,6 +41,14 @@ def test_desktop_starts_with_its_screen_and_apps_show(family):
     assert {"Xvfb", "jwm", "xterm"} <= {p.name for p in ws.processes()}
 
 
+def test_a_screen_larger_than_an_exec_answer_is_read_through_a_file(family):
+    """3000x2000 at 32 bits a pixel is ~23 MiB of XWD, over the 16 MiB an exec may keep: the
+    screenshot goes through a file in the workspace's /tmp (left behind by none)."""
+    ws = family.create(desktop="3000x2000")
+    assert _image(Desktop.of(ws).screenshot()).size == (3000, 2000)
+    assert ws.exec(["sh", "-c", "ls -a /tmp | grep -c bunshin-shot"]).stdout.strip() == "0"
+
+
 def test_x_server_is_private_to_the_workspace(family):
     """Xvfb listens on no TCP port, and its sockets are the workspace's own: another
     workspace on display :0 is a different screen."""
