@@ -7,6 +7,7 @@ nothing; a manifest or entry not signed with the receiver's key is refused."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import os
 import shutil
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from bunshin.config import Config
-from bunshin.errors import ImageNotFound, InvalidArgument, Unauthorized
+from bunshin.errors import ImageNotFound, InvalidArgument, PayloadTooLarge, Unauthorized
 from bunshin.runtime.keys import home_key
 from bunshin.runtime.oci import exchange, layer_tar
 from bunshin.runtime.oci import store as oci_store
@@ -229,3 +230,20 @@ def test_a_manifest_whose_layers_are_not_its_configs_is_refused(pair) -> None:
     doc["mac"] = mac(key, doc)
     with pytest.raises(InvalidArgument, match="diff ids its config lists"):
         exchange.import_image(b, sb, doc)
+
+
+def test_a_receivers_caps_hold_for_a_moved_image(pair) -> None:
+    """The receiver's own caps: more layers than it takes refused with the manifest; a layer
+    whose tar passes its size cap stopped while it is unpacked (staging removed)."""
+    a, sa, b, sb, rec = pair
+    doc = exchange.manifest(a, sa, rec.id)
+    with pytest.raises(PayloadTooLarge, match=f"{len(rec.layers)} layers, more than the layer cap"):
+        exchange.import_image(dataclasses.replace(b, image_max_layers=len(rec.layers) - 1), sb, doc)
+    with pytest.raises(ImageNotFound):
+        oci_store.find(sb, rec.id)
+    exchange.import_image(b, sb, doc)
+    big = max(doc["layers"], key=lambda e: e["size"])
+    small = dataclasses.replace(b, image_max_bytes=big["size"] // 2)
+    with pytest.raises(PayloadTooLarge, match=f"image_max_bytes={big['size'] // 2}"):
+        _send(a, sa, small, sb, rec.id, big)
+    assert oci_store.stored_layer_size(b, sb, big["diff_id"]) is None and _staging_empty(b)
