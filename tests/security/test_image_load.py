@@ -7,14 +7,17 @@ staging) and writes nothing outside the store (canaries the test plants)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gzip
 import hashlib
+import http.server
 import io
 import json
 import os
 import subprocess
 import tarfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,7 @@ import pytest
 from bunshin.config import Config
 from bunshin.errors import ImageNotFound, InvalidArgument, PayloadTooLarge, ResourceExhausted
 from bunshin.runtime.oci import store as oci_store
+from bunshin.runtime.oci.pull import pull
 from bunshin.runtime.store import Store
 from bunshin.workspace import Workspace
 from tests.runtime import oci_images as oi
@@ -341,3 +345,66 @@ def test_more_layers_than_the_cap_are_refused_before_unpacking(tmp_path: Path, h
     assert oci_store.stored_layers(cfg) == [], "not one layer unpacked"
     nothing_stored(cfg, store)
     assert cfg.image_max_layers == 125, "docker's limit by default"
+
+
+class _LyingRegistry(http.server.BaseHTTPRequestHandler):
+    """A registry v2 on loopback whose one layer blob is 1,000 bytes in its manifest and
+    up to 1 GiB of zeros on the wire (skopeo checks the digest only at the end)."""
+
+    protocol_version = "HTTP/1.1"
+    config = json.dumps({"architecture": "amd64", "os": "linux", "config": {},
+                         "rootfs": {"type": "layers", "diff_ids": ["sha256:" + "0" * 64]}}).encode()
+    blob = "sha256:" + "1" * 64
+    manifest = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                           "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                                      "digest": "sha256:" + hashlib.sha256(config).hexdigest(), "size": len(config)},
+                           "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
+                                       "digest": blob, "size": 1000}]}).encode()
+    sent = [0]
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _reply(self, body: bytes, kind: str = "application/octet-stream") -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.send_header("Docker-Content-Digest", "sha256:" + hashlib.sha256(body).hexdigest())
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command == "GET":
+            self.wfile.write(body)
+
+    def do_HEAD(self) -> None:
+        self.do_GET()
+
+    def do_GET(self) -> None:
+        if "/manifests/" in self.path:
+            return self._reply(self.manifest, "application/vnd.oci.image.manifest.v1+json")
+        if self.path.endswith(self.blob):
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            chunk = b"%x\r\n%s\r\n" % (1 << 20, bytes(1 << 20))
+            with contextlib.suppress(OSError):
+                for _ in range(1024):
+                    self.wfile.write(chunk)
+                    self.sent[0] += 1 << 20
+                self.wfile.write(b"0\r\n\r\n")
+            return None
+        return self._reply(self.config if "/blobs/" in self.path else b"")  # the config, or /v2/
+
+
+def test_a_download_longer_than_its_manifest_says_stops_at_the_cap(home) -> None:
+    cfg, store = home
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _LyingRegistry)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(PayloadTooLarge, match="download .* goes past the image size cap image_max_bytes=67108864"):
+            pull(dataclasses.replace(cfg, image_max_bytes="64M"), store, f"127.0.0.1:{srv.server_address[1]}/x/y:1")
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        t.join()
+    assert _LyingRegistry.sent[0] < 512 << 20, "skopeo was stopped long before the 1 GiB"
+    nothing_stored(cfg, store)
