@@ -12,6 +12,7 @@ from types import FrameType
 from . import immortal
 from .jobs import CALLS
 from .server import Agent, AgentServer
+from .wire import REBIND_SIGNAL
 
 
 def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     agent.start()
     try:
         server.bind()
+        signal.signal(REBIND_SIGNAL, lambda _signum, _frame: server.heal())
         if args.calls == "thread":
             server.warm_up()  # before the freeze: a clone's first calls find the code specialised
         print(f"bunshin-agent: pid {os.getpid()} listening on {args.socket}", file=sys.stderr)

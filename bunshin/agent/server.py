@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import sys
 import threading
 import time
@@ -191,6 +192,7 @@ class AgentServer:
         self.socket_path = socket_path
         calls = self.calls = agent.calls
         self._sock: socket.socket | None = None
+        self._bound: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket's name
         answer: Callable[[dict[str, Any]], bytes] = lambda req: self._reply(encode(req)[:-1])  # noqa: E731
         self.jobs = Jobs(os.path.join(agent.helpers_dir, "jobs"), answer)
         #: ``thread``: the threads that serve connections and run jobs (started by the calls)
@@ -213,6 +215,41 @@ class AgentServer:
                 os.close(dir_fd)
         sock.listen(128)
         self._sock = sock
+        st = os.lstat(self.socket_path)
+        self._bound = (st.st_dev, st.st_ino)
+
+    def heal(self) -> bool:
+        """Re-create the socket if its name no longer leads to it (``wire.REBIND_SIGNAL``: a process
+        inside removed or replaced it, and the host, finding it so, asks). The new socket takes
+        the old one's descriptor number (``dup2``), so the accept loop, retried after the
+        signal, accepts on it. True if it was re-created. The agent's own process only: a
+        worker, job or holder inherits the handler but listens on nothing."""
+        old = self._sock
+        if old is None or os.getpid() != self.agent.pid:
+            return False
+        try:
+            st = os.lstat(self.socket_path)
+            if (st.st_dev, st.st_ino) == self._bound and stat.S_ISSOCK(st.st_mode):
+                return False
+        except OSError:
+            pass
+        folder = os.path.dirname(self.socket_path)
+        try:
+            if os.path.islink(folder) or (os.path.lexists(folder) and not os.path.isdir(folder)):
+                os.unlink(folder)  # the workspace put something else where the folder was
+            if os.path.isdir(self.socket_path) and not os.path.islink(self.socket_path):
+                os.rename(self.socket_path, f"{self.socket_path}.in-the-way.{time.time_ns()}")  # kept, aside
+            self.bind()
+        except OSError as exc:
+            self._sock = old
+            _say(f"cannot re-create the socket {self.socket_path}: {exc}")
+            return False
+        new, self._sock = self._sock, old
+        assert new is not None
+        os.dup2(new.fileno(), old.fileno())
+        new.close()
+        _say(f"re-created the socket {self.socket_path} (it was removed or replaced)")
+        return True
 
     def serve_forever(self) -> None:
         """Accept until ``close``, a worker forked per connection; a failing accept or fork
@@ -392,6 +429,14 @@ class AgentServer:
         if isinstance(result, Attachment):
             return result
         return checked(op, result)
+
+
+def _say(line: str) -> None:
+    """A line in the agent's log from a signal handler (no ``print``: the stream's lock may be held)."""
+    try:
+        os.write(2, f"bunshin-agent: {line}\n".encode(errors="replace"))
+    except OSError:
+        pass
 
 
 def _send(conn: socket.socket, data: bytes) -> bool:

@@ -28,6 +28,7 @@ ok answer to ``attach`` the connection is a raw byte pipe to a pty.
 from __future__ import annotations
 
 import json
+import signal
 from collections.abc import Callable, Mapping
 from enum import StrEnum
 from typing import Any, NamedTuple
@@ -41,6 +42,10 @@ MAX_LINE = 64 * 1024 * 1024
 MAX_CHUNK = 16 * 1024 * 1024
 #: Longest one ``job_wait`` holds its connection, whatever ``wait`` asks.
 MAX_WAIT_S = 5.0
+#: The host sends it to the agent's main thread when the agent's socket cannot be reached
+#: (removed or replaced from inside): the agent re-creates it (``AgentServer.heal``). As pid 1
+#: the agent takes it from processes inside too: it only makes the agent check its socket.
+REBIND_SIGNAL = signal.SIGHUP
 
 # Envelope fields.
 OP = "op"

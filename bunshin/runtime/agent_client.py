@@ -30,6 +30,7 @@ from typing import Any, Literal, overload
 from ..agent import wire
 from ..agent.wire import JOB_ID, JOB_REQUEST, JOB_RUNNING, JOB_WAIT, OK, RESUMABLE_OPS, SPEC, Op
 from ..errors import AgentError, BunshinError, InvalidArgument, ResourceExhausted
+from . import syscalls
 from .agent_types import (
     AgentInfo,
     ExecResult,
@@ -57,6 +58,9 @@ _UNIX_PATH_MAX = 108
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid (SO_PEERCRED)
 #: How long one poll of a resumable op's answer (``wire.RESUMABLE_OPS``) may hold a connection.
 POLL_S = 0.25
+#: How long to wait for the agent to re-create a socket removed from inside (``_connect``).
+REBIND_WAIT_S = 2.0
+_SYS_TGKILL = 234  # x86_64
 
 
 @contextmanager
@@ -116,13 +120,16 @@ class AgentClient:
         lock_dir: Path | None = None,
         beneath: Path | None = None,
         expect_pid: int | None = None,
+        rebind: bool = True,
     ) -> None:
         """``beneath``: a host-made folder (a workspace's mounted root) the socket lies
         under; every component below it is one the workspace can write, so it is
         walked without following symlinks (see ``_connect``). ``expect_pid``: host pid
         of the process that must be listening (the workspace's pid 1, the agent);
         a socket anyone else listens on is refused. ``None`` for both (an agent run
-        alone, e.g. in tests) connects to the path as given, unchecked.
+        alone, e.g. in tests) connects to the path as given, unchecked. ``rebind``: with
+        ``expect_pid``, ask the agent to re-create a socket that cannot be reached (not
+        while it starts: ``wait_ready``).
         """
         self.socket_path = Path(socket_path)
         self.connect_timeout = connect_timeout
@@ -130,6 +137,7 @@ class AgentClient:
         self.lock_dir = Path(lock_dir) if lock_dir is not None else None
         self.beneath = Path(beneath) if beneath is not None else None
         self.expect_pid = expect_pid
+        self.rebind = rebind
         self._parts: tuple[str, ...] | None = None
         if self.beneath is not None:
             try:
@@ -217,6 +225,38 @@ class AgentClient:
                 raise AgentError(f"agent at {self.socket_path} did not answer {op!r} in time")
 
     def _connect(self) -> socket.socket:
+        """A connected socket to the agent (``_connect_once``). If the socket cannot be
+        reached, or someone else listens on it, while the agent lives (a process inside
+        removed or replaced it: ``rm /.bunshin/run/agent.sock``), the agent's main thread is
+        sent ``wire.REBIND_SIGNAL`` and re-creates it (``AgentServer.heal``); the connection
+        is tried again for up to ``REBIND_WAIT_S``. The new socket is checked as any
+        (``SO_PEERCRED`` pid 1)."""
+        try:
+            return self._connect_once()
+        except (OSError, AgentError) as exc:
+            if isinstance(exc, TimeoutError) or not self.rebind or self.expect_pid is None:
+                raise
+            try:  # the main thread: it waits in accept(), which the signal interrupts
+                syscalls.syscall(_SYS_TGKILL, self.expect_pid, self.expect_pid, int(wire.REBIND_SIGNAL))
+            except OSError:
+                raise exc from None  # the agent is gone: the first error says it
+            first = exc
+        deadline = time.monotonic() + REBIND_WAIT_S
+        while True:
+            time.sleep(0.01)
+            try:
+                return self._connect_once()
+            except (OSError, AgentError) as exc:
+                if time.monotonic() < deadline:
+                    continue
+                raise AgentError(
+                    f"agent at {self.socket_path} is not reachable ({_reason(first)}) and did not re-create "
+                    f"its socket within {REBIND_WAIT_S:g} s ({_reason(exc)})",
+                    hint="a process inside the workspace removed or replaced the agent's socket and the "
+                         "agent does not answer: remove the workspace, or restore it from a snapshot",
+                ) from None
+
+    def _connect_once(self) -> socket.socket:
         """A connected socket to the agent, checked before a byte is sent.
 
         With ``beneath``, the socket is reached by a walk of ``O_PATH | O_NOFOLLOW``
@@ -326,6 +366,7 @@ class AgentClient:
                 call_timeout=min(self.call_timeout, left),
                 beneath=self.beneath,
                 expect_pid=self.expect_pid,
+                rebind=False,  # the agent may not listen yet
             )
             try:
                 return probe.ping()
@@ -633,6 +674,12 @@ class _Answer(dict[str, Any]):
             raise AgentError(f"the client reads {key!r}, which the answer to {self.op!r} does not "
                              "declare (bunshin/agent/wire.py)")
         raise AgentError(f"the agent's answer to {self.op!r} lacks {key!r}")
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, AgentError):
+        return exc.message
+    return (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
 
 
 def _open_socket_beneath(top: Path, parts: Sequence[str], where: Path) -> int:

@@ -34,6 +34,7 @@ import pytest
 from bunshin.errors import AgentError
 from bunshin.runtime import container, gc
 from bunshin.runtime import snapshot as rsnap
+from bunshin.runtime.agent_client import AgentClient
 from bunshin.runtime.store import Store
 from bunshin.workspace import Workspace
 
@@ -289,13 +290,19 @@ def test_run_folder_symlink_to_a_host_socket_is_refused(family, fake_agent):
     assert fake_agent.connections == 0 and fake_agent.received == b""
 
 
+def _unhealed(rec) -> AgentClient:
+    """The workspace's client, without asking the agent to re-create its socket."""
+    return AgentClient(container.socket_path(rec), beneath=Path(rec.root), expect_pid=rec.pid, rebind=False)
+
+
 def test_socket_symlink_to_a_host_socket_is_refused(family, fake_agent):
+    """The link is never followed; the agent, asked by the host, puts its socket back."""
     ws = family.create()
     assert plant(ws, f"rm -f /.bunshin/run/agent.sock && ln -s {fake_agent.path} /.bunshin/run/agent.sock")
     with pytest.raises(AgentError, match="not a socket"):
-        ws.exec("true", timeout=10)
-    with pytest.raises(AgentError):
-        container.agent(ws.record).ping()
+        _unhealed(ws.record).ping()
+    assert_works(ws)  # the call found the link, asked the agent, which re-created its socket
+    assert container.agent(ws.record).ping().pid == 1
     assert fake_agent.connections == 0 and fake_agent.received == b""
 
 
@@ -324,7 +331,8 @@ while True:  # an impostor that keeps listening, whatever a caller does (the hos
 @pytest.mark.parametrize("where", ["parent", "clone"])
 def test_rebound_agent_socket_is_refused(family, where):
     """A process inside deletes the agent's socket and listens there itself: the host
-    refuses it (SO_PEERCRED is not the workspace's pid 1), also in a restored clone."""
+    refuses it (SO_PEERCRED is not the workspace's pid 1), also in a restored clone, and
+    the agent, asked, takes its socket's name back."""
     ws = family.create()
     if where == "clone":
         (ws,) = family.fork(ws)
@@ -337,7 +345,7 @@ def test_rebound_agent_socket_is_refused(family, where):
         assert time.monotonic() < deadline, "the rebinding process did not start"
         time.sleep(0.02)
     with pytest.raises(AgentError, match="not the workspace agent's"):
-        ws.exec("true", timeout=10)
-    with pytest.raises(AgentError, match="not the workspace agent's"):
-        container.agent(ws.record).ping()
+        _unhealed(ws.record).ping()
+    assert_works(ws)
+    assert container.agent(ws.record).ping().pid == 1
     assert not (upper / "tmp" / "fake.got").exists(), "the host sent a request to the impostor"

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from bunshin.agent.shellpty import CONTINUED_NOTE, MAX_SESSIONS
-from bunshin.errors import InvalidArgument, PathNotFound, ResourceExhausted
+from bunshin.errors import AgentError, InvalidArgument, PathNotFound, ResourceExhausted
 from bunshin.workspace import Workspace
 
 pytestmark = [pytest.mark.integration]
@@ -104,7 +104,10 @@ def test_a_link_swapped_during_the_call_never_leads_into_the_agent(ws):
                                  "    os.symlink('/proc/1', '/tmp/b'); os.rename('/tmp/b', '/tmp/race')\n"])
     got: dict[object, int] = {}
     try:
-        _wait_file(ws, "/tmp/race/environ")
+        deadline = time.monotonic() + 10
+        while ws.exec(["test", "-L", "/tmp/race"]).exit_code:
+            assert time.monotonic() < deadline, "the swapper did not start"
+            time.sleep(0.05)
         for _ in range(400):
             try:
                 key: object = ws.files.read("/tmp/race/environ")
@@ -117,3 +120,58 @@ def test_a_link_swapped_during_the_call_never_leads_into_the_agent(ws):
         ws.commands.kill(swapper, 9)
     assert set(got) <= {b"harmless\n", "refused", "missing"}, got
     assert ws.files.read("/tmp/harmless/environ") == b"harmless\n"
+
+
+IMPOSTOR = """import os, socket, time
+os.unlink('/.bunshin/run/agent.sock')
+s = socket.socket(socket.AF_UNIX)
+s.bind('/.bunshin/run/agent.sock')
+s.listen()
+open('/tmp/impostor.ready', 'w').write('1')
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("attack", [
+    "rm /.bunshin/run/agent.sock",
+    "rm -rf /.bunshin/run/*",  # the folder itself is not the workspace's to remove
+    "rm /.bunshin/run/agent.sock && ln -s /tmp/elsewhere.sock /.bunshin/run/agent.sock",
+    "rm /.bunshin/run/agent.sock && mkdir /.bunshin/run/agent.sock",
+])
+def test_the_agent_re_creates_a_socket_removed_from_inside(ws, attack):
+    pid1 = ws.record.pid
+    assert ws.exec(["sh", "-c", attack]).exit_code == 0
+    assert ws.exec("echo alive").stdout == "alive\n"  # the call that found it gone asked the agent
+    assert ws.agent().ping().pid == 1 and ws.record.pid == pid1
+    assert ws.exec("test -S /.bunshin/run/agent.sock && echo socket").stdout == "socket\n"
+    (clone,) = ws.fork(1)  # the re-created socket is dumped and restored like the first
+    try:
+        assert clone.exec("echo clone").stdout == "clone\n"
+    finally:
+        clone.remove()
+
+
+def test_a_socket_replaced_from_inside_is_taken_back(ws):
+    """An impostor that binds the agent's socket name is never talked to (SO_PEERCRED is
+    not pid 1); the agent takes its name back and the call reaches the agent."""
+    impostor = ws.commands.spawn(["python3", "-c", IMPOSTOR])
+    _wait_file(ws, "/tmp/impostor.ready")
+    assert ws.exec("echo alive").stdout == "alive\n"
+    assert ws.agent().ping().pid == 1
+    ws.commands.kill(impostor, 9)
+
+
+def test_a_stopped_agent_that_cannot_re_create_its_socket_is_a_clear_error(ws):
+    """The failure path: the agent cannot answer the request to re-create (stopped here, from
+    the host): the call fails naming what happened and what to do; once it runs again, the
+    pending request is served and the workspace works."""
+    ws.exec("rm /.bunshin/run/agent.sock")
+    os.kill(ws.record.pid, 19)  # SIGSTOP: forced from the host
+    try:
+        with pytest.raises(AgentError) as info:
+            ws.exec("echo never")
+        err = info.value
+        assert "did not re-create its socket" in err.message and "remove the workspace" in (err.hint or "")
+    finally:
+        os.kill(ws.record.pid, 18)  # SIGCONT
+    assert ws.exec("echo alive").stdout == "alive\n"
