@@ -12,11 +12,13 @@ import os
 from dataclasses import dataclass
 
 PTRACE_CONT, PTRACE_GETREGS, PTRACE_SETREGS = 7, 12, 13
-PTRACE_SINGLESTEP, PTRACE_DETACH = 9, 17
+PTRACE_SYSCALL, PTRACE_DETACH = 24, 17
 PTRACE_GETSIGINFO, PTRACE_SETSIGINFO = 0x4202, 0x4203
 SIGINFO_SIZE = 128
 PTRACE_SEIZE, PTRACE_INTERRUPT = 0x4206, 0x4207
+PTRACE_O_TRACESYSGOOD = 1
 PTRACE_O_EXITKILL = 1 << 20
+SYSCALL_STOP = 0x80 | 5  # SIGTRAP | 0x80: a syscall-enter or -exit stop (TRACESYSGOOD)
 PTRACE_O_SUSPEND_SECCOMP = 1 << 21
 PTRACE_EVENT_STOP = 128
 WALL = 0x40000000
@@ -56,7 +58,7 @@ def _call(request: int, tid: int, addr: int = 0, data: int | ctypes.c_void_p | N
 
 def seize(tid: int) -> None:
     """Trace ``tid`` without stopping it; seccomp stays suspended for it while traced."""
-    _call(PTRACE_SEIZE, tid, 0, ctypes.c_void_p(PTRACE_O_SUSPEND_SECCOMP | PTRACE_O_EXITKILL))
+    _call(PTRACE_SEIZE, tid, 0, ctypes.c_void_p(PTRACE_O_SUSPEND_SECCOMP | PTRACE_O_EXITKILL | PTRACE_O_TRACESYSGOOD))
 
 
 def interrupt(tid: int) -> None:
@@ -92,8 +94,14 @@ def tgkill(pid: int, tid: int, sig: int) -> None:
     _libc.syscall(234, pid, tid, sig)
 
 
-def singlestep(tid: int) -> None:
-    _call(PTRACE_SINGLESTEP, tid, 0, ctypes.c_void_p(0))
+def to_syscall_stop(tid: int) -> None:
+    """Resume ``tid`` to its next syscall-enter or -exit stop (no signal is delivered).
+
+    Not a single step: a step's trap is a forced SIGTRAP (``force_sig_fault``), which takes
+    SIGTRAP out of the thread's blocked set and resets an ignored or blocked SIGTRAP's
+    action to the default, where the program would see it; a syscall stop changes neither.
+    """
+    _call(PTRACE_SYSCALL, tid, 0, ctypes.c_void_p(0))
 
 
 def get_regs(tid: int) -> Regs:

@@ -11,8 +11,9 @@ signal to give back.
 With ``pidfd`` (opened when the process was chosen), a pid reused by
 another process since is refused once its threads are held.
 ``syscall(nr, *args)`` saves the leader's registers, points ``rip`` at a
-``syscall`` instruction the process already maps (``site``), single-steps it and
-restores the registers (a call the thread was blocked in restarts as it would
+``syscall`` instruction the process already maps (``site``), resumes it to the
+call's entry and exit stops (``PTRACE_SYSCALL``: a single step would force a SIGTRAP
+that unblocks it, visibly) and restores the registers (a call the thread was blocked in restarts as it would
 after any signal). A signal that arrives before the call runs is kept with its
 ``siginfo`` and given back, as it was, at the detach. The host process must stay in one thread for all of it.
 """
@@ -145,15 +146,19 @@ class Stopped:
             setattr(regs, name, value & ((1 << 64) - 1))
         try:
             ptrace.set_regs(tid, regs)
+            stops = 0  # the call's entry, then its exit
             for _ in range(_MAX_SIGNALS):
-                ptrace.singlestep(tid)
+                ptrace.to_syscall_stop(tid)
                 stop = ptrace.wait(tid)
                 if stop.exited:
                     del self._held[tid]
                     raise InjectionFailed(f"process {self.pid} died during an injected system call {nr}")
-                if stop.signal == ptrace.SIGTRAP:
-                    break
-                # a signal arrived before the call ran: kept for the detach, the step retried
+                if stop.signal == ptrace.SYSCALL_STOP:
+                    stops += 1
+                    if stops == 2:
+                        break
+                    continue
+                # a signal arrived: kept for the detach, not delivered
                 self._keep(tid, stop.signal)
             else:
                 raise InjectionFailed(f"signals keep arriving: the system call {nr} was not injected")

@@ -15,6 +15,7 @@ in a clone's (``trap._find_existing``).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import struct
 from dataclasses import dataclass
@@ -140,8 +141,18 @@ def _sites(pid: int, maps: list[_Map]) -> tuple[tuple[int, ...], list[tuple[int,
     return tuple(sorted(addresses)), spans
 
 
+def _refuse_blocked(pid: int) -> None:
+    """TrapUnavailable if a thread blocks SIGSYS (``trap.sigsys_held``: unblocking it would show)."""
+    for task in sorted(Path(f"/proc/{pid}/task").iterdir()):
+        with contextlib.suppress(OSError):
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith("SigBlk:") and int(line.split()[1], 16) & SIGSYS_BIT:
+                    raise TrapUnavailable(f"thread {task.name} blocks SIGSYS")
+
+
 def plan(pid: int, blob: Blob, view: str, converted: list[tuple[int, int]]) -> LivePlan:
     """The trap of a stopped process whose ``converted`` areas will map a memory file under ``view``."""
+    _refuse_blocked(pid)
     maps = _maps(pid)
     base = _free_base([{"start": m.start, "end": m.end} for m in maps], blob.size)
     sites, spans = _sites(pid, maps)
@@ -156,6 +167,10 @@ def plan(pid: int, blob: Blob, view: str, converted: list[tuple[int, int]]) -> L
 
 def blob_bytes(s: Stopped, p: LivePlan, scratch: int) -> bytes:
     """Code, table and state as they go into the memory file (the state holds the program's SIGSYS action)."""
+    for sig in range(1, 65):  # an action whose mask holds SIGSYS: the trap would show (``trap.sigsys_held``)
+        if sig not in (9, 19) and s.syscall(NR_RT_SIGACTION, sig, 0, scratch, 8) == 0:
+            if _SIGACT.unpack(_read(s.pid, scratch, _SIGACT.size))[3] & SIGSYS_BIT:
+                raise TrapUnavailable(f"the action of signal {sig} blocks SIGSYS")
     check(s.syscall(NR_RT_SIGACTION, SIGSYS, 0, scratch, 8), "reading the SIGSYS action")
     handler, flags, restorer, mask = _SIGACT.unpack(_read(s.pid, scratch, _SIGACT.size))
     own_pid = check(s.syscall(NR_GETPID), "getpid")

@@ -339,9 +339,10 @@ def rewrite_images(
                     continue
                 setup = None
                 if blob is not None and proc.count(Kind.CONVERT, Kind.FILE):
-                    core = load(images_dir / f"core-{pid}.img")["entries"][0]
+                    cores = {t: load(images_dir / f"core-{t}.img")["entries"][0] for t in threads[pid]}
+                    core = cores.get(pid) or load(images_dir / f"core-{pid}.img")["entries"][0]
                     try:
-                        setup = trap.prepare(proc, blob, core, files, view, Path(root))
+                        setup = trap.prepare(proc, blob, core, files, view, Path(root), cores)
                     except trap.TrapUnavailable as exc:
                         if zero_fill is ZeroFillPolicy.REFUSE:
                             raise NotForkable(

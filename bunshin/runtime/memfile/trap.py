@@ -132,14 +132,40 @@ def _area(start: int, size: int, prot: int) -> dict[str, Any]:
             "flags": MAP_PRIVATE, "status": 0, "fd": -1}
 
 
+def sigsys_held(cores: dict[int, dict[str, Any]]) -> str | None:
+    """Why the trap would show: a thread of the process blocks SIGSYS, or an action's mask holds it.
+
+    A trap while SIGSYS is blocked kills the process (``force_sig_seccomp``: the kernel
+    unblocks it and resets its action to the default), so the trap needs it unblocked;
+    taking it out of the program's masks would show in what the program reads back
+    (``sigprocmask``, ``/proc/PID/status``) and let a blocked ``kill(SIGSYS)`` through.
+    Such a process keeps its memory anonymous instead (``cores``: thread id -> core entry).
+    """
+    for tid, core in sorted(cores.items()):
+        for holder in (core.get("thread_core", {}), core.get("tc", {})):
+            if int(holder.get("blk_sigset", 0)) & SIGSYS_BIT:
+                return f"thread {tid} blocks SIGSYS"
+        for sig, sa in enumerate(core.get("tc", {}).get("sigactions", []), start=1):
+            if int(sa.get("mask", 0)) & SIGSYS_BIT:
+                return f"the action of signal {sig + (sig >= 9) + (sig >= 18)} blocks SIGSYS"
+    return None
+
+
 def prepare(
-    proc: Proc, blob: Blob, core: dict[str, Any], files: dict[int, dict[str, Any]], view: str, root: Path
+    proc: Proc, blob: Blob, core: dict[str, Any], files: dict[int, dict[str, Any]], view: str, root: Path,
+    threads: dict[int, dict[str, Any]] | None = None,
 ) -> TrapSetup:
-    """Plan the trap of one process (adds or marks its TRAP areas); raises TrapUnavailable."""
+    """Plan the trap of one process (adds or marks its TRAP areas); raises TrapUnavailable.
+
+    ``threads``: every thread's core entry (the leader's too), for ``sigsys_held``.
+    """
     mode = core.get("thread_core", {}).get("seccomp_mode", "disabled")
     if mode in ("strict", 1):
         raise TrapUnavailable("the process runs in seccomp strict mode")
     found = _find_existing(proc, core, blob)
+    held = sigsys_held(threads or {proc.pid: core}) if found is None else None
+    if held:
+        raise TrapUnavailable(held)
     base, old_entries = found if found else (_free_base(proc.vmas, blob.size), [])
     lo, hi = base, base + blob.size
     code_at, table_at = base, base + len(blob.code)
@@ -227,7 +253,7 @@ def install(
         if any(held) and not has:
             if tid == pid and not setup.existing:
                 _point_sigsys(core, blob, setup)
-                out.append((img, path))
+            out.append((img, path))  # (its blocked set changed, if SIGSYS was in it: a clone's dump)
             continue
         prev: int | None = None
         flags = 0
@@ -257,7 +283,8 @@ def _has_filter(img: dict[str, Any]) -> bool:
 
 
 def _unblock_sigsys(core: dict[str, Any]) -> None:
-    """SIGSYS out of a task's blocked set and of every action's mask (see ``sigsys.c``)."""
+    """SIGSYS out of a task's blocked set and of every action's mask (see ``sigsys.c``): a no-op
+    but in a clone's dump (a process that blocked it at its first fork was left anonymous)."""
     for holder in (core.get("thread_core", {}), core.get("tc", {})):
         if "blk_sigset" in holder:
             holder["blk_sigset"] = int(holder["blk_sigset"]) & ~SIGSYS_BIT
@@ -278,4 +305,4 @@ def load_seccomp(images_dir: Path) -> dict[str, Any]:
     return {"magic": "SECCOMP", "entries": [{"seccomp_filters": []}]}
 
 
-__all__ = ["TrapSetup", "TrapUnavailable", "install", "load_seccomp", "prepare", "save"]
+__all__ = ["TrapSetup", "TrapUnavailable", "install", "load_seccomp", "prepare", "save", "sigsys_held"]

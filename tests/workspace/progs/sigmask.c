@@ -1,0 +1,203 @@
+/*
+ * A program whose threads block signals, for the fork's trap (issue 30).
+ *
+ *   sigmask DIR
+ *
+ * Before answering it: fills 24 MiB with a pattern; blocks every signal but
+ * SIGTERM in the main thread and leaves SIGUSR1 pending; starts a worker thread
+ * that blocks every signal; starts a POSIX SIGEV_THREAD timer firing every 5 ms
+ * (glibc's helper thread blocks every signal too). Then answers requests: DIR/req
+ * holds one word, the answer goes to DIR/out (written whole, then renamed).
+ *
+ *   masks     main thread's mask (sigprocmask), sigpending, each thread's SigBlk
+ *             and SigPnd/ShdPnd from /proc/self/task/TID/status, the worker's
+ *             mask (pthread_sigmask)
+ *   ticks     how many times the timer ran
+ *   dontneed  the worker: MADV_DONTNEED on the pattern, "zero" if it reads zeros,
+ *             then mremap shrink and regrow reads zeros too ("zero"), pattern refilled
+ *
+ * With LATE set in its environment it blocks nothing and starts no timer before
+ * the requests; its worker blocks every signal only at its first "dontneed".
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#define SIZE (24UL << 20)
+static char *mem;
+static atomic_long ticks;
+static const char *dir;
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t cond = PTHREAD_COND_INITIALIZER;
+static int job;          /* 1: dontneed asked of the worker */
+static char result[256]; /* the worker's answer */
+static sigset_t worker_mask;
+
+static void fill(void) {
+    for (size_t i = 0; i < SIZE; i += 64)
+        mem[i] = (char)(1 + i / 4096 % 200);
+}
+
+static int zeros(const char *p, size_t n) {
+    for (size_t i = 0; i < n; i += 64)
+        if (p[i])
+            return 0;
+    return 1;
+}
+
+static void tick(union sigval v) {
+    (void)v;
+    ticks++;
+}
+
+static void dontneed(char *out) {
+    int ok = madvise(mem, SIZE / 2, MADV_DONTNEED) == 0 && zeros(mem, SIZE / 2);
+    char *p = mremap(mem + SIZE / 2, SIZE / 2, 4096, 0);
+    p = p == MAP_FAILED ? p : mremap(p, 4096, SIZE / 2, 0);
+    int ok2 = p == mem + SIZE / 2 && zeros(p + 4096, SIZE / 2 - 4096);
+    sprintf(out, "%s %s", ok ? "zero" : "stale", ok2 ? "zero" : "stale");
+    fill();
+}
+
+static void *worker(void *arg) {
+    (void)arg;
+    sigset_t all;
+    sigfillset(&all);
+    if (!getenv("LATE"))
+        pthread_sigmask(SIG_SETMASK, &all, NULL);
+    pthread_mutex_lock(&lock);
+    for (;;) {
+        while (!job)
+            pthread_cond_wait(&cond, &lock);
+        pthread_sigmask(SIG_BLOCK, &all, NULL);
+        pthread_sigmask(SIG_SETMASK, NULL, &worker_mask);
+        dontneed(result);
+        job = 0;
+        pthread_cond_broadcast(&cond);
+    }
+    return NULL;
+}
+
+static unsigned long long bits(const sigset_t *s) {
+    unsigned long long v = 0;
+    for (int sig = 1; sig <= 64; sig++)
+        if (sigismember(s, sig) == 1)
+            v |= 1ULL << (sig - 1);
+    return v;
+}
+
+static int tids(int *out, int max) {
+    int n = 0;
+    DIR *d = opendir("/proc/self/task");
+    struct dirent *e;
+    while (d && (e = readdir(d)) && n < max)
+        if (e->d_name[0] != '.')
+            out[n++] = atoi(e->d_name);
+    if (d)
+        closedir(d);
+    return n;
+}
+
+/* threads present 10 ms apart (not the timer's short-lived notification threads), in tid order */
+static void status_lines(FILE *out) {
+    int a[64], b[64], na = tids(a, 64), nb;
+    char path[128], line[256];
+    usleep(10000);
+    nb = tids(b, 64);
+    for (int i = 0; i < na; i++) {
+        int both = 0;
+        for (int j = 0; j < nb; j++)
+            both |= a[i] == b[j];
+        snprintf(path, sizeof path, "/proc/self/task/%d/status", a[i]);
+        FILE *f = both ? fopen(path, "r") : NULL;
+        if (!f)
+            continue;
+        while (fgets(line, sizeof line, f))
+            if (!strncmp(line, "SigBlk:", 7) || !strncmp(line, "SigPnd:", 7) || !strncmp(line, "ShdPnd:", 7))
+                fprintf(out, " %.*s", (int)strcspn(line, "\n"), line);
+        fclose(f);
+    }
+}
+
+static void answer(const char *req) {
+    char tmp[512], fin[512];
+    FILE *f;
+    snprintf(tmp, sizeof tmp, "%s/out.tmp", dir);
+    snprintf(fin, sizeof fin, "%s/out", dir);
+    f = fopen(tmp, "w");
+    if (!strcmp(req, "ticks")) {
+        fprintf(f, "%ld", (long)ticks);
+    } else if (!strcmp(req, "dontneed")) {
+        pthread_mutex_lock(&lock);
+        job = 1;
+        pthread_cond_broadcast(&cond);
+        while (job)
+            pthread_cond_wait(&cond, &lock);
+        fprintf(f, "%s worker %llx", result, bits(&worker_mask));
+        pthread_mutex_unlock(&lock);
+    } else if (!strcmp(req, "masks")) {
+        sigset_t cur, pend;
+        sigprocmask(SIG_BLOCK, NULL, &cur);
+        sigpending(&pend);
+        fprintf(f, "mask %llx pending %llx", bits(&cur), bits(&pend));
+        status_lines(f);
+    } else {
+        fprintf(f, "unknown %s", req);
+    }
+    fclose(f);
+    rename(tmp, fin);
+}
+
+int main(int argc, char **argv) {
+    char path[512], req[64];
+    if (argc != 2)
+        return 2;
+    dir = argv[1];
+    mem = mmap(NULL, SIZE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    fill();
+    int late = getenv("LATE") != NULL;
+    sigset_t mask;
+    sigfillset(&mask);
+    sigdelset(&mask, SIGTERM);
+    if (!late) {
+        sigprocmask(SIG_SETMASK, &mask, NULL);
+        raise(SIGUSR1); /* stays pending */
+    }
+    pthread_t th;
+    pthread_create(&th, NULL, worker, NULL);
+    struct sigevent ev = {.sigev_notify = SIGEV_THREAD, .sigev_notify_function = tick};
+    timer_t timer;
+    struct itimerspec every = {{0, 5000000}, {0, 5000000}};
+    if (late)
+        ticks = 3;
+    else if (timer_create(CLOCK_MONOTONIC, &ev, &timer) || timer_settime(timer, 0, &every, NULL))
+        return 3;
+    while (ticks < 3)
+        usleep(1000);
+    snprintf(path, sizeof path, "%s/ready", dir);
+    FILE *f = fopen(path, "w");
+    fprintf(f, "%d\n", getpid());
+    fclose(f);
+    snprintf(path, sizeof path, "%s/req", dir);
+    for (;;) {
+        f = fopen(path, "r");
+        if (!f) {
+            usleep(2000);
+            continue;
+        }
+        req[0] = 0;
+        if (fscanf(f, "%63s", req) != 1)
+            req[0] = 0;
+        fclose(f);
+        unlink(path);
+        answer(req);
+    }
+}

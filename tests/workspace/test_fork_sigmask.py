@@ -1,0 +1,104 @@
+"""Integration: the trap that keeps converted memory exact is invisible to what a program blocks (issue 30).
+
+``progs/sigmask.c``: its main thread blocks every signal but SIGTERM with SIGUSR1
+pending, a worker thread blocks every signal and makes the trapped calls (madvise
+DONTNEED, mremap shrink and regrow) on memory written before the fork, and a POSIX
+SIGEV_THREAD timer runs (glibc's helper thread blocks every signal). Such a process
+keeps its memory anonymous (a trap while SIGSYS is blocked kills it, unblocking SIGSYS
+would show): every clone and a fork of a fork read back the parent's masks and pending
+set, the timer goes on and the calls read zeros. With ``LATE`` it blocks nothing before
+the fork: converted, its worker blocks every signal after the fork and traps (not killed).
+Both with and without the live pre-copy (which gives the trap to the running parent).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from bunshin.workspace import Workspace
+from tests.workspace.test_fork import wait_file
+
+pytestmark = [pytest.mark.integration, pytest.mark.criu]
+
+PROGS = Path(__file__).parent / "progs"
+DIR = "/tmp/sm"
+
+
+@pytest.fixture(scope="module")
+def sigmask(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    out = tmp_path_factory.mktemp("sigmask") / "sigmask"
+    subprocess.run(["gcc", "-O2", "-pthread", "-o", str(out), str(PROGS / "sigmask.c")], check=True)
+    return out.read_bytes()
+
+
+def start(ws: Workspace, binary: bytes, *env: str) -> int:
+    ws.files.write("/root/sigmask", binary, mode=0o755)
+    assert ws.exec(["mkdir", "-p", DIR]).exit_code == 0
+    ws.commands.spawn(["env", *env, "/root/sigmask", DIR])
+    return int(wait_file(ws, f"{DIR}/ready"))
+
+
+def ask(ws: Workspace, req: str) -> str:
+    script = (f'rm -f {DIR}/out; printf "%s\\n" "$1" > {DIR}/req.tmp && mv {DIR}/req.tmp {DIR}/req;'
+              f' while [ ! -e {DIR}/out ]; do sleep 0.01; done; cat {DIR}/out')
+    r = ws.exec(["sh", "-c", script, "sh", req], timeout=20)
+    assert r.exit_code == 0 and not r.timed_out, f"{ws.id}: no answer to {req!r}: {r}"
+    return r.stdout.strip()
+
+
+def steady(masks: str) -> str:
+    """``masks`` without the timer's own signal (32, glibc's SIGTIMER) pending in a thread: it is, for
+    a moment, each time the timer fires."""
+    return re.sub(r"SigPnd:\t(\w+)", lambda m: f"SigPnd:\t{int(m[1], 16) & ~(1 << 31):016x}", masks)
+
+
+def maps_memfile(ws: Workspace, pid: int) -> bool:
+    return ".bunshin-mem" in ws.exec(["cat", f"/proc/{pid}/maps"]).stdout
+
+
+def live(family, on: bool) -> None:
+    family.cfg = dataclasses.replace(family.cfg, fork_precopy=on, fork_precopy_min_mib=0)
+
+
+@pytest.mark.parametrize("precopy", [False, True], ids=["dump", "precopy"])
+def test_masks_pending_timer_and_trapped_calls_of_threads_blocking_everything(family, sigmask, precopy):
+    live(family, precopy)
+    ws = family.create()
+    pid = start(ws, sigmask)
+    masks = steady(ask(ws, "masks"))
+    assert re.search(r"mask (\w+) pending 200\b", masks), masks  # SIGUSR1 (10) pending
+    sigsys = 1 << 30
+    assert int(masks.split()[1], 16) & sigsys  # blocked (all but SIGTERM)
+    clones = family.fork(ws, 2)
+    clones += family.fork(clones[0], 1)  # and a fork of a fork
+    time.sleep(0.3)
+    for w in [ws, *clones]:
+        assert steady(ask(w, "masks")) == masks, w.id  # the mask, pending set and each thread's SigBlk/SigPnd/ShdPnd
+        ticks = int(ask(w, "ticks"))
+        time.sleep(0.1)
+        assert int(ask(w, "ticks")) > ticks, f"{w.id}: the timer stopped"
+        assert ask(w, "dontneed") == f"zero zero worker {int(masks.split()[1], 16) | 1 << 14:x}", w.id
+        assert steady(ask(w, "masks")) == masks, w.id
+    assert not any(maps_memfile(c, pid) for c in clones)  # left anonymous
+
+
+@pytest.mark.parametrize("precopy", [False, True], ids=["dump", "precopy"])
+def test_a_thread_of_a_converted_process_blocking_everything_after_the_fork_is_trapped_not_killed(
+        family, sigmask, precopy):
+    live(family, precopy)
+    ws = family.create()
+    pid = start(ws, sigmask, "LATE=1")
+    (c,) = family.fork(ws, 1)
+    (cc,) = family.fork(c, 1)
+    for w in (c, cc):
+        assert maps_memfile(w, pid), w.id  # converted: the trap is what keeps it exact
+        assert ask(w, "dontneed").startswith("zero zero worker "), w.id
+        assert w.exec(["kill", "-0", str(pid)]).exit_code == 0
+    assert ask(ws, "dontneed").startswith("zero zero worker ")
+    assert maps_memfile(ws, pid) is precopy  # the live pre-copy converted the parent itself
