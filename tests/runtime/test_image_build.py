@@ -5,13 +5,16 @@ nothing and leaves no mount."""
 
 from __future__ import annotations
 
+import dataclasses
+import secrets
 import shutil
 from pathlib import Path
 
+import psutil
 import pytest
 
 from bunshin.config import Config
-from bunshin.errors import InvalidArgument
+from bunshin.errors import InvalidArgument, PayloadTooLarge
 from bunshin.runtime import gc, mountinfo
 from bunshin.runtime.oci import build as oci_build
 from bunshin.runtime.oci import store as oci_store
@@ -71,3 +74,21 @@ def test_a_failing_step_stores_nothing(context: Path, cfg: Config, tmp_path: Pat
     assert not [m for m in mountinfo.mount_points() if str(cfg.paths.images) in m]
     with pytest.raises(InvalidArgument, match="no Dockerfile"):
         oci_build.build(cfg, Store.open(cfg.db_path), tmp_path)
+
+
+def test_a_step_that_writes_past_the_cap_is_killed_and_stores_nothing(context: Path, cfg: Config) -> None:
+    """RUN writes 512 MiB (a Dockerfile could write until the disk is full): with a 64 MiB image
+    cap the build's storage may hold 128 MiB; buildah, runc and the step are killed together."""
+    mark = f"30.{secrets.randbelow(10**6):06d}"  # a sleep of its own, found by its command line
+    (context / "Dockerfile").write_text(
+        (context / "Dockerfile").read_text().split("\n")[0]
+        + f"\nRUN busybox dd if=/dev/zero of=/fill bs=1M count=512 && busybox sleep {mark}\n")
+    with Store.open(cfg.db_path) as store:
+        before = oci_store.list_images(store)
+        with pytest.raises(PayloadTooLarge, match=r"build's storage .* image_max_bytes=67108864") as exc:
+            oci_build.build(dataclasses.replace(cfg, image_max_bytes="64M"), store, context)
+        assert "--max-size" in (exc.value.hint or "")
+        assert oci_store.list_images(store) == before
+    assert not [p.pid for p in psutil.process_iter(["cmdline"]) if mark in " ".join(p.info["cmdline"] or ())]
+    assert not list(cfg.paths.image_staging.iterdir())
+    assert not [m for m in mountinfo.mount_points() if str(cfg.paths.images) in m]

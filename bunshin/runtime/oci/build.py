@@ -11,11 +11,14 @@ namespace that reaches out only, as docker's default bridge) is refused by name:
 needs netavark or slirp4netns/pasta, which bunshin does not set up. The result is pushed
 to an OCI layout and loaded like any other (``store.load``: every digest checked,
 layers unpacked safely, the image's caps applied); the staging folder, buildah's
-storage included, is removed whatever happens.
+storage included, is removed whatever happens. That storage (the base image, what
+RUN steps write) may use twice the image's size cap (``caps.Watch``: buildah is killed
+past it, within a second), so a step that writes without end cannot fill the disk.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -24,16 +27,23 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import psutil
+
 from ...config import Config
-from ...errors import HostUnsupported, InvalidArgument, RuntimeFailure
+from ...errors import HostUnsupported, InvalidArgument, PayloadTooLarge, RuntimeFailure
 from .. import mountinfo
 from .. import syscalls as sc
 from ..store import Store
+from . import caps
 from . import store as oci_store
 from .records import ImageRecord
 
 BUILDAH = "buildah"
 BUILD_TIMEOUT_S = 3 * 3600.0
+# buildah's storage holds the base image and a RUN step's writes twice (the container's
+# upper and the committed layer): the build may use twice the image's cap of disk
+STORAGE_FACTOR = 2
+WATCH_S = 1.0
 NETWORKS = ("none", "host")
 NOT_YET = {"egress": "a private network namespace with egress", "private": "buildah's private network"}
 HOST_WARNING = ("RUN steps share the host's network namespace (--network host): the Dockerfile reaches every "
@@ -64,10 +74,11 @@ def build(cfg: Config, store: Store, context: Path, *, dockerfile: str = "Docker
     # a name of our own, not the folder's: mkdtemp's letters ("_" at an end) are no valid reference
     name = f"localhost/bunshin-build/build-{secrets.token_hex(8)}:latest"
     ids = f"0:{cfg.id_base}:{cfg.id_count}"
+    cap = caps.max_bytes(cfg)
     try:
         _run([*base, "bud", "--isolation", "oci", "--userns-uid-map", ids, "--userns-gid-map", ids,
               "--network", network, "--layers=false", "-f", str(context / dockerfile), "-t", name, str(context)],
-             "build", progress)
+             "build", progress, (tmp, cap))
         _run([*base, "push", "--quiet", name, f"oci:{tmp / 'out'}"], "export", progress)
         # buildah's layers hold the ids as the build's user namespace wrote them (host
         # ids id_base + N): counted back from id_base
@@ -83,6 +94,19 @@ def build(cfg: Config, store: Store, context: Path, *, dockerfile: str = "Docker
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it: runc and the RUN step's container init (in
+    a session and pid namespace of its own, so its processes die with it), not only buildah."""
+    try:
+        root = psutil.Process(pid)
+        tree = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for p in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+
+
 def check_network(network: str) -> None:
     """Refuse a network mode other than ``NETWORKS``; ``egress`` by name."""
     if network in NOT_YET:
@@ -95,20 +119,32 @@ def check_network(network: str) -> None:
                               hint="--network none (the default) or host")
 
 
-def _run(argv: list[str], what: str, progress: oci_store.Progress) -> None:
+def _run(argv: list[str], what: str, progress: oci_store.Progress, watch: tuple[Path, int] | None = None) -> None:
+    """Run buildah; with ``watch`` (the staging folder, the image size cap) killed once its
+    storage passes twice the cap (``STORAGE_FACTOR``)."""
     with tempfile.TemporaryFile(mode="w+") as log:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                log.write(line)
-                if line.strip():
-                    progress(line.rstrip())
-            proc.wait(timeout=BUILD_TIMEOUT_S)
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            raise
+
+        def kill() -> None:
+            _kill_tree(proc.pid)
+
+        folder, cap = watch if watch is not None else (None, 0)
+        with caps.Watch(proc, folder, STORAGE_FACTOR * cap, WATCH_S, kill) as watched:
+            try:
+                assert proc.stdout is not None
+                for line in proc.stdout:
+                    log.write(line)
+                    if line.strip():
+                        progress(line.rstrip())
+                proc.wait(timeout=BUILD_TIMEOUT_S)
+            except BaseException:
+                kill()
+                proc.wait()
+                raise
+        if watched.over is not None:
+            raise PayloadTooLarge(f"the build's storage (its base image, what RUN steps wrote) passed "
+                                  f"{STORAGE_FACTOR} x the image size cap image_max_bytes={cap} bytes "
+                                  f"({cap / (1 << 30):.4g} GiB): stopped, nothing was stored", hint=caps.BYTES_HINT)
         if proc.returncode == 0:
             return
         log.seek(0)

@@ -8,9 +8,19 @@ sparse member writes more than its tar holds); past ``Config.image_max_bytes`` t
 unpack stops with ``PayloadTooLarge`` and the store removes the layer's staging folder.
 The layer count (``Config.image_max_layers``, docker's 125 by default: overlayfs
 stacks at most 500 lowers and every fork adds one) is refused before a layer is read.
+What a helper program writes (skopeo's download, buildah's storage) is bounded by
+``Watch``: the folder is measured every ``period`` seconds and the program killed past
+its cap (it may overshoot by what it writes in one period).
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
 
 from ...config import Config
 from ...errors import InvalidArgument, PayloadTooLarge
@@ -74,3 +84,61 @@ class Budget:
     def charge(self, n: int, what: str) -> None:
         self.check(n, what)
         self.used += n
+
+
+def folder_bytes(root: Path) -> int:
+    """The disk space (allocated blocks) of the files below ``root``, not crossing into
+    another filesystem (a mount of the tree, such as buildah's merged overlay)."""
+    try:
+        dev = os.stat(root).st_dev
+    except OSError:
+        return 0
+    total, todo = 0, [str(root)]
+    while todo:
+        try:
+            entries = list(os.scandir(todo.pop()))
+        except OSError:
+            continue  # removed meanwhile
+        for e in entries:
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if st.st_dev != dev:
+                continue
+            total += st.st_blocks * 512
+            if e.is_dir(follow_symlinks=False):
+                todo.append(e.path)
+    return total
+
+
+class Watch:
+    """While entered: kill ``proc`` once ``folder`` holds more than ``cap`` bytes
+    (``folder_bytes``, every ``period`` s, in a thread); ``over``: the size seen then.
+    No ``folder``: nothing is watched. ``kill``: how (``proc.kill`` by default)."""
+
+    def __init__(self, proc: subprocess.Popen[str], folder: Path | None, cap: int, period: float,
+                 kill: Callable[[], None] | None = None) -> None:
+        self.proc, self.folder, self.cap, self.period = proc, folder, cap, period
+        self.kill = kill or proc.kill
+        self.over: int | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while self.folder is not None and not self._done.wait(self.period):
+            size = folder_bytes(self.folder)
+            if size > self.cap:
+                self.over = size
+                self.kill()
+                return
+
+    def __enter__(self) -> Watch:
+        if self.folder is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join()

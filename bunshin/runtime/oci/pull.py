@@ -20,7 +20,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -188,50 +187,28 @@ def _credentials(ref: Reference, tmp: Path) -> Path | None:
     return path
 
 
-def _folder_bytes(folder: Path) -> int:
-    try:
-        return sum(e.stat(follow_symlinks=False).st_blocks * 512 for e in os.scandir(folder))
-    except OSError:
-        return 0
-
-
-def _watch(proc: subprocess.Popen[str], folder: Path, cap: int, done: threading.Event, over: list[int]) -> None:
-    """Kill ``proc`` once ``folder`` (skopeo's ``dir:``, flat) holds more than ``cap`` bytes:
-    a registry's blob may be longer than its manifest says (skopeo checks that at the end)."""
-    while not done.wait(_WATCH_S):
-        size = _folder_bytes(folder)
-        if size > cap:
-            over.append(size)
-            proc.kill()
-            return
-
-
 def _run(argv: list[str], ref: Reference, progress: oci_store.Progress, watch: tuple[Path, int]) -> None:
     env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "XDG_RUNTIME_DIR", "HTTPS_PROXY",
                                                           "HTTP_PROXY", "NO_PROXY", "https_proxy", "http_proxy",
                                                           "no_proxy")}
     with tempfile.TemporaryFile(mode="w+") as errf:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=errf, text=True, env=env)
-        done, over = threading.Event(), list[int]()
-        watcher = threading.Thread(target=_watch, args=(proc, *watch, done, over), daemon=True)
-        watcher.start()
-        try:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                if line.strip():
-                    progress(line.strip())
-            proc.wait(timeout=PULL_TIMEOUT_S)
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            raise
-        finally:
-            done.set()
-            watcher.join()
+        # a registry's blob may be longer than its manifest says (skopeo checks its digest at the end)
+        with caps.Watch(proc, *watch, _WATCH_S) as watched:
+            try:
+                assert proc.stdout is not None
+                for line in proc.stdout:
+                    if line.strip():
+                        progress(line.strip())
+                proc.wait(timeout=PULL_TIMEOUT_S)
+            except BaseException:
+                proc.kill()
+                proc.wait()
+                raise
         errf.seek(0)
         err = errf.read()
-    if over:
-        raise caps.Budget(watch[1]).refuse(f"{ref}'s download ({over[0]} bytes so far, more than its manifest "
+    if watched.over is not None:
+        raise caps.Budget(watch[1]).refuse(f"{ref}'s download ({watched.over} bytes so far, more than its manifest "
                                            "says)")
     if proc.returncode == 0:
         return
