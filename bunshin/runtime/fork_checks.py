@@ -19,6 +19,11 @@ the workspace and its command), the object and what to do:
   those kinds not at all ("Can't dump nested ipc namespace", Firefox's sandbox). A
   workspace cannot make one today (no CAP_SYS_ADMIN inside, new user namespaces
   refused by seccomp); the check keeps a fork from failing late if that changes.
+- an inotify watch on a file or folder that was deleted while something of the
+  workspace holds it (an open descriptor, a working directory, a mapping: else the
+  kernel drops the watch with the inode): CRIU records a watch by a path and has
+  none for it (the dump fails, "Can't dump that handle", or the restore does,
+  "fsnotify: Unable to open (null)").
 
 TCP connections fork (``netns_image``: a clone's network namespace is its user
 namespace's, where CRIU's restorer may repair them); listening sockets always did.
@@ -32,11 +37,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import NotForkable
+from . import mountinfo
 
 # Namespaces CRIU cannot dump when a process has its own (CLONE_SUBNS are the others)
 NESTED_NS = ("ipc", "uts", "pid", "cgroup", "time", "user")
@@ -45,6 +52,8 @@ FOR_CHILDREN = {"pid_for_children": "pid", "time_for_children": "time"}
 # Anonymous-inode descriptors CRIU 4.2 dumps (criu/files.c); any other kind fails the dump
 ANON_INODES = {"[eventfd]", "[eventpoll]", "inotify", "[fanotify]", "[signalfd]", "[timerfd]", "[pidfd]", "bpf-map"}
 SECRETMEM = "/secretmem"  # what memfd_secret's descriptors and mappings are called
+_WATCH = re.compile(r"^inotify wd:\S+ ino:([0-9a-f]+) sdev:([0-9a-f]+) ", re.M)
+_DELETED = " (deleted)"
 
 
 @dataclass(frozen=True)
@@ -142,6 +151,7 @@ def refusals(pids: Sequence[int], proc: Path = Path("/proc")) -> list[Refusal]:
         if not _zombie(pid, proc):  # a zombie's namespaces are gone: nothing to nest
             out += _nested_namespaces(pid, level, own, proc)
         out += _files(pid, level, _fd_links(pid, proc), proc)
+    out += _deleted_watches(pids, level, proc)
     return out
 
 
@@ -257,3 +267,62 @@ def _fd_links(pid: int, proc: Path) -> dict[str, str]:
             with contextlib.suppress(OSError):
                 out[fd] = os.readlink(fds / fd)
     return out
+
+
+def _kdev(dev: int) -> int:
+    """``st_dev`` as the kernel's own dev_t (``MKDEV``: 20 bits of minor), as fdinfo and maps print it."""
+    return (os.major(dev) << 20) | os.minor(dev)
+
+
+def _watches(pid: int, proc: Path) -> list[tuple[str, int, int]]:
+    """(fd, kernel dev, inode) of each inotify watch ``pid`` holds."""
+    out = []
+    for fd, link in _fd_links(pid, proc).items():
+        if link == "anon_inode:inotify":
+            with contextlib.suppress(OSError):
+                info = (proc / str(pid) / "fdinfo" / fd).read_text()
+                out += [(fd, int(dev, 16), int(ino, 16)) for ino, dev in _WATCH.findall(info)]
+    return out
+
+
+def _held_deleted(pid: int, proc: Path) -> set[tuple[int, int]]:
+    """(kernel dev, inode) of the deleted files and folders ``pid`` holds: descriptors,
+    working directory, root, mappings. A descriptor's are its mount's device and its
+    inode (fdinfo: a stat through an overlay shows the layer's device, a watch the overlay's)."""
+    base = proc / str(pid)
+    out: set[tuple[int, int]] = set()
+    fds = [fd for fd, link in _fd_links(pid, proc).items() if link.endswith(_DELETED)]
+    if fds:
+        with contextlib.suppress(OSError, ValueError):
+            devs = {m.mount_id: (m.major << 20) | m.minor for m in mountinfo.read(str(base / "mountinfo"))}
+            for fd in fds:
+                with contextlib.suppress(OSError, ValueError, KeyError):
+                    info = dict(ln.split(":", 1) for ln in (base / "fdinfo" / fd).read_text().splitlines() if ":" in ln)
+                    out.add((devs[int(info["mnt_id"])], int(info["ino"])))
+    for name in ("cwd", "root"):
+        with contextlib.suppress(OSError):
+            if os.readlink(base / name).endswith(_DELETED):
+                st = os.stat(base / name)  # (a folder: through an overlay, the overlay's device)
+                out.add((_kdev(st.st_dev), st.st_ino))
+    with contextlib.suppress(OSError), open(base / "maps", "rb") as f:
+        for line in f:
+            if line.rstrip().endswith(_DELETED.encode()):
+                fields = line.split()
+                major, minor = (int(x, 16) for x in fields[3].split(b":"))
+                out.add(((major << 20) | minor, int(fields[4])))
+    return out
+
+
+def _deleted_watches(pids: Sequence[int], level: int, proc: Path) -> list[Refusal]:
+    """Watches on files or folders deleted since (paid only by a tree holding a watch)."""
+    watches = {pid: w for pid in pids if (w := _watches(pid, proc))}
+    if not watches:
+        return []
+    deleted: set[tuple[int, int]] = set()
+    for pid in pids:
+        deleted |= _held_deleted(pid, proc)
+    return [Refusal(
+        Task.read(pid, level, proc), f"has an inotify watch (fd {fd}) on a deleted file or folder (inode {ino})",
+        "CRIU records a watch by its path and a deleted one has none (\"fsnotify: Unable to open (null)\")",
+        hint="remove the watch (inotify_rm_watch) or close what holds the deleted file or folder open, then fork")
+        for pid, ws in watches.items() for fd, dev, ino in ws if (dev, ino) in deleted]

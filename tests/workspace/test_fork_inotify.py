@@ -27,6 +27,7 @@ import pytest
 from bunshin.config import Config
 from bunshin.errors import NotForkable
 from bunshin.runtime import gc, mountinfo
+from bunshin.runtime import snapshot as rsnap
 from bunshin.runtime.oci import store as oci_store
 from bunshin.runtime.store import Store
 from bunshin.workspace import Workspace
@@ -135,6 +136,42 @@ def test_a_watch_criu_cannot_record_is_refused_naming_process_and_watch(family, 
     touch(ws, f"kill {pid}", f"while [ -e /proc/{pid} ]; do sleep 0.02; done")  # ended and reaped
     (clone,) = family.fork(ws, 1)
     assert clone.exec("cat /tmp/watch.log").stdout == ws.exec("cat /tmp/watch.log").stdout
+
+
+def test_a_watch_on_a_file_and_a_folder_deleted_before_the_fork_is_refused_before_the_freeze(family, watcher):
+    """Deleted while a shell holds them (open files, working directory), the watches stay: CRIU has
+    no path for them (for the image's file it would dump one that cannot be opened at the restore),
+    the fork is refused by name and the workspace runs on; once the holder lets go the kernel drops
+    them and the fork goes through, the remaining watch working in the clone and a fork of it."""
+    ws = family.create()
+    touch(ws, "mkdir /tmp/wd", "echo start > /tmp/wf", "echo keep > /tmp/keep")
+    pid = start_watcher(ws, watcher, ["/tmp/wf", "/tmp/wd", "/etc/hostname", "/tmp/keep"])
+    ws.commands.spawn(["sh", "-c", "cd /tmp/wd && exec 3</tmp/wf 4</etc/hostname && touch /tmp/held && exec sleep 600"])
+    touch(ws, "while [ ! -e /tmp/held ]; do sleep 0.02; done")
+    touch(ws, "rm /tmp/wf /etc/hostname", "rmdir /tmp/wd")
+    assert watches(ws, pid) == 4
+    with pytest.raises(NotForkable) as info:
+        family.fork(ws, 1)
+    err = info.value
+    assert f"process {pid} (/root/watch" in err.message, err.message
+    assert "inotify watch (fd 3) on a deleted file or folder" in err.message, err.message
+    assert "(and 2 more)" in err.message, err.message  # the folder and the image's file too
+    assert "inotify_rm_watch" in (err.hint or "")
+    with Store.open(family.cfg.db_path) as store:
+        assert not rsnap.list_all(store)  # refused before anything was dumped
+    touch(ws, "echo more >> /tmp/keep")
+    wait_events(ws, 0, ["/tmp/keep -"])  # the watcher runs on
+    touch(ws, "pkill -x sleep")
+    deadline = time.monotonic() + 10
+    while watches(ws, pid) != 1:  # the kernel dropped both watches with their inodes
+        assert time.monotonic() < deadline, "the watches on the deleted file and folder stayed"
+        time.sleep(0.05)
+    (c,) = family.fork(ws, 1)
+    (cc,) = family.fork(c, 1)
+    for w in (c, cc):
+        start = len(events_after(w, 0))
+        touch(w, f"echo {w.id} >> /tmp/keep")
+        wait_events(w, start, ["/tmp/keep -"])
 
 
 def test_a_watch_on_a_shared_host_folder_fires_in_each_clone(family, watcher, tmp_path):
