@@ -95,8 +95,8 @@ def build(cfg: Config, store: Store, context: Path, *, dockerfile: str = "Docker
 
 
 def _kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and every process below it: runc and the RUN step's container init (in
-    a session and pid namespace of its own, so its processes die with it), not only buildah."""
+    """SIGKILL ``pid`` and every process below it: runc and the RUN step's container init too
+    (killing buildah alone leaves them running; the init's pid namespace dies with it)."""
     try:
         root = psutil.Process(pid)
         tree = [*root.children(recursive=True), root]
