@@ -18,6 +18,16 @@ network namespace in the root task after its user namespace, so the namespace is
 user namespace's, and the restorer, which holds that namespace's capabilities until it
 restores the tasks' credentials last, repairs the connections.
 
+A restored connection's MSS: CRIU connects the socket in repair mode before it restores
+its options, so the kernel sizes its segments (``tcp_connect_init``) with the default
+MSS clamp (536: segments of 524 bytes instead of 65,483 on loopback), and the clamp
+CRIU sets next is not applied until the path's MTU changes (``tcp_current_mss``
+compares it with the one the MSS was sized for). With both windows full of 524-byte
+segments the receive buffer fills long before the window (each segment's overhead is
+counted) and the connection stalls; plain CRIU does the same. So ``lo`` is restored
+with ``RESTORE_MTU`` and ``restored`` puts ``LO_MTU`` back: a restored connection's
+first transmission finds another MTU and sizes its segments again, with the clamp.
+
 The lock (CRIU's own table, ``inet CRIU-`` + the dump's run id) drops every packet but
 CRIU's while the tasks are restored, and CRIU deletes it at "Unlock network", once all
 are back: without it the end restored first sends its unsent queue to a peer not yet
@@ -39,6 +49,7 @@ from .memfile.criu_images import load, save
 # IFF_RUNNING | IFF_LOWER_UP, and the loopback MTU
 LO_FLAGS = 0x1 | 0x8 | 0x40 | 0x10000
 LO_MTU = 65536
+RESTORE_MTU = LO_MTU - 2  # lo while CRIU restores (under both families' path MTU caps): see above
 SOCCR_MARK = 0xC114  # the mark of CRIU's own repair-mode packets (criu/soccr)
 LOCK_ID_CHARS = 21  # "inet CRIU-" + 21 characters fill CRIU's 32-byte table name
 UNPRIVILEGED_PORT_START = "0"  # net.ipv4.ip_unprivileged_port_start in a workspace
@@ -61,7 +72,7 @@ def expected(net: int, run_id: str, groups: int) -> dict[str, Any]:
     (dicts) and the lock's text."""
     return {
         f"netdev-{net}.img": {"magic": "NETDEV", "entries": [
-            {"type": "LOOPBACK", "ifindex": 1, "mtu": LO_MTU, "flags": LO_FLAGS, "name": "lo"}]},
+            {"type": "LOOPBACK", "ifindex": 1, "mtu": RESTORE_MTU, "flags": LO_FLAGS, "name": "lo"}]},
         f"netns-{net}.img": {"magic": "NETNS", "entries": [
             {"ipv4_sysctl": [{"type": "CTL_STR", "sarg": f"0\t{groups - 1}"}]}]},
         f"nftables-{net}.img": lock_table(run_id),
@@ -123,6 +134,7 @@ def _write_ports(pid: int, done: list[BaseException]) -> None:
             os.close(fd)
         with open("/proc/sys/net/ipv4/ip_unprivileged_port_start", "w") as f:
             f.write(UNPRIVILEGED_PORT_START)
+        sc.set_mtu("lo", LO_MTU)  # restored connections size their segments again (see above)
     except BaseException as e:  # handed to the caller
         done.append(e)
 
@@ -130,7 +142,7 @@ def _write_ports(pid: int, done: list[BaseException]) -> None:
 def restored(pid: int) -> None:
     """What CRIU does not carry, set in a restored clone's namespace (from a thread of
     the host's that joins it): any port to bind for every user inside, as the launcher
-    sets it in a workspace's."""
+    sets it in a workspace's, and lo's MTU (``RESTORE_MTU`` during the restore)."""
     failed: list[BaseException] = []
     t = threading.Thread(target=_write_ports, args=(pid, failed), name="bunshin-netns-sysctl")
     t.start()

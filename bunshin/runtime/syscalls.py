@@ -121,6 +121,15 @@ def loopback_up() -> None:
         fcntl.ioctl(s.fileno(), _SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | _IFF_UP))
 
 
+_SIOCSIFMTU = 0x8922
+
+
+def set_mtu(name: str, mtu: int) -> None:
+    """Set the MTU of link ``name`` in the caller's network namespace."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        fcntl.ioctl(s.fileno(), _SIOCSIFMTU, struct.pack("16si12x", name.encode(), mtu))
+
+
 CLONE_NEWUSER = 0x10000000
 _SYS_KEYCTL = 250
 _KEYCTL_JOIN_SESSION_KEYRING = 1

@@ -8,16 +8,20 @@ tasks' credentials. So a stream with data in flight (both queues full) goes on i
 parent and in every clone, every byte once and in order (tests/workspace/progs/
 tcpstream.py: the server checks each counter and keeps a sha256); an idle pair keeps
 working in both address families; a listening server takes new clients in a clone;
-a fork of a fork carries the stream again.
+a fork of a fork carries the stream again. A pair with the largest buffers and both
+windows full (``progs/tcpfull.py``) goes on with the parent's segment size.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
 import pytest
+
+from bunshin.runtime import netns_image
 
 pytestmark = [pytest.mark.integration, pytest.mark.criu]
 
@@ -72,7 +76,7 @@ def _wait_for(ws, path: str, timeout: float = 60) -> None:
 def _queues(ws) -> list[tuple[int, int]]:
     """(send queue, receive queue) bytes of each connected socket in the workspace."""
     out = []
-    for line in ws.files.read_text("/proc/net/tcp").splitlines()[1:]:
+    for line in ws.exec(["cat", "/proc/net/tcp"]).stdout.splitlines()[1:]:  # (a file call may not read it)
         f = line.split()
         if f[3] == "01":
             tx, rx = f[4].split(":")
@@ -137,3 +141,45 @@ def test_a_listening_server_takes_new_clients_in_the_clone(family):
     for i, w in enumerate((ws, *clones)):
         r = w.exec(["python3", "-c", CLIENT, f"hello-{i}"], timeout=30)
         assert r.exit_code == 0 and r.stdout.strip() == f"hello-{i}", r.stderr
+
+
+def _start_full(ws, extra: int) -> dict:
+    ws.files.write("/root/tcpfull.py", (PROGS / "tcpfull.py").read_bytes())
+    ws.exec(["mkdir", "-p", "/tmp/tf"])
+    ws.commands.spawn(["python3", "/root/tcpfull.py", "/tmp/tf", str(extra)])
+    _wait_for(ws, "/tmp/tf/ready")
+    return json.loads(ws.files.read_text("/tmp/tf/ready"))
+
+
+def _go(ws) -> dict:
+    ws.exec(["touch", "/tmp/tf/go"])
+    _wait_for(ws, "/tmp/tf/result", timeout=60)
+    return json.loads(ws.files.read_text("/tmp/tf/result"))
+
+
+def _mss(ws) -> list[int]:
+    """The MSS each connected socket of ``ws`` sends with (``ss -tin``)."""
+    out = ws.exec(["ss", "-tinH", "state", "established"]).stdout
+    return sorted(int(m) for m in re.findall(r"\bmss:(\d+)", out))
+
+
+def test_a_pair_with_maximum_buffers_and_both_windows_full_goes_on_everywhere(family):
+    """Both receive windows full with the largest buffers: the parent, every clone and a fork of
+    a fork read every byte queued each way and more, in order, with the parent's segment size
+    (CRIU alone restores the connection with the default MSS, 524 bytes on loopback instead of
+    65,483: ``netns_image``)."""
+    ws = family.create(memory="512M")
+    queued = _start_full(ws, 4 << 20)
+    assert queued["a_to_b"] > 4 << 20 and queued["b_to_a"] > 4 << 20, queued  # both ways full
+    a, b = family.fork(ws, 2)
+    (aa,) = family.fork(a, 1)
+    res = _go(ws)
+    assert res["ok"], res
+    mss = _mss(ws)
+    assert len(mss) == 2 and min(mss) > 1400, mss
+    for w in (a, b, aa):
+        res = _go(w)
+        assert res["ok"], f"{w.id}: {res}"
+        assert res["a_to_b_bytes"] >= queued["a_to_b"] + (4 << 20), res
+        assert _mss(w) == mss, w.id
+        assert w.exec(["cat", "/sys/class/net/lo/mtu"]).stdout.strip() == str(netns_image.LO_MTU)  # as restored
