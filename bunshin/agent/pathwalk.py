@@ -15,13 +15,21 @@ procfs (``self``, ``fd/N``, ``cwd``, ``root``, ...: magic links have no path to 
 followed by the kernel one hop, and where it lands is checked by the path procfs gives it
 (``/proc/self/fd/N``). The caller opens what the walk returns through its descriptor, so
 nothing a process inside swaps in meanwhile is followed.
+
+A path without any symlink (most are) takes one ``openat2(RESOLVE_NO_SYMLINKS)`` of its
+folder instead (``_plain``): with no link on the way, what it names is what it spells, so
+its normalised text says whether it is under an agent's ``/proc/PID``. A walk of a depth-6
+path costs ~35 us in Python, the plain way ~8 us (one call to the agent: ~300-600 us).
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
+import posixpath
 import stat
+from collections.abc import Callable
 from typing import NamedTuple
 
 from .children import DROPPED_CAPS, PID1_ONLY_CAP
@@ -30,6 +38,25 @@ from .protocol import AgentFailure, ErrorCode
 _PATH = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
 _MAX_LINKS = 40  # the kernel's MAXSYMLINKS
 _AGENT_CAP = 1 << DROPPED_CAPS[PID1_ONLY_CAP]
+_SYS_OPENAT2 = 437  # x86_64
+_RESOLVE_NO_SYMLINKS = 0x04  # no symlink of any kind, magic links included
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def _load_syscall() -> Callable[..., int] | None:
+    try:
+        call = ctypes.CDLL(None, use_errno=True).syscall
+    except (OSError, AttributeError):
+        return None
+    call.restype = ctypes.c_long
+    return call
+
+
+_SYSCALL = _load_syscall()
+_PLAIN_OK = [_SYSCALL is not None]  # cleared if the kernel has no openat2 (ENOSYS: before 5.6)
 
 
 class Walked(NamedTuple):
@@ -55,6 +82,9 @@ class Walked(NamedTuple):
 def walk(path: str, *, follow_last: bool = True) -> Walked:
     """Resolve absolute ``path``; ``AgentFailure`` if it reaches the agent's ``/proc`` entries,
     ``OSError`` as the kernel would fail (ENOENT for a missing folder, ELOOP, ENOTDIR, ...)."""
+    plain = _plain(path, follow_last) if _PLAIN_OK[0] else None
+    if plain is not None:
+        return plain
     proc_dev = os.stat("/proc").st_dev
     parts = [p for p in path.split("/") if p][::-1]  # a stack: the next component last
     cur = os.open("/", _PATH | os.O_DIRECTORY)
@@ -95,6 +125,42 @@ def walk(path: str, *, follow_last: bool = True) -> Walked:
     except BaseException:
         os.close(cur)
         raise
+
+
+def _plain(path: str, follow_last: bool) -> Walked | None:
+    """``walk`` of a path with no symlink on the way, or ``None`` (a link, a name under an
+    agent's ``/proc/PID``, an error: the walk proper decides and says why)."""
+    spelled = posixpath.normpath(path)
+    if spelled.startswith("/proc/") and _under_agent(spelled.split("/")):
+        return None
+    folder, name = posixpath.split(path.rstrip("/")) if path.rstrip("/") else ("/", "")
+    how = _OpenHow(os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, 0, _RESOLVE_NO_SYMLINKS)
+    assert _SYSCALL is not None
+    parent = _SYSCALL(_SYS_OPENAT2, -100, os.fsencode(folder or "/"), ctypes.byref(how), ctypes.sizeof(how))
+    if parent < 0:
+        if ctypes.get_errno() == errno.ENOSYS:
+            _PLAIN_OK[0] = False
+        return None
+    if not name:
+        return Walked(parent, os.dup(parent), "/")
+    try:
+        obj = os.open(name, _PATH, dir_fd=parent)
+    except FileNotFoundError:
+        return Walked(parent, -1, name)
+    except OSError:
+        os.close(parent)
+        return None
+    if name == ".." or (follow_last and stat.S_ISLNK(os.fstat(obj).st_mode)):
+        os.close(obj)  # ".." of the folder: its own path is not the one spelled; a link: walk it
+        os.close(parent)
+        return None
+    return Walked(parent, obj, name)
+
+
+def _under_agent(where: list[str]) -> bool:
+    """Whether ``/proc/...`` split at its slashes is in an agent's ``/proc/PID`` (or its task)."""
+    numbers = where[2:3] + (where[4:5] if where[3:4] == ["task"] else [])  # PID, TID
+    return any(n.isdigit() and _agents(int(n)) for n in numbers)
 
 
 def _refuse_agent_entry(fd: int, path: str) -> None:
