@@ -194,6 +194,7 @@ class PtyShell:
         sink = Sink(token, limit, output=True)
         start = time.monotonic()
         self._continued = False
+        self._resume_if_stopped()  # stopped since the last run (by a job of its own)
         self._install(sink)
         try:
             self._type(self._run_line(token))
@@ -266,6 +267,7 @@ class PtyShell:
             # A builtin such as ``read`` may finish by swallowing the first sync
             # line: type more, waiting a little longer each time.
             for wait in (0.05, 0.1, 0.2, 0.4, 0.8):
+                self._resume_if_stopped()  # the interrupted line may stop it yet (kill -STOP $$)
                 if self._sync("", wait):
                     return
 

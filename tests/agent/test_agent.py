@@ -463,7 +463,7 @@ def test_large_file_goes_in_chunks(client: AgentClient, tmp_path: Path) -> None:
 
 
 def test_proc_files_of_processes_inside_are_readable(client: AgentClient, tmp_path: Path) -> None:
-    pid = client.spawn(cmd="exec sleep 30", env={"CANARY": "inside"})
+    pid = client.spawn(["sleep", "30"], env={"CANARY": "inside"})
     try:
         assert b"Name:\tsleep" in client.read_file(f"/proc/{pid}/status")
         assert b"CANARY=inside" in client.read_file(f"/proc/{pid}/environ")
