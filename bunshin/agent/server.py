@@ -34,7 +34,16 @@ from . import execs, files, forks, procfs
 from .children import Reaper
 from .jobs import CALLS, Jobs, ThreadJobs
 from .pool import Pool
-from .protocol import AgentFailure, arg_any, checked, failure, invalid, parse_request, unix_address
+from .protocol import (
+    AgentFailure,
+    arg_any,
+    cannot_start,
+    checked,
+    failure,
+    invalid,
+    parse_request,
+    unix_address,
+)
 from .sessions import Sessions
 from .terminals import Attachment
 from .threadsessions import ThreadSessions
@@ -347,7 +356,7 @@ class AgentServer:
 
     def _refuse(self, fd: int, exc: Exception) -> None:
         with socket.socket(fileno=fd) as conn:
-            _send(conn, failure(AgentFailure(ErrorCode.RESOURCE_EXHAUSTED, f"agent: {exc}")))
+            _send(conn, failure(cannot_start("a thread or worker for the connection", exc)))
 
     def _worker(self, fd: int) -> None:
         """The forked worker: serve connection ``fd``, then end (never returns)."""
