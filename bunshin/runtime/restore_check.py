@@ -19,6 +19,7 @@ the check, or one that hangs, is not seen.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import select
 import signal
@@ -70,8 +71,10 @@ class Watch:
         self.events = _Events()
         self._sock: socket.socket | None = None
         self._stop = threading.Event()
+        self._wake: tuple[int, int] | None = None  # a pipe: ``close`` ends the thread's wait at once
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._recv_lock = threading.Lock()
 
     def start(self) -> Watch:
         """Subscribe; without the connector (no permission, no kernel support) nothing is collected."""
@@ -88,19 +91,33 @@ class Watch:
             sock.close()
             return self
         self._sock = sock
+        self._wake = os.pipe()
         self._thread = threading.Thread(target=self._run, name="restore-check", daemon=True)
         self._thread.start()
         return self
 
     def _run(self) -> None:
-        assert self._sock is not None
+        assert self._sock is not None and self._wake is not None
         while not self._stop.is_set():
             try:
-                ready, _, _ = select.select([self._sock], [], [], 0.05)
-                if ready:
-                    self._take(self._sock.recv(1 << 16))
-            except OSError:  # ENOBUFS: events were dropped
-                self.events.lost = True
+                ready, _, _ = select.select([self._sock.fileno(), self._wake[0]], [], [])
+                if self._sock.fileno() in ready:
+                    self._drain()
+            except OSError:
+                pass
+
+    def _drain(self) -> None:
+        """Take every event waiting on the socket (the thread's, and the check's before it reads)."""
+        with self._recv_lock:
+            while self._sock is not None:
+                try:
+                    self._take(self._sock.recv(1 << 16, socket.MSG_DONTWAIT))
+                except BlockingIOError:
+                    return
+                except OSError as exc:
+                    if exc.errno != errno.ENOBUFS:
+                        return
+                    self.events.lost = True  # the socket overflowed: events were dropped (read on)
 
     def _take(self, data: bytes) -> None:
         at = 0
@@ -124,6 +141,7 @@ class Watch:
 
     def signals_under(self, root: int) -> list[int]:
         """Signals that ended ``root`` or a process descended from it (forked since ``start``)."""
+        self._drain()  # every exit so far: a process's exit event is sent before its parent can reap it
         with self._lock:
             parent, exits = dict(self.events.parent), dict(self.events.exits)
         out = []
@@ -137,12 +155,20 @@ class Watch:
 
     def close(self) -> None:
         self._stop.set()
+        if self._wake is not None:
+            os.write(self._wake[1], b"x")
         if self._thread is not None:
             self._thread.join()
+        if self._wake is not None:
+            for fd in self._wake:
+                os.close(fd)
+            self._wake = None
         if self._sock is not None:
-            with contextlib.suppress(OSError):
-                self._sock.send(_request(PROC_CN_MCAST_IGNORE))
-            self._sock.close()
+            with self._recv_lock:
+                with contextlib.suppress(OSError):
+                    self._sock.send(_request(PROC_CN_MCAST_IGNORE))
+                self._sock.close()
+                self._sock = None
 
 
 def _request(op: int) -> bytes:
