@@ -96,6 +96,9 @@ def default_cwd(env: dict[str, str]) -> str:
 
 
 def check_cwd(cwd: str) -> None:
+    from . import pathwalk  # here: pathwalk reads this module's capability names
+
+    pathwalk.check(cwd)
     try:
         is_dir = os.path.isdir(cwd)
         exists = is_dir or os.path.lexists(cwd)

@@ -15,6 +15,7 @@ import subprocess
 import time
 from typing import Any
 
+from . import pathwalk
 from .children import Child, Reaper, child_env, default_cwd
 from .protocol import (
     AgentFailure,
@@ -189,7 +190,11 @@ def spawn_op(reaper: Reaper, req: dict[str, Any]) -> dict[str, Any]:
     log_fd = None
     if log_path is not None:
         try:
-            log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+            walked = pathwalk.walk(log_path)  # never into the agent's /proc entries
+            try:
+                log_fd = walked.reopen(os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            finally:
+                walked.close()
         except OSError as exc:
             raise from_os_error(exc, f"log_path {log_path}") from None
     try:

@@ -127,6 +127,16 @@ def walk(path: str, *, follow_last: bool = True) -> Walked:
         raise
 
 
+def check(path: str) -> None:
+    """``AgentFailure`` if ``path`` leads into the agent's ``/proc`` entries (a command's
+    working folder, which its child enters before it drops the agent's capability);
+    other errors are left to the caller's own use of the path."""
+    try:
+        walk(path).close()
+    except OSError:
+        pass
+
+
 def _plain(path: str, follow_last: bool) -> Walked | None:
     """``walk`` of a path with no symlink on the way, or ``None`` (a link, a name under an
     agent's ``/proc/PID``, an error: the walk proper decides and says why)."""

@@ -507,6 +507,14 @@ def test_the_agents_own_proc_entries_are_refused(agent: RunningAgent, tmp_path: 
             with pytest.raises(InvalidArgument, match="permission denied.*the workspace agent's own") as info:
                 call(path)
             assert "exec" in (info.value.hint or ""), path
+    # where a command runs and where a spawned one logs (the child enters its folder before it
+    # drops the agent's capability; the log is opened by the agent)
+    with pytest.raises(InvalidArgument, match="permission denied"):
+        client.exec(["true"], cwd=f"/proc/{agent.agent_pid}/cwd")
+    with pytest.raises(InvalidArgument, match="permission denied"):
+        client.session_open(cwd="/proc/self/cwd")
+    with pytest.raises(InvalidArgument, match="permission denied"):
+        client.spawn(["echo", "canary"], log_path=str(tmp_path / "log"))
     assert client.stat(tmp_path / "log").link_target == "/proc/self/fd/2"  # the link itself
     client.remove(tmp_path / "log")
     assert not (tmp_path / "log").is_symlink()
@@ -516,7 +524,7 @@ def test_the_agents_own_proc_entries_are_refused(agent: RunningAgent, tmp_path: 
                         f"open('{hold}', 'w').write(str(fd)); time.sleep(60)"])
     cwd = client.spawn(cmd=f"cd /proc/{agent.agent_pid} && exec sleep 60")
     try:
-        wait_until(lambda: hold.exists() and hold.read_text() != "", what="the holder's descriptor")
+        wait_until(lambda: hold.exists() and hold.read_text() != "", timeout=30, what="the holder's descriptor")
         for path in (f"/proc/{pid}/fd/{hold.read_text()}/environ", f"/proc/{cwd}/cwd/environ"):
             with pytest.raises(InvalidArgument, match="permission denied"):
                 client.read_file(path)
