@@ -1,6 +1,6 @@
 """Paths resolved as the kernel does, one component at a time, without the agent's standing.
 
-The agent is pid 1 and keeps a capability nothing else inside has (``children.PID1_ONLY_CAP``):
+The agent is pid 1 and keeps a capability nothing else inside has (``caps.PID1_ONLY_CAP``):
 the kernel lets it open its own ``/proc/1/{environ,mem,maps,fd/*,root,...}`` (its own thread
 group always may), and those of its helpers (``--calls fork``: workers, jobs, session
 holders), which processes inside are refused (EACCES: a target's permitted capabilities must
@@ -32,7 +32,7 @@ import stat
 from collections.abc import Callable
 from typing import NamedTuple
 
-from .children import DROPPED_CAPS, PID1_ONLY_CAP
+from .caps import DROPPED_CAPS, PID1_ONLY_CAP
 from .protocol import AgentFailure, ErrorCode
 
 _PATH = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
