@@ -11,9 +11,10 @@ procfs (``/proc/ROOT/root/proc``: the pids inside, as the dump numbers them, CRI
 restores them the same): a dumped process that is gone, or a zombie, and died by a
 signal (its own wait status, or an exit by a signal among the clone's descendants,
 known from the fork events) fails the batch, named by pid, command line (read from
-its dump: the argument area of its stack) and signal. A dumped process that exited
-normally is not a failure: it may simply have finished. A process that dies after
-the check, or one that hangs, is not seen.
+its dump: the argument area of its stack) and signal; so does one stopped that ran
+when dumped. A dumped process that exited normally is not a failure: it may simply
+have finished; nor is a zombie of the dump (restored as one). A process that dies
+after the check, or one that hangs running, is not seen.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from bunshin.errors import RuntimeFailure
 
@@ -45,6 +47,7 @@ _FORK = struct.Struct("=iiii")  # parent pid, tgid, child pid, tgid
 _EXIT = struct.Struct("=iiIIii")  # pid, tgid, exit code (wait status), exit signal, parent pid, tgid
 _RCVBUF = 8 << 20
 NLMSG_DONE = 3
+TASK_ALIVE, TASK_DEAD, TASK_STOPPED, TASK_ZOMBIE = 1, 2, 3, 6  # CRIU's core tc.task_state (compel)
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class Dead:
     pid: int  # inside the clone
     command: str
     signal: int | None  # what killed it, if known
+    stopped: bool = False  # stopped (it ran when dumped), not dead
 
 
 @dataclass
@@ -200,38 +204,61 @@ def _zombie_signal(root: int, pid: int) -> int | None:
     return None
 
 
-def dead(images: Path, clones: Sequence[tuple[str, int]], watch: Watch) -> list[Dead]:
-    """The dumped processes of ``images`` that died by a signal in each (clone id, pid 1's host pid)."""
-    entries = load(images / "pstree.img")["entries"]
-    out = []
-    for clone, root in clones:
-        live = _inside(root)
-        gone = [e["pid"] for e in entries if live is None or live.get(e["pid"]) in (None, "Z")]
-        if not gone:
+def _dumped_state(images: Path, pid: int) -> int:
+    """The task state CRIU dumped for ``pid`` (``TASK_ALIVE`` if unreadable)."""
+    with contextlib.suppress(OSError, KeyError, IndexError, ValueError, TypeError):
+        return int(load(images / f"core-{pid}.img")["entries"][0]["tc"]["task_state"])
+    return TASK_ALIVE
+
+
+def _clone_dead(images: Path, entries: list[dict[str, Any]], clone: str, root: int, watch: Watch) -> list[Dead]:
+    live = _inside(root)
+    odd = [e["pid"] for e in entries if live is None or live.get(e["pid"]) in (None, "Z", "T")]
+    out: list[Dead] = []
+    signals: list[int] | None = None
+    for pid in odd:
+        dumped = _dumped_state(images, pid)  # (read only for what looks wrong)
+        if dumped in (TASK_DEAD, TASK_ZOMBIE):
+            continue  # a zombie in the dump is one in the clone
+        state = live.get(pid) if live is not None else None
+        if state == "T":
+            if dumped != TASK_STOPPED:
+                out.append(Dead(clone, pid, command(images, pid), None, stopped=True))
             continue
-        signals = watch.signals_under(root)
-        for pid in gone:
-            sig = _zombie_signal(root, pid) if live is not None and live.get(pid) == "Z" else None
-            if sig is None and signals:  # reaped already: what killed a process of the clone
-                sig = signals[0]
-            if sig is not None or live is None:  # an exit without a signal: the process may have finished
-                out.append(Dead(clone, pid, command(images, pid), sig))
+        sig = _zombie_signal(root, pid) if state == "Z" else None
+        if sig is None:
+            signals = watch.signals_under(root) if signals is None else signals
+            sig = signals[0] if signals else None  # reaped already: what killed a process of the clone
+        if sig is not None or live is None:  # an exit without a signal: the process may have finished
+            out.append(Dead(clone, pid, command(images, pid), sig))
     return out
 
 
+def dead(images: Path, clones: Sequence[tuple[str, int]], watch: Watch) -> list[Dead]:
+    """The dumped processes of ``images`` that died by a signal, or stopped, in each (clone id,
+    pid 1's host pid)."""
+    entries = load(images / "pstree.img")["entries"]
+    return [d for clone, root in clones for d in _clone_dead(images, entries, clone, root, watch)]
+
+
 def check(images: Path, clones: Sequence[tuple[str, int]], watch: Watch) -> float:
-    """Raise ``RuntimeFailure`` naming the dead if a restored process died by a signal; the check's ms."""
+    """Raise ``RuntimeFailure`` naming the first dead or stopped restored process; the check's ms."""
     t0 = time.perf_counter()
     found = dead(images, clones, watch)
     if found:
         d = found[0]
-        what = f"signal {d.signal} ({signal.Signals(d.signal).name})" if d.signal else "an unknown cause"
+        if d.stopped:
+            what = "is stopped right after its restore (it was running when dumped)"
+        else:
+            cause = f"signal {d.signal} ({signal.Signals(d.signal).name})" if d.signal else "an unknown cause"
+            what = f"died of {cause} right after its restore"
         raise RuntimeFailure(
-            f"process {d.pid} ({d.command}) of clone {d.clone} died of {what} right after its restore"
-            + (f"; {len(found) - 1} more died" if len(found) > 1 else ""),
+            f"process {d.pid} ({d.command}) of clone {d.clone} {what}"
+            + (f"; {len(found) - 1} more failed" if len(found) > 1 else ""),
             hint="the fork made no clones; report this with the program (see README 'Live fork'): "
                  "fork with mode='copy' meanwhile",
-            dead=[{"clone": x.clone, "pid": x.pid, "command": x.command, "signal": x.signal} for x in found],
+            dead=[{"clone": x.clone, "pid": x.pid, "command": x.command, "signal": x.signal, "stopped": x.stopped}
+                  for x in found],
         )
     return (time.perf_counter() - t0) * 1000
 

@@ -2,8 +2,10 @@
 
 ``restore_check``: a restored process that dies by a signal right after its restore
 fails the whole batch (no clone is left), named by its pid, command line and signal;
-one that exits normally does not (it may have finished). ``progs/arrival.c`` dies
-that way only once it finds itself in another pid namespace, i.e. in a clone.
+one that exits normally does not (it may have finished), nor a zombie of the dump; one
+stopped that ran when dumped fails it too, one stopped in the parent does not.
+``progs/arrival.c`` dies (or stops) only once it finds itself in another pid namespace,
+i.e. in a clone.
 """
 
 from __future__ import annotations
@@ -61,3 +63,31 @@ def test_a_process_that_exits_normally_on_arrival_is_no_failure(family, arrival)
     assert c.exec(["kill", "-0", str(pid)]).exit_code != 0  # it did exit there
     assert ws.exec(["kill", "-0", str(pid)]).exit_code == 0
     assert c.record.extra["restore_check_ms"] >= 0
+
+
+def test_a_process_that_stops_on_arrival_fails_the_fork_one_stopped_before_does_not(family, arrival):
+    ws = family.create()
+    pid = start(ws, arrival, "stop")
+    with pytest.raises(RuntimeFailure) as err:
+        family.fork(ws, 1)
+    assert f"process {pid} (/root/arrival stop /tmp/arr) of clone" in err.value.message
+    assert "is stopped right after its restore" in err.value.message
+    assert err.value.details["dead"][0]["stopped"] is True
+    assert ws.exec(["kill", "-STOP", str(pid)]).exit_code == 0  # stopped before the fork: stays so
+    (c,) = family.fork(ws, 1)
+    assert c.exec(["sh", "-c", f"grep '^State:' /proc/{pid}/status"]).stdout.split()[1] == "T"
+
+
+def test_a_zombie_killed_by_a_signal_before_the_fork_is_no_failure(family):
+    ws = family.create()
+    code = ("import signal, subprocess, time\n"
+            "p = subprocess.Popen(['sleep', '600'])\n"
+            "p.send_signal(signal.SIGSEGV)\n"  # never waited for: a zombie killed by SIGSEGV
+            "open('/tmp/zombie', 'w').write(str(p.pid))\n"
+            "time.sleep(600)\n")
+    ws.commands.spawn(["python3", "-c", code])
+    zombie = int(wait_file(ws, "/tmp/zombie"))
+    r = ws.exec(["sh", "-c", f"while ! grep -q '^State:.Z' /proc/{zombie}/status; do sleep 0.02; done"], timeout=20)
+    assert r.exit_code == 0
+    (c,) = family.fork(ws, 1)
+    assert c.exec(["grep", "^State:", f"/proc/{zombie}/status"]).stdout.split()[1] == "Z"

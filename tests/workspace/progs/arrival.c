@@ -1,6 +1,7 @@
 /*
  * arrival HOW DIR: waits for its restore into another pid namespace (a clone), then
- * dies there at once: HOW "segv" raises SIGSEGV (no core), "exit" exits with 0.
+ * dies there at once: HOW "segv" raises SIGSEGV (no core), "exit" exits with 0, "stop"
+ * stops itself (SIGSTOP).
  * Writes DIR/ready (its pid) when it runs.
  */
 #include <signal.h>
@@ -27,7 +28,8 @@ int main(int argc, char **argv) {
         if (readlink("/proc/self/ns/pid", now, sizeof now - 1) > 0 && strcmp(now, first)) {
             if (!strcmp(argv[1], "exit"))
                 return 0;
-            raise(SIGSEGV);
+            raise(strcmp(argv[1], "stop") ? SIGSEGV : SIGSTOP);
+            memcpy(first, now, sizeof first); /* stopped, then continued: waits for the next clone */
         }
     }
 }
