@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from bunshin.workspace import Workspace
+from bunshin.workspace import Session, Workspace
 from tests.workspace.test_fork import wait_file
 
 pytestmark = [pytest.mark.integration, pytest.mark.criu]
@@ -102,3 +102,15 @@ def test_a_thread_of_a_converted_process_blocking_everything_after_the_fork_is_t
         assert w.exec(["kill", "-0", str(pid)]).exit_code == 0
     assert ask(ws, "dontneed").startswith("zero zero worker ")
     assert maps_memfile(ws, pid) is precopy  # the live pre-copy converted the parent itself
+
+
+def test_a_bash_session_whose_handlers_mask_sigsys_is_still_shared(family):
+    """bash's handlers of terminating signals block them all, SIGSYS too: that mask only loses
+    SIGSYS, the shell stays converted (shared) and its session goes on in the clone."""
+    ws = family.create()
+    sh = ws.shell()
+    sh.run("words=$(seq 1 20000 | tr '\\n' ' ')")
+    pid = int(ws.exec(["pgrep", "-x", "bash"]).stdout.split()[0])
+    (c,) = family.fork(ws, 1)
+    assert maps_memfile(c, pid)
+    assert Session(c, sh.id).run("echo ${#words}").output.strip() == sh.run("echo ${#words}").output.strip()

@@ -65,10 +65,11 @@ sites (and, for madvise/mremap, aims at dump-time converted ranges): with ASLR a
 sites_old x sites_new / 2^40 per exec (~1e-6 for two C-library processes). A program
 that installs its own SIGSYS handler from code the filter does not admit, or whose own
 filter traps the calls the handler makes (open, ioctl, mmap, mremap, madvise), is not
-supported. A process that blocks SIGSYS at the dump in any thread, or whose actions' masks
-hold it (glibc's SIGEV_THREAD timer helper blocks every signal), is not given the trap (a trap
-while SIGSYS is blocked kills; unblocking it would show): its memory is copied. SIGSYS cannot
-be blocked after the fork in a converted process (``sigprocmask`` reports it unblocked). Each DONTNEED of a separate run of converted pages adds areas
+supported. A process that blocks SIGSYS at the dump in any thread (glibc's SIGEV_THREAD timer
+helper blocks every signal) is not given the trap (a trap while SIGSYS is blocked kills;
+unblocking it would show): its memory is copied. SIGSYS cannot be blocked after the fork in a
+converted process (``sigprocmask`` reports it unblocked), nor by an action's mask (bash's for
+its terminating signals: ``sigaction`` reads it without SIGSYS). Each DONTNEED of a separate run of converted pages adds areas
 (``vm.max_map_count``). ``mremap`` of a converted *file* mapping grows into zeros, not
 into the file's next bytes. ``COPY`` keeps the older heuristic without the trap (a
 process mapping jemalloc/mimalloc stays anonymous: ``zerofill``), ``CONVERT``

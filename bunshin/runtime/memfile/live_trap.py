@@ -167,10 +167,6 @@ def plan(pid: int, blob: Blob, view: str, converted: list[tuple[int, int]]) -> L
 
 def blob_bytes(s: Stopped, p: LivePlan, scratch: int) -> bytes:
     """Code, table and state as they go into the memory file (the state holds the program's SIGSYS action)."""
-    for sig in range(1, 65):  # an action whose mask holds SIGSYS: the trap would show (``trap.sigsys_held``)
-        if sig not in (9, 19) and s.syscall(NR_RT_SIGACTION, sig, 0, scratch, 8) == 0:
-            if _SIGACT.unpack(_read(s.pid, scratch, _SIGACT.size))[3] & SIGSYS_BIT:
-                raise TrapUnavailable(f"the action of signal {sig} blocks SIGSYS")
     check(s.syscall(NR_RT_SIGACTION, SIGSYS, 0, scratch, 8), "reading the SIGSYS action")
     handler, flags, restorer, mask = _SIGACT.unpack(_read(s.pid, scratch, _SIGACT.size))
     own_pid = check(s.syscall(NR_GETPID), "getpid")

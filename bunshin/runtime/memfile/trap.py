@@ -133,21 +133,21 @@ def _area(start: int, size: int, prot: int) -> dict[str, Any]:
 
 
 def sigsys_held(cores: dict[int, dict[str, Any]]) -> str | None:
-    """Why the trap would show: a thread of the process blocks SIGSYS, or an action's mask holds it.
+    """Why the trap would show: a thread of the process blocks SIGSYS.
 
     A trap while SIGSYS is blocked kills the process (``force_sig_seccomp``: the kernel
     unblocks it and resets its action to the default), so the trap needs it unblocked;
-    taking it out of the program's masks would show in what the program reads back
-    (``sigprocmask``, ``/proc/PID/status``) and let a blocked ``kill(SIGSYS)`` through.
-    Such a process keeps its memory anonymous instead (``cores``: thread id -> core entry).
+    taking it out of a thread's blocked set would show in what the program reads back
+    (``sigprocmask``, ``/proc/PID/status``, ``sigpending``) and let a blocked
+    ``kill(SIGSYS)`` through. Such a process keeps its memory anonymous instead
+    (``cores``: thread id -> core entry). An action whose mask holds SIGSYS (bash's for
+    its terminating signals) only loses it (``_unblock_sigsys``): SIGSYS is then not
+    held back while that handler runs, and ``sigaction`` reads the mask without it.
     """
     for tid, core in sorted(cores.items()):
         for holder in (core.get("thread_core", {}), core.get("tc", {})):
             if int(holder.get("blk_sigset", 0)) & SIGSYS_BIT:
                 return f"thread {tid} blocks SIGSYS"
-        for sig, sa in enumerate(core.get("tc", {}).get("sigactions", []), start=1):
-            if int(sa.get("mask", 0)) & SIGSYS_BIT:
-                return f"the action of signal {sig + (sig >= 9) + (sig >= 18)} blocks SIGSYS"
     return None
 
 
@@ -283,8 +283,8 @@ def _has_filter(img: dict[str, Any]) -> bool:
 
 
 def _unblock_sigsys(core: dict[str, Any]) -> None:
-    """SIGSYS out of a task's blocked set and of every action's mask (see ``sigsys.c``): a no-op
-    but in a clone's dump (a process that blocked it at its first fork was left anonymous)."""
+    """SIGSYS out of every action's mask and a task's blocked set (see ``sigsys.c``; a blocked
+    set holds it only in a clone's dump: a process blocking it at the first fork stays anonymous)."""
     for holder in (core.get("thread_core", {}), core.get("tc", {})):
         if "blk_sigset" in holder:
             holder["blk_sigset"] = int(holder["blk_sigset"]) & ~SIGSYS_BIT
