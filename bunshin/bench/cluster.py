@@ -32,6 +32,7 @@ from ..cluster import Cluster, ClusterPlacement, HostLimits
 from ..cluster.local import local_ray_cluster
 from ..cluster.ray_cluster import ray_module
 from ..cluster.scheduler import HostLoad, choose
+from ..cluster.secret import ClusterSecret
 from ..cluster.serve_proc import clear_home
 from ..config import Config
 from ..errors import InvalidArgument
@@ -69,7 +70,8 @@ def _size(k: int, nodes: list[str], work: wl.Workload, plan: Plan, cfg: Config) 
     homes = {n: started[n] for n in names}
     try:
         t_up = time.perf_counter()
-        cluster = Cluster.up(home_root=root, bind="127.0.0.1", key=os.urandom(32),
+        secret = ClusterSecret.create(root / "cluster.secret")  # a new cluster's own
+        cluster = Cluster.up(home_root=root, bind="127.0.0.1", secret_file=secret.path,
                              limits=HostLimits(reserve_memory=None))
         up_s = time.perf_counter() - t_up
         try:

@@ -1,4 +1,4 @@
-"""``bunshin cluster up|status|down``: one bunshin host per node of a running Ray cluster."""
+"""``bunshin cluster init|up|status|reclaim|down``: one bunshin host per node of a running Ray cluster."""
 
 from __future__ import annotations
 
@@ -17,14 +17,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     csub = p.add_subparsers(dest="cluster_command", metavar="SUBCOMMAND")
     csub.required = True
     addr_help = "the Ray cluster (default auto: the one this machine joined with `ray start`)"
+    secret_help = "the cluster secret, at this path on every host (default $BUNSHIN_CLUSTER_SECRET, else " \
+                  "BUNSHIN_HOME/cluster.secret)"
+
+    init = csub.add_parser("init", help="make the cluster secret (copy it to the same path on every host)")
+    init.add_argument("--secret-file", type=Path, default=None, metavar="PATH", help=secret_help)
+    init.add_argument("--json", action="store_true")
+    init.set_defaults(func=cmd_init)
 
     up = csub.add_parser("up", help="start a host actor and its bunshin serve on every node that has none")
     up.add_argument("--address", default="auto", help=addr_help)
     up.add_argument("--home-root", type=Path, default=None, metavar="DIR",
                     help="each node's home is DIR/NAME (several hosts on one machine); default: each "
                          "node's BUNSHIN_HOME")
-    up.add_argument("--bind", default=None, metavar="ADDR",
-                    help="address the servers listen on (default: each node's Ray address)")
+    up.add_argument("--bind", default=None, metavar="ADDR|IFACE|ray",
+                    help="where the servers listen: an address, an interface of the cluster's own network (its "
+                         "address on each node), or ray (each node's Ray address); default 127.0.0.1, for a "
+                         "cluster on one machine")
+    up.add_argument("--secret-file", type=Path, default=None, metavar="PATH", help=secret_help)
+    up.add_argument("--allow-unauthenticated-ray", action="store_true",
+                    help="start on a Ray cluster without token authentication (anyone who reaches it is root "
+                         "on every host)")
     up.add_argument("--max-workspaces", type=int, default=None, metavar="N", help="per host (429 past it)")
     up.add_argument("--max-memory", default=None, metavar="SIZE", help="per host: sum of memory limits, e.g. 48G")
     up.add_argument("--reserve-memory", default="auto", metavar="SIZE",
@@ -57,8 +70,21 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     limits = HostLimits(max_workspaces=args.max_workspaces, max_memory=parse_size(args.max_memory),
                         reserve_memory=_reserve(args.reserve_memory))
-    cluster = Cluster.up(address=args.address, home_root=args.home_root, bind=args.bind, limits=limits)
+    cluster = Cluster.up(address=args.address, home_root=args.home_root, bind=args.bind, limits=limits,
+                         secret_file=args.secret_file, allow_unauthenticated_ray=args.allow_unauthenticated_ray)
     return _print_status(cluster, args.json)
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    from ..cluster.secret import ClusterSecret
+
+    secret = ClusterSecret.create(args.secret_file)
+    if args.json:
+        output.print_json({"secret_file": str(secret.path)})
+    else:
+        print(f"made the cluster secret {secret.path} (mode 0600): copy it to the same path on every host "
+              "(scp, your secrets manager), then `bunshin cluster up` on the head")
+    return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -96,10 +122,10 @@ def _print_status(cluster: Cluster, as_json: bool) -> int:
         output.print_json({"hosts": [h.to_dict() for h in hosts]})
     else:
         output.print_table("bunshin cluster", ["host", "url", "alive", "free memory", "workspaces", "snapshots",
-                                               "load", "max workspaces"],
+                                               "load", "max workspaces", "unsigned records"],
                            [[h.name, h.url or "-", "yes" if h.alive else f"no: {h.error}",
                              output.human_bytes(h.free_memory), h.workspaces, len(h.snapshots), f"{h.load:.2f}",
-                             h.limits.max_workspaces or "-"] for h in hosts])
+                             h.limits.max_workspaces or "-", h.rejected] for h in hosts])
     return 0 if hosts and all(h.alive for h in hosts) else 1
 
 

@@ -4,6 +4,7 @@ their task's root snapshot, trajectories retried on another host when theirs die
 ::
 
     cluster = Cluster.up()                     # a host actor per node of the running Ray cluster
+                                               # (the cluster secret on every host: `bunshin cluster init`)
     [h.name for h in cluster.status()]
     with ClusterPlacement.of(cluster) as hosts:
         async with RolloutEngine("bunshin", cluster=hosts) as engine:
@@ -17,6 +18,7 @@ from .placement import ClusterEnv, ClusterPlacement
 from .ray_cluster import Cluster
 from .records import Endpoint, HostInfo, HostLimits
 from .scheduler import HostLoad, Plan, choose, plan
+from .secret import ClusterSecret
 
-__all__ = ["Cluster", "ClusterEnv", "ClusterGroups", "ClusterPlacement", "Endpoint", "HostInfo", "HostLimits",
-           "HostLoad", "Plan", "Share", "choose", "plan"]
+__all__ = ["Cluster", "ClusterEnv", "ClusterGroups", "ClusterPlacement", "ClusterSecret", "Endpoint", "HostInfo",
+           "HostLimits", "HostLoad", "Plan", "Share", "choose", "plan"]

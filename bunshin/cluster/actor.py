@@ -1,8 +1,11 @@
 """The host actor: one per Ray node, owning that node's ``bunshin serve``.
 
 A plain class: :mod:`bunshin.cluster.ray_cluster` makes it a Ray actor pinned to its
-node. It reports the node's state (:class:`~bunshin.cluster.records.HostInfo`) and
-hands the head its server's URL and token (:class:`~bunshin.cluster.records.Endpoint`).
+node. It reports the node's state (:class:`~bunshin.cluster.records.HostInfo`) and its
+server's URL and epoch, signed (:class:`~bunshin.cluster.records.SignedEndpoint`). It
+hands out no token or key: it reads the cluster secret from its own node's file
+(:mod:`bunshin.cluster.secret`) and derives its server's token and the snapshot key
+there; the head derives the same token from its own copy.
 
 It keeps its home's lease (:mod:`bunshin.cluster.fence`): at start and every
 ``RENEW_S`` seconds it compares the home's epoch with the cluster's; a home the head
@@ -32,8 +35,9 @@ from ..config import Config
 from ..errors import BunshinError
 from ..runtime.gc import ClusterLease, read_lease, write_lease
 from . import fence
-from .records import Endpoint, HostInfo, HostLimits
-from .serve_proc import ServeProcess, clear_home
+from .records import HostInfo, HostLimits, SignedEndpoint
+from .secret import ClusterSecret
+from .serve_proc import ServeProcess, clear_home, resolve_bind
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +46,14 @@ class HostActor:
     """Starts the node's server in its constructor (the actor's main thread: the server's
     parent-death signal follows that thread, which lives as long as the actor)."""
 
-    def __init__(self, name: str, node_id: str, home: str | None, *, bind: str, key: bytes,
+    def __init__(self, name: str, node_id: str, home: str | None, *, bind: str, secret_file: str,
                  limits: dict[str, Any] | None = None, lease_s: float = fence.LEASE_S) -> None:
         self.name, self.node_id = name, node_id
         self.limits = HostLimits(**(limits or {}))
         self.lease_s = lease_s
-        self.server = ServeProcess(Path(home) if home else Config.from_env().home, bind=bind, limits=self.limits,
-                                   key=key)
+        self.secret = ClusterSecret.load(Path(secret_file))  # this node's copy: nothing secret came through Ray
+        self.server = ServeProcess(Path(home) if home else Config.from_env().home, bind=resolve_bind(bind),
+                                   limits=self.limits, key=self.secret.snapshot_key())
         self._lock = threading.RLock()  # the server and the lease: methods vs the renewing thread
         self.cleared: list[dict[str, int]] = []  # what each fence removed (status reports the count)
         self.lapsed = False  # its lease ran out unrenewed: it fenced itself (see the module)
@@ -72,34 +77,38 @@ class HostActor:
         with self._lock:
             cfg, lease = self.server.cfg, read_lease(self.server.cfg)
             cfg.home.mkdir(parents=True, exist_ok=True)
-            current = fence.epoch(self.name)
+            current = fence.epoch(self.secret, self.name)
+            if current is not None and lease is not None and current < lease.epoch:
+                fence.reject(f"epoch/{self.name}", f"epoch {current} is older than the home's {lease.epoch}")
+                current = None  # a replayed record: the home's own epoch is signed again below
             stale = lease is not None and (lease.lost() or (current is not None and lease.epoch != current))
             if current is None:  # a new cluster: it takes a home whose lease holds as it is
                 current = lease.epoch + int(stale) if lease is not None else 1
-                fence.set_epoch(self.name, current)
+                fence.set_epoch(self.secret, self.name, current)
             elif (lease is not None and lease.epoch == current and lease.lost()) or (
                     self.lapsed and self.epoch == current):
-                current = fence.fence(self.name)  # its lease ran out unrenewed: that epoch is over
+                current = fence.fence(self.secret, self.name)  # its lease ran out unrenewed: that epoch is over
             if lease is not None and stale:
                 self.server.stop()
                 self.cleared.append(clear_home(cfg))
-                # a new token with the new epoch: a call the head still retries from before the
-                # fence is refused rather than making what nobody tracks
-                self.server.token_file.unlink(missing_ok=True)
                 log.warning("host %s: epoch %d was fenced (now %d): removed %s", self.name, lease.epoch,
                             current, self.cleared[-1])
+            # the epoch's own token: a call the head still retries from before a fence is
+            # refused rather than making what nobody tracks
+            if self.server.set_token(self.secret.host_token(self.name, current)) and self.server.running():
+                self.server.stop()  # it holds another epoch's token
             if not self.server.running():
                 self.server.start()  # fails: the epoch stays the old one, the next renewal tries again
             self.epoch = current
             self._lease()
-            fence.set_serving(self.name, current)
+            fence.set_serving(self.secret, self.name, current)
             self.lapsed, self._renewed = False, time.monotonic()
             return current
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(fence.RENEW_S):
             try:  # blocks while the GCS is cut off (Ray's client retries): the watchdog sees it
-                current = fence.epoch(self.name)
+                current = fence.epoch(self.secret, self.name)
                 node_alive = not self.lapsed or self._node_alive()
             except Exception as e:  # the GCS does not answer: no renewal, the lease runs out
                 log.warning("host %s: no answer from the cluster (%s): lease not renewed", self.name, e)
@@ -114,10 +123,12 @@ class HostActor:
                             continue
                         log.warning("host %s: the cluster answers again and counts it alive: rejoining", self.name)
                         self._join()  # its lease ran out: that epoch is fenced, the home emptied
-                    elif current is not None and current != self.epoch:
+                    elif current is not None and current > self.epoch:
                         self._lease(fenced=True)  # a crash while clearing still leaves it to gc
                         self._join()
-                    else:
+                    else:  # an older epoch is a replayed record, never followed
+                        if current is not None and current < self.epoch:
+                            fence.reject(f"epoch/{self.name}", f"epoch {current} is older than {self.epoch}")
                         self._lease()
                 except Exception as e:  # tried again at the next renewal; the lease runs out meanwhile
                     log.error("host %s: renewing its lease failed: %s", self.name, e)
@@ -151,8 +162,10 @@ class HostActor:
             finally:
                 self._lock.release()
 
-    def endpoint(self) -> Endpoint:
-        return Endpoint(self.name, self.server.url, self.server.token())
+    def endpoint(self) -> SignedEndpoint:
+        """Its server's URL and epoch, signed (no token: the head derives it)."""
+        url, epoch = self.server.url, self.epoch
+        return SignedEndpoint(self.name, url, epoch, self.secret.sign("endpoint", self.name, url, epoch))
 
     def pid(self) -> int | None:
         return self.server.proc.pid if self.server.proc is not None else None
@@ -179,9 +192,10 @@ class HostActor:
         return HostInfo(name=self.name, node_id=self.node_id, url=self.server.url, home=str(self.server.cfg.home),
                         alive=alive, pid=self.pid(), free_memory=vm.available, total_memory=vm.total,
                         load=round(load, 3), workspaces=workspaces, snapshots=snapshots, limits=self.limits,
-                        error=error, epoch=self.epoch, fenced=len(self.cleared)).to_dict()
+                        error=error, epoch=self.epoch, fenced=len(self.cleared),
+                        rejected=fence.rejected()).to_dict()
 
-    def restart(self) -> Endpoint:
+    def restart(self) -> SignedEndpoint:
         """Start the server again (after it died): it re-adopts what is still running,
         ``bunshin gc`` style cleanup of the rest is the server's own."""
         with self._lock:
@@ -211,7 +225,7 @@ class HostActor:
         (:func:`clear_home`), and the server started again, empty, in the new epoch;
         what was removed, by kind."""
         with self._lock:
-            fence.fence(self.name)
+            fence.fence(self.secret, self.name)
             before = len(self.cleared)
             self._join()
             return self.cleared[-1] if len(self.cleared) > before else {"workspaces": 0, "snapshots": 0, "gc": 0}

@@ -7,11 +7,21 @@ does the address file Ray writes for a cluster it starts: it goes to
 ``RAY_TMPDIR/ray/ray_current_cluster``, ``/tmp/ray`` by default, a folder nothing makes on
 a fresh machine. Everything is stopped and removed on the way out, also when a node fails
 to start.
+
+Ray's own listeners bind loopback (:data:`LOCAL_IP`: given as the node address, Ray
+binds its servers there alone), and Ray's token authentication is on
+(``RAY_AUTH_MODE=token``, a random token in a 0600 file of that folder,
+``RAY_AUTH_TOKEN_PATH``): a process of this machine without the token is refused too.
+Ray's drivers take 127.0.0.1 in an address for "this machine" and dial its outside
+address instead, unless told it is no multi-machine cluster
+(``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``). The variables are this process's (and its
+children's) while the cluster runs.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -20,7 +30,44 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..errors import RuntimeFailure
-from .ray_cluster import RESOURCE_PREFIX, ray_module
+from .ray_cluster import RESOURCE_PREFIX, connect_ray, ray_module
+
+#: The address a local cluster's Ray listens on.
+LOCAL_IP = "127.0.0.1"
+_ONE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray resolves 127.0.0.1 as itself
+_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", _ONE_MACHINE)
+
+
+def _reload_ray_env() -> None:
+    """Make this process's Ray read the variables again (it read them once, at import)."""
+    from ray._private import ray_constants
+    from ray._private.authentication_test_utils import reset_auth_token_state
+
+    reset_auth_token_state()
+    ray_constants.ENABLE_RAY_CLUSTER = os.environ.get(_ONE_MACHINE) != "0"
+
+
+@contextmanager
+def _ray_env(folder: str) -> Iterator[None]:
+    """Ray's token authentication on, with a new token, and 127.0.0.1 taken as this
+    machine's address, while the block runs."""
+    before = {k: os.environ.get(k) for k in _ENV}
+    path = os.path.join(folder, "ray-token")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    os.environ.pop("RAY_AUTH_TOKEN", None)
+    os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": path, _ONE_MACHINE: "0"})
+    _reload_ray_env()
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        _reload_ray_env()
 
 
 @contextmanager
@@ -36,21 +83,8 @@ def local_ray_cluster(names: Sequence[str], *, system_config: dict[str, Any] | N
     try:
         os.makedirs(os.path.join(tmp, "ray"))
         os.environ["RAY_TMPDIR"] = tmp
-        rc = RayCluster(initialize_head=True, head_node_args={
-            "num_cpus": 1, "include_dashboard": False, "temp_dir": tmp,
-            "resources": {f"{RESOURCE_PREFIX}{names[0]}": 1},
-            **({"_system_config": system_config} if system_config else {})})
-        try:
-            for name in names[1:]:
-                add_node(rc, name)
-            rc.wait_for_nodes()
-            ray.init(address=rc.address, namespace="bunshin", log_to_driver=False)
-            try:
-                yield rc
-            finally:
-                ray.shutdown()
-        finally:
-            rc.shutdown()
+        with _ray_env(tmp):
+            yield from _run(ray, RayCluster, tmp, names, system_config)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if before is None:
@@ -59,10 +93,30 @@ def local_ray_cluster(names: Sequence[str], *, system_config: dict[str, Any] | N
             os.environ["RAY_TMPDIR"] = before
 
 
+def _run(ray: Any, ray_cluster: Any, tmp: str, names: Sequence[str],
+         system_config: dict[str, Any] | None) -> Iterator[Any]:
+    rc = ray_cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "include_dashboard": False, "temp_dir": tmp, "node_ip_address": LOCAL_IP,
+        "resources": {f"{RESOURCE_PREFIX}{names[0]}": 1},
+        **({"_system_config": system_config} if system_config else {})})
+    try:
+        for name in names[1:]:
+            add_node(rc, name)
+        rc.wait_for_nodes()
+        connect_ray(rc.address)
+        try:
+            yield rc
+        finally:
+            ray.shutdown()
+    finally:
+        rc.shutdown()
+
+
 def add_node(rc: Any, name: str) -> Any:
     """Start a node for host ``name`` in ``rc`` (inside :func:`local_ray_cluster`): a host
     coming back; its Ray node object."""
-    return rc.add_node(num_cpus=1, temp_dir=os.environ["RAY_TMPDIR"], resources={f"{RESOURCE_PREFIX}{name}": 1})
+    return rc.add_node(num_cpus=1, node_ip_address=LOCAL_IP, temp_dir=os.environ["RAY_TMPDIR"],
+                       resources={f"{RESOURCE_PREFIX}{name}": 1})
 
 
 def kill_node(rc: Any, name: str, *, timeout: float = 60.0) -> None:

@@ -5,6 +5,13 @@ detached and named per node (namespace ``bunshin``), so ``bunshin cluster up``,
 ``status`` and ``down`` may run from different processes; each is pinned to its node
 (``NodeAffinitySchedulingStrategy``, no CPU taken). Rollout traffic does not go
 through Ray: the head talks HTTP to each host's server (:meth:`Cluster.clients`).
+
+Nothing secret crosses Ray: the head and every host read the cluster secret from their
+own file (:mod:`bunshin.cluster.secret`; only its path is an actor's argument) and derive
+the servers' tokens, the snapshot key and the fencing key from it. A host's URL comes
+from its actor signed, so the head sends a token only where a holder of the secret said.
+Ray itself must authenticate its callers: :meth:`Cluster.up` refuses a Ray cluster
+without token authentication (``RAY_AUTH_MODE=token``) unless told otherwise.
 """
 
 from __future__ import annotations
@@ -16,10 +23,17 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from ..config import Config
-from ..errors import BunshinError, HostUnsupported, InvalidArgument, RuntimeFailure, Unreachable
+from ..errors import (
+    BunshinError,
+    HostUnsupported,
+    InvalidArgument,
+    RuntimeFailure,
+    Unauthorized,
+    Unreachable,
+)
 from . import fence
-from .records import Endpoint, HostInfo, HostLimits
+from .records import Endpoint, HostInfo, HostLimits, SignedEndpoint
+from .secret import ClusterSecret
 
 if TYPE_CHECKING:
     from ..client import Client
@@ -30,6 +44,9 @@ ACTOR_PREFIX = "bunshin-host-"
 RESOURCE_PREFIX = "bunshin-host-"
 CALL_TIMEOUT_S = 30.0
 START_TIMEOUT_S = 120.0
+#: ``--bind`` that means each node's own Ray address (``ray start --node-ip-address``).
+BIND_RAY = "ray"
+LOOPBACK = "127.0.0.1"
 
 
 def ray_module() -> ModuleType:
@@ -75,6 +92,30 @@ def _probe(address: str | None) -> None:
                                "host") from None
 
 
+def ray_auth_enabled() -> bool:
+    """Does this process speak to Ray with token authentication? Connected without it,
+    its Ray cluster has none (one that has refuses such a driver)."""
+    try:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    except ImportError:  # a Ray without token authentication (< 2.52)
+        return False
+    return bool(is_token_auth_enabled())
+
+
+def _bind_for(bind: str | None, nodes: list[Node]) -> dict[str, str]:
+    """What each node's server binds (an address, or an interface its actor resolves):
+    loopback when every node is on this machine; else the operator names it."""
+    machines = {n.address for n in nodes}
+    if bind is None:
+        if len(machines) > 1:
+            raise InvalidArgument(f"the Ray nodes are on {len(machines)} machines: their servers must listen where "
+                                  "the head reaches them", hint="name it: --bind IFACE (an interface of the "
+                                  "cluster's own network, e.g. wg0), --bind ADDR, or --bind ray (each node's Ray "
+                                  "address)")
+        bind = LOOPBACK
+    return {n.node_id: n.address if bind == BIND_RAY else bind for n in nodes}
+
+
 @dataclass(frozen=True)
 class Node:
     """A live Ray node and the host name it carries."""
@@ -106,29 +147,47 @@ def live_nodes(ray: ModuleType) -> list[Node]:
 
 
 class Cluster:
-    """The hosts of the Ray cluster this process is connected to."""
+    """The hosts of the Ray cluster this process is connected to; ``secret_file``: this
+    machine's copy of the cluster secret (default :func:`bunshin.cluster.secret.default_path`),
+    read when first needed."""
 
-    def __init__(self, ray: ModuleType) -> None:
+    def __init__(self, ray: ModuleType, secret_file: Path | None = None) -> None:
         self._ray = ray
+        self._secret_file = secret_file
+        self._secret: ClusterSecret | None = None
+
+    @property
+    def secret(self) -> ClusterSecret:
+        if self._secret is None:
+            self._secret = ClusterSecret.load(self._secret_file)
+        return self._secret
 
     # --- lifecycle --------------------------------------------------------------------
 
     @classmethod
     def up(cls, *, address: str | None = "auto", home_root: Path | None = None, bind: str | None = None,
-           limits: HostLimits | None = None, key: bytes | None = None, lease_s: float | None = None) -> Cluster:
+           limits: HostLimits | None = None, secret_file: Path | None = None, lease_s: float | None = None,
+           allow_unauthenticated_ray: bool = False) -> Cluster:
         """A host actor (and its ``bunshin serve``) on every live node that has none yet.
 
         ``home_root``: each node's home is ``home_root/NAME`` (several hosts on one
-        machine), else the node's own ``BUNSHIN_HOME``. ``bind``: the address the servers
-        listen on (default each node's Ray address). ``key``: the cluster's snapshot key
-        (default this home's ``snapshot.key``), copied into every host's home. ``lease_s``:
-        how long a host's lease lasts unrenewed (:data:`bunshin.cluster.fence.LEASE_S`)."""
-        from ..runtime.snapshot_checks import home_key
-
+        machine), else the node's own ``BUNSHIN_HOME``. ``bind``: what the servers listen
+        on: an address, an interface name (resolved on each node) or ``ray`` (each node's
+        Ray address); default loopback, which only a cluster on one machine may use.
+        ``secret_file``: the cluster secret, at this path on the head and on every host.
+        ``lease_s``: how long a host's lease lasts unrenewed
+        (:data:`bunshin.cluster.fence.LEASE_S`). A Ray cluster without token
+        authentication is refused unless ``allow_unauthenticated_ray``."""
+        secret = ClusterSecret.load(secret_file)  # the head's copy: missing is an error before anything starts
         ray = connect_ray(address)
-        key = key if key is not None else home_key(Config.from_env(), create=True)
-        assert key is not None
-        cluster = cls(ray)
+        if not allow_unauthenticated_ray and not ray_auth_enabled():
+            raise Unauthorized("this Ray cluster does not authenticate its callers: anyone who reaches it runs "
+                               "code as root on every host",
+                               hint="start Ray with RAY_AUTH_MODE=token and its token on every node and here "
+                                    "(`ray get-auth-token --generate`; see the README's cluster section), or "
+                                    "--allow-unauthenticated-ray on a network of the hosts alone")
+        cluster = cls(ray, secret.path)
+        cluster._secret = secret
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from .actor import HostActor
@@ -139,6 +198,7 @@ class Cluster:
         if home_root is None and len({n.address for n in nodes}) < len(nodes):
             raise InvalidArgument("several Ray nodes run on one machine: their hosts would share its BUNSHIN_HOME",
                                   hint="give each its own home: --home-root DIR (home_root=) makes DIR/NAME")
+        binds = _bind_for(bind, nodes)
         for node in nodes:
             if cluster._actor(node) is not None:
                 continue
@@ -146,7 +206,7 @@ class Cluster:
             handle = remote.options(
                 name=node.actor_name, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_restarts=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
-            ).remote(node.name, node.node_id, home, bind=bind or node.address, key=key,
+            ).remote(node.name, node.node_id, home, bind=binds[node.node_id], secret_file=str(secret.path.absolute()),
                      limits=vars(limits or HostLimits()), lease_s=lease_s or fence.LEASE_S)
             started.append((node, handle))
         errors = []
@@ -162,9 +222,9 @@ class Cluster:
         return cluster
 
     @classmethod
-    def connect(cls, address: str | None = "auto") -> Cluster:
+    def connect(cls, address: str | None = "auto", *, secret_file: Path | None = None) -> Cluster:
         """The hosts ``bunshin cluster up`` started."""
-        return cls(connect_ray(address))
+        return cls(connect_ray(address), secret_file)
 
     def down(self) -> list[str]:
         """Stop every host's server (workspaces and records stay for its next start) and
@@ -200,7 +260,7 @@ class Cluster:
     def fence(self, name: str) -> int:
         """The head gives host ``name``'s current epoch up (its work is retried elsewhere):
         its actor empties its home and serves again in the new epoch; that epoch."""
-        return fence.fence(name)
+        return fence.fence(self.secret, name)
 
     def live(self) -> set[str]:
         """The hosts whose Ray node the GCS counts alive (a node cut off from it is counted
@@ -209,15 +269,25 @@ class Cluster:
 
     def serving(self, name: str) -> int | None:
         """The epoch host ``name`` serves now (emptied of everything older)."""
-        return fence.serving(name)
+        return fence.serving(self.secret, name)
 
     def endpoint(self, name: str) -> Endpoint | None:
-        """URL and token of host ``name`` (``None``: its actor does not answer)."""
+        """URL and token of host ``name`` (``None``: its actor does not answer, or what it
+        answers is not signed with the cluster secret)."""
+        secret = self.secret  # first: no secret here is an error, not a host that does not answer
         try:
-            ep: Endpoint = self._ray.get(self.actor(name).endpoint.remote(), timeout=CALL_TIMEOUT_S)
-            return ep
+            return self._access(self._ray.get(self.actor(name).endpoint.remote(), timeout=CALL_TIMEOUT_S), secret)
         except Exception:
             return None
+
+    @staticmethod
+    def _access(signed: SignedEndpoint, secret: ClusterSecret) -> Endpoint | None:
+        """The head's way to the server ``signed`` names: its token derived here."""
+        s = signed
+        if not secret.verify(s.mac, "endpoint", s.name, s.url, s.epoch):
+            fence.reject(f"endpoint/{s.name}", "its actor's endpoint is not signed with the cluster secret")
+            return None
+        return Endpoint(s.name, s.url, secret.host_token(s.name, s.epoch))
 
     def status(self) -> list[HostInfo]:
         """Every live node's host; a node without an answering actor is reported dead."""
@@ -235,9 +305,11 @@ class Cluster:
 
     def endpoints(self) -> list[Endpoint]:
         """URL and token of every host whose actor answers."""
+        secret = self.secret  # first: no secret here is an error, not hosts that do not answer
+
         def one(actor: Any) -> Endpoint | None:
             try:
-                return self._ray.get(actor.endpoint.remote(), timeout=CALL_TIMEOUT_S)
+                return self._access(self._ray.get(actor.endpoint.remote(), timeout=CALL_TIMEOUT_S), secret)
             except Exception:
                 return None
 

@@ -26,11 +26,24 @@ class HostLimits:
 
 @dataclass(frozen=True)
 class Endpoint:
-    """How the head reaches one host's server (the token stays out of status reports)."""
+    """How the head reaches one host's server: made on the head, its token derived there
+    from the cluster secret (never carried by Ray; it stays out of status reports)."""
 
     name: str
     url: str
     token: str = field(repr=False)
+
+
+@dataclass(frozen=True)
+class SignedEndpoint:
+    """What a host actor says of its server (through Ray): where it listens and the epoch
+    it serves, signed with the cluster secret's fencing key (``mac``), so the head sends
+    a token only to a URL a host with the secret named. No token in it."""
+
+    name: str
+    url: str
+    epoch: int
+    mac: str
 
 
 @dataclass(frozen=True)
@@ -52,6 +65,7 @@ class HostInfo:
     error: str | None = None  # why it does not answer
     epoch: int | None = None  # the cluster's epoch for it (bunshin.cluster.fence)
     fenced: int = 0  # times its home was emptied because the head had given it up
+    rejected: int = 0  # records in Ray's key-value store its actor ignored: not signed with the cluster secret
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -2,7 +2,9 @@
 
 The cluster's hosts share one snapshot key (a root saved on one loads on another):
 it is written into the home before the server starts. The server listens on
-``bind`` (the node's address on a real cluster) at a free port, with its own token.
+``bind`` (loopback, or the address of an interface the operator names:
+:func:`resolve_bind`) at a free port, with the token its owner sets
+(:meth:`ServeProcess.set_token`: derived from the cluster secret, per host and epoch).
 It is told to stop (SIGTERM, then SIGKILL) when its owner stops it, and gets
 SIGTERM if its owner dies (``PR_SET_PDEATHSIG``): a host that goes away leaves its
 workspaces to ``bunshin gc`` or to the next start's re-adoption.
@@ -10,6 +12,7 @@ workspaces to ``bunshin gc`` or to the next start's re-adoption.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
 import socket
@@ -36,7 +39,7 @@ def install_key(cfg: Config, key: bytes) -> None:
     A home that already holds another key is refused: the folders it saved would no
     longer load."""
     if len(key) != 32:
-        raise InvalidArgument("a snapshot key is 32 bytes", hint="use the cluster head's BUNSHIN_HOME/snapshot.key")
+        raise InvalidArgument("a snapshot key is 32 bytes", hint="derive it from the cluster secret (ClusterSecret)")
     path = cfg.snapshot_key_path
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -49,13 +52,57 @@ def install_key(cfg: Config, key: bytes) -> None:
             os.close(fd)
         if held != key:
             raise InvalidArgument(f"{path} holds another snapshot key than the cluster's",
-                                  hint="give this host a home of its own for the cluster (--home-root), or copy "
-                                       "the head's snapshot.key there before its server starts") from None
+                                  hint="give this host a home of its own for the cluster (--home-root); a home "
+                                       "keeps the key it saved with") from None
         return
     try:
         os.write(fd, key)
     finally:
         os.close(fd)
+
+
+def resolve_bind(spec: str) -> str:
+    """The address ``spec`` names on this machine: an IP address as it is, else the
+    interface of that name (``wg0``, ``eth1``): its IPv4 address (else its first IPv6 one
+    that is not link-local)."""
+    try:
+        return str(ipaddress.ip_address(spec))
+    except ValueError:
+        pass
+    addrs = psutil.net_if_addrs().get(spec)
+    if addrs is None:
+        raise InvalidArgument(f"--bind {spec!r} is neither an IP address nor an interface of this machine",
+                              hint=f"give an address, or one of {', '.join(sorted(psutil.net_if_addrs()))}")
+    v4 = [a.address for a in addrs if a.family == socket.AF_INET]
+    v6 = [a.address for a in addrs if a.family == socket.AF_INET6 and not a.address.startswith("fe80")]
+    if not v4 + v6:
+        raise InvalidArgument(f"interface {spec!r} has no address", hint="give one that is up, or an address")
+    return (v4 + v6)[0]
+
+
+def write_token(path: Path, token: str) -> bool:
+    """``token`` into ``path`` (mode 0600, replaced whole, never through a symlink);
+    whether it changed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            if os.read(fd, 4096).decode(errors="replace").strip() == token:
+                return False
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, (token + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return True
 
 
 def free_port(bind: str) -> int:
@@ -95,6 +142,10 @@ class ServeProcess:
         from ..server.token import ensure_token
 
         return ensure_token(self.token_file)
+
+    def set_token(self, token: str) -> bool:
+        """The token the server takes at its next start; whether it changed."""
+        return write_token(self.token_file, token)
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -1,6 +1,6 @@
 """A real multi-node Ray cluster on this machine, shared by every test of tests/cluster:
 three nodes (``a``, ``b``, ``c``: each carries the resource ``bunshin-host-NAME``, one CPU,
-no dashboard), each host with its own bunshin home (so its own tmpfs) under the test's
+no dashboard; Ray on a loopback address with its token authentication on), each host with its own bunshin home (so its own tmpfs) under the test's
 tmp folder. Ray's health checks are shortened (:data:`RAY_CONFIG`), so a node cut off or
 killed is counted dead in seconds. After the tests every home is checked for leftovers
 and collected."""
@@ -22,15 +22,19 @@ LEASE_S = 8.0  # a host's lease: short, so a test sees one run out (not so short
 #: 4 checks in a row fail (1 s each); Ray's defaults (3 s, 10 s, 5) take ~30 s.
 RAY_CONFIG = {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 500,
               "health_check_timeout_ms": 1000, "health_check_failure_threshold": 4}
-KEY = b"cluster-test-key-0123456789abcde"
+
+
+def secret_file(homes: Path) -> Path:
+    """The cluster secret of the package's cluster (made by the ``ray_cluster`` fixture)."""
+    return homes / "cluster.secret"
 
 
 def up(homes: Path):
     """``Cluster.up`` as the fixture starts it (again after a test stopped or lost hosts)."""
     from bunshin.cluster import Cluster, HostLimits
 
-    return Cluster.up(home_root=homes, bind="127.0.0.1", limits=HostLimits(max_workspaces=MAX_WORKSPACES), key=KEY,
-                      lease_s=LEASE_S)
+    return Cluster.up(home_root=homes, bind="127.0.0.1", limits=HostLimits(max_workspaces=MAX_WORKSPACES),
+                      secret_file=secret_file(homes), lease_s=LEASE_S)
 
 
 def home_config(root: Path, name: str) -> Config:
@@ -60,8 +64,10 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[obje
         pytest.skip("needs root (the hosts run real workspaces)")
     pytest.importorskip("ray", reason="needs Ray: make install (the 'cluster' extra)")
     from bunshin.cluster.local import local_ray_cluster
+    from bunshin.cluster.secret import ClusterSecret
 
     homes = tmp_path_factory.mktemp("cluster-homes")
+    ClusterSecret.create(secret_file(homes))
     try:
         with local_ray_cluster(NAMES, system_config=RAY_CONFIG) as rc:
             yield rc, homes
@@ -82,7 +88,7 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[obje
 @pytest.fixture(scope="package")
 def cluster(ray_cluster):
     """``bunshin.cluster.Cluster.up`` on the three nodes (servers on loopback, at most
-    ``MAX_WORKSPACES`` workspaces each, a shared test key); ``down`` after the package."""
+    ``MAX_WORKSPACES`` workspaces each, the package's cluster secret); ``down`` after the package."""
     _, homes = ray_cluster
     c = up(homes)
     try:

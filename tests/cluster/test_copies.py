@@ -15,6 +15,7 @@ import pytest
 from bunshin.cluster.copies import CopyLeases
 from bunshin.errors import NotFound
 
+from .conftest import secret_file
 from .test_rollout import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.criu]
@@ -29,7 +30,7 @@ from bunshin.cluster import Cluster, ClusterPlacement
 from bunshin.cluster.groups import ClusterGroups
 from tests.rollout.test_integration import TASK
 
-placement = ClusterPlacement.of(Cluster.connect(sys.argv[1]), copy_ttl={COPY_TTL_S})
+placement = ClusterPlacement.of(Cluster.connect(sys.argv[1], secret_file=sys.argv[2]), copy_ttl={COPY_TTL_S})
 groups = ClusterGroups(placement)
 groups.join(key={KEY!r}, n=6, task=TASK, speculation=False)
 print(json.dumps({{h: c for (_, h), c in groups.copies.items()}}), flush=True)
@@ -47,8 +48,9 @@ def snapshots(cluster, name: str) -> set[str]:
 
 
 def test_a_root_copy_outlives_a_killed_head_only_by_its_lease(cluster, ray_cluster, homes):
-    rc, _ = ray_cluster
-    head = subprocess.Popen([sys.executable, "-c", DRIVER, rc.address], stdout=subprocess.PIPE, text=True,
+    rc, root = ray_cluster
+    head = subprocess.Popen([sys.executable, "-c", DRIVER, rc.address, str(secret_file(root))],
+                            stdout=subprocess.PIPE, text=True,
                             cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     try:
         line = head.stdout.readline() if head.stdout else ""

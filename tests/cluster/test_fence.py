@@ -76,11 +76,21 @@ def test_a_planted_lease_is_not_followed(no_leaks, tmp_path):
         lease_path(no_leaks).unlink(missing_ok=True)
 
 
-def _home_key(cfg) -> bytes:
-    """The cluster's key as this (session-wide) home already holds one: an earlier test's
-    snapshot may have made it, and a host refuses a home holding another key."""
-    path = cfg.snapshot_key_path
-    return path.read_bytes() if path.exists() else b"k" * 32
+@pytest.fixture
+def secret(no_leaks, tmp_path):
+    """A cluster secret for a host actor on the session's home: the home's own snapshot key
+    (an earlier test's) is set aside while the actor installs the cluster's, then put back."""
+    from bunshin.cluster.secret import ClusterSecret
+
+    key, aside = no_leaks.snapshot_key_path, tmp_path / "snapshot.key"
+    if key.exists():
+        key.rename(aside)
+    try:
+        yield ClusterSecret.create(tmp_path / "cluster.secret")
+    finally:
+        key.unlink(missing_ok=True)
+        if aside.exists():
+            aside.rename(key)
 
 
 @pytest.fixture
@@ -88,7 +98,7 @@ def kv(monkeypatch):
     """Ray's GCS key-value store as a dict: the host actor alone, in this process."""
     from bunshin.cluster import fence
 
-    store: dict[str, int] = {}
+    store: dict[str, str] = {}
     monkeypatch.setattr(fence, "_get", store.get)
     monkeypatch.setattr(fence, "_put", store.__setitem__)
     return store
@@ -101,25 +111,30 @@ def kv(monkeypatch):
     (ClusterLease("h", 2, time.time() - 1), 2, False, 3),  # ran out: that epoch is over
     (ClusterLease("h", 2, time.time() - 1), None, False, 3),  # ran out, a new cluster: no one's
 ])
-def test_a_host_starting_on_a_home_keeps_only_what_the_cluster_owns(no_leaks, kv, lease, kv_epoch, kept, epoch):
+def test_a_host_starting_on_a_home_keeps_only_what_the_cluster_owns(no_leaks, kv, secret, lease, kv_epoch, kept,
+                                                                     epoch):
+    from bunshin.cluster import fence
     from bunshin.cluster.actor import HostActor
 
     ws = Workspace.create("host", memory="128M", config=no_leaks)
     write_lease(no_leaks, lease)
     if kv_epoch is not None:
-        kv["epoch/h"] = kv_epoch
+        fence.set_epoch(secret, "h", kv_epoch)
     actor = None
     try:
-        actor = HostActor("h", "node", str(no_leaks.home), bind="127.0.0.1", key=_home_key(no_leaks))
-        assert actor.epoch == epoch and kv["epoch/h"] == epoch and kv["serving/h"] == epoch
+        actor = HostActor("h", "node", str(no_leaks.home), bind="127.0.0.1", secret_file=str(secret.path))
+        assert actor.epoch == epoch and fence.epoch(secret, "h") == epoch and fence.serving(secret, "h") == epoch
         assert ws.is_alive() == kept and len(actor.cleared) == (not kept)
         assert read_lease(no_leaks).epoch == epoch and not read_lease(no_leaks).lost()
-        kv["epoch/h"] = epoch + 1  # the head fences it now: the actor sees it within a renewal or two
+        assert no_leaks.snapshot_key_path.read_bytes() == secret.snapshot_key()
+        assert actor.server.token() == secret.host_token("h", epoch)
+        fence.set_epoch(secret, "h", epoch + 1)  # the head fences it now: the actor sees it within a renewal or two
         deadline = time.time() + 15
-        while kv.get("serving/h") != epoch + 1:  # emptied, then served again in the new epoch
+        while fence.serving(secret, "h") != epoch + 1:  # emptied, then served again in the new epoch
             assert time.time() < deadline, "the fence was not seen"
             time.sleep(0.1)
         assert not ws.is_alive() and actor.epoch == epoch + 1 and actor.server.running()
+        assert actor.server.token() == secret.host_token("h", epoch + 1)  # a new epoch's token
     finally:
         if actor is not None:
             actor.stop()
@@ -130,7 +145,7 @@ def test_a_host_starting_on_a_home_keeps_only_what_the_cluster_owns(no_leaks, kv
             pass
 
 
-def test_a_host_cut_off_from_the_cluster_fences_itself(no_leaks, kv, monkeypatch):
+def test_a_host_cut_off_from_the_cluster_fences_itself(no_leaks, kv, secret, monkeypatch):
     """The GCS stops answering (its store raises here): no renewal, so once the lease has
     run out the actor stops its server and empties its home by itself. The GCS answers
     again: a node Ray counts dead stays out (its next actor takes the home); one Ray still
@@ -143,7 +158,8 @@ def test_a_host_cut_off_from_the_cluster_fences_itself(no_leaks, kv, monkeypatch
     actor = None
     node_alive = [False]
     try:
-        actor = HostActor("h", "node", str(no_leaks.home), bind="127.0.0.1", key=_home_key(no_leaks), lease_s=1.5)
+        actor = HostActor("h", "node", str(no_leaks.home), bind="127.0.0.1", secret_file=str(secret.path),
+                          lease_s=1.5)
         monkeypatch.setattr(actor, "_node_alive", lambda: node_alive[0])
         epoch = actor.epoch
         answers = fence._get
@@ -167,7 +183,7 @@ def test_a_host_cut_off_from_the_cluster_fences_itself(no_leaks, kv, monkeypatch
         while not actor.server.running() or actor.lapsed:
             assert time.time() < deadline, "the host did not rejoin"
             time.sleep(0.1)
-        assert actor.epoch == epoch + 1 and kv["serving/h"] == epoch + 1
+        assert actor.epoch == epoch + 1 and fence.serving(secret, "h") == epoch + 1
     finally:
         if actor is not None:
             actor.stop()
@@ -176,3 +192,53 @@ def test_a_host_cut_off_from_the_cluster_fences_itself(no_leaks, kv, monkeypatch
             ws.remove()
         except Exception:
             pass
+
+
+def test_records_not_signed_with_the_cluster_secret_fence_nothing(no_leaks, kv, secret, monkeypatch, tmp_path):
+    """Someone on Ray without the cluster secret writes ``epoch/h``: unsigned, a wrong MAC,
+    another host's signed record, one signed with another secret, an older epoch of its
+    own (replayed). The host follows none (its home and epoch stay), counts each, and the
+    head does not fence on top of one."""
+    from bunshin.cluster import fence
+    from bunshin.cluster.actor import HostActor
+    from bunshin.cluster.secret import ClusterSecret
+    from bunshin.errors import Unauthorized
+
+    monkeypatch.setattr(fence, "RENEW_S", 0.2)
+    other = ClusterSecret.create(tmp_path / "other.secret")
+    actor = ws = None
+    try:
+        actor = HostActor("h", "node", str(no_leaks.home), bind="127.0.0.1", secret_file=str(secret.path))
+        fence.set_epoch(secret, "h", 2)  # a real fence first: the replay below is of epoch 1
+        deadline = time.time() + 15
+        while actor.epoch != 2:
+            assert time.time() < deadline, "the fence was not seen"
+            time.sleep(0.1)
+        emptied = len(actor.cleared)
+        ws = Workspace.create("host", memory="128M", config=no_leaks)
+        fence.set_epoch(secret, "g", 9)
+        fence.set_epoch(other, "x", 9)
+        forged = {"unsigned": "9", "a wrong MAC": "9:" + "0" * 64, "another host's": kv["epoch/g"],
+                  "another secret's": f"9:{other.sign('epoch', 'h', 9)}",
+                  "an older one of its own": f"1:{secret.sign('epoch', 'h', 1)}"}
+        for why, record in forged.items():
+            before = fence.rejected()
+            kv["epoch/h"] = record
+            deadline = time.time() + 15
+            while fence.rejected() == before:
+                assert time.time() < deadline, f"{why}: not seen"
+                time.sleep(0.1)
+            time.sleep(0.5)
+            assert actor.epoch == 2 and len(actor.cleared) == emptied and ws.is_alive(), why
+        assert actor.status()["rejected"] >= len(forged)
+        kv["epoch/h"] = "9"
+        with pytest.raises(Unauthorized, match="not signed"):
+            fence.fence(secret, "h")
+        kv["serving/h"] = "9"
+        assert fence.serving(secret, "h") is None  # the head does not take it for a host that emptied itself
+    finally:
+        if actor is not None:
+            actor.stop()
+        write_lease(no_leaks, None)
+        if ws is not None:
+            ws.remove()

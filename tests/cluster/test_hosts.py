@@ -14,7 +14,7 @@ from bunshin.cluster.serve_proc import install_key
 from bunshin.config import Config
 from bunshin.errors import InvalidArgument
 
-from .conftest import MAX_WORKSPACES, NAMES, up
+from .conftest import MAX_WORKSPACES, NAMES, secret_file, up
 
 
 def test_a_host_per_node_with_its_own_home_and_token(cluster, homes):
@@ -28,8 +28,8 @@ def test_a_host_per_node_with_its_own_home_and_token(cluster, homes):
         assert h.limits.max_workspaces == MAX_WORKSPACES
         assert h.free_memory > 0 and h.total_memory >= h.free_memory and h.workspaces == 0
         assert os.path.exists(f"/proc/{h.pid}")
-        # the cluster's key was copied into the home before the server started
-        assert homes[h.name].snapshot_key_path.read_bytes() == b"cluster-test-key-0123456789abcde"
+        # the cluster's key (derived from its secret) was put into the home before the server started
+        assert homes[h.name].snapshot_key_path.read_bytes() == cluster.secret.snapshot_key()
     tokens = {e.name: e.token for e in cluster.endpoints()}
     assert len(set(tokens.values())) == len(NAMES)  # each server has its own token
     for e in cluster.endpoints():
@@ -62,7 +62,7 @@ def test_up_again_starts_nothing_new_and_cli_status_json(cluster, ray_cluster):
 
     rc, homes = ray_cluster
     before = {h.name: h.pid for h in cluster.status()}
-    again = Cluster.up(home_root=homes, bind="127.0.0.1", key=b"cluster-test-key-0123456789abcde")
+    again = Cluster.up(home_root=homes, bind="127.0.0.1", secret_file=secret_file(homes))
     assert {h.name: h.pid for h in again.status()} == before
     out = subprocess.run([sys.executable, "-m", "bunshin.cli.main", "cluster", "status", "--json",
                           "--address", rc.address], capture_output=True, text=True, timeout=120)
@@ -72,12 +72,12 @@ def test_up_again_starts_nothing_new_and_cli_status_json(cluster, ray_cluster):
     assert "token" not in out.stdout
 
 
-def test_nodes_sharing_a_machine_need_homes_of_their_own(cluster):
+def test_nodes_sharing_a_machine_need_homes_of_their_own(cluster, ray_cluster):
     from bunshin.cluster import Cluster
 
     before = {h.name: h.pid for h in cluster.status()}
     with pytest.raises(InvalidArgument, match="share its BUNSHIN_HOME") as e:
-        Cluster.up(bind="127.0.0.1", key=b"cluster-test-key-0123456789abcde")
+        Cluster.up(bind="127.0.0.1", secret_file=secret_file(ray_cluster[1]))
     assert "--home-root" in e.value.hint
     assert {h.name: h.pid for h in cluster.status()} == before  # nothing started or stopped
 
@@ -122,3 +122,62 @@ def test_down_stops_every_server_and_status_says_so(cluster, ray_cluster):
     up(homes)
     back = cluster.status()
     assert [h.alive for h in back] == [True] * len(NAMES) and not {h.pid for h in back} & set(pids)
+
+
+def test_cluster_init_makes_a_secret_only_its_owner_reads(tmp_path):
+    from bunshin.cluster.secret import ClusterSecret
+    from bunshin.errors import NotFound
+
+    path = tmp_path / "etc" / "cluster.secret"
+    cli = [sys.executable, "-m", "bunshin.cli.main", "cluster", "init", "--secret-file", str(path), "--json"]
+    out = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"secret_file": str(path)}
+    assert path.stat().st_mode & 0o777 == 0o600 and len(path.read_bytes()) == 32
+    made = path.read_bytes()
+    again = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 1 and "exists" in again.stderr and path.read_bytes() == made  # never replaced
+    a, b = ClusterSecret.load(path), ClusterSecret.create(tmp_path / "other")
+    assert a.host_token("a", 1) != a.host_token("a", 2) != a.host_token("b", 2)  # per host and epoch
+    assert a.snapshot_key() != b.snapshot_key() and len(a.snapshot_key()) == 32
+    assert made.hex() not in repr(a)
+    path.chmod(0o644)
+    with pytest.raises(InvalidArgument, match="readable by others"):
+        ClusterSecret.load(path)
+    path.chmod(0o600)
+    (tmp_path / "link").symlink_to(path)
+    with pytest.raises(InvalidArgument, match="symlink"):
+        ClusterSecret.load(tmp_path / "link")
+    with pytest.raises(NotFound, match="no cluster secret") as e:
+        ClusterSecret.load(tmp_path / "missing")
+    assert "bunshin cluster init" in e.value.hint
+
+
+def test_servers_bind_loopback_unless_the_operator_names_an_interface():
+    from bunshin.cluster.ray_cluster import Node, _bind_for
+    from bunshin.cluster.serve_proc import resolve_bind
+
+    one = [Node("n1", "a", "10.0.0.1"), Node("n2", "b", "10.0.0.1")]
+    two = [Node("n1", "a", "10.0.0.1"), Node("n2", "b", "10.0.0.2")]
+    assert _bind_for(None, one) == {"n1": "127.0.0.1", "n2": "127.0.0.1"}
+    with pytest.raises(InvalidArgument, match="on 2 machines") as e:
+        _bind_for(None, two)
+    assert "--bind IFACE" in e.value.hint
+    assert _bind_for("ray", two) == {"n1": "10.0.0.1", "n2": "10.0.0.2"}
+    assert _bind_for("wg0", two) == {"n1": "wg0", "n2": "wg0"}  # resolved on each node
+    assert resolve_bind("lo") == "127.0.0.1" and resolve_bind("::1") == "::1"
+    with pytest.raises(InvalidArgument, match="neither an IP address nor an interface"):
+        resolve_bind("no-such-if0")
+
+
+def test_up_refuses_a_ray_cluster_that_does_not_authenticate(cluster, ray_cluster, monkeypatch):
+    from bunshin.cluster import Cluster
+    from bunshin.cluster import ray_cluster as rcmod
+    from bunshin.errors import Unauthorized
+
+    before = {h.name: h.pid for h in cluster.status()}
+    monkeypatch.setattr(rcmod, "ray_auth_enabled", lambda: False)  # as a driver that connected without a token
+    with pytest.raises(Unauthorized, match="does not authenticate") as e:
+        Cluster.up(home_root=ray_cluster[1], bind="127.0.0.1", secret_file=secret_file(ray_cluster[1]))
+    assert "RAY_AUTH_MODE=token" in e.value.hint
+    assert {h.name: h.pid for h in cluster.status()} == before  # nothing started or stopped

@@ -17,7 +17,7 @@ from bunshin.rollout import ModeOptions, RolloutEngine, Status
 from bunshin.tools import ToolOutput
 from tests.rollout.test_integration import TASK, check_group, traces
 
-from .conftest import KEY, MAX_WORKSPACES, up
+from .conftest import MAX_WORKSPACES, secret_file, up
 from .netcut import RayCut
 from .test_fence import gc_json
 from .test_rollout import HostDrill, clean, drill_policy, host, hosts_of, wait_for
@@ -76,8 +76,8 @@ def test_a_node_cut_off_from_rays_gcs_is_given_up_and_comes_back_clean(cluster, 
     old = host(cluster, "b").pid
     ray.kill(cluster.actor("b"))
     wait_for(lambda: not os.path.exists(f"/proc/{old}"), timeout=30)
-    Cluster.up(home_root=root, bind="127.0.0.1", limits=HostLimits(max_workspaces=MAX_WORKSPACES), key=KEY,
-               lease_s=B_LEASE_S)
+    Cluster.up(home_root=root, bind="127.0.0.1", limits=HostLimits(max_workspaces=MAX_WORKSPACES),
+               secret_file=secret_file(root), lease_s=B_LEASE_S)
     before = host(cluster, "b")
     drill = RayDrill(cluster, "b", rc)
     n, n2 = MAX_WORKSPACES + 2, 2 * MAX_WORKSPACES + 2

@@ -21,7 +21,7 @@ from bunshin.tools import Tool, ToolOutput, ToolSet, ToolSpec
 from tests.conftest import leftovers
 from tests.rollout.test_integration import TASK, check_group, traces
 
-from .conftest import LEASE_S, MAX_WORKSPACES
+from .conftest import LEASE_S, MAX_WORKSPACES, secret_file
 from .netcut import NetCut
 
 pytestmark = [pytest.mark.integration, pytest.mark.criu]
@@ -318,7 +318,7 @@ def test_a_node_killed_mid_rollout_and_revived_is_cleaned_by_gc(cluster, ray_clu
     finally:
         add_node(rc, "b")
         Cluster.up(home_root=root, bind="127.0.0.1", limits=HostLimits(max_workspaces=MAX_WORKSPACES),
-                   key=b"cluster-test-key-0123456789abcde", lease_s=LEASE_S)
+                   secret_file=secret_file(root), lease_s=LEASE_S)
     back = host(cluster, "b")
     assert back.alive and back.epoch == before.epoch + 1  # the head's fence, kept by the cluster
     with ClusterPlacement.of(cluster, spool=tmp_path) as placement:

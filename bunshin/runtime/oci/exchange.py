@@ -39,8 +39,8 @@ from .unpack import unpack
 FORMAT = "bunshin-image-1"
 LAYER_FORMAT = "bunshin-image-layer-1"
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
-_KEY_HINT = ("hosts of one cluster share the head's snapshot.key (BUNSHIN_HOME/snapshot.key); "
-             "`bunshin cluster up` copies it into every host's home")
+_KEY_HINT = ("hosts of one cluster share a snapshot key (BUNSHIN_HOME/snapshot.key): `bunshin cluster up` puts "
+             "the one derived from the cluster secret into every host's home")
 
 
 @dataclass(frozen=True)
