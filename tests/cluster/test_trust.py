@@ -46,8 +46,7 @@ def intruder(address: str, actor: str, **env: str) -> subprocess.Popen[str]:
     """The intruding driver, with no Ray credentials of this process (none in its env, an
     empty HOME: no ~/.ray/auth_token) but ``env``; Ray's connect retries shortened."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
-    base.update(HOME="/nonexistent", RAY_py_gcs_connect_timeout_s="5", RAY_gcs_rpc_server_connect_timeout_s="5",
-                **env)
+    base.update(HOME="/nonexistent", RAY_gcs_server_port_wait_time_s="2", **env)  # 2 tries, not 20
     return subprocess.Popen([sys.executable, "-c", INTRUDER, address, actor], env=base, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
