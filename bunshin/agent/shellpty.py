@@ -31,7 +31,8 @@ START_TIMEOUT_S = 10.0
 MAX_SESSIONS = 64
 INTERRUPT_GRACE_S = 1.0
 #: What a run's output says after the shell was found stopped and continued.
-CONTINUED_NOTE = "\n[bunshin: the session's shell was stopped (SIGSTOP) and has been continued (SIGCONT)]\n"
+CONTINUED_NOTE = ("\n[bunshin: the session's shell or its foreground command was stopped (SIGSTOP) "
+                  "and has been continued (SIGCONT)]\n")
 _TAG = b"\x1eBS"
 _MAX_MARKER = 64
 
@@ -155,17 +156,29 @@ class PtyShell:
         """Where the pty's output goes from now on (``None``: discarded)."""
 
     def _resume_if_stopped(self) -> None:
-        """Continue the shell if it is stopped (state ``T``): ``kill -STOP $$`` stops it for
-        good (a stopped shell reads nothing and prints nothing until SIGCONT), so each
-        later run would only time out. A tracer's stop (``t``) is left alone."""
-        stat = procfs.read_stat(self._shell_pid())
-        if stat is None or stat.state != "T":
-            return
+        """Continue the shell, and the processes of the terminal's foreground group, if
+        stopped (state ``T``): ``kill -STOP $$`` stops the shell for good (it reads and
+        prints nothing until SIGCONT), and a shell without job control (``sh``: dash)
+        waits for ever on a foreground command that stopped itself; so each later run
+        would only time out. A job a shell with job control stopped and keeps ("[1]+
+        Stopped", moved out of the foreground) is left as a terminal leaves it, and so is
+        a tracer's stop (``t``)."""
+        shell = self._shell_pid()
         try:
-            os.kill(stat.pid, signal.SIGCONT)
+            foreground = os.tcgetpgrp(self.master)
         except OSError:
-            return
-        self._continued = True
+            foreground = shell
+        for pid in procfs.pids():
+            stat = procfs.read_stat(pid)
+            if stat is None or stat.state != "T" or stat.sid != shell:
+                continue
+            if pid != shell and stat.pgid != foreground:
+                continue
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except OSError:
+                continue
+            self._continued = True
 
     def _start(self, argv0: str) -> None:
         """Bring a just-started shell to the protocol: no prompts, no history file."""

@@ -725,6 +725,22 @@ def test_session_shell_stopped_from_inside_is_continued(client: AgentClient, ses
     assert client.session_run(session, "echo fine", timeout=30).output.endswith("fine\n")
 
 
+def test_session_foreground_command_stopped_from_inside_is_continued(client: AgentClient) -> None:
+    """A command that stops itself in the foreground: bash (job control) reports it stopped
+    and goes on, as a terminal does; a shell without job control would wait for it for
+    ever: the agent continues it. Either way the run ends and later runs work."""
+    for kind in ("bash", "sh"):
+        session = client.session_open(kind)
+        try:
+            started = time.monotonic()
+            r = client.session_run(session, "sh -c 'kill -STOP $$'; echo after", timeout=30)
+            assert time.monotonic() - started < 10 and not r.timed_out and r.exit_code == 0, (kind, r)
+            assert "after\n" in r.output and ("Stopped" in r.output or r.output.endswith(CONTINUED_NOTE)), (kind, r)
+            assert client.session_run(session, "echo next", timeout=30).output == "next\n"
+        finally:
+            client.session_close(session)
+
+
 def _shell_pid(client: AgentClient, session_id: str) -> int:
     return next(s.pid for s in client.session_list() if s.session_id == session_id)
 

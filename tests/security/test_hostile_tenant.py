@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -54,6 +55,12 @@ def test_kill_stop_of_the_sessions_shell_does_not_wedge_it(ws):
         assert (r.output, r.exit_code, r.timed_out, r.alive) == ("after\n" + CONTINUED_NOTE, 0, False, True)
         assert s.run("echo $KEEP", timeout=30).output == "me\n"
         assert ws.exec("ps -o stat= -p 1").exit_code == 0  # the workspace answers as before
+    sid = ws.sessions.open("sh")  # dash: no job control, it would wait on a stopped command for ever
+    r = ws.sessions.run(sid, "sh -c 'kill -STOP $$'; echo after", timeout=30)
+    assert (r.output, r.exit_code, r.timed_out) == ("after\n" + CONTINUED_NOTE, 0, False)
+    assert ws.sessions.run(sid, "echo next", timeout=30).output == "next\n"
+    ws.sessions.close(sid)
+    assert ws.exec("ps -eo stat= | grep -c '^T'; true").stdout.strip() == "0"  # nothing left stopped
 
 
 def _wait_file(ws: Workspace, path: str) -> str:
@@ -165,9 +172,11 @@ def test_a_stopped_agent_that_cannot_re_create_its_socket_is_a_clear_error(ws):
     """The failure path: the agent cannot answer the request to re-create (stopped here, from
     the host): the call fails naming what happened and what to do; once it runs again, the
     pending request is served and the workspace works."""
-    ws.exec("rm /.bunshin/run/agent.sock")
     os.kill(ws.record.pid, 19)  # SIGSTOP: forced from the host
     try:
+        # removed while it is stopped (removed by a command, the exec's next poll could find
+        # it gone and have it re-created before the stop)
+        os.unlink(Path(ws.record.root, ".bunshin/run/agent.sock"))
         with pytest.raises(AgentError) as info:
             ws.exec("echo never")
         err = info.value
