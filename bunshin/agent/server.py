@@ -23,6 +23,7 @@ import json
 import os
 import socket
 import stat
+import struct
 import sys
 import threading
 import time
@@ -238,7 +239,8 @@ class AgentServer:
             return False
         try:
             st = os.lstat(self.socket_path)
-            if (st.st_dev, st.st_ino) == self._bound and stat.S_ISSOCK(st.st_mode):
+            if stat.S_ISSOCK(st.st_mode) and ((st.st_dev, st.st_ino) == self._bound or self._listens_there()):
+                self._bound = (st.st_dev, st.st_ino)  # a clone's: CRIU bound it anew at restore
                 return False
         except OSError:
             pass
@@ -313,6 +315,22 @@ class AgentServer:
                 submit(serve, fd)
             except RuntimeError as exc:  # no thread left (pids limit): refuse this one
                 self._refuse(fd, exc)
+
+    def _listens_there(self) -> bool:
+        """Whether the socket at the path is this process's (``SO_PEERCRED``), as after a
+        restore, which binds it anew: a connection it never serves (closed at once)."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as probe:
+            probe.setblocking(False)  # a full backlog must not block the signal handler
+            address, dir_fd = unix_address(self.socket_path)
+            try:
+                probe.connect(address)
+                pid = struct.unpack("3i", probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+            except OSError:
+                return False
+            finally:
+                if dir_fd is not None:
+                    os.close(dir_fd)
+        return pid == os.getpid()
 
     def warm_up(self, rounds: int = WARM_UP_ROUNDS) -> None:
         """Answer a few pings, stats (of the socket's folder: a walk of a few components) and

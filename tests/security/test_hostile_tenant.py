@@ -184,3 +184,20 @@ def test_a_stopped_agent_that_cannot_re_create_its_socket_is_a_clear_error(ws):
     finally:
         os.kill(ws.record.pid, 18)  # SIGCONT
     assert ws.exec("echo alive").stdout == "alive\n"
+
+
+def test_sighup_from_inside_only_makes_the_agent_check_its_socket(ws):
+    """pid 1 handles SIGHUP (the host's request to re-create its socket); sent from inside,
+    in a parent or a clone (whose socket CRIU bound anew), it changes nothing."""
+    (clone,) = ws.fork(1)
+    try:
+        for w in (ws, clone):
+            inode = w.exec("stat -c %i /.bunshin/run/agent.sock").stdout
+            for _ in range(3):
+                w.exec("kill -HUP 1")
+                assert w.exec("echo alive").stdout == "alive\n"
+            assert w.exec("stat -c %i /.bunshin/run/agent.sock").stdout == inode
+            assert "re-created" not in w.exec("cat /.bunshin/run/agent.log").stdout
+            assert w.agent().ping().pid == 1
+    finally:
+        clone.remove()
