@@ -10,7 +10,7 @@ tree below is checked against the classes by ``tests/test_errors.py``::
     BunshinError
     ├── InvalidArgument (ValueError)            400 bad input: size, count, name, spec
     │   ├── ToolError                           a tool-level failure: the call's observation, not a crash
-    │   ├── PayloadTooLarge                     413 a request body over the server's limit for it
+    │   ├── PayloadTooLarge                     413 a body (sent, or a whole file asked for) over its limit
     │   └── IdempotencyKeyReused                422 an Idempotency-Key sent again with another request
     ├── NotFound (LookupError)                  404
     │   ├── WorkspaceNotFound
@@ -79,7 +79,7 @@ class ToolError(InvalidArgument):
 
 
 class PayloadTooLarge(InvalidArgument):
-    """A request body over the server's limit for it."""
+    """A body over the limit for it: a request body the server takes, or a file read whole."""
 
     code = "payload_too_large"
     http_status = 413

@@ -57,6 +57,8 @@ _BUILD_GUARD = threading.Lock()
 DOWNLOAD_MAX_DEPTH = 64
 DOWNLOAD_MAX_FILES = 100_000
 DOWNLOAD_MAX_BYTES = 4 << 30
+#: Bytes one read of a download asks (the host holds one piece at a time).
+DOWNLOAD_CHUNK = 4 << 20
 #: Builds that failed in this process, by tag: a changed Dockerfile is another tag; force_build retries.
 _BUILD_FAILED: dict[str, Exception] = {}
 
@@ -238,10 +240,9 @@ class BunshinEnvironment(BaseEnvironment):
                                mode=stat.S_IMODE(path.stat().st_mode))
 
     async def download_file(self, source_path: str, target_path: Path | str) -> None:
-        data = await asyncio.to_thread(self._workspace().files.read, source_path)
         dest = Path(target_path)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        _write_new(dest, data)
+        await asyncio.to_thread(_copy_out, self._workspace(), source_path, dest, DOWNLOAD_MAX_BYTES)
 
     async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
         await asyncio.to_thread(self._download_tree, PurePosixPath(source_dir), Path(target_dir))
@@ -269,7 +270,8 @@ class BunshinEnvironment(BaseEnvironment):
                         raise ResourceExhausted(
                             f"download_dir {src}: over {DOWNLOAD_MAX_FILES} files or {DOWNLOAD_MAX_BYTES} bytes",
                             hint="download a sub-folder, or tar and compress it inside first")
-                    _write_new(into / name, ws.files.read(str(folder / name)))
+                    size = size - entry.size + _copy_out(ws, str(folder / name), into / name,
+                                                         DOWNLOAD_MAX_BYTES - size + entry.size)
                 # symlinks and special files stay in the workspace
 
     def _workspace(self) -> WorkspaceAPI:
@@ -287,10 +289,25 @@ def _remove_made(fut: asyncio.Future[WorkspaceAPI]) -> None:
             logging.getLogger("bunshin.adapters").warning("removing an orphaned Harbor workspace failed: %s", e)
 
 
-def _write_new(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` replacing what is there without following a symlink."""
-    if path.is_symlink():
-        path.unlink()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
+def _copy_out(ws: WorkspaceAPI, src: str, dest: Path, most: int) -> int:
+    """Copy the workspace's file ``src`` to ``dest`` (replacing what is there without following
+    a symlink) a piece at a time, at most ``most`` bytes: a larger file is refused
+    (``ResourceExhausted``) and what was copied removed. The bytes copied."""
+    if dest.is_symlink():
+        dest.unlink()
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    got = 0
+    try:
+        with os.fdopen(fd, "wb") as f:
+            while piece := ws.files.read(src, offset=got, length=min(DOWNLOAD_CHUNK, most + 1 - got)):
+                got += len(piece)
+                if got > most:
+                    raise ResourceExhausted(f"download of {src}: over {most} bytes",
+                                            hint="download less, or compress it inside first")
+                f.write(piece)
+                if got == most + 1 or len(piece) < DOWNLOAD_CHUNK:
+                    break
+    except BaseException:
+        dest.unlink(missing_ok=True)
+        raise
+    return got

@@ -263,8 +263,11 @@ class RemoteFiles:
     def __init__(self, ws: RemoteWorkspace) -> None:
         self._ws = ws
 
-    def read(self, path: str) -> bytes:
-        return self._ws.client.request("GET", f"{self._ws.path}/files/content", params={"path": path}).content
+    def read(self, path: str, *, offset: int = 0, length: int | None = None) -> bytes:
+        params: dict[str, str | int] = {"path": path, "offset": offset}
+        if length is not None:
+            params["length"] = length
+        return self._ws.client.request("GET", f"{self._ws.path}/files/content", params=params).content
 
     def read_text(self, path: str) -> str:
         return self.read(path).decode()

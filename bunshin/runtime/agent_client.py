@@ -22,14 +22,14 @@ import socket
 import stat
 import struct
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal, overload
 
 from ..agent import wire
 from ..agent.wire import JOB_ID, JOB_REQUEST, JOB_RUNNING, JOB_WAIT, OK, RESUMABLE_OPS, SPEC, Op
-from ..errors import AgentError, BunshinError, InvalidArgument, ResourceExhausted
+from ..errors import AgentError, BunshinError, InvalidArgument, PayloadTooLarge, ResourceExhausted
 from . import syscalls
 from .agent_types import (
     AgentInfo,
@@ -40,12 +40,15 @@ from .agent_types import (
     SessionInfo,
     SessionResult,
 )
-from .limits import MAX_OUTPUT, check_max_output, check_timeout
+from .limits import MAX_FILE_BYTES, MAX_OUTPUT, check_max_output, check_timeout
 
 PathLike = str | os.PathLike[str]
 
 #: Bytes per ``read_file``/``write_file`` request (the agent caps reads at this).
 CHUNK = wire.MAX_CHUNK
+#: Bytes per request of a whole read: the answer is held ~5 times over while decoded
+#: (line, JSON, base64), so pieces of 4 MiB cost the host ~25 MiB at a time, not ~100.
+READ_CHUNK = 4 << 20
 #: Longest answer line taken from an agent: an exec's two streams of ``MAX_OUTPUT`` bytes,
 #: each byte at most 6 when JSON-escaped (``\ufffd`` for an undecodable one), and room to
 #: spare. A longer answer (a folder of millions of entries) is an ``AgentError``, not
@@ -506,18 +509,38 @@ class AgentClient:
     # --- files ------------------------------------------------------------------------
 
     def read_file(self, path: PathLike, *, offset: int = 0, length: int | None = None) -> bytes:
-        """Bytes of a regular file from ``offset``: ``length`` of them, or up to the end."""
-        chunks: list[bytes] = []
-        got = 0
-        while length is None or got < length:
-            want = CHUNK if length is None else min(CHUNK, length - got)
+        """Bytes of a regular file from ``offset``: ``length`` of them, or up to the end (a file
+        larger than ``MAX_FILE_BYTES`` from ``offset`` is refused before more than a chunk is read)."""
+        return b"".join(self.iter_file(path, offset=offset, length=length, chunk=READ_CHUNK))
+
+    def iter_file(self, path: PathLike, *, offset: int = 0, length: int | None = None,
+                  chunk: int = CHUNK) -> Iterator[bytes]:
+        """The bytes :meth:`read_file` answers, in pieces of at most ``chunk``: the host holds
+        one piece at a time. Without ``length``, ``PayloadTooLarge`` (raised by the first
+        piece) when the file holds more than ``MAX_FILE_BYTES`` past ``offset``; a file that
+        grows while read ends at the size it had then."""
+        _check_span(offset, length)
+        chunk = max(1, min(chunk, CHUNK))
+        got, end = 0, length
+        while end is None or got < end:
+            want = chunk if end is None else min(chunk, end - got)
             a = self.call(Op.READ_FILE, path=_path(path), offset=offset + got, length=want)
-            data = base64.b64decode(a["data_b64"])
-            chunks.append(data)
+            if end is None:
+                end = max(int(a["size"]) - offset, 0)
+                if end > MAX_FILE_BYTES:
+                    raise PayloadTooLarge(
+                        f"{path} holds {end} bytes past offset {offset}: over the {MAX_FILE_BYTES >> 20} MiB "
+                        "one whole read takes", hint="read it in parts (offset and length)", size=end)
+            try:
+                data = base64.b64decode(a["data_b64"])
+            except (TypeError, ValueError):
+                raise AgentError(f"agent at {self.socket_path} sent malformed base64 file data") from None
+            data = data[: want]  # never more than asked, whatever the agent says
             got += len(data)
+            if data:
+                yield data
             if a.get("eof") or len(data) < want:
-                break
-        return b"".join(chunks)
+                return
 
     def write_file(
         self,
@@ -529,20 +552,35 @@ class AgentClient:
         mkdirs: bool = False,
     ) -> int:
         """Write (or append) ``data``; returns the file's size afterwards."""
-        raw = data.encode() if isinstance(data, str) else bytes(data)
-        size = 0
-        for start in range(0, max(len(raw), 1), CHUNK):
-            chunk = raw[start : start + CHUNK]
-            a = self.call(
-                Op.WRITE_FILE,
-                path=_path(path),
-                data_b64=base64.b64encode(chunk).decode(),
-                mode=mode,
-                append=append or start > 0,
-                mkdirs=mkdirs,
-            )
-            size = int(a["size"])
-        return size
+        raw = memoryview(data.encode() if isinstance(data, str) else data)
+        return self.write_stream(path, (raw[i : i + CHUNK] for i in range(0, len(raw), CHUNK)), mode=mode,
+                                 append=append, mkdirs=mkdirs)
+
+    def write_stream(
+        self,
+        path: PathLike,
+        pieces: Iterable[bytes | memoryview],
+        *,
+        mode: int | None = None,
+        append: bool = False,
+        mkdirs: bool = False,
+    ) -> int:
+        """Write (or append) the bytes of ``pieces`` as they come, a chunk at a time (the host
+        holds one piece); returns the file's size afterwards. The file is truncated by the
+        first write, so a source that fails midway leaves what came before it."""
+        size, first = None, True
+        for piece in pieces:
+            view = memoryview(piece)
+            for i in range(0, len(view), CHUNK):
+                size = self._write_chunk(path, view[i : i + CHUNK], mode, append or not first, mkdirs)
+                first = False
+        return size if size is not None else self._write_chunk(path, b"", mode, append, mkdirs)
+
+    def _write_chunk(self, path: PathLike, chunk: bytes | memoryview, mode: int | None, append: bool,
+                     mkdirs: bool) -> int:
+        a = self.call(Op.WRITE_FILE, path=_path(path), data_b64=base64.b64encode(chunk).decode(), mode=mode,
+                      append=append, mkdirs=mkdirs)
+        return int(a["size"])
 
     def list_dir(self, path: PathLike) -> list[FileEntry]:
         return [_entry(e) for e in self.call(Op.LIST_DIR, path=_path(path))["entries"]]
@@ -742,6 +780,13 @@ def _read_line(sock: socket.socket) -> bytes:
     if line is None:
         raise _Dropped("the agent closed the connection without answering")
     return line
+
+
+def _check_span(offset: int, length: int | None) -> None:
+    """``InvalidArgument`` unless ``offset`` is a file offset and ``length`` a count of bytes."""
+    for name, v in (("offset", offset), ("length", length)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 62):
+            raise InvalidArgument(f"{name} {v!r} is not a byte count", hint="give a whole number >= 0")
 
 
 def _command(argv: Sequence[str] | None, cmd: str | None) -> dict[str, Any]:

@@ -17,6 +17,9 @@ MAX_OUTPUT = 16 << 20
 #: Largest file read or written whole in one call (``Files.read`` without a ``length``, the
 #: server's file bodies, SWE-ReX uploads and the members a zip unpacks to).
 MAX_FILE_BYTES = 1 << 30
+#: Largest file held whole as text in one JSON answer or one edit (SWE-ReX's ``read_file``,
+#: the ``edit`` tool): JSON escapes make it up to 6 times larger on the wire.
+MAX_TEXT_FILE_BYTES = 16 << 20
 
 
 def check_timeout(timeout: float | None, what: str = "timeout") -> float | None:

@@ -19,13 +19,17 @@ from contextlib import asynccontextmanager
 
 import anyio.to_thread
 from fastapi import Depends, FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.body_limit import MAX_BODY_SIZE_SCOPE_KEY
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
 from ..api import models as m
 from ..config import Config
-from ..errors import BunshinError, InvalidArgument, Unauthorized
+from ..errors import BunshinError, InvalidArgument, PayloadTooLarge, Unauthorized
 from . import groups, images, rollouts, snapshots, streaming, swerex, tools, transfer, workspaces
 from .admission import Limits
 from .context import CallerGone, ServerContext
@@ -34,6 +38,9 @@ from .leases import SWEEP_EVERY_S
 log = logging.getLogger("bunshin.server")
 #: Threads for blocking routes: each command, fork or session run in flight holds one.
 THREADS = 256
+#: Largest request body a route parsing JSON takes (a JSON body is held several times over
+#: while parsed; files travel as raw bodies, streamed within their own budgets).
+MAX_JSON_BODY = 16 << 20
 
 
 def _error(exc: BunshinError) -> JSONResponse:
@@ -72,10 +79,17 @@ def create_app(config: Config, token: str, *, limits: Limits | None = None,
             tg.cancel_scope.cancel()
 
     app = FastAPI(title="bunshin", version=__version__, lifespan=lifespan)
+    app.add_middleware(_JsonTooLarge)
 
     @app.exception_handler(BunshinError)
     async def _bunshin_error(_: Request, exc: BunshinError) -> JSONResponse:
         return _error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 413:  # a body over max_body_size, sent without a Content-Length
+            return _too_large(request.scope)
+        return await http_exception_handler(request, exc)
 
     @app.exception_handler(CallerGone)
     async def _caller_gone(_: Request, exc: CallerGone) -> Response:
@@ -100,14 +114,44 @@ def create_app(config: Config, token: str, *, limits: Limits | None = None,
     def health() -> m.Health:
         return m.Health(ok=True, version=__version__)
 
-    auth = [Depends(authorized)]
-    app.include_router(workspaces.router(ctx), dependencies=auth)
-    app.include_router(snapshots.router(ctx), dependencies=auth)
-    app.include_router(transfer.router(ctx), dependencies=auth)
-    app.include_router(images.router(ctx), dependencies=auth)
-    app.include_router(groups.router(ctx), dependencies=auth)
-    app.include_router(rollouts.router(ctx), dependencies=auth)
-    app.include_router(tools.router(ctx), dependencies=auth)
-    app.include_router(streaming.router(ctx), dependencies=auth)
-    app.include_router(swerex.router(ctx))  # SWE-ReX's runtime API: its own X-API-Key check
+    # JSON bodies are parsed whole (held several times over): bounded per route (inside the
+    # error handling); routes taking raw bodies set their own and stream them within budgets
+    auth, most = [Depends(authorized)], MAX_JSON_BODY
+    for r in (workspaces, snapshots, transfer, images, groups, rollouts, tools, streaming):
+        app.include_router(r.router(ctx), dependencies=auth, max_body_size=most)
+    app.include_router(swerex.router(ctx), max_body_size=most)  # SWE-ReX's runtime API: its own X-API-Key check
     return app
+
+
+def _too_large(scope: Scope) -> JSONResponse:
+    cap = scope.get(MAX_BODY_SIZE_SCOPE_KEY)
+    limit = f"the {cap} bytes" if isinstance(cap, int) else "what"
+    return _error(PayloadTooLarge(f"request body over {limit} this route takes",
+                                  hint="send files as raw bodies (PUT /v1/workspaces/{id}/files/content) and "
+                                       "large output to a file; JSON requests take at most "
+                                       f"{MAX_JSON_BODY >> 20} MiB"))
+
+
+class _JsonTooLarge:
+    """Starlette's body limit (``max_body_size``) answers a declared ``Content-Length`` over it
+    with a plain-text 413; bunshin answers every error as JSON (``ErrorOut``)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        replaced = False
+
+        async def send_json(message: Message) -> None:
+            nonlocal replaced
+            if message["type"] == "http.response.start" and message["status"] == 413 and \
+                    dict(message.get("headers", [])).get(b"content-type", b"").startswith(b"text/plain"):
+                replaced = True
+                await _too_large(scope)(scope, receive, send)
+            elif not replaced:
+                await send(message)
+
+        await self.app(scope, receive, send_json)

@@ -13,18 +13,25 @@ from fastapi import Query, Request
 
 from ..api import models as m
 from ..config import Config
+from ..runtime.limits import MAX_FILE_BYTES as MAX_FILE_BYTES  # the server's file bodies, both ways
 from ..workspace import Snapshot, Workspace, WorkspaceInfo
 from ..workspace.locks import WorkspaceLocks, workspace_locks
 from .admission import Admission, Limits
 from .idempotency import Idempotency
 from .leases import Leases, snapshot_leases
+from .uploads import Uploads
 
 log = logging.getLogger("bunshin.server")
 T = TypeVar("T")
-#: Largest file body a PUT takes.
-MAX_FILE_BYTES = 1 << 30
+#: ``max_body_size`` of a route that streams its body and bounds it itself (the app's is
+#: for JSON bodies: ``app.MAX_JSON_BODY``).
+RAW_BODY = 1 << 62
+#: Pieces a file body is read and written in: the host holds one at a time.
+STREAM_CHUNK = 1 << 20
 PathQ = Annotated[str, Query(min_length=1, description="a path inside the workspace")]
 ModeQ = Annotated[int | None, Query(ge=0, le=0o7777, description="file mode bits")]
+OffsetQ = Annotated[int, Query(ge=0, lt=1 << 62, description="where in the file to start")]
+LengthQ = Annotated[int | None, Query(ge=0, le=MAX_FILE_BYTES, description="bytes at most (default: to the end)")]
 
 
 @dataclass
@@ -38,12 +45,14 @@ class ServerContext:
     idempotency: Idempotency = field(init=False)
     leases: Leases = field(init=False)
     snapshot_leases: Leases = field(init=False)  # of snapshots loaded with a ttl
+    uploads: Uploads = field(init=False)  # one budget for every upload in flight
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.config, self.limits)
         self.idempotency = Idempotency(self.config)
         self.leases = Leases(self.config)
         self.snapshot_leases = snapshot_leases(self.config)
+        self.uploads = Uploads(self.limits.max_upload)
 
     def out(self, ws: Workspace | WorkspaceInfo) -> m.WorkspaceOut:
         """A workspace on the wire, with its lease."""

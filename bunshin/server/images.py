@@ -29,8 +29,8 @@ from ..runtime.oci import exchange, layer_tar
 from ..runtime.oci import store as oci_store
 from ..runtime.oci.records import ImageRecord
 from ..runtime.store import Store
-from .context import CallerGone, ServerContext
-from .transfer import UploadBudget
+from .context import RAW_BODY, CallerGone, ServerContext
+from .uploads import UploadBudget
 
 HINT = "'host', or an image reference the host holds or can pull (`bunshin image ls` on the host)"
 
@@ -88,24 +88,24 @@ def router(ctx: ServerContext) -> APIRouter:
                                  headers={"Content-Length": str(t.size), DIGEST_HEADER: t.digest,
                                           SIZE_HEADER: str(t.size)})
 
-    @r.put("/images/{image_id}/layers/{diff_id}")
+    @r.put("/images/{image_id}/layers/{diff_id}", max_body_size=RAW_BODY)
     async def put_layer(image_id: str, diff_id: str, request: Request) -> LayerOut:
         h = request.headers
         size = h.get(SIZE_HEADER, "")
         entry = exchange.check_entry({"diff_id": diff_id, "digest": h.get(DIGEST_HEADER),
                                       "size": int(size) if size.isdigit() else None, "mac": h.get(MAC_HEADER)})
         config.paths.image_staging.mkdir(parents=True, exist_ok=True)
-        budget = UploadBudget(config.paths.image_staging, ctx.limits.max_upload, what="image layer")
-        declared = h.get("content-length")
-        budget.check(int(declared) if declared and declared.isdigit() else entry.size)
-        body = io.BufferedReader(_Body(request.stream().__aiter__(), budget), 1 << 20)
+        with ctx.uploads.open(config.paths.image_staging, what="image layer") as budget:  # unpacked as it comes
+            declared = h.get("content-length")
+            budget.check(int(declared) if declared and declared.isdigit() else entry.size)
+            body = io.BufferedReader(_Body(request.stream().__aiter__(), budget), 1 << 20)
 
-        def go() -> LayerOut:
-            with Store.open(config.db_path) as store:
-                done = exchange.import_layer(config, store, image_id, entry, body)
-            return LayerOut(diff_id=done.diff_id, bytes_read=done.bytes_read, skipped=done.skipped)
+            def go() -> LayerOut:
+                with Store.open(config.db_path) as store:
+                    done = exchange.import_layer(config, store, image_id, entry, body)
+                return LayerOut(diff_id=done.diff_id, bytes_read=done.bytes_read, skipped=done.skipped)
 
-        return await anyio.to_thread.run_sync(go)
+            return await anyio.to_thread.run_sync(go)
 
     @r.get("/images/{ref:path}/manifest")
     def get_manifest(ref: str) -> dict[str, Any]:

@@ -33,6 +33,8 @@ from .context import ServerContext
 POLL_S = 0.05
 DIR = "/tmp/.bunshin-stream"
 CHUNK = 1 << 20
+#: Pieces of a stream read in one poll: what the host holds before it sends them on.
+DRAIN_CHUNKS = 4
 
 
 class Follow:
@@ -57,17 +59,22 @@ class Follow:
 
     def poll(self) -> tuple[list[bytes], bool]:
         """New output lines, and whether the command ended (then the last line is its status)."""
-        lines = self._drain()
+        lines, drained = self._drain()
         try:
-            status = self.ws.files.read(self.rc).decode().strip()
+            status = self.ws.files.read(self.rc, length=64).decode(errors="replace").strip()
         except PathNotFound:
             status = ""
+        if status:  # it ended: what it wrote after the drain above is there now too
+            more, drained = self._drain()
+            lines += more
+            if not drained:  # output still unread: the next polls send it
+                return lines, False
         timed_out = not status and self.req.timeout is not None and time.monotonic() - self.t0 > self.req.timeout
         if not status and not timed_out:
             return lines, False
         if timed_out:
             self._kill()
-        lines += self._drain()
+            lines += self._drain()[0]  # what is left past this is dropped: the command is over its time
         self.finished = True
         code = -9 if timed_out else int(status) if status.lstrip("-").isdigit() else -1
         lines.append(_line({"exit_code": code, "timed_out": timed_out,
@@ -86,19 +93,24 @@ class Follow:
             with contextlib.suppress(BunshinError):  # it may have ended meanwhile
                 self.ws.commands.kill(self.pid, signal.SIGKILL, group=True)
 
-    def _drain(self) -> list[bytes]:
-        lines = []
+    def _drain(self) -> tuple[list[bytes], bool]:
+        """New output, at most ``DRAIN_CHUNKS`` pieces a stream (the host holds no more between
+        two sends), and whether all there was is read."""
+        lines, drained = [], True
         for path, stream in ((self.out, "stdout"), (self.err, "stderr")):
-            while True:
+            for _ in range(DRAIN_CHUNKS):
                 try:
                     data = self.ws.files.read(path, offset=self.offsets[path], length=CHUNK)
                 except PathNotFound:
                     break
-                if not data:
-                    break
                 self.offsets[path] += len(data)
-                lines.append(_line({"stream": stream, "data": data.decode("utf-8", errors="replace")}))
-        return lines
+                if data:
+                    lines.append(_line({"stream": stream, "data": data.decode("utf-8", errors="replace")}))
+                if len(data) < CHUNK:
+                    break
+            else:
+                drained = False
+        return lines, drained
 
 
 def _line(obj: dict[str, object]) -> bytes:

@@ -31,8 +31,8 @@ How SWE-ReX's terms map onto bunshin's:
 
 from __future__ import annotations
 
+import contextlib
 import hmac
-import io
 import json
 import lzma
 import posixpath
@@ -43,7 +43,7 @@ import zipfile
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import IO, Any
 
 import anyio.to_thread
 from fastapi import APIRouter, Depends, HTTPException, Request
@@ -52,8 +52,9 @@ from pydantic import BaseModel
 
 from ..api import swerex as x
 from ..errors import BunshinError, NotFound, PathNotFound, WorkspaceNotFound
+from ..runtime.limits import MAX_TEXT_FILE_BYTES
 from ..workspace import Workspace
-from .context import MAX_FILE_BYTES, ServerContext
+from .context import MAX_FILE_BYTES, RAW_BODY, STREAM_CHUNK, ServerContext
 
 #: Where a workspace keeps its SWE-ReX session names (name -> bunshin session id).
 SESSIONS_FILE = "/run/bunshin-swerex/sessions.json"
@@ -180,7 +181,11 @@ def router(ctx: ServerContext) -> APIRouter:
     def read_file(ws_id: str, req: x.ReadFileRequest) -> Response:
         def go() -> x.ReadFileResponse:
             with held(ws_id) as ws:
-                data = ws.files.read(req.path)
+                data = ws.files.read(req.path, length=MAX_TEXT_FILE_BYTES + 1)  # no more than is answered
+            if len(data) > MAX_TEXT_FILE_BYTES:
+                raise Transfer("builtins.ValueError", f"{req.path} is larger than the {MAX_TEXT_FILE_BYTES >> 20} MiB "
+                               "read_file answers: read it in parts (head -c, tail -c) or copy it out "
+                               "(bunshin's GET /v1/workspaces/{id}/files/content streams it)")
             try:
                 return x.ReadFileResponse(content=data.decode(req.encoding or "utf-8", req.errors or "strict"))
             except LookupError as e:
@@ -197,33 +202,40 @@ def router(ctx: ServerContext) -> APIRouter:
             return x.Empty()
         return answer(go)
 
-    @r.post("/upload")
+    @r.post("/upload", max_body_size=RAW_BODY)
     async def upload(ws_id: str, request: Request) -> Response:
         size = request.headers.get("content-length", "")
         if not size.isdigit():  # a body of unknown length would be spooled to the host's disk unbounded
             return Transfer("builtins.ValueError", "upload without a Content-Length: refused").response()
         if int(size) > MAX_UPLOAD_BYTES + (1 << 20):
             return Transfer("builtins.ValueError", f"upload over {MAX_UPLOAD_BYTES} bytes").response()
-        form = await request.form(max_files=1, max_fields=8)
-        try:
-            file, target = form.get("file"), form.get("target_path")
-            if isinstance(file, str) or file is None or not isinstance(target, str) or not target:
-                return Transfer("builtins.ValueError", "upload needs a 'file' part and a 'target_path' field").response()
-            unzip = str(form.get("unzip", "false")).lower() in ("true", "1", "yes", "on")
-            data = await file.read(MAX_UPLOAD_BYTES + 1)
-            if len(data) > MAX_UPLOAD_BYTES:
-                return Transfer("builtins.ValueError", f"upload over {MAX_UPLOAD_BYTES} bytes").response()
+        transfers = ctx.config.paths.transfers
+        transfers.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with ctx.uploads.open(transfers, what="SWE-ReX") as budget:  # Starlette spools the parts on disk
+            try:
+                budget.check(int(size))
+            except BunshinError as e:
+                return Transfer.of(e).response()
+            form = await request.form(max_files=1, max_fields=8)
+            try:
+                file, target = form.get("file"), form.get("target_path")
+                if isinstance(file, str) or file is None or not isinstance(target, str) or not target:
+                    return Transfer("builtins.ValueError",
+                                    "upload needs a 'file' part and a 'target_path' field").response()
+                unzip = str(form.get("unzip", "false")).lower() in ("true", "1", "yes", "on")
+                src = file.file  # spooled by Starlette: read from it a piece at a time, never whole
 
-            def go() -> x.Empty:
-                with held(ws_id) as ws:
-                    if unzip:
-                        _unzip(ws, data, target)
-                    else:
-                        ws.files.write(target, data)
-                return x.Empty()
-            return await anyio.to_thread.run_sync(answer, go)
-        finally:
-            await form.close()
+                def go() -> x.Empty:
+                    src.seek(0)
+                    with held(ws_id) as ws:
+                        if unzip:
+                            _unzip(ws, src, target)
+                        else:
+                            ws.files.write_stream(target, iter(lambda: src.read(STREAM_CHUNK), b""))
+                    return x.Empty()
+                return await anyio.to_thread.run_sync(answer, go)
+            finally:
+                await form.close()
 
     @r.post("/close")
     def close(ws_id: str) -> Response:
@@ -335,16 +347,17 @@ def _lying_zip() -> Iterator[None]:
     """A zip's lies as SWE-ReX's ``BadZipFile`` (a bad request, never the server's failure)."""
     try:
         yield
-    except Transfer:
+    except (Transfer, BunshinError):  # ours, and the workspace's (some are ValueError or OSError too)
         raise
     except _ZIP_LIES as e:
         raise Transfer("zipfile.BadZipFile", f"upload with unzip: a damaged or unreadable zip ({e})") from None
 
 
-def _unzip(ws: Workspace, data: bytes, target: str) -> None:
-    """Unpack a zip into ``target`` through the workspace's file API (all members checked first)."""
+def _unzip(ws: Workspace, src: IO[bytes], target: str) -> None:
+    """Unpack a zip into ``target`` through the workspace's file API (all members checked first),
+    each member streamed a piece at a time; a member that lies is removed again."""
     with _lying_zip():
-        zf = zipfile.ZipFile(io.BytesIO(data))
+        zf = zipfile.ZipFile(src)
     with zf:
         members = zf.infolist()
         if len(members) > MAX_ZIP_MEMBERS:
@@ -359,9 +372,23 @@ def _unzip(ws: Workspace, data: bytes, target: str) -> None:
         for m, path in plan:
             if m.is_dir():
                 continue
-            with _lying_zip(), zf.open(m) as f:
-                body = f.read(m.file_size + 1)
-            if len(body) != m.file_size:
-                raise Transfer("builtins.ValueError", f"zip member {m.filename!r} is not the size it says")
             mode = (m.external_attr >> 16) & 0o777
-            ws.files.write(path, body, mode=mode or None)
+            try:
+                with _lying_zip(), zf.open(m) as f:
+                    ws.files.write_stream(path, _member_pieces(f, m), mode=mode or None)
+            except Transfer:
+                with contextlib.suppress(BunshinError):
+                    ws.files.remove(path)
+                raise
+
+
+def _member_pieces(f: IO[bytes], m: zipfile.ZipInfo) -> Iterator[bytes]:
+    """A member's bytes a piece at a time, never more than its header says (nor fewer)."""
+    got = 0
+    while piece := f.read(min(STREAM_CHUNK, m.file_size + 1 - got)):
+        got += len(piece)
+        if got > m.file_size:
+            break
+        yield piece
+    if got != m.file_size:
+        raise Transfer("builtins.ValueError", f"zip member {m.filename!r} is not the size it says")

@@ -10,11 +10,11 @@ device nodes: the body is untrusted) and loads it with :meth:`Snapshot.load`, wh
 takes only a folder this home (or a home sharing its ``snapshot.key``) saved,
 unchanged. Nothing is left behind, also when the caller leaves mid-transfer.
 
-An upload is bounded: by ``Limits.max_upload`` (``bunshin serve --max-upload``), and by
-the space the home's disk has (the spool and its unpacked copy coexist, so a body needs
-twice its size free, plus ``DISK_MARGIN``). A declared ``Content-Length`` over either is
-refused before a byte is read; a body that grows past them is cut off there (413 or 507),
-and what it wrote is removed.
+An upload is bounded by the server's one budget for all uploads in flight (:class:`Uploads`:
+``Limits.max_upload``, ``bunshin serve --max-upload``, and the space the home's disk has;
+the spool and its unpacked copy coexist, so a body needs twice its size free). A declared
+``Content-Length`` over it is refused before a byte is read; a body that grows past it is
+cut off there (413, 429 or 507), and what it wrote is removed.
 """
 
 from __future__ import annotations
@@ -31,9 +31,8 @@ from fastapi.responses import StreamingResponse
 
 from ..api import models as m
 from ..api.archive import MEDIA_TYPE, tar_chunks, untar
-from ..errors import PayloadTooLarge, ResourceExhausted
 from ..workspace import Snapshot
-from .context import ServerContext, snapshot_out
+from .context import RAW_BODY, ServerContext, snapshot_out
 
 
 def router(ctx: ServerContext) -> APIRouter:
@@ -58,22 +57,22 @@ def router(ctx: ServerContext) -> APIRouter:
         return StreamingResponse(tar_chunks(folder, remove=True), media_type=MEDIA_TYPE,
                                  headers={"Content-Disposition": f'attachment; filename="{snap.id}.tar"'})
 
-    @r.post("/snapshots/load", status_code=201)
+    @r.post("/snapshots/load", status_code=201, max_body_size=RAW_BODY)
     async def load(request: Request,
                    ttl: Annotated[float | None, Query(gt=0, le=m.MAX_TTL_S)] = None) -> m.SnapshotOut:
         """``ttl``: the loaded snapshot's lease (renewed with ``PUT /v1/snapshots/{id}/ttl``)."""
         spool = scratch("in").with_suffix(".tar")
         folder = spool.with_suffix("")
         try:
-            declared = request.headers.get("content-length")
-            budget = UploadBudget(spool.parent, ctx.limits.max_upload)
-            if declared is not None and declared.isdigit():
-                budget.check(int(declared))
-            with open(spool, "xb") as f:
-                async for chunk in request.stream():
-                    budget.check(f.tell() + len(chunk))
-                    await anyio.to_thread.run_sync(f.write, chunk)
-            snap = await anyio.to_thread.run_sync(lambda: _unpack_and_load(ctx, spool, folder))
+            with ctx.uploads.open(spool.parent, what="snapshot", factor=2) as budget:
+                declared = request.headers.get("content-length")
+                if declared is not None and declared.isdigit():
+                    budget.check(int(declared))
+                with open(spool, "xb") as f:
+                    async for chunk in request.stream():
+                        budget.check(f.tell() + len(chunk))
+                        await anyio.to_thread.run_sync(f.write, chunk)
+                snap = await anyio.to_thread.run_sync(lambda: _unpack_and_load(ctx, spool, folder))
             if ttl is not None:  # before the answer: a caller that dies now still leaves it leased
                 await anyio.to_thread.run_sync(lambda: ctx.snapshot_leases.grant([snap.id], ttl))
             return snapshot_out(snap)
@@ -82,34 +81,6 @@ def router(ctx: ServerContext) -> APIRouter:
             shutil.rmtree(folder, ignore_errors=True)
 
     return r
-
-
-#: Free space an upload leaves on the home's disk, at least.
-DISK_MARGIN = 256 << 20
-
-
-class UploadBudget:
-    """How large an upload into ``folder`` may grow: ``cap`` bytes, and what the disk holds.
-    ``what``: what is uploaded (a snapshot, an image layer), for the errors."""
-
-    def __init__(self, folder: Path, cap: int | None, *, what: str = "snapshot") -> None:
-        self.folder, self.cap, self.what = folder, cap, what
-        self._room: int | None = None  # bytes the disk had for the body when first asked
-
-    def check(self, size: int) -> None:
-        if self.cap is not None and size > self.cap:
-            raise PayloadTooLarge(
-                f"{self.what} upload of {size} bytes or more: over this server's limit of {self.cap}",
-                hint=f"raise it with `bunshin serve --max-upload SIZE`, or move a smaller {self.what}")
-        if self._room is None:
-            st = os.statvfs(self.folder)
-            self._room = (st.f_bavail * st.f_frsize - DISK_MARGIN) // 2
-        if size > self._room:
-            raise ResourceExhausted(
-                f"{self.what} upload of {size} bytes or more: the disk under {self.folder} has room for "
-                f"{max(self._room, 0)} (the upload and its unpacked copy, {DISK_MARGIN >> 20} MiB spare)",
-                hint="free space on the server's BUNSHIN_HOME disk (`bunshin gc`), or place the group "
-                     "on another host")
 
 
 def _unpack_and_load(ctx: ServerContext, spool: Path, folder: Path) -> Snapshot:

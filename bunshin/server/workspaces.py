@@ -5,24 +5,32 @@ fork pass admission control first (:mod:`.admission`)."""
 
 from __future__ import annotations
 
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import anyio.to_thread
 from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
 
 from ..api import models as m
-from ..errors import InvalidArgument
+from ..errors import PayloadTooLarge
 from ..runtime.cgroups import parse_size
 from ..workspace import Workspace
 from .context import (
     MAX_FILE_BYTES,
+    RAW_BODY,
+    STREAM_CHUNK,
+    LengthQ,
     ModeQ,
+    OffsetQ,
     PathQ,
     ServerContext,
     snapshot_out,
 )
 from .idempotency import IdemKey
 from .images import image_id
+from .uploads import UploadBudget
 
 
 def router(ctx: ServerContext) -> APIRouter:
@@ -143,21 +151,49 @@ def router(ctx: ServerContext) -> APIRouter:
     def list_files(ws_id: str, path: PathQ) -> list[m.FileOut]:
         return locked(ws_id, lambda ws: [m.FileOut.of(e) for e in ws.files.list(path)])
 
-    @r.get("/workspaces/{ws_id}/files/content")
-    def read_file(ws_id: str, path: PathQ) -> Response:
-        data = locked(ws_id, lambda ws: ws.files.read(path))
-        return Response(data, media_type="application/octet-stream")
+    @r.get("/workspaces/{ws_id}/files/content", response_class=StreamingResponse,
+           responses={200: {"content": {"application/octet-stream": {}}}})
+    def read_file(ws_id: str, path: PathQ, offset: OffsetQ = 0, length: LengthQ = None) -> StreamingResponse:
+        """The file's bytes from ``offset`` (at most ``length``), streamed a piece at a time under
+        the workspace's lock; a whole file over ``MAX_FILE_BYTES`` is refused (413) unread."""
+        ws = ws_of(ws_id)
+        pieces = ws.files.stream(path, offset=offset, length=length, chunk=STREAM_CHUNK)
 
-    @r.put("/workspaces/{ws_id}/files/content")
+        def piece() -> bytes:
+            with locks.held(ws):
+                return next(pieces, b"")
+
+        first = piece()  # a missing file, or one too large: the error answers now, before the body
+
+        def rest() -> Iterator[bytes]:
+            yield first
+            while more := piece():
+                yield more
+
+        return StreamingResponse(rest(), media_type="application/octet-stream")
+
+    @r.put("/workspaces/{ws_id}/files/content", max_body_size=RAW_BODY)
     async def write_file(ws_id: str, path: PathQ, request: Request,
                          mode: ModeQ = None) -> m.Written:
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > MAX_FILE_BYTES:
-                raise InvalidArgument(f"file body over {MAX_FILE_BYTES} bytes", hint="write it in parts")
-        n = await anyio.to_thread.run_sync(lambda: locked(ws_id, lambda ws: ws.files.write(path, bytes(body),
-                                                                                           mode=mode)))
+        """The body is spooled (a MiB in memory, the rest on the home's disk, within the server's
+        upload budget), then written a piece at a time under the workspace's lock: the file
+        changes only once the whole body is here."""
+        scratch = config.paths.transfers
+        scratch.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with ctx.uploads.open(scratch, what="file") as budget, \
+                tempfile.SpooledTemporaryFile(STREAM_CHUNK, "w+b", dir=str(scratch)) as spool:
+            declared = request.headers.get("content-length", "")
+            if declared.isdigit():
+                _check_body(int(declared), budget)  # refused before a byte is read
+            async for chunk in request.stream():
+                _check_body(spool.tell() + len(chunk), budget)
+                await anyio.to_thread.run_sync(spool.write, chunk)
+
+            def go(ws: Workspace) -> int:
+                spool.seek(0)
+                return ws.files.write_stream(path, iter(lambda: spool.read(STREAM_CHUNK), b""), mode=mode)
+
+            n = await anyio.to_thread.run_sync(lambda: locked(ws_id, go))
         return m.Written(bytes=n)
 
     @r.delete("/workspaces/{ws_id}/files", status_code=204)
@@ -166,3 +202,11 @@ def router(ctx: ServerContext) -> APIRouter:
         return Response(status_code=204)
 
     return r
+
+
+def _check_body(size: int, budget: UploadBudget) -> None:
+    """A file body may grow to ``size`` bytes: within ``MAX_FILE_BYTES`` and the upload budget."""
+    if size > MAX_FILE_BYTES:
+        raise PayloadTooLarge(f"file body of {size} bytes or more: over the {MAX_FILE_BYTES >> 20} MiB one PUT takes",
+                              hint="write it in parts, or copy it in as a tar and unpack it inside")
+    budget.check(size)

@@ -294,11 +294,12 @@ class FakeFiles:
     def __init__(self, ws: FakeWorkspace) -> None:
         self._ws = ws
 
-    def read(self, path: str) -> bytes:
+    def read(self, path: str, *, offset: int = 0, length: int | None = None) -> bytes:
         with self._ws.in_call():
             files = self._ws.state.files
             if path in files:
-                return files[path]
+                data = files[path][offset:]
+                return data if length is None else data[:length]
             if any(k.startswith(path.rstrip("/") + "/") for k in files):
                 raise InvalidArgument(f"{path}: is a directory")
             raise PathNotFound(f"{path}: no such file or directory")

@@ -19,11 +19,14 @@ from ..errors import (
     ToolTimeout,
     WorkspaceNotFound,
 )
+from ..runtime.limits import MAX_FILE_BYTES, MAX_TEXT_FILE_BYTES
 from ..workspace.protocol import WorkspaceAPI
 from .spec import Tool, ToolContext, ToolError, ToolOutput, ToolSpec
 
-#: Largest file ``read_file`` shows; the rest is cut with a note.
+#: Largest file ``read_file`` shows; the rest is cut with a note (and never read).
 MAX_READ_BYTES = 256 * 1024
+#: Bytes read per piece while ``read_file`` looks for a line range.
+SCAN_CHUNK = 1 << 20
 
 
 def resolve(path: str, ctx: ToolContext) -> str:
@@ -88,30 +91,65 @@ BASH = Tool(
 # --- files -----------------------------------------------------------------------
 
 
-def _read_text(ws: WorkspaceAPI, path: str) -> str:
+def _read(ws: WorkspaceAPI, path: str, offset: int, length: int) -> bytes:
     try:
-        data = ws.files.read(path)
+        return ws.files.read(path, offset=offset, length=length)
     except BunshinError as exc:
         raise translate(exc) from None
+
+
+def _read_text(ws: WorkspaceAPI, path: str) -> str:
+    """A file edited whole: refused past ``MAX_TEXT_FILE_BYTES`` (read no more than that)."""
+    data = _read(ws, path, 0, MAX_TEXT_FILE_BYTES + 1)
+    if len(data) > MAX_TEXT_FILE_BYTES:
+        raise ToolError(f"{path} is larger than {MAX_TEXT_FILE_BYTES >> 20} MiB: too large to edit whole; "
+                        "change it with bash (sed, patch)")
     return data.decode("utf-8", errors="replace")
+
+
+def _lines(ws: WorkspaceAPI, path: str, lo: int, hi: int | None) -> tuple[bytes, int]:
+    """Lines ``lo`` to ``hi`` (0-based, ``hi`` exclusive; None: to the end) of the file, at most
+    ``MAX_READ_BYTES + 1`` bytes of them kept, read a piece at a time and no further than
+    needed; and how many lines it has (as far as it was read). A file of no line ends costs
+    one piece of memory, not its size."""
+    kept, seen, offset, partial = bytearray(), 0, 0, False
+    while (hi is None or seen < hi) and len(kept) <= MAX_READ_BYTES:
+        if offset >= MAX_FILE_BYTES:
+            raise ToolError(f"{path}: line {lo + 1} is not in its first {MAX_FILE_BYTES >> 20} MiB",
+                            hint="look for it with grep -n, then read around it")
+        piece = _read(ws, path, offset, SCAN_CHUNK)
+        if not piece:
+            break
+        offset += len(piece)
+        ends = piece.count(b"\n")
+        if seen + ends < lo:  # all before the range: count the lines only
+            seen, partial = seen + ends, not piece.endswith(b"\n")
+            continue
+        at = 0
+        while at < len(piece) and (hi is None or seen < hi):
+            nl = piece.find(b"\n", at)
+            stop = len(piece) if nl < 0 else nl + 1
+            if seen >= lo and len(kept) <= MAX_READ_BYTES:
+                kept += piece[at:stop][: MAX_READ_BYTES + 1 - len(kept)]
+            partial, at = nl < 0, stop
+            seen += nl >= 0
+    return bytes(kept), seen + partial
 
 
 def _read_file(ws: WorkspaceAPI, args: Mapping[str, Any], ctx: ToolContext) -> ToolOutput:
     path = resolve(args["path"], ctx)
-    text = _read_text(ws, path)
     start, end = args.get("start_line"), args.get("end_line")
-    if start is not None or end is not None:
-        lines = text.splitlines(keepends=True)
+    if start is None and end is None:
+        raw = _read(ws, path, 0, MAX_READ_BYTES + 1)  # no more than is shown
+    else:
         lo = max(int(start or 1), 1) - 1
-        hi = len(lines) if end is None else int(end)
-        if lo >= max(len(lines), 1) and lines:
-            raise ToolError(f"{path} has {len(lines)} lines; start_line {start} is past the end")
-        text = "".join(lines[lo:hi])
-    raw = text.encode()
+        raw, seen = _lines(ws, path, lo, None if end is None else int(end))
+        if lo >= max(seen, 1) and seen:
+            raise ToolError(f"{path} has {seen} lines; start_line {start} is past the end")
     if len(raw) > MAX_READ_BYTES:
         cut = raw[:MAX_READ_BYTES].decode("utf-8", errors="ignore")
-        text = cut + f"\n[... {len(raw) - MAX_READ_BYTES} more bytes; read a line range]"
-    return ToolOutput(text)
+        return ToolOutput(cut + f"\n[... cut at {MAX_READ_BYTES >> 10} KiB; read a line range]")
+    return ToolOutput(raw.decode("utf-8", errors="replace"))
 
 
 READ_FILE = Tool(

@@ -304,8 +304,8 @@ class AsyncFiles:
     def __init__(self, aws: AsyncWorkspace) -> None:
         self._aws = aws
 
-    async def read(self, path: str) -> bytes:
-        return await self._aws.call(self._aws.sync.files.read, path)
+    async def read(self, path: str, *, offset: int = 0, length: int | None = None) -> bytes:
+        return await self._aws.call(self._aws.sync.files.read, path, offset=offset, length=length)
 
     async def read_text(self, path: str) -> str:
         return await self._aws.call(self._aws.sync.files.read_text, path)

@@ -291,7 +291,7 @@ class Desktop:
         if out is None:
             return r.stdout
         try:
-            return self.ws.files.read(out)  # a whole read: bounded by MAX_FILE_BYTES
+            return self.ws.files.read(out, length=min(most, _MAX_XWD))
         finally:
             self.ws.files.remove(out)
 

@@ -96,7 +96,10 @@ class CommandsAPI(Protocol):
 class FilesAPI(Protocol):
     """Files inside the workspace."""
 
-    def read(self, path: str) -> bytes: ...
+    def read(self, path: str, *, offset: int = 0, length: int | None = None) -> bytes:
+        """The file's bytes from ``offset``: at most ``length``, else up to its end (a file
+        over ``MAX_FILE_BYTES`` is refused: read it in parts)."""
+        ...
 
     def read_text(self, path: str) -> str: ...
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import builtins
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, overload
@@ -408,9 +408,14 @@ class Files:
         self._ws = ws
 
     def read(self, path: str, *, offset: int = 0, length: int | None = None) -> bytes:
-        """The file's bytes (from ``offset``, at most ``length``: a local extra, used to
-        follow a growing file)."""
+        """The file's bytes from ``offset``: at most ``length``, else up to its end (refused,
+        ``PayloadTooLarge``, past ``MAX_FILE_BYTES``: read such a file in parts)."""
         return self._ws.agent().read_file(path, offset=offset, length=length)
+
+    def stream(self, path: str, *, offset: int = 0, length: int | None = None,
+               chunk: int = 1 << 20) -> Iterator[bytes]:
+        """What :meth:`read` answers, in pieces of at most ``chunk`` bytes (one held at a time)."""
+        return self._ws.agent().iter_file(path, offset=offset, length=length, chunk=chunk)
 
     def read_text(self, path: str) -> str:
         return self.read(path).decode()
@@ -418,6 +423,11 @@ class Files:
     def write(self, path: str, data: bytes | str, *, mode: int | None = None) -> int:
         raw = data.encode() if isinstance(data, str) else data
         return self._ws.agent().write_file(path, raw, mode=mode, mkdirs=True)
+
+    def write_stream(self, path: str, pieces: Iterable[bytes], *, mode: int | None = None) -> int:
+        """Write the bytes of ``pieces`` as they come (one held at a time; parent folders
+        made); the file's size. A source that fails midway leaves what came before it."""
+        return self._ws.agent().write_stream(path, pieces, mode=mode, mkdirs=True)
 
     def list(self, path: str = "/") -> builtins.list[FileEntry]:
         return self._ws.agent().list_dir(path)

@@ -152,16 +152,16 @@ def test_an_upload_over_the_limit_is_refused_and_leaves_nothing(no_leaks, tmp_pa
 
 
 def test_an_upload_the_disk_cannot_hold_is_refused(served, no_leaks, monkeypatch):
-    from bunshin.server import transfer
+    from bunshin.server import uploads
 
-    real = transfer.os.statvfs
+    real = uploads.os.statvfs
 
     def small_disk(path):  # the disk has 1 MiB more than the margin
         st = real(path)
-        return type("St", (), {"f_bavail": (transfer.DISK_MARGIN + (1 << 20)) // st.f_frsize,
+        return type("St", (), {"f_bavail": (uploads.DISK_MARGIN + (1 << 20)) // st.f_frsize,
                                "f_frsize": st.f_frsize})()
 
-    monkeypatch.setattr(transfer.os, "statvfs", small_disk)
+    monkeypatch.setattr(uploads.os, "statvfs", small_disk)
     r = _post(served, _tar([_file("images/blob", b"x" * (2 << 20))]))
     assert r.status_code == 507 and r.json()["code"] == "resource_exhausted", r.text
     assert "bunshin gc" in r.json()["hint"]

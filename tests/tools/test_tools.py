@@ -155,3 +155,40 @@ def test_duplicate_names_are_refused(tools):
         tools.command("bash", "echo hi")
     tools.command("bash", "echo hi", replace=True)
     assert tools.spec("bash").description == "Run: echo hi"
+
+
+def test_read_file_reads_no_more_than_it_shows(ws, tools, monkeypatch):
+    """Over the fake: every read the tool makes is bounded, whatever the file's size; line ranges
+    that cross the pieces it reads in come out whole, the last line without its newline too."""
+    from bunshin.tools import builtin
+
+    asked: list[int | None] = []
+    real = type(ws.files).read
+
+    def counting(self, path, *, offset=0, length=None):
+        asked.append(length)
+        return real(self, path, offset=offset, length=length)
+
+    monkeypatch.setattr(type(ws.files), "read", counting)
+    monkeypatch.setattr(builtin, "SCAN_CHUNK", 7)  # lines cross the pieces
+    ws.files.write(f"{WORKDIR}/big", b"y" * (3 * builtin.MAX_READ_BYTES))
+    asked.clear()
+    out = tools.run_sync(ws, "read_file", {"path": "big"}).output
+    assert out.startswith("y" * 100) and out.endswith("[... cut at 256 KiB; read a line range]")
+    assert asked == [builtin.MAX_READ_BYTES + 1]
+    ws.files.write(f"{WORKDIR}/lines", b"".join(b"line %d\n" % i for i in range(1, 1001)) + b"tail")
+    asked.clear()
+    got = tools.run_sync(ws, "read_file", {"path": "lines", "start_line": 3, "end_line": 5}).output
+    assert got == "line 3\nline 4\nline 5\n" and len(asked) <= 7 and all(n == 7 for n in asked)
+    assert tools.run_sync(ws, "read_file", {"path": "lines", "start_line": 1000}).output == "line 1000\ntail"
+    assert tools.run_sync(ws, "read_file", {"path": "lines", "start_line": 1001}).output == "tail"
+    assert "1001 lines" in tools.run_sync(ws, "read_file", {"path": "lines", "start_line": 1002}).error
+
+
+def test_edit_refuses_a_file_too_large_to_edit_whole(ws, tools, monkeypatch):
+    from bunshin.tools import builtin
+
+    monkeypatch.setattr(builtin, "MAX_TEXT_FILE_BYTES", 1000)
+    ws.files.write(f"{WORKDIR}/huge", b"a" * 1001)
+    err = tools.run_sync(ws, "edit", {"path": "huge", "old_str": "a", "new_str": "b", "replace_all": True}).error
+    assert "too large to edit whole" in err and ws.files.read(f"{WORKDIR}/huge") == b"a" * 1001
