@@ -10,6 +10,8 @@ from .. import console as output
 from ..config import Config
 
 DEFAULT_PORT = 8770
+#: ``--max-upload``'s default: all uploads in flight together.
+DEFAULT_MAX_UPLOAD = "32G"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,8 +22,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the API token (made, mode 0600, if missing; default BUNSHIN_HOME/server.token)")
     p.add_argument("--max-workspaces", type=int, default=None, metavar="N",
                    help="refuse (429) creates and forks past N live workspaces on this host")
-    p.add_argument("--max-memory", default=None, metavar="SIZE",
-                   help="refuse (429) creates and forks past this sum of memory limits, e.g. 48G")
+    p.add_argument("--max-memory", default="auto", metavar="SIZE",
+                   help="refuse (429) creates, forks and restores past this sum of memory limits, e.g. 48G "
+                        "(default auto: the host's memory; 'off' for none: copy-on-write clones share pages, "
+                        "so their limits overstate them)")
+    p.add_argument("--max-pids", default="auto", metavar="N",
+                   help="refuse (429) creates, forks and restores past this sum of pids limits (default auto "
+                        "and at most: kernel.pid_max less 10%%, the host-wide budget)")
     p.add_argument("--reserve-memory", default="auto", metavar="SIZE",
                    help="refuse (429) creates and forks while the host has less memory available than "
                         "this (default auto: 5%% of its memory, at least 512M; 'off' for none)")
@@ -34,24 +41,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rate", type=float, default=None, metavar="PER_S",
                    help="workspaces made per second (creates, forks, restores; token bucket)")
     p.add_argument("--burst", type=int, default=8, help="workspaces made at once under --rate (default 8)")
-    p.add_argument("--max-upload", default=None, metavar="SIZE",
-                   help="refuse (413) snapshot uploads (POST /v1/snapshots/load) over this size, e.g. 16G "
-                        "(default: only the disk's free space bounds them)")
+    p.add_argument("--max-upload", default=DEFAULT_MAX_UPLOAD, metavar="SIZE",
+                   help="bytes of all uploads in flight together (snapshots, image layers, file bodies; "
+                        f"413 for one over it, 429 while others hold it; default {DEFAULT_MAX_UPLOAD}, 'off' "
+                        "for none); the disk's free space bounds them too")
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from ..runtime.cgroups import parse_size
     from ..server import create_app, ensure_token
     from ..server.admission import Limits
     from ..server.thread import listening_socket
 
     cfg = Config.from_env()
-    limits = Limits(max_workspaces=args.max_workspaces, max_memory=parse_size(args.max_memory),
+    limits = Limits(max_workspaces=args.max_workspaces, max_memory=_max_memory(args.max_memory),
                     reserve_memory=_reserve(args.reserve_memory), rate=args.rate, burst=args.burst,
-                    max_upload=parse_size(args.max_upload))
+                    max_upload=_size_or_off(args.max_upload, "--max-upload"), max_pids=_max_pids(args.max_pids))
     token_file = args.token_file or cfg.paths.server_token
     token = ensure_token(token_file)
     if not _loopback(args.host):
@@ -66,6 +73,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         sock.close()
     return 0
+
+
+def _size_or_off(text: str, option: str) -> int | None:
+    """A size such as 48G, or None for 'off'."""
+    from ..runtime.limits import byte_size
+
+    return None if text == "off" else byte_size(text, option, "give a size like 48G, or 'off'")
+
+
+def _max_memory(text: str) -> int | None:
+    """``--max-memory``: 'auto' (the host's memory), 'off', or a size (more than the host's
+    memory is an overcommit: the operator's choice)."""
+    import psutil
+
+    return psutil.virtual_memory().total if text == "auto" else _size_or_off(text, "--max-memory")
+
+
+def _max_pids(text: str) -> int | None:
+    """``--max-pids``: 'auto' (the host-wide pids budget), or a number within it."""
+    from ..errors import InvalidArgument
+    from ..runtime import budget
+
+    most = budget.pids_budget()
+    if text == "auto":
+        return most
+    if not text.isdigit() or not 1 <= int(text) <= most:
+        raise InvalidArgument(f"--max-pids {text!r} is not a number from 1 to {most}",
+                              hint="kernel.pid_max less 10% is the host-wide budget; raise kernel.pid_max for more")
+    return int(text)
 
 
 def _reserve(text: str) -> int | None:

@@ -19,8 +19,8 @@ class HostLimits:
         args = ["--reserve-memory", str(self.reserve_memory) if self.reserve_memory else "off"]
         if self.max_workspaces is not None:
             args += ["--max-workspaces", str(self.max_workspaces)]
-        if self.max_memory is not None:
-            args += ["--max-memory", str(self.max_memory)]
+        # the scheduler counts memory only when it is given: a host it thinks uncapped is served so
+        args += ["--max-memory", str(self.max_memory) if self.max_memory is not None else "off"]
         return args
 
 

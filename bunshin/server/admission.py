@@ -8,7 +8,11 @@ first. Refused calls did nothing and answer :class:`~bunshin.errors.RateLimited`
   dead) plus those being made by calls in flight;
 - ``max_memory``: the sum of their memory limits (a workspace's cgroup ``memory.max``
   is the most it can take, so the sum bounds what they can take together). Under a
-  memory cap a workspace without a limit is refused: it could take the whole host;
+  memory cap a workspace without a limit is refused: it could take the whole host.
+  ``bunshin serve`` caps it at the host's memory unless told otherwise;
+- ``max_pids``: the sum of their pids limits, the server's share of the host-wide
+  pids budget (``runtime.budget``, which refuses past ``kernel.pid_max`` less 10% in
+  any case, 507); here a refusal is a 429 to retry, counting calls in flight;
 - ``reserve_memory``: what the host keeps for itself: while its available memory
   (``MemAvailable``, read at each call) is below this, nothing new is made. The caps
   above bound what workspaces may take; this one answers to what they did take
@@ -46,10 +50,11 @@ class Limits:
     reserve_memory: int | None = None
     rate: float | None = None
     burst: int = 8
-    max_upload: int | None = None  # bytes of one snapshot upload (POST /v1/snapshots/load)
+    max_upload: int | None = None  # bytes of all uploads in flight together (``uploads.Uploads``)
+    max_pids: int | None = None  # the sum of the workspaces' pids limits
 
     def __post_init__(self) -> None:
-        for name in ("max_workspaces", "max_memory", "reserve_memory", "max_upload"):
+        for name in ("max_workspaces", "max_memory", "reserve_memory", "max_upload", "max_pids"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise InvalidArgument(f"{name} must be >= 1, not {v}")
@@ -92,18 +97,23 @@ class Admission:
         self._lock = threading.Lock()
         self._pending_n = 0
         self._pending_mem = 0
+        self._pending_pids = 0
 
     @contextmanager
-    def admit(self, count: int, memory_each: int | None) -> Iterator[None]:
-        """Run the block if ``count`` more workspaces of ``memory_each`` bytes fit, else
-        raise :class:`RateLimited`. They count as pending until the block ends (by then
-        they are in the store, or were never made)."""
+    def admit(self, count: int, memory_each: int | None, pids_each: int | None = None) -> Iterator[None]:
+        """Run the block if ``count`` more workspaces of ``memory_each`` bytes and ``pids_each``
+        pids fit, else raise :class:`RateLimited`. They count as pending until the block ends
+        (by then they are in the store, or were never made)."""
         lim = self.limits
         if lim.reserve_memory is not None:
             _check_host_memory(lim.reserve_memory)
-        if lim.max_workspaces is None and lim.max_memory is None and self._bucket is None:
+        if lim.max_workspaces is None and lim.max_memory is None and lim.max_pids is None and self._bucket is None:
             yield
             return
+        pids = (lim.max_pids if pids_each is None else pids_each) * count if lim.max_pids is not None else 0
+        if lim.max_pids is not None and pids > lim.max_pids:
+            raise InvalidArgument(f"{count} workspaces of {pids_each} pids never fit this host's cap of "
+                                  f"{lim.max_pids} pids", hint="ask for fewer, or smaller pids limits")
         if lim.max_memory is not None and memory_each is None:
             raise InvalidArgument("this host caps the workspaces' total memory: a workspace needs a memory limit",
                                   hint="pass memory=, e.g. '1G'")
@@ -114,20 +124,22 @@ class Admission:
                                   f"({lim.max_workspaces} workspaces, {(lim.max_memory or 0) >> 20} MiB)",
                                   hint="ask for fewer or smaller ones")
         with self._lock:
-            self._check_caps(count, mem)
+            self._check_caps(count, mem, pids)
             if self._bucket is not None and (wait := self._bucket.take(count)) > 0:
                 raise RateLimited(f"over the create/fork rate ({lim.rate:g} workspaces/s, burst {lim.burst})",
                                   hint=f"retry in {wait:.2f} s", retry_after=math.ceil(wait * 100) / 100)
             self._pending_n += count
             self._pending_mem += mem
+            self._pending_pids += pids
         try:
             yield
         finally:
             with self._lock:
                 self._pending_n -= count
                 self._pending_mem -= mem
+                self._pending_pids -= pids
 
-    def _check_caps(self, count: int, mem: int) -> None:
+    def _check_caps(self, count: int, mem: int, pids: int) -> None:
         lim = self.limits
         live = [i for i in Workspace.list(config=self._config) if i.state != WorkspaceState.DEAD.value]
         n = len(live) + self._pending_n
@@ -142,6 +154,12 @@ class Admission:
                                   f"more would pass this host's cap of {lim.max_memory >> 20} MiB",
                                   hint="retry once some are removed, or ask for less memory",
                                   retry_after=CAP_RETRY_S, cap="memory")
+        if lim.max_pids is not None:
+            used = sum(lim.max_pids if i.pids_limit is None else i.pids_limit for i in live) + self._pending_pids
+            if used + pids > lim.max_pids:
+                raise RateLimited(f"the workspaces' pids limits add up to {used}; {pids} more would pass this "
+                                  f"host's cap of {lim.max_pids}", hint="retry once some are removed, or ask "
+                                  "for smaller pids limits", retry_after=CAP_RETRY_S, cap="pids")
 
 
 def _check_host_memory(reserve: int) -> None:

@@ -28,7 +28,7 @@ def router(ctx: ServerContext) -> APIRouter:
     def restore(snap_id: str, req: m.RestoreRequest, key: IdemKey, request: Request) -> Response:
         def go() -> list[m.WorkspaceOut]:
             snap = Snapshot.get(snap_id, config=config)
-            with ctx.admission.admit(req.count, snap.record.memory_limit):
+            with ctx.admission.admit(req.count, snap.record.memory_limit, snap.record.pids_limit):
                 made = snap.restore(req.count)
             return ctx.made(request, made, req.ttl)
         return ctx.idempotency.run(key, "POST", f"/v1/snapshots/{snap_id}/restore", req, 201, go)

@@ -45,7 +45,7 @@ def router(ctx: ServerContext) -> APIRouter:
         def go() -> list[m.WorkspaceOut]:
             image = image_id(config, req.image)  # never a host folder; pulled here if need be
             made: list[Workspace] = []
-            with admission.admit(req.count, parse_size(req.memory)):
+            with admission.admit(req.count, parse_size(req.memory), req.pids):
                 try:
                     for i in range(req.count):
                         name = req.name if req.count == 1 or req.name is None else f"{req.name}-{i}"
@@ -83,7 +83,7 @@ def router(ctx: ServerContext) -> APIRouter:
     @r.post("/workspaces/{ws_id}/fork", response_model=m.ForkOut)
     def fork(ws_id: str, req: m.ForkRequest, key: IdemKey, request: Request) -> Response:
         def go(ws: Workspace) -> m.ForkOut:
-            with admission.admit(req.count, ws.info().memory_limit):
+            with admission.admit(req.count, ws.info().memory_limit, ws.info().pids_limit):
                 clones = ws.fork(req.count, mode=req.mode)
             snap = ws.last_fork
             lease = ctx.leases.get(ws.id)

@@ -67,6 +67,43 @@ def test_the_workspace_cap_answers_429_and_the_retry_gets_in_once_one_is_removed
         second.remove()
 
 
+@pytest.mark.parametrize("limited", [Limits(max_pids=700)], indirect=True)
+def test_the_pids_cap_counts_pids_limits_of_creates_forks_and_restores(limited):
+    with Client(limited, token=TOKEN, retry=ONCE) as c:
+        ws = c.create(memory="256M", pids=512)
+        try:
+            with pytest.raises(RateLimited, match="pids limits add up to 512"):
+                ws.fork(1)
+            with pytest.raises(RateLimited, match="cap of 700"):
+                c.create(memory="256M", pids=512)
+            snap = ws.snapshot()
+            try:
+                with pytest.raises(RateLimited, match="pids"):
+                    snap.restore(1)
+            finally:
+                snap.remove()
+            with pytest.raises(InvalidArgument, match="never fit"):
+                c.create_many(8, memory="256M", pids=100)
+            small = c.create(memory="256M", pids=128)  # still fits
+            small.remove()
+            assert [w.id for w in c.list()] == [ws.id]
+        finally:
+            ws.remove()
+
+
+def test_serve_caps_memory_at_the_hosts_and_pids_at_the_budget_by_default():
+    from bunshin.cli.serve_cmds import _max_memory, _max_pids, _size_or_off
+    from bunshin.runtime import budget
+
+    assert _max_memory("auto") == psutil.virtual_memory().total and _max_memory("off") is None
+    assert _max_memory("64G") == 64 << 30  # more than the host: the operator's overcommit
+    assert _max_pids("auto") == budget.pids_budget() and _max_pids("100") == 100
+    for bad in ("0", str(budget.pids_budget() + 1), "x"):
+        with pytest.raises(InvalidArgument, match="--max-pids"):
+            _max_pids(bad)
+    assert _size_or_off("32G", "--max-upload") == 32 << 30 and _size_or_off("off", "--max-upload") is None
+
+
 @pytest.mark.parametrize("limited", [Limits(max_memory=1536 << 20)], indirect=True)
 def test_the_memory_cap_counts_memory_limits(limited):
     with Client(limited, token=TOKEN, retry=ONCE) as c:
