@@ -15,7 +15,7 @@ from datetime import datetime
 from .. import console as output
 from ..agent.execs import DEFAULT_MAX_OUTPUT
 from ..errors import InvalidArgument
-from ..runtime.limits import MAX_OUTPUT, check_max_output, check_timeout
+from ..runtime.limits import MAX_OUTPUT, byte_size, check_max_output, check_timeout
 from ..workspace import Snapshot, Workspace
 from ..workspace.batch import remove_all
 from ..workspace.desktop import DesktopSpec
@@ -127,12 +127,7 @@ def _max_output(text: str | None) -> int | None:
     """``--max-output``: a size such as 4M, within ``MAX_OUTPUT``."""
     if text is None:
         return None
-    units = {"": 1, "k": 1 << 10, "m": 1 << 20}
-    t = text.strip().lower().removesuffix("b").removesuffix("i")
-    num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
-    if not num.isdigit():
-        raise InvalidArgument(f"--max-output {text!r} is not a size", hint="give bytes or a size such as 512K or 4M")
-    return check_max_output(int(num) * units[unit])
+    return check_max_output(byte_size(text, "--max-output", "give bytes or a size such as 512K or 4M", units="KM"))
 
 
 def cmd_sh(args: argparse.Namespace) -> int:
