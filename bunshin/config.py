@@ -30,10 +30,14 @@ class Config:
     tmpfs: Path = DEFAULT_TMPFS
     criu: Path = DEFAULT_CRIU
     cgroup_prefix: str = "bunshin-"
-    # Host uids/gids that a workspace's ids 0..id_count-1 map to (its user namespace):
-    # root inside is this unprivileged host id, never host root.
+    # Host uids/gids that own what workspaces write, on disk (their layers and uppers);
+    # a workspace's ids 0..id_count-1 map to a range of its own above it, root inside is
+    # an unprivileged host id, never host root.
     id_base: int = 1_000_000_000
     id_count: int = 65536
+    # Each workspace and clone gets a range of its own (``runtime.idranges``): range k is
+    # id_base + k * id_count, k in 1..id_ranges; range 0 owns the layers on disk.
+    id_ranges: int = 16384
     # The largest deleted-but-open file a fork carries (CRIU's --ghost-limit; its own
     # default is 1 MiB): bytes, or a size such as "64M" (checked where a fork uses it,
     # ``runtime.unforkable.ghost_limit``). The dump copies such a file's bytes into the

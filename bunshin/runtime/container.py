@@ -26,7 +26,7 @@ import psutil
 
 from ..config import DEFAULT_HOME, INSTALL_DIR, Config
 from ..errors import BunshinError, InvalidArgument, RuntimeFailure
-from . import budget, idmap, mountinfo, statefs, teardown
+from . import budget, idmap, idranges, mountinfo, range_views, statefs, teardown
 from . import syscalls as sc
 from .agent_bundle import AgentBundle
 from .agent_client import AgentClient
@@ -65,6 +65,11 @@ def make_workspace_dir(rec: WorkspaceRecord, owner: int) -> None:
     for d in (rec.upper, rec.work, rec.root):
         os.mkdir(d)
     os.chown(rec.upper, owner, owner)
+
+
+def host_ids(cfg: Config, rec: WorkspaceRecord) -> int:
+    """The host uid (and gid) of root inside ``rec``: the first id of its range."""
+    return cfg.id_base if rec.ids is None else rec.ids
 
 
 def socket_path(rec: WorkspaceRecord) -> Path:
@@ -177,6 +182,7 @@ def create(
     layout = Layout.discover()
     ws_id = new_id()
     wdir = cfg.paths.workspace(ws_id)
+    ids = idranges.reserve(cfg, store, ws_id)
     rec = WorkspaceRecord(
         id=ws_id,
         name=name,
@@ -196,8 +202,13 @@ def create(
         command=tuple(command) if command else None,
         mounts=shared,
         extra={"image_id": base.image_id, "image_config": base.config.agent_defaults()} if base.config else {},
+        ids=ids,
     )
-    budget.add_within(store, rec)  # refused here (nothing made) if the host's pids budget is spent
+    try:
+        budget.add_within(store, rec)  # refused here (nothing made) if the host's pids budget is spent
+    except BaseException:
+        idranges.free(cfg, store, ids)
+        raise
     try:
         make_workspace_dir(rec, cfg.id_base)
         prepare_upper(Path(rec.upper), cfg.id_base)
@@ -290,18 +301,25 @@ EXPORT_OPTIONS = (("index", "on"), ("nfs_export", "on"))
 
 
 def mount_overlay(rec: WorkspaceRecord, cfg: Config) -> None:
-    """Mount ``rec``'s overlay root (``EXPORT_OPTIONS``); host-owned layers are seen through
-    idmapped views (``idmap``)."""
-    lowers = idmap.collapse(cfg, [str(idmap.view(cfg, Path(p)) if idmap.needs_view(cfg, Path(p)) else p)
-                                  for p in rec.lowers])
-    opts = f"lowerdir={':'.join(lowers)},upperdir={rec.upper},workdir={rec.work}"
+    """Mount ``rec``'s overlay root (``EXPORT_OPTIONS``); its layers and upper are seen
+    through views idmapped to its range (``range_views``; older records: host-owned
+    layers through ``idmap``'s views to ``Config.id_base``)."""
+    upper, work = rec.upper, rec.work
+    if rec.ids is None:
+        lowers = idmap.collapse(cfg, [str(idmap.view(cfg, Path(p)) if idmap.needs_view(cfg, Path(p)) else p)
+                                      for p in rec.lowers])
+    else:
+        lowers = range_views.lowers(cfg, rec.ids, rec.lowers)
+        view = range_views.upper(cfg, rec.ids, Path(rec.upper).parent)
+        upper, work = str(view / Path(rec.upper).name), str(view / Path(rec.work).name)
+    opts = f"lowerdir={':'.join(lowers)},upperdir={upper},workdir={work}"
     opts += "".join(f",{k}={v}" for k, v in EXPORT_OPTIONS)
     if len(lowers) > sc.OVERLAY_MAX_LOWERS:
         raise InvalidArgument(f"layer stack of {len(rec.lowers)} layers is deeper than overlayfs's "
                               f"{sc.OVERLAY_MAX_LOWERS}", hint="fork from a shallower snapshot or a fresh workspace")
     try:
         if len(opts) > _MOUNT_OPTIONS_MAX or any("," in p or ":" in p for p in lowers):
-            sc.mount_overlay_fs(rec.root, lowers, rec.upper, rec.work,  # one layer per call, no page limit
+            sc.mount_overlay_fs(rec.root, lowers, upper, work,  # one layer per call, no page limit
                                 options=EXPORT_OPTIONS)
         else:
             sc.mount("overlay", rec.root, "overlay", 0, opts)
@@ -318,8 +336,8 @@ def _launch(cfg: Config, rec: WorkspaceRecord, cg: WorkspaceCgroup, bundle: Agen
         "env": {**bundle.env, **({"BUNSHIN_IMAGE": json.dumps(rec.extra["image_config"])}
                                   if "image_config" in rec.extra else {})},
         "log": AgentBundle.LOG,
-        "ids": [cfg.id_base, cfg.id_count],
-        "mounts": [{"source": str(idmap.share(cfg, m)), "path": m.path} for m in rec.mounts],
+        "ids": [host_ids(cfg, rec), cfg.id_count],
+        "mounts": [{"source": str(share_view(cfg, rec, m)), "path": m.path} for m in rec.mounts],
     }
     proc = subprocess.Popen(
         [sys.executable, "-m", "bunshin.runtime.init"],
@@ -340,6 +358,11 @@ def _launch(cfg: Config, rec: WorkspaceRecord, cg: WorkspaceCgroup, bundle: Agen
     if proc.returncode != 0 or text or not out.strip():
         raise RuntimeFailure(f"cannot start workspace {rec.id}: {text or 'launcher exited ' + str(proc.returncode)}")
     return int(out.split()[0])
+
+
+def share_view(cfg: Config, rec: WorkspaceRecord, mount: Mount) -> Path:
+    """The host's view of the shared folder ``mount`` for ``rec`` (its range's, ``range_views.share``)."""
+    return idmap.share(cfg, mount) if rec.ids is None else range_views.share(cfg, rec.ids, mount)
 
 
 _LOG_TAIL_BYTES = 64 * 1024
@@ -399,4 +422,7 @@ def destroy(cfg: Config, store: Store, rec: WorkspaceRecord) -> None:
         teardown.umount_all(mount_point)  # no mountinfo read: it grows with every clone
     shutil.rmtree(wdir, ignore_errors=True)
     cg.destroy()
+    if rec.ids is not None:
+        range_views.release(cfg, rec.ids)
     store.delete_workspace(rec.id)
+    idranges.free(cfg, store, rec.ids)

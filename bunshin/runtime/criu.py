@@ -96,6 +96,12 @@ class Placement:
     # of criu's, then no longer holds every other clone's mounts. The sysfs is then
     # mounted there only. Ignored without the helper and with ``hold_netns``.
     own_mounts: tuple[tuple[str, bool], ...] = ()
+    # run criu as this host uid and gid, keeping its capabilities: the user namespace a
+    # restore makes is then owned by it (a clone's own range: ``idranges``), not host root
+    owner: int | None = None
+    # a library criu loads (``LD_PRELOAD``; a warm criu: ``ld.so --preload``): a restore's
+    # ``userns_owner`` helper, which makes the clone's user namespace owned by its own root
+    preload: str | None = None
 
     def enter(self) -> None:
         """Runs in the criu child between fork and exec: plain syscalls only."""
@@ -123,6 +129,17 @@ class Placement:
                 sc.mount_sysfs(self.sysfs)
                 if self.hold_netns:
                     sc.hold_netns(self.sysfs + ".netns")
+        if self.preload is not None:
+            os.environ["LD_PRELOAD"] = self.preload
+        if self.owner is not None:
+            sc.become_keeping_caps(self.owner)
+
+
+def owned(placement: Placement | None) -> list[str]:
+    """CRIU's options for a run as ``placement.owner``: CRIU checks for root by its euid, and
+    takes a run with every capability but another uid for ``--unprivileged`` (which changes
+    only where a capability is missing: none here; and its kernel-feature cache's place)."""
+    return ["--unprivileged"] if placement is not None and placement.owner is not None else []
 
 
 def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -213,13 +230,16 @@ def _run(
 def _popen_wait(argv: list[str], placement: Placement | None, out: IO[bytes], timeout: float | None,
                 action: str) -> tuple[int, bool]:
     """Fork criu from this process and wait: (exit code, whether the timeout killed it)."""
+    env = criu_launch.env()
+    if placement is not None and placement.preload is not None:
+        env["LD_PRELOAD"] = placement.preload
     proc = subprocess.Popen(
         argv,
         stdin=subprocess.DEVNULL,
         stdout=out,
         stderr=subprocess.STDOUT,
         close_fds=True,
-        env=criu_launch.env(),
+        env=env,
         preexec_fn=placement.enter if placement else None,  # noqa: PLW1509 (syscalls only)
     )
     # A blocking wait with a timer that kills criu, not ``wait(timeout)``: that polls
@@ -272,6 +292,7 @@ def dump(
     images_dir = Path(images_dir).absolute()
     images_dir.mkdir(parents=True, exist_ok=True)
     log = images_dir / log_name
+    extra = [*extra, *owned(placement)]
     timens = f"/proc/{pid}/ns/time"
     if os.path.exists(timens):
         placement = dataclasses.replace(placement or Placement(), timens=timens)
@@ -430,6 +451,7 @@ def restore(
     ]
     if root is not None:
         args += ["--root", str(root)]
+    extra = [*extra, *owned(placement)]
     warm = _restore_warm(criu, images_dir, log, extra, root, timeout, placement, log_level)
     if warm is not None:
         ms, pid = warm
@@ -462,7 +484,7 @@ def _restore_warm(criu: Path, images_dir: Path, log: Path, flags: Sequence[str],
     except (InvalidArgument, HostUnsupported):
         return None  # an option RPC has no field for, or no pycriu: the command takes it
     criu_kdat.ensure(criu)
-    argv = [*criu_launch.argv(criu), "swrk", str(PASSED_FD)]
+    argv = [*criu_launch.argv(criu, None if placement is None else placement.preload), "swrk", str(PASSED_FD)]
     t0 = time.monotonic()
     try:
         with open(os.devnull, "wb") as null:  # criu answers on its socket and logs to its file

@@ -26,7 +26,7 @@ MAX_MSG = 1 << 20
 #: flags without a value -> the ``criu_opts`` field they set
 _FLAGS = {"--file-locks": "file_locks", "--tcp-established": "tcp_established", "--link-remap": "link_remap",
           "--leave-running": "leave_running", "--tcp-close": "tcp_close", "--ext-unix-sk": "ext_unix_sk",
-          "--shell-job": "shell_job", "--skip-in-flight": "tcp_skip_in_flight"}
+          "--shell-job": "shell_job", "--skip-in-flight": "tcp_skip_in_flight", "--unprivileged": "unprivileged"}
 _LOCKS = {"iptables": "IPTABLES", "nftables": "NFTABLES", "skip": "SKIP"}
 _CGROUPS = {"ignore": "IGNORE", "none": "CG_NONE", "props": "PROPS", "soft": "SOFT", "full": "FULL",
             "strict": "STRICT"}

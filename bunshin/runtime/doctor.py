@@ -149,14 +149,13 @@ def _clone_capacity() -> Result:
 
 
 def _pipe_buffers() -> Result:
-    """Pipe buffers of the one host user every workspace's root is (``host_limits``)."""
+    """Pipe buffers each workspace's root (a host user of its own: ``host_limits``) may hold."""
     allowed = host_limits.pipes_allowed()
     if allowed is None:
-        return True, "fs.pipe-user-pages-soft 0: no soft limit on the workspaces' pipe buffers", None
-    ok = allowed >= snapshot.MAX_BATCH + 64
-    detail = (f"fs.pipe-user-pages-soft {host_limits.pipe_soft_pages()} pages: ~{allowed} pipes of 64 KiB for all "
-              "workspaces together (one host user); a clone holds one or more, restores beyond it fail")
-    return ok, detail, None if ok else host_limits.PIPE_HINT
+        return True, "fs.pipe-user-pages-soft 0: no soft limit on a workspace's pipe buffers", None
+    detail = (f"fs.pipe-user-pages-soft {host_limits.pipe_soft_pages()} pages: ~{allowed} pipes of 64 KiB "
+              "per workspace (each clone's root is a host user of its own, as are its other per-user budgets)")
+    return True, detail, None
 
 
 def _cgroup_moves() -> Result:
@@ -186,8 +185,9 @@ def _isolation(cfg: Config) -> Result:
     if missing:
         return False, f"seccomp lacks {sorted(missing)}", "use a kernel with CONFIG_SECCOMP_FILTER"
     detail = (
-        f"user namespace per workspace (root inside = host uid {cfg.id_base}, {cfg.id_count} ids), "
-        "idmapped read-only views of the image; seccomp deny-list of "
+        f"user namespace per workspace, owned by its root: a host id range of its own ({cfg.id_count} ids "
+        f"above {cfg.id_base}, which owns the layers on disk), so no per-user kernel budget is "
+        "shared; idmapped views of its layers and upper; seccomp deny-list of "
         f"{len(seccomp.DENIED) + len(seccomp.AT_PID1) + 3} syscalls + no_new_privs; "
         f"masked /proc ({', '.join(init.PROC_MASKED_FILES + init.PROC_MASKED_DIRS)}), read-only "
         f"/proc/{{{','.join(init.PROC_READ_ONLY)}}} and /sys; own session keyring; pid 1 unreachable from inside"

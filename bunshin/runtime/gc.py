@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 
 from ..config import Config
-from . import agent_bundle, container, idmap, snapshot, statefs
+from . import agent_bundle, container, idmap, idranges, range_views, snapshot, statefs
 from . import syscalls as sc
 from .cgroups import Layout, WorkspaceCgroup
 from .entries import remove_entry
@@ -132,10 +132,18 @@ def collect(cfg: Config, store: Store, *, extra_owned: set[str] | None = None, r
     live = {r.id for r in store.list_workspaces()} | (extra_owned or set())
     ws_root = cfg.paths.workspaces
 
+    # The views of host id ranges no live workspace holds, and reservations of ranges
+    # whose workspace never came (``idranges``).
+    held = {r.ids for r in store.list_workspaces() if r.id in live and r.ids is not None}
+    report.mounts.extend(range_views.sweep(cfg, held))
+    idranges.sweep(cfg, store)
+    views = Path(os.path.realpath(cfg.paths.idmap))
     # Mounts beneath our tmpfs folder (deepest first) that belong to no live workspace
-    # (bunshin's own images tmpfs aside).
+    # (bunshin's own images tmpfs and the ranges' views aside).
     for target in sorted(set(statefs.mounts_under(cfg.tmpfs)) - statefs.own_mounts(cfg), key=len, reverse=True):
         path = Path(target)
+        if path.is_relative_to(views):
+            continue
         rel = path.relative_to(ws_root) if path.is_relative_to(ws_root) else None
         if rel is None or rel.parts[0] not in live:
             sc.umount(target, sc.MNT_DETACH)

@@ -1,15 +1,21 @@
-"""Host limits that bound how many clones can live at once, beyond memory and pids.
+"""Per-user kernel limits, as they bound one workspace (never all of them together).
 
-Every workspace's root is the same host uid (``Config.id_base``: the user namespaces
-of all workspaces and clones map root there), so per-user kernel limits count every
-clone on the machine together. The one met first at ~1,000 clones here is the pipe
-buffer budget: ``fs.pipe-user-pages-soft`` (16384 pages by default) is the total a user
-may hold in pipe buffers at the default 64 KiB before new pipes get one page, and CRIU
-restores each pipe's size (``F_SETPIPE_SZ``), which is then refused (EPERM: "Can't
-restore pipe size"). A clone holds one pipe or more (the agent's), so the default
-allows ~1,000 pipes for all workspaces together. Raising the soft limit (0: none;
-``fs.pipe-user-pages-hard`` still caps) is the host's decision: ``bunshin doctor`` says
-so, and a restore that meets it fails with this hint.
+The kernel counts pipe buffers (``fs.pipe-user-pages-soft``) and keys
+(``kernel.keys.maxkeys``/``maxbytes``) per host uid, and inotify instances and watches
+(``fs.inotify.max_user_*``), POSIX message queue bytes, pending signals and processes per
+user namespace owner at the host's level. Each workspace and each clone has a host id
+range of its own, whose first id is root inside and its user namespace's owner
+(``idranges``): every one of these budgets is a workspace's own, so one that exhausts
+any of them (pipes sized up with ``F_SETPIPE_SZ``, ``inotify_init`` until EMFILE,
+queues until EMFILE, queued signals until EAGAIN, keys until EDQUOT) fails only itself;
+other workspaces and host root keep theirs.
+
+What is left per workspace is the kernel's per-user default. The one a workspace meets
+first is its pipe budget: ``fs.pipe-user-pages-soft`` (16384 pages) allows ~1,000
+pipes of 64 KiB, after which its new pipes get two pages and CRIU's restore of a larger
+pipe (``F_SETPIPE_SZ``) is refused (EPERM: "Can't restore pipe size"). A clone gets a
+fresh budget, so a fork fails this way only when the workspace itself held that many
+pipe buffers (a restore that meets it says so, with ``PIPE_HINT``).
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ from ..errors import BunshinError, CriuError, ResourceExhausted
 
 PIPE_PAGES = 16  # a pipe's default buffer: 64 KiB
 PIPE_SOFT = Path("/proc/sys/fs/pipe-user-pages-soft")
-PIPE_HINT = ("sysctl -w fs.pipe-user-pages-soft=0 (no soft limit on pipe buffers per user; "
-             "fs.pipe-user-pages-hard still applies), or remove workspaces")
+PIPE_HINT = ("the workspace holds more pipe buffers than one user may (fs.pipe-user-pages-soft): "
+             "close pipes in it, or raise the limit (sysctl -w fs.pipe-user-pages-soft=0: none; "
+             "fs.pipe-user-pages-hard still applies)")
 
 
 def pipe_soft_pages() -> int:
@@ -32,7 +39,7 @@ def pipe_soft_pages() -> int:
 
 
 def pipes_allowed() -> int | None:
-    """Pipes of the default size all workspaces together may hold; None: no soft limit."""
+    """Pipes of the default size one workspace may hold; None: no soft limit."""
     soft = pipe_soft_pages()
     return None if soft == 0 else soft // PIPE_PAGES
 
@@ -42,9 +49,9 @@ def explain_restore_failure(err: CriuError, clones: int) -> BunshinError | None:
     if "Can't restore pipe size" in (err.first_errors or str(err)):
         allowed = pipes_allowed()
         return ResourceExhausted(
-            f"restoring {clones} clones ran out of pipe buffers: every workspace's root is one host user, "
-            f"and fs.pipe-user-pages-soft ({pipe_soft_pages()} pages) allows about {allowed} pipes of 64 KiB "
-            "for all of them together",
+            f"restoring {clones} clones ran out of pipe buffers: each clone's root is a host user of its own, "
+            f"and fs.pipe-user-pages-soft ({pipe_soft_pages()} pages) allows it about {allowed} pipes of 64 KiB; "
+            "the snapshot holds more",
             hint=PIPE_HINT,
         )
     return None

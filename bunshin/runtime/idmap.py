@@ -59,45 +59,58 @@ def view(cfg: Config, layer: Path) -> Path:
     return _ensure(cfg, target, lambda: _mount_view(layer, target, cfg.id_base, cfg.id_count))
 
 
+#: In a range's folder (``range_dir``): its views of the frozen layers and of the image store
+LAYERS_VIEW, IMAGES_VIEW = "l", "i"
+
+
+def range_dir(cfg: Config, host_base: int) -> Path:
+    """Where the views of the workspace whose root is ``host_base`` are mounted (``range_views``)."""
+    return cfg.paths.idmap / f"r{(host_base - cfg.id_base) // cfg.id_count}"
+
+
 # A workspace's overlay line in /proc/PID/mountinfo must stay short: CRIU cannot parse
 # a longer one ("Bad format in mountinfo"), and mount(2) takes one page of options.
 STACK_OPTIONS_MAX = 2000
 
 
-def collapse(cfg: Config, lowers: list[str]) -> list[str]:
+def collapse(cfg: Config, lowers: list[str], host_base: int | None = None) -> list[str]:
     """``lowers`` (top first, views already applied) with the run of image-store layers
     at their bottom replaced by one read-only overlay of them (``stack``) when the list
-    would be too long for CRIU; nothing is copied."""
+    would be too long for CRIU; nothing is copied. With ``host_base`` the layers are a
+    range's views and the stack is that range's (``range_dir``)."""
     if len(":".join(lowers)) <= STACK_OPTIONS_MAX:
         return lowers
-    run = image_run(cfg, lowers)
+    where = None if host_base is None else range_dir(cfg, host_base)
+    run = image_run(cfg, lowers, None if where is None else where / IMAGES_VIEW)
     if len(run) < 2:
         return lowers
-    return [*lowers[:len(lowers) - len(run)], str(stack(cfg, run))]
+    return [*lowers[:len(lowers) - len(run)], str(stack(cfg, run, where))]
 
 
-def image_run(cfg: Config, lowers: Sequence[str]) -> list[str]:
-    """The image-store layers at the bottom of ``lowers`` (top first)."""
+def image_run(cfg: Config, lowers: Sequence[str], folder: Path | None = None) -> list[str]:
+    """The image-store layers at the bottom of ``lowers`` (top first): in ``folder`` (a
+    range's view of the store), by default in the store itself."""
+    folder = folder or cfg.paths.image_layers
     n = 0
-    while n < len(lowers) and Path(lowers[len(lowers) - 1 - n]).parent == cfg.paths.image_layers:
+    while n < len(lowers) and Path(lowers[len(lowers) - 1 - n]).parent == folder:
         n += 1
     return list(lowers[len(lowers) - n:])
 
 
-def stack_target(cfg: Config, layers: list[str]) -> Path:
+def stack_target(cfg: Config, layers: list[str], where: Path | None = None) -> Path:
     # the options are part of the name: a stack mounted without nfs_export is not reused
     digest = hashlib.sha256("\n".join(["nfs_export", *layers]).encode()).hexdigest()[:16]
-    return cfg.paths.idmap / f"stack-{digest}"
+    return (where or cfg.paths.idmap) / f"stack-{digest}"
 
 
-def stack(cfg: Config, layers: list[str]) -> Path:
+def stack(cfg: Config, layers: list[str], where: Path | None = None) -> Path:
     """A read-only, nodev overlay of the image-store ``layers`` (top first), mounted once
     and shared like the views: a deep image becomes one lower of a workspace's overlay
     (overlay over overlay, the kernel's stacking depth of 2). It decodes its file handles
     (``nfs_export``, which a read-only overlay allows with ``redirect_dir=nofollow``;
     image layers bring no redirects), else the workspace's overlay could not either
     (``container.EXPORT_OPTIONS``)."""
-    target = stack_target(cfg, layers)
+    target = stack_target(cfg, layers, where)
     return _ensure(cfg, target, lambda: sc.mount_overlay_fs(
         str(target), layers, attrs=sc.MOUNT_ATTR_RDONLY | sc.MOUNT_ATTR_NODEV,
         options=(("redirect_dir", "nofollow"), ("nfs_export", "on"))))
@@ -196,20 +209,39 @@ def probe(cfg: Config, layer: Path = Path("/")) -> None:
     _mount_view(layer, None, cfg.id_base, cfg.id_count)
 
 
+def host_map(base: int, count: int) -> str:
+    """The id map of a view of a host-owned layer: host ids 0.. show as ``base``.."""
+    return f"0 {base} {count}\n"
+
+
 def _mount_view(layer: Path, target: Path | None, base: int, count: int, *,
-                idmapped: bool = True, walk: bool = False) -> None:
-    """``idmapped``: mapped to base.. and read-only; else a plain bind. Always nosuid, nodev.
-    ``walk``: ``layer`` is reached without following symlinks."""
-    userns = tree = src = -1
+                idmapped: bool = True, walk: bool = False, maps: str | None = None) -> None:
+    """``idmapped``: mapped to base.. (or by the uid/gid map ``maps``) and read-only; else a
+    plain bind. Always nosuid, nodev. ``walk``: ``layer`` is reached without following
+    symlinks. ``maps`` views are writable (a workspace's upper)."""
+    userns = -1
+    try:
+        if idmapped:
+            userns = userns_fd(maps or host_map(base, count))
+        attach_view(layer, target, userns, read_only=maps is None, walk=walk)
+    finally:
+        if userns >= 0:
+            os.close(userns)
+
+
+def attach_view(layer: Path, target: Path | None, userns: int, *, read_only: bool = True,
+                walk: bool = False) -> None:
+    """A nosuid, nodev bind of ``layer`` at ``target`` (None: made and dropped, ``probe``),
+    idmapped by the user namespace ``userns`` (-1: not idmapped); read-only if asked."""
+    idmapped = userns >= 0
+    tree = src = -1
     try:
         if walk:
             src = sc.open_dir_beneath("/", layer.relative_to("/").parts, path_only=True)
-        if idmapped:
-            userns = _userns_fd(base, count)
         tree = sc.syscall(_SYS_OPEN_TREE, ctypes.c_int(src if walk else _AT_FDCWD), b"" if walk else str(layer).encode(),
                         ctypes.c_uint(_OPEN_TREE_CLONE | os.O_CLOEXEC | (_AT_EMPTY_PATH if walk else 0)))
-        flags = _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV
-        attr = (_MountAttr(flags | _MOUNT_ATTR_IDMAP | _MOUNT_ATTR_RDONLY, 0, 0, userns) if idmapped
+        flags = _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV | (_MOUNT_ATTR_RDONLY if idmapped and read_only else 0)
+        attr = (_MountAttr(flags | _MOUNT_ATTR_IDMAP, 0, 0, userns) if idmapped
                 else _MountAttr(flags, 0, 0, 0))
         sc.syscall(_SYS_MOUNT_SETATTR, ctypes.c_int(tree), b"", ctypes.c_uint(_AT_EMPTY_PATH),
                  ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)))
@@ -225,20 +257,36 @@ def _mount_view(layer: Path, target: Path | None, base: int, count: int, *,
             hint="workspaces need idmapped mounts (Linux >= 5.12; tmpfs >= 6.3) on the image's filesystem",
         ) from e
     finally:
-        for fd in (tree, src, userns):
+        for fd in (tree, src):
             if fd >= 0:
                 os.close(fd)
 
 
-def _userns_fd(base: int, count: int) -> int:
-    """An fd of a user namespace mapping 0..count-1 to base.. (held by no process)."""
+def userns_fds(maps: Sequence[str]) -> list[int]:
+    """Fds of user namespaces, one per uid/gid map in ``maps`` (held by no process)."""
+    out: list[int] = []
+    try:
+        for m in maps:
+            out.append(userns_fd(m))
+    except BaseException:
+        for fd in out:
+            os.close(fd)
+        raise
+    return out
+
+
+def userns_fd(maps: str) -> int:
+    """An fd of a user namespace whose uid and gid maps are ``maps`` (held by no process)."""
     ready_r, ready_w = os.pipe()
     done_r, done_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # plain syscalls only: the parent may have threads
         try:
-            os.close(done_w)
-            os.close(ready_r)
+            # only its own two ends: another thread's helper, forked meanwhile, must see
+            # its parent close its pipe, which a copy held here would keep open
+            os.closerange(3, min(ready_w, done_r))
+            os.closerange(min(ready_w, done_r) + 1, max(ready_w, done_r))
+            os.closerange(max(ready_w, done_r) + 1, 1 << 20)
             sc.unshare(sc.CLONE_NEWUSER)
             os.write(ready_w, b"u")
             os.read(done_r, 1)
@@ -251,7 +299,7 @@ def _userns_fd(base: int, count: int) -> int:
             raise OSError(0, "the helper could not unshare a user namespace")
         for name in ("uid_map", "gid_map"):
             with open(f"/proc/{pid}/{name}", "w") as f:
-                f.write(f"0 {base} {count}\n")
+                f.write(maps)
         return os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
     finally:
         os.close(done_w)

@@ -121,7 +121,17 @@ def _become_pid1(spec: dict[str, Any]) -> None:
 
 
 def _in_user_namespace(spec: dict[str, Any], unshared: int, mapped: int) -> None:
-    """The child: a new user namespace, mapped by the launcher; then the rest."""
+    """The child: a new user namespace, mapped by the launcher; then the rest.
+
+    It becomes root inside's host uid first, so the namespace's owner is the workspace's
+    own uid, not host root: what the kernel counts per owner at the initial namespace
+    (inotify instances, message queues, pending signals, processes: ``idranges``) is then
+    the workspace's alone."""
+    owner = spec["ids"][0]
+    os.setgroups([])
+    os.setresgid(owner, owner, owner)
+    os.setresuid(owner, owner, owner)  # every capability in the host's namespace goes
+    sc.prctl(sc.PR_SET_DUMPABLE, 1)  # (a change of uid cleared it: /proc/self stays its own)
     sc.unshare(sc.CLONE_NEWUSER)
     os.write(unshared, b"u")
     if os.read(mapped, 1) != b"m":

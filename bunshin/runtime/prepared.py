@@ -298,7 +298,7 @@ def rpc_fits(placement: Any) -> bool:
     and keyring, the restore's own mounts (its sysfs and cgroups are given from outside),
     nothing joined and no namespace held on the host."""
     joined = ("netns", "timens", "utsns", "ipcns")  # namespaces a placement may name to join
-    return (placement is not None and placement.new_netns and placement.own_keyring and bool(placement.own_mounts)
+    return (placement is not None and getattr(placement, "owner", None) is None and placement.new_netns and placement.own_keyring and bool(placement.own_mounts)
             and all(getattr(placement, k, None) is None for k in joined) and not placement.hold_netns)
 
 

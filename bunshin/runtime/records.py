@@ -162,6 +162,9 @@ class WorkspaceRecord:
     snapshot: str | None = None  # the snapshot it was restored from
     extra: dict[str, Any] = field(default_factory=dict)
     mounts: tuple[Mount, ...] = ()  # host folders shared on purpose, in --mount order
+    # host uid (and gid) of root inside, the first of the workspace's own range of
+    # ``Config.id_count`` ids (``idranges``); None: ``Config.id_base`` (older records)
+    ids: int | None = None
 
     def replace(self, **changes: Any) -> WorkspaceRecord:
         if "state" in changes and changes["state"] != self.state:

@@ -48,26 +48,31 @@ from ..errors import (
     CriuError,
     InvalidArgument,
     ResourceExhausted,
+    RuntimeFailure,
     SnapshotNotFound,
     StateConflict,
 )
 from . import (
     budget,
     cgroup_moves,
+    clone_images,
     container,
     criu,
     criu_dump_conf,
     fork_boost,
     host_limits,
+    idranges,
     joined_ns,
     memfile,
     netns_image,
     precopy,
+    range_views,
     restore_boost,
     restore_check,
     statefs,
     unforkable,
     upper_copy,
+    userns_owner,
 )
 from . import syscalls as sc
 from .agent_client import quiesced
@@ -94,10 +99,16 @@ DUMP_EXTERNAL = ["--external", f"mnt[/sys]:{SYS_EXTERNAL}"]
 _TS = re.compile(r"^\((\d+\.\d+)\)")
 
 
-def mount_externals(mounts: Sequence[Mount], *, dump: bool, cfg: Config | None = None) -> list[str]:
+def _share(cfg: Config, ids: int | None, m: Mount) -> Path:
+    return share_view(cfg, m) if ids is None else range_views.share(cfg, ids, m)
+
+
+def mount_externals(mounts: Sequence[Mount], *, dump: bool, cfg: Config | None = None,
+                    ids: int | None = None) -> list[str]:
     """Shared host folders (``--mount``) are external to CRIU too, keyed by their place in
-    the record: dumped by path, restored from the host's view (``idmap.share``), so a
-    clone shares the very folder its parent does."""
+    the record: dumped by path, restored from the host's view (``idmap.share``; the view of
+    the clone's range ``ids``: ``range_views.share``), so a clone shares the very folder
+    its parent does."""
     out: list[str] = []
     for i, m in enumerate(mounts):
         key = f"bunshin-mnt-{i}"
@@ -106,7 +117,7 @@ def mount_externals(mounts: Sequence[Mount], *, dump: bool, cfg: Config | None =
         elif cfg is None:
             raise TypeError("the restore side of mount_externals needs cfg")
         else:
-            out += ["--external", f"mnt[{key}]:{share_view(cfg, m)}"]
+            out += ["--external", f"mnt[{key}]:{_share(cfg, ids, m)}"]
     return out
 
 
@@ -229,7 +240,9 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
         # Tasks are frozen with ptrace, not the v1 freezer cgroup: CRIU polls the
         # freezer every 100 ms, which adds ~100 ms to every parent pause. Cgroups
         # are not dumped either: a restore runs criu inside the clone's own.
-        inside = criu.Placement(netns=f"/proc/{rec.pid}/ns/net")
+        # criu as the tree's user namespace's owner (its range's root): the capabilities it
+        # needs over the tree's tasks (prlimit: CAP_SYS_RESOURCE) are the owner's there
+        inside = criu.Placement(netns=f"/proc/{rec.pid}/ns/net", owner=rec.ids)
         seen = None
         try:
             # the upper copied while CRIU dumps (``upper_copy``: early) and criu in the tree's
@@ -275,6 +288,7 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
         if seen is not None:
             joined_ns.add(images, seen)  # the UTS and IPC namespaces criu was in, as CRIU writes them
         netns_image.add(images, cfg.id_count)  # a clone's network namespace is its user namespace's
+        clone_images.canonical(cfg, images)  # each clone maps it onto its own range (``clone_images.make``)
         precopy.drop_binds(images)  # the clones reach the live files through their layer, by the same path
         files: tuple[str, ...] = ()
         rewrite_ms, mem_bytes, layer_bytes = 0.0, 0, _du(layer)
@@ -574,7 +588,8 @@ def _live_tasks(rec: WorkspaceRecord) -> int:
     return max(total, 1)
 
 
-def criu_mounts(cfg: Config, snap: SnapshotRecord, wdir: Path) -> tuple[tuple[str, bool], ...]:
+def criu_mounts(cfg: Config, snap: SnapshotRecord, wdir: Path, ids: int | None = None
+                ) -> tuple[tuple[str, bool], ...]:
     """The host mounts a clone's criu sees (``Placement.own_mounts``), parents first:
     bunshin's tmpfs without what is mounted beneath it, the images' tmpfs, the clone's
     folder with its upper and root, the views of the shared folders. No other clone's."""
@@ -582,7 +597,7 @@ def criu_mounts(cfg: Config, snap: SnapshotRecord, wdir: Path) -> tuple[tuple[st
     if not Path(snap.images).is_relative_to(cfg.paths.snapshots):
         trees.append((snap.images, False))
     trees.append((str(wdir), True))
-    trees += [(str(share_view(cfg, m)), False) for m in snap.mounts]
+    trees += [(str(_share(cfg, ids, m)), False) for m in snap.mounts]
     return tuple(trees)
 
 
@@ -591,15 +606,20 @@ def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout
     ws_id = container.new_id()
     wdir = cfg.paths.workspace(ws_id)
     cg = WorkspaceCgroup.of(layout, cfg.cgroup_prefix + ws_id)
+    t0 = time.perf_counter()
+    ids = idranges.reserve(cfg, store, ws_id)
     rec = WorkspaceRecord(
         id=ws_id, name=None, image=snap.image, state=WorkspaceState.CREATING, created_at=time.time(),
         root=str(wdir / "root"), upper=str(wdir / "upper"), work=str(wdir / "work"),
         lowers=(snap.layer, *snap.lowers), cgroup_version=layout.version, cgroups=cg.dirs_as_str(),
         memory_limit=snap.memory_limit, pids_limit=snap.pids_limit, hostname=snap.hostname,
-        owner_pid=os.getpid(), parent=snap.source, snapshot=snap.id, mounts=snap.mounts,
+        owner_pid=os.getpid(), parent=snap.source, snapshot=snap.id, mounts=snap.mounts, ids=ids,
     )
-    t0 = time.perf_counter()
-    budget.add_within(store, rec)
+    try:
+        budget.add_within(store, rec)
+    except BaseException:
+        idranges.free(cfg, store, ids)
+        raise
     try:
         container.make_workspace_dir(rec, cfg.id_base)
         container.mount_overlay(rec, cfg)
@@ -611,20 +631,29 @@ def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout
         # lo up; the restored tasks inherit both.
         sysfs = str(wdir / "sys")  # beneath the clone's folder: unmounted with it
         os.mkdir(sysfs, 0o755)
+        # the clone's user namespace mapped onto its range and owned by its root (``userns_owner``)
+        images = clone_images.make(Path(snap.images), ws_id, ids)
         into = criu.Placement(new_netns=True, own_keyring=True, sysfs=sysfs,
                               hold_netns=netns_image.restores_netns(Path(snap.images)),
                               cgroup_procs=tuple(str(p / "cgroup.procs") for p in cg.paths),
-                              own_mounts=criu_mounts(cfg, snap, wdir))
+                              own_mounts=criu_mounts(cfg, snap, wdir, ids),
+                              preload=str(userns_owner.library(cfg)))
         t1 = time.perf_counter()
         run = criu.restore(
-            cfg.criu, Path(snap.images), pidfile=wdir / "pid", root=Path(rec.root),
+            cfg.criu, images, pidfile=wdir / "pid", root=Path(rec.root),
             extra=[*_COMMON, "--external", f"mnt[{SYS_EXTERNAL}]:{sysfs}", "--manage-cgroups=ignore",
-                   *mount_externals(rec.mounts, dump=False, cfg=cfg)],
+                   *mount_externals(rec.mounts, dump=False, cfg=cfg, ids=ids)],
             placement=into,
             keep_log=keep_log,  # written from inside the clone's cgroup: it would be charged to it
             log_level=4 if keep_log else cfg.restore_log_level,  # a kept log is read: every step
         )
         assert run.pid is not None
+        kept = clone_images.drop(images, keep=run.log if keep_log else None)
+        if userns_owner.owner_of(run.pid) != ids:  # never a clone whose namespace host root owns
+            raise RuntimeFailure(f"the user namespace of clone {ws_id} is owned by host uid "
+                                 f"{userns_owner.owner_of(run.pid)}, not its own root {ids}",
+                                 hint="its criu did not load bunshin's userns_owner helper: run criu through "
+                                      "the wrapper make install writes, or a script that keeps LD_PRELOAD")
         if boosted:
             restore_boost.settle(cg)
         t2 = time.perf_counter()
@@ -639,9 +668,10 @@ def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout
         started = {"state": WorkspaceState.RUNNING, "pid": run.pid, "pid_start": pid_start,
                    "extra": {"restore_ms": round(run.duration_ms, 2),
                              "restore_steps_ms": {k: round(v, 2) for k, v in steps.items()},
-                             **({"restore_log": str(run.log)} if keep_log else {})}}
+                             **({"restore_log": str(kept)} if keep_log else {})}}
         return store.update_workspace(ws_id, lambda r: r.replace(**started)) or rec.replace(**started)
     except BaseException:
+        clone_images.drop(Path(snap.images) / f"{clone_images.CLONE_PREFIX}{ws_id}")
         container.destroy(cfg, store, store.get_workspace(ws_id))
         raise
 
@@ -761,12 +791,14 @@ def _sweep_orphans(cfg: Config, store: Store) -> list[str]:
         if d.name not in named and d.name not in ids:
             remove_layer(d)
             freed.append(str(d))
+    live = {r.id for r in store.list_workspaces()}
     for d in image_dirs:
         if d.name not in ids:
             shutil.rmtree(d, ignore_errors=True)
             freed.append(str(d))
+    for snp in snaps:  # a clone's images folder its restore left (``clone_images``)
+        freed += clone_images.sweep(Path(snp.images), live)
     tags = ids | named | (all_layers - {Path(f).name for f in freed})
-    live = {r.id for r in store.list_workspaces()}
     for f in mem_files:
         if memfile_tag(f.name) not in tags and not precopy.sweep_keeps(f, live):
             memfile.remove_memfile(f)

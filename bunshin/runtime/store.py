@@ -161,6 +161,10 @@ class Store:
             "INSERT OR REPLACE INTO objects (kind, id, data) VALUES (?, ?, ?)", (kind, obj_id, data)
         )
 
+    def insert_object(self, kind: str, obj_id: str, data: str) -> None:
+        """Add an object; ``sqlite3.IntegrityError`` if one of that kind and id exists."""
+        self._execute("INSERT INTO objects (kind, id, data) VALUES (?, ?, ?)", (kind, obj_id, data))
+
     def get_object(self, kind: str, obj_id: str) -> str | None:
         rows = self._rows("SELECT data FROM objects WHERE kind = ? AND id = ?", (kind, obj_id))
         return rows[0][0] if rows else None

@@ -134,6 +134,12 @@ CLONE_NEWUSER = 0x10000000
 _SYS_KEYCTL = 250
 _KEYCTL_JOIN_SESSION_KEYRING = 1
 PR_CAPBSET_DROP = 24
+PR_SET_DUMPABLE = 4
+_PR_GET_SECUREBITS, _PR_SET_SECUREBITS = 27, 28
+_SECBIT_NO_SETUID_FIXUP = 1 << 2
+_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_RAISE = 47, 2
+_SYS_CAPGET, _SYS_CAPSET = 125, 126
+_CAP_V3 = 0x20080522
 
 
 def prctl(option: int, a2: int = 0, a3: int = 0, a4: int = 0, a5: int = 0) -> int:
@@ -143,6 +149,27 @@ def prctl(option: int, a2: int = 0, a3: int = 0, a4: int = 0, a5: int = 0) -> in
         err = ctypes.get_errno()
         raise OSError(err, f"prctl({option}): {os.strerror(err)}")
     return int(ret)
+
+
+def become_keeping_caps(uid: int) -> None:
+    """Become host uid and gid ``uid`` (real, effective, saved; no supplementary groups)
+    and keep every capability, also across the next exec (as ambient capabilities): a
+    user namespace made after is owned by ``uid`` (what CRIU's restore of a clone makes).
+    Plain syscalls only (runs between fork and exec)."""
+    prctl(_PR_SET_SECUREBITS, prctl(_PR_GET_SECUREBITS) | _SECBIT_NO_SETUID_FIXUP)
+    head = (ctypes.c_uint32 * 2)(_CAP_V3, 0)
+    data = (ctypes.c_uint32 * 6)()  # two of {effective, permitted, inheritable}
+    syscall(_SYS_CAPGET, head, data)
+    data[2], data[5] = data[1], data[4]  # inheritable = permitted (an ambient one must be both)
+    syscall(_SYS_CAPSET, head, data)
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)  # (no fixup: the capabilities stay)
+    for cap in range(64):
+        if not (data[1 + 3 * (cap // 32)] >> (cap % 32)) & 1:
+            continue
+        prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_RAISE, cap)
+    prctl(PR_SET_DUMPABLE, 1)
 
 
 def syscall(nr: int, *args: object) -> int:

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 from ..config import Config
 from ..errors import RuntimeFailure
+from . import idranges, range_views
 from . import syscalls as sc
 from .cgroups import WorkspaceCgroup
 from .records import WorkspaceRecord, WorkspaceState
@@ -91,6 +92,9 @@ def destroy_many(cfg: Config, store: Store, recs: Sequence[WorkspaceRecord]) -> 
     for rec, cg in zip(recs, cgroups, strict=True):
         shutil.rmtree(cfg.paths.workspace(rec.id), ignore_errors=True)
         cg.destroy()
+        if rec.ids is not None:
+            range_views.release(cfg, rec.ids)
     with store.transaction():
         for rec in recs:
             store.delete_workspace(rec.id)
+            idranges.free(cfg, store, rec.ids)

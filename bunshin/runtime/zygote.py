@@ -123,6 +123,10 @@ def enter(sc: Any, p: dict[str, Any], *, netns_ready: bool = False) -> None:
             sc.mount_sysfs(p["sysfs"])
             if p.get("hold_netns"):
                 sc.hold_netns(p["sysfs"] + ".netns")
+    if p.get("preload") is not None:
+        os.environ["LD_PRELOAD"] = p["preload"]
+    if p.get("owner") is not None:
+        sc.become_keeping_caps(p["owner"])
 
 
 def _unescape(field: str) -> str:

@@ -21,7 +21,7 @@ from bunshin.workspace import Workspace
 
 pytestmark = [pytest.mark.integration, pytest.mark.criu]
 
-ROOT_INSIDE = 1_000_000_000  # Config.id_base
+ID_BASE = 1_000_000_000  # Config.id_base: what workspaces write is stored as these ids
 
 PROBE = r'''
 import ctypes, errno, json, os, sys
@@ -90,8 +90,10 @@ def test_root_inside_holds_no_host_privilege(ws):
     rec = ws.record
     with open(f"/proc/{rec.pid}/status") as f:
         uids = next(ln for ln in f if ln.startswith("Uid:")).split()[1:]
-    assert uids == [str(ROOT_INSIDE)] * 4  # pid 1 is an unprivileged host user
-    assert Path(f"/proc/{rec.pid}/uid_map").read_text().split() == ["0", str(ROOT_INSIDE), "65536"]
+    # pid 1 is an unprivileged host user of a range of its own (``idranges``), above the stored one
+    assert rec.ids is not None and rec.ids >= ID_BASE + 65536 and (rec.ids - ID_BASE) % 65536 == 0
+    assert uids == [str(rec.ids)] * 4
+    assert Path(f"/proc/{rec.pid}/uid_map").read_text().split() == ["0", str(rec.ids), "65536"]
     assert ws.exec("id -u").stdout.strip() == "0"
     # the original escape: a block device of the host disk, a mount, a user namespace
     dev = os.stat("/").st_dev
@@ -113,7 +115,7 @@ def test_setuid_files_made_inside_are_not_host_root(ws):
     assert ws.exec("cp /bin/sh /tmp/sush && chmod 4755 /tmp/sush && ls -l /tmp/sush").exit_code == 0
     host_copy = Path(ws.record.upper) / "tmp" / "sush"
     st = host_copy.lstat()
-    assert st.st_uid == ROOT_INSIDE and st.st_uid != 0
+    assert st.st_uid == ID_BASE and st.st_uid != 0  # stored as the layers' range (seen through a view)
     assert ws.exec("/tmp/sush -c 'cat /proc/self/status' | grep -E '^Uid:'").stdout.split()[1:] == ["0"] * 4
 
 
