@@ -309,8 +309,7 @@ def mount_overlay(rec: WorkspaceRecord, cfg: Config) -> None:
         lowers = idmap.collapse(cfg, [str(idmap.view(cfg, Path(p)) if idmap.needs_view(cfg, Path(p)) else p)
                                       for p in rec.lowers])
     else:
-        lowers = range_views.lowers(cfg, rec.ids, rec.lowers)
-        view = range_views.upper(cfg, rec.ids, Path(rec.upper).parent)
+        lowers, view = range_views.overlay(cfg, rec.ids, rec.lowers, Path(rec.upper).parent)
         upper, work = str(view / Path(rec.upper).name), str(view / Path(rec.work).name)
     opts = f"lowerdir={':'.join(lowers)},upperdir={upper},workdir={work}"
     opts += "".join(f",{k}={v}" for k, v in EXPORT_OPTIONS)

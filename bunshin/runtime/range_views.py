@@ -52,7 +52,7 @@ class _Views:
         self.dir = idmap.range_dir(cfg, host_base)
         self._fds: dict[str, int] = {}
 
-    def _userns(self, maps: str) -> int:
+    def userns(self, maps: str) -> int:
         if maps not in self._fds:
             self._fds[maps] = idmap.userns_fd(maps)
         return self._fds[maps]
@@ -65,7 +65,7 @@ class _Views:
         self.dir.mkdir(parents=True, exist_ok=True)
         target.mkdir(exist_ok=True)
         maps = idmap.host_map(self.base, self.cfg.id_count) if host_owned else storage_map(self.cfg, self.base)
-        idmap.attach_view(source, target, self._userns(maps), read_only=read_only, walk=walk)
+        idmap.attach_view(source, target, self.userns(maps), read_only=read_only, walk=walk)
         return target
 
     def close(self) -> None:
@@ -74,10 +74,12 @@ class _Views:
         self._fds.clear()
 
 
-def lowers(cfg: Config, host_base: int, layers: Sequence[str], views: _Views | None = None) -> list[str]:
+def overlay(cfg: Config, host_base: int, layers: Sequence[str], wdir: Path) -> tuple[list[str], Path]:
     """The overlay lowers (top first, collapsed: ``idmap.collapse``) of a workspace of range
-    ``host_base`` stacking on ``layers``, their views mounted where missing."""
-    own = views or _Views(cfg, host_base)
+    ``host_base`` stacking on ``layers``, and the writable view of its folder ``wdir`` (its
+    upper and work folder in it: ``UPPER_VIEW``); the views are mounted where missing. Each
+    of the range's two maps takes one user namespace (a fork of this process), made once."""
+    own = _Views(cfg, host_base)
     try:
         out = []
         for p in layers:
@@ -93,23 +95,13 @@ def lowers(cfg: Config, host_base: int, layers: Sequence[str], views: _Views | N
                 out.append(str(folder / layer.name))
             else:
                 out.append(str(own.mount(layer, _named(layer), host_owned=True)))
-        return idmap.collapse(cfg, out, host_base)
+        upper = wdir / UPPER_VIEW
+        if not idmap.is_mounted(upper):
+            upper.mkdir(exist_ok=True)
+            idmap.attach_view(wdir, upper, own.userns(storage_map(cfg, host_base)), read_only=False)
+        return idmap.collapse(cfg, out, host_base), upper
     finally:
-        if views is None:
-            own.close()
-
-
-def upper(cfg: Config, host_base: int, wdir: Path) -> Path:
-    """The writable view of the workspace's folder ``wdir`` (its upper and work folder in it)."""
-    target = wdir / UPPER_VIEW
-    if not idmap.is_mounted(target):
-        target.mkdir(exist_ok=True)
-        fd = idmap.userns_fd(storage_map(cfg, host_base))
-        try:
-            idmap.attach_view(wdir, target, fd, read_only=False)
-        finally:
-            os.close(fd)
-    return target
+        own.close()
 
 
 def share(cfg: Config, host_base: int, mount: Mount) -> Path:
