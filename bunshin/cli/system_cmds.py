@@ -97,6 +97,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--seconds", type=float, default=5.0, help="per throughput row (default 5)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_serve, release_tmpfs=True)
+    b = bsub.add_parser("read-bounds", help="a big sparse file read through the server by every path: what each "
+                                            "costs the server's memory")
+    b.add_argument("--mib", type=int, default=600, help="the sparse file's size (default 600)")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_read_bounds, release_tmpfs=True)
 
     b = bsub.add_parser("adapters", help="a framework's group on the coding task, with and without the group fork")
     b.add_argument("--framework", default="miniswe", help="miniswe (default) or skyrl")
@@ -205,6 +210,17 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         output.print_json(r)
     else:
         bench_serve.print_report(r)
+    return 0
+
+
+def cmd_bench_read_bounds(args: argparse.Namespace) -> int:
+    from ..bench import read_bounds
+
+    r = read_bounds.run(Config.from_env(), mib=args.mib)
+    if args.json:
+        output.print_json(r)
+    else:
+        read_bounds.print_report(r)
     return 0
 
 
