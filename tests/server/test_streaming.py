@@ -54,3 +54,18 @@ def test_a_missing_workspace_is_a_404_before_any_stream(served):
         ws.remove()
         with pytest.raises(WorkspaceNotFound):
             list(ws.commands.stream("true"))
+
+
+def test_big_output_arrives_whole_in_pieces_and_a_planted_status_is_read_bounded(served):
+    """20 MiB of output arrives whole, a few MiB per poll (the server holds no more between two
+    sends); a command that plants a 1 GiB sparse file as its own status file ends the stream
+    with what 64 bytes of it say (-1: its own lie), not with the server reading the file."""
+    with served.client() as c, c.create(memory="512M") as ws:
+        events = list(ws.commands.stream("head -c 20971520 /dev/zero | tr '\\0' y; echo", timeout=120))
+        out = [e["data"] for e in events if e.get("stream") == "stdout"]
+        assert sum(map(len, out)) == 20971521 and max(map(len, out)) <= 1 << 20 and events[-1]["exit_code"] == 0
+        lie = "for o in /tmp/.bunshin-stream/*.out; do truncate -s 1G \"${o%.out}.rc\"; done; echo lied; sleep 30"
+        t0 = time.monotonic()
+        *_, end = ws.commands.stream(lie, timeout=60)
+        assert end["exit_code"] == -1 and not end["timed_out"] and time.monotonic() - t0 < 20, end
+        assert ws.exec("echo alive", timeout=30).stdout == "alive\n"  # the workspace (and the server) serve on
