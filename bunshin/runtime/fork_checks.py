@@ -145,13 +145,15 @@ def refusals(pids: Sequence[int], proc: Path = Path("/proc")) -> list[Refusal]:
         return []  # the workspace's init is gone: the dump says so itself
     out: list[Refusal] = []
     own = _namespaces(root, proc)
+    links: dict[int, dict[str, str]] = {}
     for pid in pids:
         out += _zombie_leader(pid, level, proc)
         out += _traced(pid, level, proc)
         if not _zombie(pid, proc):  # a zombie's namespaces are gone: nothing to nest
             out += _nested_namespaces(pid, level, own, proc)
-        out += _files(pid, level, _fd_links(pid, proc), proc)
-    out += _deleted_watches(pids, level, proc)
+        links[pid] = _fd_links(pid, proc)
+        out += _files(pid, level, links[pid], proc)
+    out += _deleted_watches(links, level, proc)
     return out
 
 
@@ -274,10 +276,10 @@ def _kdev(dev: int) -> int:
     return (os.major(dev) << 20) | os.minor(dev)
 
 
-def _watches(pid: int, proc: Path) -> list[tuple[str, int, int]]:
-    """(fd, kernel dev, inode) of each inotify watch ``pid`` holds."""
+def _watches(pid: int, links: dict[str, str], proc: Path) -> list[tuple[str, int, int]]:
+    """(fd, kernel dev, inode) of each inotify watch ``pid`` holds (``links``: its descriptors)."""
     out = []
-    for fd, link in _fd_links(pid, proc).items():
+    for fd, link in links.items():
         if link == "anon_inode:inotify":
             with contextlib.suppress(OSError):
                 info = (proc / str(pid) / "fdinfo" / fd).read_text()
@@ -285,13 +287,13 @@ def _watches(pid: int, proc: Path) -> list[tuple[str, int, int]]:
     return out
 
 
-def _held_deleted(pid: int, proc: Path) -> set[tuple[int, int]]:
+def _held_deleted(pid: int, links: dict[str, str], proc: Path) -> set[tuple[int, int]]:
     """(kernel dev, inode) of the deleted files and folders ``pid`` holds: descriptors,
     working directory, root, mappings. A descriptor's are its mount's device and its
     inode (fdinfo: a stat through an overlay shows the layer's device, a watch the overlay's)."""
     base = proc / str(pid)
     out: set[tuple[int, int]] = set()
-    fds = [fd for fd, link in _fd_links(pid, proc).items() if link.endswith(_DELETED)]
+    fds = [fd for fd, link in links.items() if link.endswith(_DELETED)]
     if fds:
         with contextlib.suppress(OSError, ValueError):
             devs = {m.mount_id: (m.major << 20) | m.minor for m in mountinfo.read(str(base / "mountinfo"))}
@@ -313,14 +315,15 @@ def _held_deleted(pid: int, proc: Path) -> set[tuple[int, int]]:
     return out
 
 
-def _deleted_watches(pids: Sequence[int], level: int, proc: Path) -> list[Refusal]:
-    """Watches on files or folders deleted since (paid only by a tree holding a watch)."""
-    watches = {pid: w for pid in pids if (w := _watches(pid, proc))}
+def _deleted_watches(links: dict[int, dict[str, str]], level: int, proc: Path) -> list[Refusal]:
+    """Watches on files or folders deleted since (paid only by a tree holding a watch;
+    ``links``: each process's descriptors)."""
+    watches = {pid: w for pid, fds in links.items() if (w := _watches(pid, fds, proc))}
     if not watches:
         return []
     deleted: set[tuple[int, int]] = set()
-    for pid in pids:
-        deleted |= _held_deleted(pid, proc)
+    for pid, fds in links.items():
+        deleted |= _held_deleted(pid, fds, proc)
     return [Refusal(
         Task.read(pid, level, proc), f"has an inotify watch (fd {fd}) on a deleted file or folder (inode {ino})",
         "CRIU records a watch by its path and a deleted one has none (\"fsnotify: Unable to open (null)\")",

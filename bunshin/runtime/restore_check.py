@@ -52,7 +52,7 @@ TASK_ALIVE, TASK_DEAD, TASK_STOPPED, TASK_ZOMBIE = 1, 2, 3, 6  # CRIU's core tc.
 
 @dataclass(frozen=True)
 class Dead:
-    """A dumped process missing from its clone (or a zombie there)."""
+    """A dumped process gone from its clone or a zombie there (died), or stopped there."""
 
     clone: str
     pid: int  # inside the clone

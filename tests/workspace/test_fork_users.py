@@ -143,3 +143,19 @@ def test_an_image_whose_user_is_not_root_forks_as_that_user(app_image, cfg: Conf
         for c in reversed(clones):
             c.remove()
         ws.remove()
+
+
+def test_su_and_runuser_as_root_work_in_a_workspace_its_clone_and_a_fork_of_it(family):
+    """PAM in the workspace's user namespace: root's ``su -c`` (pam_rootok) and ``runuser`` to
+    itself and to another user, in the parent, a clone and a fork of a fork."""
+    ws = family.create()
+    assert ws.exec(["useradd", "-m", "-s", "/bin/sh", "-G", "staff", "pamuser"]).exit_code == 0
+    (c,) = family.fork(ws, 1)
+    (cc,) = family.fork(c, 1)
+    for w in (ws, c, cc):
+        for argv, want in ((["su", "-c", "id -un"], "root"), (["su", "-c", "id -un; id -Gn", "pamuser"], "pamuser"),
+                           (["su", "-", "pamuser", "-c", "pwd"], "/home/pamuser"),
+                           (["runuser", "-u", "pamuser", "--", "id", "-un"], "pamuser")):
+            r = w.exec(argv)
+            assert r.exit_code == 0 and r.stdout.split("\n")[0] == want, (w.id, argv, r)
+        assert "staff" in w.exec(["su", "-c", "id -Gn", "pamuser"]).stdout.split()
