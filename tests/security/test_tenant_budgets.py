@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from bunshin.runtime import userns_owner
+from bunshin.runtime import idranges, userns_owner
 from bunshin.workspace import Workspace
 
 pytestmark = [pytest.mark.integration, pytest.mark.criu]
@@ -217,3 +217,28 @@ def test_one_workspace_exhausting_every_budget_leaves_the_others_working(no_leak
     finally:
         for w in reversed(made):
             w.remove()
+
+
+def test_a_clone_whose_namespace_host_root_would_own_is_refused(no_leaks, tmp_path):
+    """criu run without bunshin's helper (a wrapper that drops LD_PRELOAD) makes the clone's
+    user namespace as host root: the restore is refused by name, nothing of it is left."""
+    import dataclasses
+
+    from bunshin.errors import RuntimeFailure
+    from bunshin.runtime.store import Store
+
+    parent = Workspace.create("host", memory="256M", pids=64, config=no_leaks)
+    try:
+        wrapper = tmp_path / "criu"
+        wrapper.write_text(f"#!/bin/sh\nunset LD_PRELOAD\nexec {no_leaks.criu} \"$@\"\n")
+        wrapper.chmod(0o755)
+        broken = Workspace.get(parent.id, config=dataclasses.replace(no_leaks, criu=wrapper))
+        with pytest.raises(RuntimeFailure, match="owned by host uid 0, not its own root") as info:
+            broken.fork(1)
+        assert "userns_owner" in (info.value.hint or "")
+        assert [w.id for w in Workspace.list(config=no_leaks)] == [parent.id]
+        with Store.open(no_leaks.db_path) as store:
+            assert set(idranges.held(no_leaks, store).values()) == {parent.id}
+        _works(parent)
+    finally:
+        parent.remove()
