@@ -958,7 +958,7 @@ def test_client_public_api() -> None:
     public = {name for name in vars(AgentClient) if not name.startswith("_")}
     assert public == {
         "call", "ping", "wait_ready", "identify", "exec", "spawn", "kill", "processes",
-        "read_file", "write_file", "list_dir", "stat", "remove", "session_open",
+        "read_file", "iter_file", "write_file", "write_stream", "list_dir", "stat", "remove", "session_open",
         "session_run", "session_close", "session_list", "attach", "trim",
     }  # fmt: skip
 
