@@ -7,7 +7,8 @@ SIGEV_THREAD timer runs (glibc's helper thread blocks every signal). Such a proc
 keeps its memory anonymous (a trap while SIGSYS is blocked kills it, unblocking SIGSYS
 would show): every clone and a fork of a fork read back the parent's masks and pending
 set, the timer goes on and the calls read zeros. With ``LATE`` it blocks nothing before
-the fork: converted, its worker blocks every signal after the fork and traps (not killed).
+the fork: converted, its worker blocks every signal after the fork and traps (not killed),
+and an action's mask given with SIGSYS (before or after the fork) reads back as given.
 Both with and without the live pre-copy (which gives the trap to the running parent).
 """
 
@@ -96,12 +97,17 @@ def test_a_thread_of_a_converted_process_blocking_everything_after_the_fork_is_t
     pid = start(ws, sigmask, "LATE=1")
     (c,) = family.fork(ws, 1)
     (cc,) = family.fork(c, 1)
+    usr2 = f"usr2 {1 << 30 | 1 << 0:x}"  # SIGSYS and SIGHUP, as given before the fork
+    assert usr2 in ask(ws, "masks")
     for w in (c, cc):
         assert maps_memfile(w, pid), w.id  # converted: the trap is what keeps it exact
+        assert usr2 in ask(w, "masks"), w.id  # (the kernel's mask lacks SIGSYS: the state page has it)
+        assert ask(w, "setaction") == f"urg {1 << 30 | 1 << 9:x}", w.id  # SIGSYS and SIGUSR1, read back
         assert ask(w, "dontneed").startswith("zero zero worker "), w.id
         assert w.exec(["kill", "-0", str(pid)]).exit_code == 0
     assert ask(ws, "dontneed").startswith("zero zero worker ")
     assert maps_memfile(ws, pid) is precopy  # the live pre-copy converted the parent itself
+    assert usr2 in ask(ws, "masks")
 
 
 def test_a_bash_session_whose_handlers_mask_sigsys_is_still_shared(family):

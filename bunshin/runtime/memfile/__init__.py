@@ -68,8 +68,9 @@ filter traps the calls the handler makes (open, ioctl, mmap, mremap, madvise), i
 supported. A process that blocks SIGSYS at the dump in any thread (glibc's SIGEV_THREAD timer
 helper blocks every signal) is not given the trap (a trap while SIGSYS is blocked kills;
 unblocking it would show): its memory is copied. SIGSYS cannot be blocked after the fork in a
-converted process (``sigprocmask`` reports it unblocked), nor by an action's mask (bash's for
-its terminating signals: ``sigaction`` reads it without SIGSYS). Each DONTNEED of a separate run of converted pages adds areas
+converted process (``sigprocmask`` reports it unblocked); an action's mask loses it in the
+kernel (bash's for its terminating signals) and keeps it in the state page, where ``sigaction``
+reads it back (a SIGSYS sent while that handler runs is not held back). Each DONTNEED of a separate run of converted pages adds areas
 (``vm.max_map_count``). ``mremap`` of a converted *file* mapping grows into zeros, not
 into the file's next bytes. ``COPY`` keeps the older heuristic without the trap (a
 process mapping jemalloc/mimalloc stays anonymous: ``zerofill``), ``CONVERT``

@@ -167,10 +167,16 @@ def plan(pid: int, blob: Blob, view: str, converted: list[tuple[int, int]]) -> L
 
 def blob_bytes(s: Stopped, p: LivePlan, scratch: int) -> bytes:
     """Code, table and state as they go into the memory file (the state holds the program's SIGSYS action)."""
+    given = {}  # actions whose mask holds SIGSYS: ``install`` takes it out, the state page keeps it
+    for sig in range(1, 65):
+        if sig not in (9, 19, SIGSYS) and s.syscall(NR_RT_SIGACTION, sig, 0, scratch, 8) == 0:
+            mask = _SIGACT.unpack(_read(s.pid, scratch, _SIGACT.size))[3]
+            if mask & SIGSYS_BIT:
+                given[sig] = mask
     check(s.syscall(NR_RT_SIGACTION, SIGSYS, 0, scratch, 8), "reading the SIGSYS action")
     handler, flags, restorer, mask = _SIGACT.unpack(_read(s.pid, scratch, _SIGACT.size))
     own_pid = check(s.syscall(NR_GETPID), "getpid")
-    state = state_bytes({"sigaction": handler, "flags": flags, "restorer": restorer, "mask": mask}, own_pid)
+    state = state_bytes({"sigaction": handler, "flags": flags, "restorer": restorer, "mask": mask}, own_pid, given)
     assert len(p.table) == TABLE_SIZE and len(state) == STATE_SIZE
     return p.blob.code + p.table + state
 

@@ -21,6 +21,7 @@
  *   rt_sigprocmask, rt_sigaction's sa_mask: SIGSYS is taken out of what gets
  *     blocked. A trap while SIGSYS is blocked would kill the process (the kernel
  *     resets a blocked SIGSYS to its default action), so SIGSYS is never blocked.
+ *     An action's mask given with SIGSYS is kept in STATE and read back as given.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -106,6 +107,8 @@ struct state {
     uint64_t magic;
     struct ksigaction prog; /* the program's SIGSYS action */
     int64_t owner;          /* the process whose memory this is (a vfork child shares it) */
+    uint64_t held;          /* signals (bit sig - 1) whose action's mask held SIGSYS ... */
+    uint64_t masks[64];     /* ... and those masks as the program gave them */
 };
 
 extern char __blob_start[] __attribute__((visibility("hidden")));
@@ -394,22 +397,53 @@ static long do_mremap(const long *g) {
     return sys6(NR_MREMAP, g[R_RDI], g[R_RSI], g[R_RDX], g[R_R10], g[R_R8], 0);
 }
 
+/* a fork() child has its own copy of STATE; a vfork child shares its parent's */
+static int vfork_child(long *pid) {
+    *pid = sys(NR_GETPID, 0, 0, 0);
+    return *pid != STATE->owner && sys6(NR_KCMP, *pid, STATE->owner, KCMP_VM, 0, 0, 0) == 0;
+}
+
+/*
+ * Another signal's action: the kernel's mask never holds SIGSYS; one the program gave
+ * with SIGSYS is kept in STATE and read back (act and old may be the same memory).
+ */
+static long other_sigaction(const long *g, const struct ksigaction *act, struct ksigaction *old) {
+    struct state *st = STATE;
+    long sig = g[R_RDI], pid;
+    uint64_t bit = sig >= 1 && sig <= 64 ? 1UL << (sig - 1) : 0;
+    int had = (st->held & bit) != 0;
+    uint64_t was = had ? st->masks[sig - 1] : 0;
+    if (!act) {
+        long r = sys6(NR_RT_SIGACTION, sig, 0, (long)old, 8, 0, 0);
+        if (r == 0 && old && had)
+            old->mask = was;
+        return r;
+    }
+    struct ksigaction mine = *act; /* (read before the call writes old) */
+    uint64_t want = mine.mask;
+    mine.mask &= ~SIGSYS_BIT;
+    long r = sys6(NR_RT_SIGACTION, sig, (long)&mine, (long)old, 8, 0, 0);
+    if (r != 0)
+        return r;
+    if (old && had)
+        old->mask = was;
+    if (bit && !vfork_child(&pid)) {
+        st->held = want & SIGSYS_BIT ? st->held | bit : st->held & ~bit;
+        st->masks[sig - 1] = want & SIGSYS_BIT ? want : 0;
+    }
+    return 0;
+}
+
 static long do_sigaction(const long *g) {
     struct state *st = STATE;
     struct ksigaction *act = (struct ksigaction *)g[R_RSI], *old = (struct ksigaction *)g[R_RDX];
     if (g[R_R10] != 8)
         return -EINVAL;
-    if ((int)g[R_RDI] != SIGSYS) {
-        if (!act)
-            return sys6(NR_RT_SIGACTION, g[R_RDI], 0, (long)old, 8, 0, 0);
-        struct ksigaction mine = *act;
-        mine.mask &= ~SIGSYS_BIT;
-        return sys6(NR_RT_SIGACTION, g[R_RDI], (long)&mine, (long)old, 8, 0, 0);
-    }
+    if ((int)g[R_RDI] != SIGSYS)
+        return other_sigaction(g, act, old);
     struct ksigaction prev = st->prog;
-    long pid = sys(NR_GETPID, 0, 0, 0);
-    /* a fork() child has its own copy of STATE; a vfork child shares its parent's */
-    int shared = pid != st->owner && sys6(NR_KCMP, pid, st->owner, KCMP_VM, 0, 0, 0) == 0;
+    long pid;
+    int shared = vfork_child(&pid);
     if (act && !shared) {
         st->owner = pid;
         st->prog = *act;

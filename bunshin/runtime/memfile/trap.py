@@ -141,8 +141,9 @@ def sigsys_held(cores: dict[int, dict[str, Any]]) -> str | None:
     (``sigprocmask``, ``/proc/PID/status``, ``sigpending``) and let a blocked
     ``kill(SIGSYS)`` through. Such a process keeps its memory anonymous instead
     (``cores``: thread id -> core entry). An action whose mask holds SIGSYS (bash's for
-    its terminating signals) only loses it (``_unblock_sigsys``): SIGSYS is then not
-    held back while that handler runs, and ``sigaction`` reads the mask without it.
+    its terminating signals) loses it in the kernel (``_unblock_sigsys``) and keeps it in
+    the state page, where ``sigaction`` reads it back: only a SIGSYS sent while that
+    handler runs is not held back.
     """
     for tid, core in sorted(cores.items()):
         for holder in (core.get("thread_core", {}), core.get("tc", {})):
@@ -196,7 +197,7 @@ def prepare(
             _area(table_at + TABLE_SIZE, STATE_SIZE, PROT_RW),
         ])
         sa = _sigsys(core) or {}
-        setup.contents = {idx[0]: blob.code, idx[1]: table, idx[2]: state_bytes(sa, proc.pid)}
+        setup.contents = {idx[0]: blob.code, idx[1]: table, idx[2]: state_bytes(sa, proc.pid, _given_masks(core))}
     else:
         i = next(i for i, v in enumerate(proc.vmas) if v["start"] == table_at)
         proc.kinds[i] = Kind.TRAP
@@ -290,6 +291,16 @@ def _unblock_sigsys(core: dict[str, Any]) -> None:
             holder["blk_sigset"] = int(holder["blk_sigset"]) & ~SIGSYS_BIT
     for sa in core.get("tc", {}).get("sigactions", []):
         sa["mask"] = int(sa.get("mask", 0)) & ~SIGSYS_BIT
+
+
+def _given_masks(core: dict[str, Any]) -> dict[int, int]:
+    """Signal -> mask of each action whose mask holds SIGSYS (read back from the state page;
+    CRIU's slots skip SIGKILL and SIGSTOP)."""
+    out = {}
+    for slot, sa in enumerate(core.get("tc", {}).get("sigactions", []), start=1):
+        if int(sa.get("mask", 0)) & SIGSYS_BIT:
+            out[slot + (slot >= 9) + (slot >= 18)] = int(sa["mask"])
+    return out
 
 
 def _point_sigsys(core: dict[str, Any], blob: Blob, setup: TrapSetup) -> None:

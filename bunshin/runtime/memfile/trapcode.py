@@ -40,7 +40,7 @@ STATE_SIZE = PAGE
 _HEADER = struct.Struct("<QIIQQ112s")
 _FENT = struct.Struct("<QQQ232s")
 MAX_FILES = (TABLE_SIZE - _HEADER.size) // _FENT.size
-_STATE = struct.Struct("<QQQQQq")
+_STATE = struct.Struct("<QQQQQqQ64Q")  # magic, the program's SIGSYS action, owner, held, masks
 
 NR_MADVISE, NR_MREMAP, NR_RT_SIGACTION, NR_RT_SIGPROCMASK = 28, 25, 13, 14
 SIG_UNBLOCK = 1
@@ -184,10 +184,15 @@ def parse_table(raw: bytes) -> list[FileEntry] | None:
     return out
 
 
-def state_bytes(prog: dict[str, int], pid: int) -> bytes:
-    """The handler's state page: the program's own SIGSYS action (a CRIU sa_entry), its pid."""
+def state_bytes(prog: dict[str, int], pid: int, masks: dict[int, int] | None = None) -> bytes:
+    """The handler's state page: the program's own SIGSYS action (a CRIU sa_entry), its pid,
+    and the masks holding SIGSYS the program gave other signals' actions (``masks``: signal ->
+    mask; the kernel's lack SIGSYS, ``sigaction`` reads these back)."""
+    masks = {sig: m for sig, m in (masks or {}).items() if 1 <= sig <= 64 and m & SIGSYS_BIT}
+    held = sum(1 << (sig - 1) for sig in masks)
     raw = _STATE.pack(MAGIC, prog.get("sigaction", 0), prog.get("flags", 0),
-                      prog.get("restorer", 0), prog.get("mask", 0) & ~SIGSYS_BIT, pid)
+                      prog.get("restorer", 0), prog.get("mask", 0) & ~SIGSYS_BIT, pid, held,
+                      *(masks.get(sig, 0) for sig in range(1, 65)))
     return raw.ljust(STATE_SIZE, b"\0")
 
 
@@ -342,17 +347,25 @@ def filter_program(
         p.jump(_JEQ, adv, "madvise_ok", nxt)
         p.label(nxt)
     p.op(_JA, "allow")
-    # rt_sigaction: SIGSYS's (kept by the handler), or any that sets an action (its
-    # sa_mask loses SIGSYS); rt_sigprocmask that may block (SIGSYS taken out)
+    # rt_sigaction: SIGSYS's (kept by the handler), or any that sets or reads an action (its
+    # sa_mask loses SIGSYS, read back as given); rt_sigprocmask that may block (SIGSYS taken out)
     p.label("sigprocmask")
     p.op(_LD_ABS, _arg(0))
     p.jump(_JEQ, SIG_UNBLOCK, "allow", "act")
     p.label("sigaction")
     p.op(_LD_ABS, _arg(0))
-    p.jump(_JEQ, SIGSYS, "sig_hi", "act")
+    p.jump(_JEQ, SIGSYS, "sig_hi", "sa_act")
     p.label("sig_hi")
     p.op(_LD_ABS, _arg(0, True))
-    p.jump(_JEQ, 0, "signal_ok", "act")
+    p.jump(_JEQ, 0, "signal_ok", "sa_act")
+    # any other action set or read: the mask the program gave (SIGSYS in it) is read back
+    for arg, name, nxt in ((1, "sa_act", "sa_old"), (2, "sa_old", "allow")):  # act, then oldact
+        p.label(name)
+        p.op(_LD_ABS, _arg(arg))
+        p.jump(_JEQ, 0, f"{name}_hi", "signal_ok")
+        p.label(f"{name}_hi")
+        p.op(_LD_ABS, _arg(arg, True))
+        p.jump(_JEQ, 0, nxt, "signal_ok")
     p.label("act")
     p.op(_LD_ABS, _arg(1))
     p.jump(_JEQ, 0, "act_hi", "signal_ok")

@@ -9,10 +9,12 @@
  * (glibc's helper thread blocks every signal too). Then answers requests: DIR/req
  * holds one word, the answer goes to DIR/out (written whole, then renamed).
  *
- *   masks     main thread's mask (sigprocmask), sigpending, each thread's SigBlk
+ *   masks     main thread's mask (sigprocmask), sigpending, SIGUSR2's action's mask
+ *             (given as SIGSYS and SIGHUP at the start), each thread's SigBlk
  *             and SigPnd/ShdPnd from /proc/self/task/TID/status, the worker's
  *             mask (pthread_sigmask)
  *   ticks     how many times the timer ran
+ *   setaction SIGURG's action set with the mask SIGSYS and SIGUSR1, then read back
  *   dontneed  the worker: MADV_DONTNEED on the pattern, "zero" if it reads zeros,
  *             then mremap shrink and regrow reads zeros too ("zero"), pattern refilled
  *
@@ -51,6 +53,29 @@ static int zeros(const char *p, size_t n) {
         if (p[i])
             return 0;
     return 1;
+}
+
+static void on_signal(int sig) {
+    (void)sig;
+}
+
+static unsigned long long bits(const sigset_t *s);
+
+/* set ``sig``'s action with a mask of ``a`` and ``b``; the mask read back afterwards */
+static unsigned long long set_action(int sig, int a, int b) {
+    struct sigaction sa = {.sa_handler = on_signal}, got;
+    sigemptyset(&sa.sa_mask);
+    sigaddset(&sa.sa_mask, a);
+    sigaddset(&sa.sa_mask, b);
+    sigaction(sig, &sa, NULL);
+    sigaction(sig, NULL, &got);
+    return bits(&got.sa_mask);
+}
+
+static unsigned long long action_mask(int sig) {
+    struct sigaction got;
+    sigaction(sig, NULL, &got);
+    return bits(&got.sa_mask);
 }
 
 static void tick(union sigval v) {
@@ -143,11 +168,13 @@ static void answer(const char *req) {
             pthread_cond_wait(&cond, &lock);
         fprintf(f, "%s worker %llx", result, bits(&worker_mask));
         pthread_mutex_unlock(&lock);
+    } else if (!strcmp(req, "setaction")) {
+        fprintf(f, "urg %llx", set_action(SIGURG, SIGSYS, SIGUSR1));
     } else if (!strcmp(req, "masks")) {
         sigset_t cur, pend;
         sigprocmask(SIG_BLOCK, NULL, &cur);
         sigpending(&pend);
-        fprintf(f, "mask %llx pending %llx", bits(&cur), bits(&pend));
+        fprintf(f, "mask %llx pending %llx usr2 %llx", bits(&cur), bits(&pend), action_mask(SIGUSR2));
         status_lines(f);
     } else {
         fprintf(f, "unknown %s", req);
@@ -164,6 +191,7 @@ int main(int argc, char **argv) {
     mem = mmap(NULL, SIZE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     fill();
     int late = getenv("LATE") != NULL;
+    set_action(SIGUSR2, SIGSYS, SIGHUP);
     sigset_t mask;
     sigfillset(&mask);
     sigdelset(&mask, SIGTERM);
