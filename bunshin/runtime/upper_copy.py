@@ -23,19 +23,16 @@ and is made again with the copy at ``post-dump`` (``snapshot.take``).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import select
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Iterator
-from importlib import resources
 from pathlib import Path
 
 from ..config import Config
-from ..errors import BunshinError, HostUnsupported
-from . import freeze_boost, prepared
+from ..errors import BunshinError
+from . import cbuild, freeze_boost, prepared
 from .criu import Placement
 from .memfile import criu_images
 
@@ -70,32 +67,9 @@ def start_over(images: Path, layer: Path) -> None:
     shutil.rmtree(layer, ignore_errors=True)
 
 
-def _source() -> bytes:
-    return resources.files(__package__).joinpath("upper_copy.c").read_bytes()
-
-
 def build(cache_dir: Path) -> Path:
-    """The copier, compiled into ``cache_dir`` the first time (keyed by source and flags)."""
-    src = _source()
-    key = hashlib.sha256(src + " ".join(_CFLAGS).encode()).hexdigest()[:16]
-    path = Path(cache_dir) / f"upper-copy-{key}"
-    if path.exists():
-        return path
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        raise HostUnsupported("gcc is needed to build the copier of frozen layers", hint="install gcc (make install does)")
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with tempfile.TemporaryDirectory(prefix="bunshin-upper-copy-") as tmp:
-        (Path(tmp) / "upper_copy.c").write_bytes(src)
-        out = Path(tmp) / "upper-copy"
-        proc = subprocess.run([gcc, *_CFLAGS, "-o", str(out), str(Path(tmp) / "upper_copy.c")],
-                              capture_output=True, text=True, check=False)
-        if proc.returncode:
-            raise HostUnsupported(f"building the copier of frozen layers failed: {proc.stderr.strip()[-400:]}",
-                                  hint="check that gcc works (make install installs it)")
-        os.chmod(out, 0o700)
-        os.replace(out, path)  # whole or not at all, also with two builders at once
-    return path
+    """The copier, compiled into ``cache_dir`` the first time."""
+    return cbuild.build("upper_copy.c", cache_dir, "upper-copy", _CFLAGS, what="the copier of frozen layers")
 
 
 class FrozenCopy:

@@ -16,17 +16,12 @@ back to root at once. ``owner_of`` reads a namespace's owner back: a restore che
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import os
-import shutil
 import struct
-import subprocess
-import tempfile
-from importlib import resources
 from pathlib import Path
 
 from ..config import INSTALL_DIR, Config
-from ..errors import HostUnsupported
+from . import cbuild
 
 OWNER_FILE = "userns-owner"  # as userns_owner.c reads it
 _CFLAGS = ("-O2", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC")
@@ -47,28 +42,9 @@ def library(cfg: Config) -> Path:
 
 
 def build(cache_dir: Path) -> Path:
-    """The preloaded library, compiled into ``cache_dir`` the first time (keyed by source and flags)."""
-    src = resources.files(__package__).joinpath("userns_owner.c").read_bytes()
-    key = hashlib.sha256(src + " ".join(_CFLAGS).encode()).hexdigest()[:16]
-    path = Path(cache_dir) / f"userns-owner-{key}.so"
-    if path.exists():
-        return path
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        raise HostUnsupported("gcc is needed to build the restore's user namespace helper",
-                              hint="install gcc (make install does)")
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with tempfile.TemporaryDirectory(prefix="bunshin-userns-owner-") as tmp:
-        (Path(tmp) / "userns_owner.c").write_bytes(src)
-        out = Path(tmp) / "userns-owner.so"
-        proc = subprocess.run([gcc, *_CFLAGS, "-o", str(out), str(Path(tmp) / "userns_owner.c"), "-ldl"],
-                              capture_output=True, text=True, check=False)
-        if proc.returncode:
-            raise HostUnsupported(f"building the restore's user namespace helper failed: {proc.stderr.strip()[-400:]}",
-                                  hint="check that gcc works (make install installs it)")
-        os.chmod(out, 0o755)
-        os.replace(out, path)  # whole or not at all, also with two builders at once
-    return path
+    """The preloaded library, compiled into ``cache_dir`` the first time."""
+    return cbuild.build("userns_owner.c", cache_dir, "userns-owner.so", _CFLAGS, libs=("-ldl",), mode=0o755,
+                        what="the restore's user namespace helper")
 
 
 def write(folder: Path, uid: int) -> None:
