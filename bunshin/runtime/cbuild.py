@@ -20,12 +20,12 @@ from pathlib import Path
 from ..errors import HostUnsupported
 
 
-def build(source: str, cache_dir: Path, name: str, flags: Sequence[str], *, what: str,
+def build(package: str, source: str, cache_dir: Path, name: str, flags: Sequence[str], *, what: str,
           libs: Sequence[str] = (), mode: int = 0o700) -> Path:
-    """``source`` (a file of this package) compiled into ``cache_dir`` as ``name`` with the
+    """``source`` (a file of ``package``, the caller's ``__package__``) compiled into ``cache_dir`` as ``name`` with the
     key inserted before its suffix (``upper-copy-KEY``, ``userns-owner-KEY.so``); ``what``
     names the helper in errors."""
-    src = resources.files(__package__).joinpath(source).read_bytes()
+    src = resources.files(package).joinpath(source).read_bytes()
     key = hashlib.sha256(src + " ".join(flags).encode()).hexdigest()[:16]
     stem, dot, suffix = name.partition(".")
     path = Path(cache_dir) / f"{stem}-{key}{dot}{suffix}"

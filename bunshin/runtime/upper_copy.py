@@ -69,7 +69,7 @@ def start_over(images: Path, layer: Path) -> None:
 
 def build(cache_dir: Path) -> Path:
     """The copier, compiled into ``cache_dir`` the first time."""
-    return cbuild.build("upper_copy.c", cache_dir, "upper-copy", _CFLAGS, what="the copier of frozen layers")
+    return cbuild.build(__package__, "upper_copy.c", cache_dir, "upper-copy", _CFLAGS, what="the copier of frozen layers")
 
 
 class FrozenCopy:

@@ -43,7 +43,7 @@ def library(cfg: Config) -> Path:
 
 def build(cache_dir: Path) -> Path:
     """The preloaded library, compiled into ``cache_dir`` the first time."""
-    return cbuild.build("userns_owner.c", cache_dir, "userns-owner.so", _CFLAGS, libs=("-ldl",), mode=0o755,
+    return cbuild.build(__package__, "userns_owner.c", cache_dir, "userns-owner.so", _CFLAGS, libs=("-ldl",), mode=0o755,
                         what="the restore's user namespace helper")
 
 
