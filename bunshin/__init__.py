@@ -48,7 +48,7 @@ if TYPE_CHECKING:
         Unreachable,
         WorkspaceNotFound,
     )
-    from .runtime.agent_types import (
+    from .runtime.agent_host.types import (
         ExecResult,
         FileEntry,
         FileType,
@@ -56,8 +56,8 @@ if TYPE_CHECKING:
         SessionInfo,
         SessionResult,
     )
-    from .runtime.records import Mount, SnapshotMode, WorkspaceState
-    from .runtime.stats import MemoryStats, WorkspaceStats
+    from .runtime.container.stats import MemoryStats, WorkspaceStats
+    from .runtime.state.records import Mount, SnapshotMode, WorkspaceState
     from .speculate import SpeculationPolicy, SpeculationStats
     from .tools import Observation, Tool, ToolSet, ToolSpec, command_tool, function_tool
     from .workspace import LocalHost, Session, Snapshot, Workspace, WorkspaceInfo
@@ -81,12 +81,12 @@ _WHERE = {
     "CommandsAPI": "workspace.protocol", "FilesAPI": "workspace.protocol",
     "SessionsAPI": "workspace.protocol", "HostAPI": "workspace.protocol",
     # records
-    "ExecResult": "runtime.agent_types", "SessionResult": "runtime.agent_types",
-    "SessionInfo": "runtime.agent_types", "FileEntry": "runtime.agent_types",
-    "FileType": "runtime.agent_types", "ProcessInfo": "runtime.agent_types",
-    "WorkspaceStats": "runtime.stats", "MemoryStats": "runtime.stats",
-    "Mount": "runtime.records", "SnapshotMode": "runtime.records",
-    "WorkspaceState": "runtime.records",
+    "ExecResult": "runtime.agent_host.types", "SessionResult": "runtime.agent_host.types",
+    "SessionInfo": "runtime.agent_host.types", "FileEntry": "runtime.agent_host.types",
+    "FileType": "runtime.agent_host.types", "ProcessInfo": "runtime.agent_host.types",
+    "WorkspaceStats": "runtime.container.stats", "MemoryStats": "runtime.container.stats",
+    "Mount": "runtime.state.records", "SnapshotMode": "runtime.state.records",
+    "WorkspaceState": "runtime.state.records",
     "Config": "config",
     # tools, the prefix cache, speculation
     "ToolSet": "tools", "Tool": "tools", "ToolSpec": "tools", "Observation": "tools",

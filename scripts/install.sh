@@ -118,7 +118,7 @@ for cmd in ip nft unshare nsenter mount busybox ps; do
 done
 
 # The pid space: every live workspace's pids limit is counted against kernel.pid_max
-# (bunshin.runtime.budget), and the kernel's default (32768) holds ~57 workspaces of the
+# (bunshin.runtime.state.budget), and the kernel's default (32768) holds ~57 workspaces of the
 # default 512. systemd raises it to 4194304 (the 64-bit maximum) on every boot
 # (50-pid-max.conf); a host without systemd gets the same here, never a lower value.
 if [ "$(cat /proc/sys/kernel/pid_max 2>/dev/null || echo 0)" -lt 4194304 ]; then

@@ -14,9 +14,10 @@ import psutil
 import pytest
 
 from bunshin.config import DEFAULT_TMPFS, Config
-from bunshin.runtime import mountinfo, statefs
-from bunshin.runtime.cgroups import Layout
-from bunshin.runtime.store import Store
+from bunshin.runtime.container import statefs
+from bunshin.runtime.container.cgroups import Layout
+from bunshin.runtime.kernel import mountinfo
+from bunshin.runtime.state.store import Store
 
 # --- what a test needs of the machine --------------------------------------------------
 
@@ -117,19 +118,21 @@ def no_leaks(cfg: Config):
     if _netns() != before_netns:
         left["netns"] = _netns()
     if left:
-        from bunshin.runtime import container, gc
-        from bunshin.runtime import snapshot as rsnap
+        from bunshin.runtime.container import lifecycle as container
+        from bunshin.runtime.snapshot import lifetime as rsnap_lifetime
+        from bunshin.runtime.snapshot import sweeping as rsnap_sweeping
+        from bunshin.runtime.upkeep import gc
 
         with Store.open(cfg.db_path) as store:
             for rec in store.list_workspaces():  # live leftovers too: gc only takes stale ones
                 container.destroy(cfg, store, rec)
-            owners = {s.id: _process(s.owner_pid) for s in rsnap.list_all(store) if s.owner_pid}
+            owners = {s.id: _process(s.owner_pid) for s in rsnap_lifetime.list_all(store) if s.owner_pid}
             if owners:
                 left["snapshot_owners"] = owners
-            for snap in rsnap.list_all(store):  # kept snapshots too: the next test starts clean
-                rsnap.remove(cfg, store, snap)
-            for snap in rsnap.list_all(store):  # still owned (a live maker): deleted all the same
-                rsnap._delete(cfg, store, snap)
+            for snap in rsnap_lifetime.list_all(store):  # kept snapshots too: the next test starts clean
+                rsnap_sweeping.remove(cfg, store, snap)
+            for snap in rsnap_lifetime.list_all(store):  # still owned (a live maker): deleted all the same
+                rsnap_sweeping._delete(cfg, store, snap)
             gc.collect(cfg, store)
         pytest.fail(f"test leaked: {left}")
 

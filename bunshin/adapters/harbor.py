@@ -40,9 +40,9 @@ from harbor.environments.capabilities import EnvironmentCapabilities
 
 from ..config import Config
 from ..errors import ImageNotFound, InvalidArgument, ResourceExhausted, StateConflict
-from ..runtime.agent_types import FileType
+from ..runtime.agent_host.types import FileType
 from ..runtime.oci import store as oci_store
-from ..runtime.store import Store
+from ..runtime.state.store import Store
 from ..workspace import Workspace
 from ..workspace.protocol import SnapshotAPI, WorkspaceAPI
 from ._group import GROUPS
@@ -78,7 +78,7 @@ def image_for(cfg: Config, environment_dir: Path, name: str, *, docker_image: st
               force_build: bool = False, network: str = "none") -> str:
     """The stored image of a Harbor environment: ``docker_image`` as named (stored or
     pulled), else the folder's Dockerfile built once per content (``harbor/<name>:<hash>``)."""
-    from ..runtime.images import stored_image
+    from ..runtime.container.images import stored_image
 
     if docker_image:
         with Store.open(cfg.db_path) as store:

@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..config import Config
 from ..errors import BunshinError, InvalidArgument, SetupFailed
-from ..runtime.records import SnapshotMode
+from ..runtime.state.records import SnapshotMode
 from ..workspace import Workspace
 from ..workspace.protocol import SnapshotAPI, WorkspaceAPI
 from ._group import GROUPS, LocalGroups

@@ -36,7 +36,7 @@ from typing import Any
 
 from ..config import Config
 from ..errors import InvalidArgument, StateConflict
-from ..runtime.records import SnapshotMode
+from ..runtime.state.records import SnapshotMode
 from ..workspace import LocalHost
 from ..workspace.desktop import Desktop, DesktopSpec
 from ..workspace.protocol import HostAPI, SnapshotAPI, WorkspaceAPI

@@ -37,7 +37,7 @@ from ..config import Config
 from ..errors import InvalidArgument, StateConflict
 from ..rollout import Episode, Mode, ModeOptions, RolloutEngine, TaskSpec, load_task, parse_task
 from ..rollout.records import Action, new_id
-from ..runtime.images import IMAGE_ID
+from ..runtime.container.images import IMAGE_ID
 from ..runtime.oci.refs import looks_like_ref
 from ..tools import Observation, ToolCall
 from ..workspace.protocol import WorkspaceAPI

@@ -1,7 +1,7 @@
 """The agent's wire protocol, written once for both ends.
 
 The agent (``server``, ``jobs`` and the op handlers) and the host client
-(``bunshin.runtime.agent_client``) both import this module; nothing about the
+(``bunshin.runtime.agent_host.client``) both import this module; nothing about the
 wire is spelled anywhere else. Standard library only: it ships into every
 workspace with the rest of the agent package.
 

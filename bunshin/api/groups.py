@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from ..runtime.budget import MIN_PIDS, PID_MAX_LIMIT
+from ..runtime.state.budget import MIN_PIDS, PID_MAX_LIMIT
 from .models import MAX_COUNT, Model, ServedImage
 
 #: A group key: it names the group in URLs and in the server's records.

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import InvalidArgument
-from ..runtime.agent_types import (
+from ..runtime.agent_host.types import (
     ExecResult,
     FileEntry,
     FileType,
@@ -23,11 +23,11 @@ from ..runtime.agent_types import (
     SessionInfo,
     SessionResult,
 )
-from ..runtime.budget import MIN_PIDS, PID_MAX_LIMIT
-from ..runtime.limits import MAX_OUTPUT, MAX_TIMEOUT_S
+from ..runtime.container.stats import MemoryStats, WorkspaceStats
+from ..runtime.kernel.limits import MAX_OUTPUT, MAX_TIMEOUT_S
 from ..runtime.oci.refs import looks_like_ref
-from ..runtime.records import SnapshotMode
-from ..runtime.stats import MemoryStats, WorkspaceStats
+from ..runtime.state.budget import MIN_PIDS, PID_MAX_LIMIT
+from ..runtime.state.records import SnapshotMode
 
 API_VERSION = "v1"
 #: Most workspaces one create or restore call makes (the runtime's own batch cap).

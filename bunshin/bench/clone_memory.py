@@ -34,8 +34,8 @@ from .. import console as output
 from ..agent.jobs import CALLS
 from ..config import Config
 from ..errors import InvalidArgument
-from ..runtime.agent_bundle import CALLS_ENV, agent_calls, agent_python
-from ..runtime.cgroups import WorkspaceCgroup
+from ..runtime.agent_host.bundle import CALLS_ENV, agent_calls, agent_python
+from ..runtime.container.cgroups import WorkspaceCgroup
 from ..tools import ToolSet
 from ..workspace import Workspace
 

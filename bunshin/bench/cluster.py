@@ -37,7 +37,7 @@ from ..cluster.serve_proc import clear_home
 from ..config import Config
 from ..errors import InvalidArgument
 from ..rollout import ModeOptions, RolloutEngine, TraceReplayPolicy
-from ..runtime import statefs
+from ..runtime.container import statefs
 from . import image_move
 from . import workloads as wl
 from .sampler import MemorySampler

@@ -38,7 +38,7 @@ from PIL import Image, ImageChops
 from ..config import Config
 from ..errors import HostUnsupported, InvalidArgument
 from ..rollout import Mode, RolloutEngine, TraceReplayPolicy, parse_task, parse_traces
-from ..runtime.records import SnapshotMode
+from ..runtime.state.records import SnapshotMode
 from ..tools import ToolSet
 from ..workspace import Workspace
 from ..workspace.batch import remove_all

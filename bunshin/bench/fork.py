@@ -57,8 +57,8 @@ from rich.progress import Progress, TaskID
 from .. import console as output
 from ..config import Config
 from ..errors import InvalidArgument, RuntimeFailure
-from ..runtime import precopy
 from ..runtime.memfile import criu_images
+from ..runtime.snapshot import precopy
 from ..tools import ToolSet
 from ..workspace import Snapshot, Workspace
 from ..workspace.batch import remove_all

@@ -32,10 +32,11 @@ from rich.progress import Progress
 from .. import console as output
 from ..config import Config
 from ..errors import HostUnsupported, RuntimeFailure
-from ..runtime import gc, statefs
+from ..runtime.container import statefs
 from ..runtime.oci import pull as oci_pull
 from ..runtime.oci import store as oci_store
-from ..runtime.store import Store
+from ..runtime.state.store import Store
+from ..runtime.upkeep import gc
 from ..workspace import Workspace
 from . import oci_build as ob
 from .fork import HEAP_PROG, measure

@@ -23,9 +23,9 @@ from typing import Any
 from ..client import Client
 from ..client.images import copy_image
 from ..config import Config
-from ..runtime import statefs
+from ..runtime.container import statefs
 from ..runtime.oci import store as oci_store
-from ..runtime.store import Store
+from ..runtime.state.store import Store
 from ..server.thread import serve_in_thread
 from . import oci_build as ob
 

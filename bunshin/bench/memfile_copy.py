@@ -36,7 +36,7 @@ from typing import Any
 from .. import console as output
 from ..config import Config
 from ..errors import InvalidArgument
-from ..runtime import statefs
+from ..runtime.container import statefs
 from ..runtime.memfile import fileio
 
 HUGE = 2 << 20

@@ -41,10 +41,10 @@ from typing import Any
 from .. import console as output
 from ..config import Config
 from ..errors import InvalidArgument
-from ..runtime import prepared
 from ..runtime import snapshot as rsnap
-from ..runtime.cgroups import WorkspaceCgroup
-from ..runtime.store import Store
+from ..runtime.container.cgroups import WorkspaceCgroup
+from ..runtime.criu import prepared
+from ..runtime.state.store import Store
 from ..workspace import Workspace
 from ..workspace.batch import remove_all
 from .fork import start_heap

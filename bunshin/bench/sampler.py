@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import Config
-from ..runtime.cgroups import Layout
+from ..runtime.container.cgroups import Layout
 from .stats import system_used_bytes
 
 GB = 1e9

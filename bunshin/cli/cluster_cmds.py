@@ -65,7 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_up(args: argparse.Namespace) -> int:
     from ..cluster import Cluster, HostLimits
-    from ..runtime.cgroups import parse_size
+    from ..runtime.container.cgroups import parse_size
     from .serve_cmds import _reserve
 
     limits = HostLimits(max_workspaces=args.max_workspaces, max_memory=parse_size(args.max_memory),

@@ -10,9 +10,9 @@ from datetime import datetime
 
 from .. import console as output
 from ..config import Config
-from ..runtime import gc
 from ..runtime.oci import store as oci_store
-from ..runtime.store import Store
+from ..runtime.state.store import Store
+from ..runtime.upkeep import gc
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -72,7 +72,7 @@ def release_idle_tmpfs() -> None:
     """After a self-contained job (bench, demo, rollout): unmount bunshin's tmpfs if
     nothing of it is left in use, so the job leaves the machine as it found it."""
     from ..config import Config
-    from ..runtime import statefs
+    from ..runtime.container import statefs
 
     try:
         statefs.release(Config.from_env())

@@ -77,7 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _size_or_off(text: str, option: str) -> int | None:
     """A size such as 48G, or None for 'off'."""
-    from ..runtime.limits import byte_size
+    from ..runtime.kernel.limits import byte_size
 
     return None if text == "off" else byte_size(text, option, "give a size like 48G, or 'off'")
 
@@ -93,7 +93,7 @@ def _max_memory(text: str) -> int | None:
 def _max_pids(text: str) -> int | None:
     """``--max-pids``: 'auto' (the host-wide pids budget), or a number within it."""
     from ..errors import InvalidArgument
-    from ..runtime import budget
+    from ..runtime.state import budget
 
     most = budget.pids_budget()
     if text == "auto":
@@ -109,7 +109,7 @@ def _reserve(text: str) -> int | None:
     import psutil
 
     from ..errors import InvalidArgument
-    from ..runtime.cgroups import parse_size
+    from ..runtime.container.cgroups import parse_size
 
     if text == "off":
         return None

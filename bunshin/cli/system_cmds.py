@@ -7,8 +7,8 @@ import argparse
 from .. import console as output
 from ..config import Config
 from ..errors import InvalidArgument
-from ..runtime import doctor, gc
-from ..runtime.store import Store
+from ..runtime.state.store import Store
+from ..runtime.upkeep import doctor, gc
 
 
 def register(sub: argparse._SubParsersAction) -> None:

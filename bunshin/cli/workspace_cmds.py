@@ -15,7 +15,7 @@ from datetime import datetime
 from .. import console as output
 from ..agent.execs import DEFAULT_MAX_OUTPUT
 from ..errors import InvalidArgument
-from ..runtime.limits import MAX_OUTPUT, byte_size, check_max_output, check_timeout
+from ..runtime.kernel.limits import MAX_OUTPUT, byte_size, check_max_output, check_timeout
 from ..workspace import Snapshot, Workspace
 from ..workspace.batch import remove_all
 from ..workspace.desktop import DesktopSpec

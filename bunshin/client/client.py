@@ -21,7 +21,7 @@ from ..api import models as m
 from ..api import rollouts as r
 from ..api.archive import CHUNK, MEDIA_TYPE, tar_chunks
 from ..errors import BunshinError, InvalidArgument, RateLimited, RequestInProgress, Unreachable
-from ..runtime.snapshot_io import MANIFEST
+from ..runtime.snapshot.folder import MANIFEST
 from ..workspace.protocol import HostAPI
 from .groups import RemoteGroup, TaskLike, join
 from .images import RemoteImages

@@ -19,10 +19,16 @@ import httpx
 from ..api import models as m
 from ..api.archive import untar
 from ..errors import InvalidArgument
-from ..runtime.agent_types import ExecResult, FileEntry, ProcessInfo, SessionInfo, SessionResult
-from ..runtime.limits import check_timeout
-from ..runtime.records import SnapshotMode
-from ..runtime.stats import WorkspaceStats
+from ..runtime.agent_host.types import (
+    ExecResult,
+    FileEntry,
+    ProcessInfo,
+    SessionInfo,
+    SessionResult,
+)
+from ..runtime.container.stats import WorkspaceStats
+from ..runtime.kernel.limits import check_timeout
+from ..runtime.state.records import SnapshotMode
 from ..tools.spec import Observation
 from ..workspace.protocol import SnapshotAPI, WorkspaceAPI
 

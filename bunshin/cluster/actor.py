@@ -33,7 +33,7 @@ import psutil
 
 from ..config import Config
 from ..errors import BunshinError
-from ..runtime.gc import ClusterLease, read_lease, write_lease
+from ..runtime.upkeep.gc import ClusterLease, read_lease, write_lease
 from . import fence
 from .records import HostInfo, HostLimits, SignedEndpoint
 from .secret import ClusterSecret
@@ -210,8 +210,8 @@ class HostActor:
     def gc(self) -> dict[str, Any]:
         """``bunshin gc`` on this host's home (its server stopped first: gc removes what
         no live process owns)."""
-        from ..runtime import gc
-        from ..runtime.store import Store
+        from ..runtime.state.store import Store
+        from ..runtime.upkeep import gc
 
         with self._lock:
             self.server.stop()

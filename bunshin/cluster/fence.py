@@ -3,12 +3,12 @@
 Every host name has an epoch (``epoch/NAME`` in the GCS's key-value store, namespace
 ``bunshin``). The head fences a host it gave up on (:func:`fence`: the epoch moves on,
 its trajectories were retried elsewhere). The host's actor compares the epoch its
-home's state was made in (the home's :class:`~bunshin.runtime.gc.ClusterLease`) with
+home's state was made in (the home's :class:`~bunshin.runtime.upkeep.gc.ClusterLease`) with
 the cluster's, at start and every :data:`RENEW_S` seconds: a fenced home is emptied
 and served again in the new epoch (then ``serving/NAME`` says so, and the head may
 place there again). While the cluster vouches for the home its lease is renewed; a
 lease nobody renews runs out, and plain ``bunshin gc`` on that host then removes what
-it held (:mod:`bunshin.runtime.gc`).
+it held (:mod:`bunshin.runtime.upkeep.gc`).
 
 A record empties a host, so it counts only if it is signed: ``EPOCH:MAC``, the MAC
 (HMAC-SHA256 with the cluster secret's fencing key, :mod:`bunshin.cluster.secret`)

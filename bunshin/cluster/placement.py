@@ -51,7 +51,7 @@ from ..rollout.envs import (
     make_env,
 )
 from ..rollout.task import TaskSpec
-from ..runtime.cgroups import parse_size
+from ..runtime.container.cgroups import parse_size
 from ..workspace.aio import AsyncWorkspace
 from .copies import COPY_TTL_S, CopyLeases
 from .images import ImageMove, ImageMover

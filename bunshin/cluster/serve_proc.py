@@ -25,7 +25,7 @@ import psutil
 
 from ..config import Config
 from ..errors import InvalidArgument, RuntimeFailure
-from ..runtime import syscalls
+from ..runtime.kernel import syscalls
 from .records import HostLimits
 
 PR_SET_PDEATHSIG = 1
@@ -223,9 +223,10 @@ def clear_home(cfg: Config, *, release: bool = False) -> dict[str, int]:
     """Every workspace and snapshot of a host's home removed, then ``bunshin gc`` (its
     server must be stopped): for a cluster host whose work the head gave up on, or a
     benchmark's simulated hosts. ``release``: its tmpfs unmounted after. What went, by kind."""
-    from ..runtime import container, gc
     from ..runtime import snapshot as rsnap
-    from ..runtime.store import Store
+    from ..runtime.container import lifecycle as container
+    from ..runtime.state.store import Store
+    from ..runtime.upkeep import gc
 
     with Store.open(cfg.db_path) as store:
         workspaces = store.list_workspaces()

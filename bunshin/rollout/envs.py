@@ -28,7 +28,7 @@ from typing import Any, Protocol, TypeVar
 from ..cache import PrefixCache
 from ..config import Config
 from ..errors import InvalidArgument, SetupFailed
-from ..runtime.records import SnapshotMode
+from ..runtime.state.records import SnapshotMode
 from ..speculate import SpeculationPolicy
 from ..tools import Tool, ToolSet
 from ..tools.desktop import DESKTOP_TOOLS

@@ -39,9 +39,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..config import Config
 from ..errors import InvalidArgument
-from ..runtime.budget import MIN_PIDS, PID_MAX_LIMIT
-from ..runtime.limits import MAX_TIMEOUT_S
-from ..runtime.records import check_mounts
+from ..runtime.kernel.limits import MAX_TIMEOUT_S
+from ..runtime.state.budget import MIN_PIDS, PID_MAX_LIMIT
+from ..runtime.state.records import check_mounts
 from ..workspace.desktop import DesktopSpec
 
 #: A timeout field: finite seconds, > 0 and at most 7 days (``MAX_TIMEOUT_S``).
@@ -180,8 +180,8 @@ class TaskSpec(BaseModel):
 def resolve_image(task: TaskSpec, config: Config) -> str:
     """The digest that names ``task.image``: an image's id (pulled first if the store lacks
     it and the reference names its registry); 'host' or a folder as it is."""
-    from ..runtime import images  # noqa: PLC0415 (the runtime only when a root is built)
-    from ..runtime.store import Store  # noqa: PLC0415
+    from ..runtime.container import images  # noqa: PLC0415 (the runtime only when a root is built)
+    from ..runtime.state.store import Store  # noqa: PLC0415
 
     if images.names_folder(task.image):
         return task.image

@@ -34,7 +34,7 @@ import psutil
 
 from ..config import Config
 from ..errors import InvalidArgument, RateLimited
-from ..runtime.records import WorkspaceState
+from ..runtime.state.records import WorkspaceState
 from ..workspace import Workspace
 
 #: What a caller refused by a cap is told to wait: capacity frees when someone removes a workspace.

@@ -13,7 +13,9 @@ from fastapi import Query, Request
 
 from ..api import models as m
 from ..config import Config
-from ..runtime.limits import MAX_FILE_BYTES as MAX_FILE_BYTES  # the server's file bodies, both ways
+from ..runtime.kernel.limits import (
+    MAX_FILE_BYTES as MAX_FILE_BYTES,  # the server's file bodies, both ways
+)
 from ..workspace import Snapshot, Workspace, WorkspaceInfo
 from ..workspace.locks import WorkspaceLocks, workspace_locks
 from .admission import Admission, Limits

@@ -40,8 +40,8 @@ from ..config import Config
 from ..errors import InvalidArgument, NotFound, SnapshotNotFound, StateConflict
 from ..rollout.envs import SnapshotEnv, in_thread, scope_tools
 from ..rollout.task import TaskSpec, parse_reward
-from ..runtime.records import SnapshotMode
-from ..runtime.store import Store
+from ..runtime.state.records import SnapshotMode
+from ..runtime.state.store import Store
 from ..speculate import SpeculationPolicy
 from ..tools import ToolSet
 from ..workspace import Snapshot, Workspace

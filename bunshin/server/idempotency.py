@@ -41,7 +41,7 @@ from pydantic import BaseModel
 
 from ..config import Config
 from ..errors import IdempotencyKeyReused, RequestInProgress
-from ..runtime.store import Store
+from ..runtime.state.store import Store
 
 KIND = "idempotency"
 #: How long an answer is kept for retries.

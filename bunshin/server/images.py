@@ -24,11 +24,11 @@ from ..api.images import DIGEST_HEADER, MAC_HEADER, MEDIA_TYPE, SIZE_HEADER, Ima
 from ..api.models import served_image
 from ..config import Config
 from ..errors import ImageNotFound, InvalidArgument, PayloadTooLarge
-from ..runtime import images
+from ..runtime.container import images
 from ..runtime.oci import exchange, layer_tar
 from ..runtime.oci import store as oci_store
 from ..runtime.oci.records import ImageRecord
-from ..runtime.store import Store
+from ..runtime.state.store import Store
 from .context import RAW_BODY, CallerGone, ServerContext
 from .uploads import UploadBudget
 

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 from ..config import Config
 from ..errors import NotFound
-from ..runtime.store import Store
+from ..runtime.state.store import Store
 from ..workspace import Snapshot, Workspace
 
 log = logging.getLogger("bunshin.server")

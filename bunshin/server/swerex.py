@@ -52,7 +52,7 @@ from pydantic import BaseModel
 
 from ..api import swerex as x
 from ..errors import BunshinError, NotFound, PathNotFound, WorkspaceNotFound
-from ..runtime.limits import MAX_TEXT_FILE_BYTES
+from ..runtime.kernel.limits import MAX_TEXT_FILE_BYTES
 from ..workspace import Workspace
 from .context import MAX_FILE_BYTES, RAW_BODY, STREAM_CHUNK, ServerContext
 

@@ -15,7 +15,7 @@ from fastapi.responses import StreamingResponse
 
 from ..api import models as m
 from ..errors import PayloadTooLarge
-from ..runtime.cgroups import parse_size
+from ..runtime.container.cgroups import parse_size
 from ..workspace import Workspace
 from .context import (
     MAX_FILE_BYTES,

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Literal, overload
 
 from ..errors import AgentError, InvalidArgument, PathNotFound, SnapshotNotFound, StateConflict
-from ..runtime.agent_types import (
+from ..runtime.agent_host.types import (
     ExecResult,
     FileEntry,
     FileType,
@@ -49,8 +49,8 @@ from ..runtime.agent_types import (
     SessionInfo,
     SessionResult,
 )
-from ..runtime.records import SnapshotMode
-from ..runtime.stats import MemoryStats, WorkspaceStats
+from ..runtime.container.stats import MemoryStats, WorkspaceStats
+from ..runtime.state.records import SnapshotMode
 from ..workspace.protocol import SnapshotAPI, WorkspaceAPI
 
 __all__ = ["FakeSnapshot", "FakeState", "FakeWorkspace", "FakeWorld"]

@@ -19,7 +19,7 @@ from ..errors import (
     ToolTimeout,
     WorkspaceNotFound,
 )
-from ..runtime.limits import MAX_FILE_BYTES, MAX_TEXT_FILE_BYTES
+from ..runtime.kernel.limits import MAX_FILE_BYTES, MAX_TEXT_FILE_BYTES
 from ..workspace.protocol import WorkspaceAPI
 from .spec import Tool, ToolContext, ToolError, ToolOutput, ToolSpec
 

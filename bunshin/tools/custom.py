@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import BunshinError, InvalidArgument
-from ..runtime.agent_bundle import AgentBundle
+from ..runtime.agent_host.bundle import AgentBundle
 from ..workspace.protocol import WorkspaceAPI
 from .builtin import session_id, translate
 from .spec import Tool, ToolContext, ToolError, ToolOutput, ToolSpec

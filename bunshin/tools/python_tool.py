@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import BunshinError
-from ..runtime.agent_bundle import AgentBundle
+from ..runtime.agent_host.bundle import AgentBundle
 from ..workspace.protocol import WorkspaceAPI
 from .builtin import translate
 from .spec import Tool, ToolContext, ToolError, ToolOutput, ToolSpec

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..errors import InvalidArgument
 from ..errors import ToolError as ToolError  # part of the tools API; defined in the one error tree
-from ..runtime.limits import check_timeout
+from ..runtime.kernel.limits import check_timeout
 from ..workspace.protocol import WorkspaceAPI
 
 

@@ -29,9 +29,15 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal, TypeVar, overload
 
-from ..runtime.agent_types import ExecResult, FileEntry, ProcessInfo, SessionInfo, SessionResult
-from ..runtime.records import SnapshotMode
-from ..runtime.stats import WorkspaceStats
+from ..runtime.agent_host.types import (
+    ExecResult,
+    FileEntry,
+    ProcessInfo,
+    SessionInfo,
+    SessionResult,
+)
+from ..runtime.container.stats import WorkspaceStats
+from ..runtime.state.records import SnapshotMode
 from .locks import WorkspaceLocks, workspace_locks
 from .protocol import Command, SnapshotAPI, WorkspaceAPI
 

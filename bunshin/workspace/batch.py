@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ..runtime import snapshot as rsnap
-from ..runtime import teardown
-from ..runtime.store import Store
+from ..runtime.container import teardown
+from ..runtime.state.store import Store
 from .workspace import Workspace
 
 

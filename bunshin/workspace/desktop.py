@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidArgument, RuntimeFailure, StateConflict
-from ..runtime.agent_bundle import AgentBundle
-from ..runtime.limits import MAX_OUTPUT
+from ..runtime.agent_host.bundle import AgentBundle
+from ..runtime.kernel.limits import MAX_OUTPUT
 from . import xwd
 from .keys import xdotool_combo
 from .protocol import WorkspaceAPI

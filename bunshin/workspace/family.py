@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import Config
-from ..runtime import container
 from ..runtime import snapshot as rsnap
-from ..runtime import stats as rstats
-from ..runtime.records import WorkspaceRecord, WorkspaceState
-from ..runtime.stats import MemoryStats
-from ..runtime.store import Store
+from ..runtime.container import lifecycle as container
+from ..runtime.container import stats as rstats
+from ..runtime.container.stats import MemoryStats
+from ..runtime.state.records import WorkspaceRecord, WorkspaceState
+from ..runtime.state.store import Store
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..config import Config
-from ..runtime.records import Mount
+from ..runtime.state.records import Mount
 from .protocol import HostAPI
 from .workspace import Workspace
 

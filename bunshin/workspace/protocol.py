@@ -21,9 +21,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal, Protocol, overload, runtime_checkable
 
-from ..runtime.agent_types import ExecResult, FileEntry, ProcessInfo, SessionInfo, SessionResult
-from ..runtime.records import SnapshotMode
-from ..runtime.stats import WorkspaceStats
+from ..runtime.agent_host.types import (
+    ExecResult,
+    FileEntry,
+    ProcessInfo,
+    SessionInfo,
+    SessionResult,
+)
+from ..runtime.container.stats import WorkspaceStats
+from ..runtime.state.records import SnapshotMode
 
 Command = str | Sequence[str]
 """A shell string (run by ``/bin/sh -c``) or an argv list (run as it is)."""

@@ -18,16 +18,23 @@ from typing import Literal, overload
 
 from ..config import Config
 from ..errors import StateConflict
-from ..runtime import container, snapshot_io
 from ..runtime import snapshot as rsnap
-from ..runtime import stats as rstats
-from ..runtime.agent_client import AgentClient
-from ..runtime.agent_types import ExecResult, FileEntry, ProcessInfo, SessionInfo, SessionResult
-from ..runtime.cgroups import WorkspaceCgroup
-from ..runtime.limits import check_timeout
-from ..runtime.records import Mount, SnapshotMode, WorkspaceRecord, WorkspaceState
-from ..runtime.stats import WorkspaceStats
-from ..runtime.store import Store
+from ..runtime.agent_host.client import AgentClient
+from ..runtime.agent_host.types import (
+    ExecResult,
+    FileEntry,
+    ProcessInfo,
+    SessionInfo,
+    SessionResult,
+)
+from ..runtime.container import lifecycle as container
+from ..runtime.container import stats as rstats
+from ..runtime.container.cgroups import WorkspaceCgroup
+from ..runtime.container.stats import WorkspaceStats
+from ..runtime.kernel.limits import check_timeout
+from ..runtime.snapshot import folder_load, folder_save
+from ..runtime.state.records import Mount, SnapshotMode, WorkspaceRecord, WorkspaceState
+from ..runtime.state.store import Store
 from .desktop import Desktop, DesktopSpec
 from .protocol import SnapshotAPI, WorkspaceAPI
 
@@ -306,11 +313,11 @@ class Snapshot:
         """
         cfg = config or Config.from_env()
         with Store.open(cfg.db_path) as store:
-            return cls(cfg, snapshot_io.load(cfg, store, Path(folder), trust=trust))
+            return cls(cfg, folder_load.load(cfg, store, Path(folder), trust=trust))
 
     def save(self, folder: str | Path) -> Path:
         """Write images, memory files and layers into ``folder`` (new or empty)."""
-        return snapshot_io.save(self._config, self._record, Path(folder))
+        return folder_save.save(self._config, self._record, Path(folder))
 
     def restore(self, n: int = 1) -> builtins.list[Workspace]:
         """``n`` new running workspaces in this state; all of them or none."""

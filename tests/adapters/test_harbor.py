@@ -25,9 +25,9 @@ from harbor.models.task.config import EnvironmentConfig  # noqa: E402
 from bunshin.adapters import harbor as adapter  # noqa: E402
 from bunshin.adapters._group import GROUPS  # noqa: E402
 from bunshin.errors import InvalidArgument, ResourceExhausted, StateConflict  # noqa: E402
-from bunshin.runtime import gc  # noqa: E402
 from bunshin.runtime.oci import store as oci_store  # noqa: E402
-from bunshin.runtime.store import Store  # noqa: E402
+from bunshin.runtime.state.store import Store  # noqa: E402
+from bunshin.runtime.upkeep import gc  # noqa: E402
 from tests.runtime import oci_images as oi  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.criu,

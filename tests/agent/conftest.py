@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bunshin.runtime.agent_client import AgentClient
+from bunshin.runtime.agent_host.client import AgentClient
 
 REPO = Path(__file__).resolve().parents[2]
 #: Set in the agent's environment; children must never see it.

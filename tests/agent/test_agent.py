@@ -24,8 +24,8 @@ from bunshin.errors import (
     ResourceExhausted,
     StateConflict,
 )
-from bunshin.runtime.agent_client import AgentClient
-from bunshin.runtime.agent_types import FileType
+from bunshin.runtime.agent_host.client import AgentClient
+from bunshin.runtime.agent_host.types import FileType
 
 if TYPE_CHECKING:
     from collections.abc import Callable

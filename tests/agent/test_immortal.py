@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bunshin.agent import immortal
-from bunshin.runtime.agent_bundle import agent_python
+from bunshin.runtime.agent_host.bundle import agent_python
 
 AGENT_DIR = Path(immortal.__file__).parent
 

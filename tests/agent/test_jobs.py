@@ -8,7 +8,7 @@ import time
 import pytest
 
 from bunshin.errors import InvalidArgument, NotFound
-from bunshin.runtime.agent_client import POLL_S, AgentClient, quiesced
+from bunshin.runtime.agent_host.client import POLL_S, AgentClient, quiesced
 
 
 def test_long_exec_is_polled_and_answers(client: AgentClient):

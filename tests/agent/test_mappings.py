@@ -7,8 +7,8 @@ import os
 import subprocess
 from pathlib import Path
 
-from bunshin.runtime.agent_bundle import agent_python
-from bunshin.runtime.agent_client import AgentClient
+from bunshin.runtime.agent_host.bundle import agent_python
+from bunshin.runtime.agent_host.client import AgentClient
 
 AGENT_SRC = Path(__file__).resolve().parents[2] / "bunshin" / "agent"
 #: What the agent's calls use (sockets, selectors, base64, fork_exec, ptys, ctypes' prctl, json).

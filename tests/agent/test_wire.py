@@ -23,9 +23,10 @@ from bunshin.agent import protocol, wire
 from bunshin.agent.server import Agent, AgentServer
 from bunshin.agent.wire import SPEC, ErrorCode, Op
 from bunshin.errors import BunshinError, InvalidArgument
-from bunshin.runtime import agent_bundle, agent_client
-from bunshin.runtime.agent_client import AgentClient
-from bunshin.runtime.agent_types import (
+from bunshin.runtime.agent_host import bundle as agent_bundle
+from bunshin.runtime.agent_host import client as agent_client
+from bunshin.runtime.agent_host.client import AgentClient
+from bunshin.runtime.agent_host.types import (
     AgentInfo,
     ExecResult,
     FileEntry,

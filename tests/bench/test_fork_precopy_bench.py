@@ -6,7 +6,7 @@ import pytest
 
 from bunshin.bench import fork_precopy
 from bunshin.errors import InvalidArgument
-from bunshin.runtime import fork_boost
+from bunshin.runtime.criu import fork_boost
 
 pytestmark = [pytest.mark.integration, pytest.mark.criu]
 

@@ -8,7 +8,7 @@ import pytest
 
 from bunshin.bench import memfile_copy
 from bunshin.errors import InvalidArgument
-from bunshin.runtime import statefs
+from bunshin.runtime.container import statefs
 
 pytestmark = [pytest.mark.integration]
 

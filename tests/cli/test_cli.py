@@ -97,7 +97,7 @@ def test_gc_after_creator_killed_mid_create(no_leaks):
         import os, signal
         from pathlib import Path
         from bunshin.config import Config
-        from bunshin.runtime import container
+        from bunshin.runtime.container import lifecycle as container
         def die(*a, **k):
             os.kill(os.getpid(), signal.SIGKILL)
         container._launch = die
@@ -197,7 +197,7 @@ def test_interactive_sh_on_a_terminal(no_leaks):
 
 
 def test_gc_removes_agent_layers_of_older_agent_versions(no_leaks):
-    from bunshin.runtime.agent_bundle import current_layer_name
+    from bunshin.runtime.agent_host.bundle import current_layer_name
 
     layers = no_leaks.tmpfs / "layers"
     old = layers / "agent-000000000000"

@@ -43,9 +43,10 @@ def home_config(root: Path, name: str) -> Config:
 
 def collect(cfg: Config) -> None:
     """What a test left on a host: removed (workspaces, snapshots, then gc)."""
-    from bunshin.runtime import container, gc
     from bunshin.runtime import snapshot as rsnap
-    from bunshin.runtime.store import Store
+    from bunshin.runtime.container import lifecycle as container
+    from bunshin.runtime.state.store import Store
+    from bunshin.runtime.upkeep import gc
 
     with Store.open(cfg.db_path) as store:
         for rec in store.list_workspaces():

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from bunshin.config import Config
 from bunshin.rollout.task import TaskSpec
-from bunshin.runtime import gc
 from bunshin.runtime.oci import store as oci_store
-from bunshin.runtime.store import Store
+from bunshin.runtime.state.store import Store
+from bunshin.runtime.upkeep import gc
 from tests.rollout.test_integration import TASK
 from tests.runtime import oci_images as oi
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from bunshin import Workspace
-from bunshin.runtime.gc import ClusterLease, lease_path, read_lease, write_lease
+from bunshin.runtime.upkeep.gc import ClusterLease, lease_path, read_lease, write_lease
 from tests.conftest import leftovers
 
 pytestmark = pytest.mark.integration

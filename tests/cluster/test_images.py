@@ -16,7 +16,7 @@ from bunshin.client import Client
 from bunshin.cluster.images import ImageMover
 from bunshin.config import Config
 from bunshin.runtime.oci import store as oci_store
-from bunshin.runtime.store import Store
+from bunshin.runtime.state.store import Store
 from bunshin.server.thread import serve_in_thread
 from tests.conftest import drop_state_tmpfs
 from tests.runtime import oci_images as oi

@@ -15,8 +15,8 @@ from bunshin.cluster.local import add_node, kill_node
 from bunshin.cluster.placement import ClusterPlacement
 from bunshin.rollout import ModeOptions, RolloutEngine, Status
 from bunshin.rollout.task import RewardSpec
-from bunshin.runtime.gc import read_lease
 from bunshin.runtime.oci import store as oci_store
+from bunshin.runtime.upkeep.gc import read_lease
 from bunshin.tools import Tool, ToolOutput, ToolSet, ToolSpec
 from tests.conftest import leftovers
 from tests.rollout.test_integration import TASK, check_group, traces
@@ -73,7 +73,7 @@ def test_a_group_next_to_its_image_sends_the_overflow_host_only_the_layers_it_la
     goes by name), which is sent the two upper layers only; each row says how the image
     came to its host (nothing on c's rows)."""
     from bunshin.runtime.oci import exchange
-    from bunshin.runtime.store import Store
+    from bunshin.runtime.state.store import Store
 
     from .image_task import NAME, placed, remove_images, task
 

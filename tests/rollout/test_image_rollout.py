@@ -13,9 +13,9 @@ import pytest
 from bunshin.config import Config
 from bunshin.rollout import ModeOptions, Status, TraceReplayPolicy, parse_traces, rollout
 from bunshin.rollout.task import parse_task
-from bunshin.runtime import gc
 from bunshin.runtime.oci import store as oci_store
-from bunshin.runtime.store import Store
+from bunshin.runtime.state.store import Store
+from bunshin.runtime.upkeep import gc
 from tests.runtime import oci_images as oi
 
 pytestmark = [pytest.mark.integration, pytest.mark.criu]

@@ -10,7 +10,7 @@ import pytest
 from bunshin.errors import InvalidArgument
 from bunshin.rollout.envs import SnapshotEnv
 from bunshin.rollout.task import parse_task
-from bunshin.runtime.records import SnapshotMode
+from bunshin.runtime.state.records import SnapshotMode
 from bunshin.tools import ToolSet
 from bunshin.workspace.desktop import DesktopSpec
 

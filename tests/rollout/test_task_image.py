@@ -11,7 +11,7 @@ from bunshin.config import Config
 from bunshin.errors import ImageNotFound
 from bunshin.rollout.task import parse_task, resolve_image
 from bunshin.runtime.oci import store as oci_store
-from bunshin.runtime.store import Store
+from bunshin.runtime.state.store import Store
 from tests.runtime import oci_images as oi
 
 pytestmark = pytest.mark.integration

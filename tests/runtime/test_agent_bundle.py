@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from bunshin.errors import InvalidArgument
-from bunshin.runtime import agent_bundle
-from bunshin.runtime.agent_bundle import PYTHON_ENV, _pyenv_pythons, agent_python
+from bunshin.runtime.agent_host import bundle as agent_bundle
+from bunshin.runtime.agent_host.bundle import PYTHON_ENV, _pyenv_pythons, agent_python
 
 
 def test_the_variable_names_the_python(monkeypatch):

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from bunshin.runtime import agent_trim, snapshot
+from bunshin.runtime.agent_host import trim as agent_trim
+from bunshin.runtime.snapshot import taking as snapshot_taking
 from bunshin.tools import ToolSet
 
 pytestmark = [pytest.mark.integration, pytest.mark.criu]
@@ -63,7 +64,7 @@ def test_an_agent_that_cannot_be_reached_is_forked_as_it_is(family, monkeypatch)
     assert agent_trim.before_freeze(gone) is None  # refused at the walk to the socket: no error
     assert agent_trim.before_freeze(dataclasses.replace(ws.record, pid=None)) is None
     calls: list[int | None] = []
-    monkeypatch.setattr(snapshot, "trim_agent", lambda rec: calls.append(agent_trim.before_freeze(gone)))
+    monkeypatch.setattr(snapshot_taking, "trim_agent", lambda rec: calls.append(agent_trim.before_freeze(gone)))
     threads = _threads(ws)
     snap = family.snapshot(ws)  # forked with its waiting threads
     assert calls == [None] and _threads(ws) == threads

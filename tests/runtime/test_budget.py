@@ -8,9 +8,10 @@ import threading
 import pytest
 
 from bunshin.errors import BunshinError, InvalidArgument, ResourceExhausted
-from bunshin.runtime import budget
-from bunshin.runtime import snapshot as rsnap
-from bunshin.runtime.store import Store
+from bunshin.runtime.snapshot import lifetime as rsnap_lifetime
+from bunshin.runtime.snapshot import restoring as rsnap_restoring
+from bunshin.runtime.state import budget
+from bunshin.runtime.state.store import Store
 from bunshin.workspace import Workspace
 
 
@@ -33,14 +34,14 @@ def test_the_budget_is_pid_max_less_the_margin(monkeypatch):
 
 def _records(cfg):
     with Store.open(cfg.db_path) as store:
-        return [r.id for r in store.list_workspaces()], [s.id for s in rsnap.list_all(store)]
+        return [r.id for r in store.list_workspaces()], [s.id for s in rsnap_lifetime.list_all(store)]
 
 
 @pytest.mark.integration
 @pytest.mark.criu
 def test_creates_forks_and_restores_past_the_budget_are_refused_with_nothing_made(no_leaks, monkeypatch):
     monkeypatch.setattr(budget, "pid_max", lambda: 2000)  # a budget of 1800 pids
-    monkeypatch.setattr(rsnap, "_tasks_now", lambda: 0)  # the machine's own tasks: not what is tested here
+    monkeypatch.setattr(rsnap_restoring, "_tasks_now", lambda: 0)  # the machine's own tasks: not what is tested here
     with Workspace.create("host", memory="256M", pids=1000, config=no_leaks) as ws:
         with pytest.raises(ResourceExhausted, match="pids budget") as e:
             Workspace.create("host", memory="256M", pids=1000, config=no_leaks)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from bunshin.runtime import cgroup_moves, doctor, mountinfo
+from bunshin.runtime.container import cgroup_moves
+from bunshin.runtime.kernel import mountinfo
+from bunshin.runtime.upkeep import doctor
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,7 @@ import pytest
 
 from bunshin.config import Config
 from bunshin.errors import CriuError, HostUnsupported
-from bunshin.runtime import criu
+from bunshin.runtime.criu import run as criu
 
 from .procs import PR_SET_CHILD_SUBREAPER, kill_and_wait, prctl
 

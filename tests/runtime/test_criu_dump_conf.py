@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from bunshin.runtime import criu, criu_dump_conf
-from bunshin.runtime import snapshot as rsnap
+from bunshin.runtime.criu import dump_conf as criu_dump_conf
+from bunshin.runtime.criu import run as criu
 from bunshin.runtime.memfile import criu_images
+from bunshin.runtime.snapshot import taking as rsnap_taking
 
 from .test_criu import Counters, criu_bin, workdir  # noqa: F401 (fixtures)
 
@@ -40,7 +41,7 @@ def test_a_dump_with_it_stores_sizes_not_build_ids_and_restores(counters, criu_b
     pid = counters.spawn()
     conf = criu_dump_conf.ensure(tmp_path / "helpers")
     for name, rpc_config in (("plain", None), ("sized", conf)):
-        criu.dump(criu_bin, pid, workdir / name, extra=[*rsnap._COMMON], notify={}, rpc_config=rpc_config)
+        criu.dump(criu_bin, pid, workdir / name, extra=[*rsnap_taking._COMMON], notify={}, rpc_config=rpc_config)
         regs = [e["reg"] for e in criu_images.load(workdir / name / "files.img")["entries"] if "reg" in e]
         assert regs and any("size" in r for r in regs)
         with_id = [r for r in regs if r.get("build_id")]

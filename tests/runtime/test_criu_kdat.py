@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bunshin.runtime import criu_kdat
+from bunshin.runtime.criu import kdat as criu_kdat
 
 pytestmark = [pytest.mark.integration, pytest.mark.criu]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bunshin.runtime import criu_launch
+from bunshin.runtime.criu import launch as criu_launch
 
 
 def _run(argv: tuple[str, ...], *args: str) -> str:

@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 
 from bunshin.errors import InvalidArgument
-from bunshin.runtime import criu, criu_swrk, prepared
-from bunshin.runtime import snapshot as rsnap
-from bunshin.runtime.zygote import PASSED_FD
+from bunshin.runtime.criu import prepared
+from bunshin.runtime.criu import run as criu
+from bunshin.runtime.criu import swrk as criu_swrk
+from bunshin.runtime.criu.zygote import PASSED_FD
+from bunshin.runtime.snapshot import taking as rsnap_taking
 
 from .test_criu import COUNTER, Counters, criu_bin, workdir  # noqa: F401 (fixtures)
 
@@ -29,7 +31,7 @@ def _state(pid: int) -> str:
 
 def test_the_options_of_a_snapshot_become_the_requests_fields():
     r = criu_swrk.rpc()
-    flags = ["--leave-running", *rsnap._COMMON, *rsnap.DUMP_EXTERNAL, "--manage-cgroups=ignore",
+    flags = ["--leave-running", *rsnap_taking._COMMON, *rsnap_taking.DUMP_EXTERNAL, "--manage-cgroups=ignore",
              "--ghost-limit", "123", "--external", "mnt[/a b]:bunshin-mnt-0"]
     o = criu_swrk.request(7, 42, "dump.log", flags).opts
     assert (o.images_dir_fd, o.pid, o.log_file, o.log_level, o.notify_scripts) == (7, 42, "dump.log", 4, True)
@@ -41,7 +43,7 @@ def test_the_options_of_a_snapshot_become_the_requests_fields():
 def test_an_option_without_a_field_or_a_value_is_refused():
     with pytest.raises(InvalidArgument, match="--action-script") as e:
         criu_swrk.request(7, 42, "dump.log", ["--action-script", "/x.sh"])
-    assert "criu_swrk.py" in e.value.hint
+    assert "criu/swrk.py" in e.value.hint
     with pytest.raises(InvalidArgument, match="needs a value"):
         criu_swrk.request(7, 42, "dump.log", ["--ghost-limit"])
     with pytest.raises(InvalidArgument, match="below 4 GiB") as e:
@@ -80,7 +82,7 @@ def test_handlers_run_at_their_stage_and_criu_reads_the_trees_clocks_itself(time
     pid = _spawn_in_own_time(timed)
     assert os.readlink(f"/proc/{pid}/ns/time") != os.readlink("/proc/self/ns/time")
     seen: dict[str, object] = {}
-    run = criu.dump(criu_bin, pid, workdir / "img", extra=[*rsnap._COMMON],
+    run = criu.dump(criu_bin, pid, workdir / "img", extra=[*rsnap_taking._COMMON],
                     notify={"pre-dump": lambda: seen.update({"pre-dump": _state(pid),
                                                              "policy": os.sched_getscheduler(0)}),
                             "post-dump": lambda: seen.setdefault("post-dump", _state(pid))})
@@ -109,7 +111,7 @@ def test_a_failing_handler_fails_the_dump_and_leaves_the_tree_running(timed, cri
 
     children_before = set(Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split())
     with pytest.raises(RuntimeError, match="the copy went wrong"):
-        criu.dump(criu_bin, pid, workdir / "img", extra=[*rsnap._COMMON], notify={"post-dump": broken})
+        criu.dump(criu_bin, pid, workdir / "img", extra=[*rsnap_taking._COMMON], notify={"post-dump": broken})
     assert _state(pid) != "t"
     before = timed.value(pid)
     assert timed.wait_above(pid, before)

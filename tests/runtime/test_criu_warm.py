@@ -16,7 +16,8 @@ import psutil
 import pytest
 
 from bunshin.errors import CriuError
-from bunshin.runtime import criu, prepared, zygote
+from bunshin.runtime.criu import prepared, zygote
+from bunshin.runtime.criu import run as criu
 
 from .procs import kill_and_wait
 from .test_criu import Counters, _scramble, counters, criu_bin, workdir  # noqa: F401 (fixtures)
@@ -163,7 +164,7 @@ def test_a_placement_it_cannot_take_and_a_script_criu_run_as_commands(tmp_path):
     assert not prepared.rpc_fits(held) and not prepared.rpc_fits(None)
     script = tmp_path / "criu"
     script.write_text("#!/bin/sh\nexec criu \"$@\"\n")
-    from bunshin.runtime import criu_launch
+    from bunshin.runtime.criu import launch as criu_launch
 
     assert not criu_launch.warmable(script) and criu_launch.warmable(Path("/bin/true"))
 
@@ -204,7 +205,7 @@ def test_warm_restores_leave_no_descriptor_or_pending_entry(counters, criu_bin, 
 _SPAWN = """
 import json, os, socket, sys
 sys.path.insert(0, sys.argv[1])
-from bunshin.runtime import zygote
+from bunshin.runtime.criu import zygote
 sc = zygote._load_syscalls()
 host = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
 net = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
@@ -235,7 +236,7 @@ def test_a_warm_criu_is_spawned_with_only_its_socket_and_the_helper_stays_where_
     own session at nice 0 in namespaces the helper made and left."""
     import json
 
-    root = str(Path(zygote.__file__).parents[2])
+    root = str(Path(zygote.__file__).parents[3])
     proc = subprocess.run([sys.executable, "-I", "-S", "-c", _SPAWN, root], capture_output=True, text=True,
                           timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bunshin.runtime import doctor, snapshot
+from bunshin.runtime import snapshot
+from bunshin.runtime.upkeep import doctor
 
 pytestmark = pytest.mark.criu
 
@@ -28,7 +29,7 @@ def test_clone_capacity_is_what_pid_max_leaves(cfg):
 
 def test_a_restore_out_of_pipe_buffers_says_which_host_limit_and_what_to_do(cfg):
     from bunshin.errors import CriuError, ResourceExhausted
-    from bunshin.runtime import host_limits
+    from bunshin.runtime.kernel import host_limits
 
     err = CriuError("criu restore failed with exit code 1",
                     first_errors="task 1: Can't restore pipe size: Operation not permitted (criu/pipes.c:165)")

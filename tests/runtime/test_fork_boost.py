@@ -11,7 +11,7 @@ import time
 import pytest
 
 from bunshin.errors import InvalidArgument
-from bunshin.runtime import fork_boost
+from bunshin.runtime.criu import fork_boost
 
 
 def test_the_factor_comes_from_the_environment_and_a_malformed_one_is_refused(monkeypatch):

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from bunshin.errors import NotForkable
-from bunshin.runtime import fork_checks
+from bunshin.runtime.snapshot import fork_checks
 
 
 def _needs_root() -> None:

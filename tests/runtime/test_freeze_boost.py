@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from bunshin.runtime import freeze_boost
+from bunshin.runtime.criu import freeze_boost
 
 pytestmark = pytest.mark.integration  # needs CAP_SYS_NICE (root)
 

@@ -6,8 +6,8 @@ import subprocess
 
 import pytest
 
-from bunshin.runtime import idmap
-from bunshin.runtime import syscalls as sc
+from bunshin.runtime.container import idmap
+from bunshin.runtime.kernel import syscalls as sc
 
 pytestmark = pytest.mark.integration
 

@@ -15,10 +15,11 @@ import pytest
 
 from bunshin.config import Config
 from bunshin.errors import InvalidArgument, PayloadTooLarge
-from bunshin.runtime import gc, mountinfo
+from bunshin.runtime.kernel import mountinfo
 from bunshin.runtime.oci import build as oci_build
 from bunshin.runtime.oci import store as oci_store
-from bunshin.runtime.store import Store
+from bunshin.runtime.state.store import Store
+from bunshin.runtime.upkeep import gc
 from bunshin.workspace import Workspace
 from tests.runtime import oci_images as oi
 

@@ -19,10 +19,10 @@ import pytest
 
 from bunshin.config import Config
 from bunshin.errors import ImageNotFound, InvalidArgument, PayloadTooLarge, Unauthorized
-from bunshin.runtime.keys import home_key
 from bunshin.runtime.oci import exchange, layer_tar
 from bunshin.runtime.oci import store as oci_store
-from bunshin.runtime.store import Store
+from bunshin.runtime.state.keys import home_key
+from bunshin.runtime.state.store import Store
 
 from . import oci_images as oi
 from .test_oci_image import CONFIG, image_layers
@@ -225,7 +225,7 @@ def test_a_manifest_whose_layers_are_not_its_configs_is_refused(pair) -> None:
     doc = exchange.manifest(a, sa, rec.id)
     doc["layers"] = doc["layers"][:2]
     key = home_key(a, create=False)
-    from bunshin.runtime.keys import mac
+    from bunshin.runtime.state.keys import mac
 
     doc["mac"] = mac(key, doc)
     with pytest.raises(InvalidArgument, match="diff ids its config lists"):

@@ -16,11 +16,11 @@ import pytest
 
 from bunshin.config import Config
 from bunshin.errors import ImageNotFound, Unreachable
-from bunshin.runtime import gc
 from bunshin.runtime.oci import pull as oci_pull
 from bunshin.runtime.oci import store as oci_store
 from bunshin.runtime.oci.refs import Reference
-from bunshin.runtime.store import Store
+from bunshin.runtime.state.store import Store
+from bunshin.runtime.upkeep import gc
 from bunshin.workspace import Workspace
 
 from . import oci_images as oi

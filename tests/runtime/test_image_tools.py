@@ -11,9 +11,9 @@ import pytest
 
 from bunshin.cache import CachePolicy, PrefixCache
 from bunshin.config import Config
-from bunshin.runtime import gc
 from bunshin.runtime.oci import store as oci_store
-from bunshin.runtime.store import Store
+from bunshin.runtime.state.store import Store
+from bunshin.runtime.upkeep import gc
 from bunshin.tools import ToolSet
 from bunshin.workspace import Workspace
 from tests.runtime import oci_images as oi

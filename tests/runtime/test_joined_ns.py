@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from bunshin.runtime import joined_ns, upper_copy
+from bunshin.runtime.criu import joined_ns
 from bunshin.runtime.memfile import criu_images
+from bunshin.runtime.snapshot import upper_copy
 
 pytestmark = [pytest.mark.integration, pytest.mark.criu]
 

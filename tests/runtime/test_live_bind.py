@@ -13,9 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bunshin.runtime import precopy
 from bunshin.runtime.memfile import SUFFIX, live_bind
-from bunshin.runtime.snapshot import MEM_VIEW
+from bunshin.runtime.snapshot import MEM_VIEW, precopy
 from bunshin.workspace import Workspace
 
 from .test_inject import host_pid

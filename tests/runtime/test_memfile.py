@@ -28,7 +28,9 @@ import pytest
 
 from bunshin.config import Config
 from bunshin.errors import InvalidArgument, NotForkable, RuntimeFailure
-from bunshin.runtime import criu, memfile, seccomp
+from bunshin.runtime import memfile
+from bunshin.runtime.container import seccomp
+from bunshin.runtime.criu import run as criu
 from bunshin.runtime.memfile import (
     PAGE,
     ZeroFillPolicy,

@@ -7,8 +7,10 @@ import os
 
 import pytest
 
-from bunshin.runtime import container, mountinfo, statefs
-from bunshin.runtime import syscalls as sc
+from bunshin.runtime.container import lifecycle as container
+from bunshin.runtime.container import statefs
+from bunshin.runtime.kernel import mountinfo
+from bunshin.runtime.kernel import syscalls as sc
 
 # Lines as this kernel writes them (proc(5)), escapes included.
 ROOT = "29 1 252:1 / / rw,relatime shared:1 - ext4 /dev/vda1 rw,discard,errors=remount-ro"

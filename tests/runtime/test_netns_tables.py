@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from bunshin.runtime import criu, prepared
-from bunshin.runtime import syscalls as sc
+from bunshin.runtime.criu import prepared
+from bunshin.runtime.criu import run as criu
+from bunshin.runtime.kernel import syscalls as sc
 
 pytestmark = pytest.mark.integration
 

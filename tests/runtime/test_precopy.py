@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from bunshin.errors import SnapshotNotFound, StateConflict
-from bunshin.runtime import precopy
 from bunshin.runtime import snapshot as rsnap
 from bunshin.runtime.memfile.fileio import data_extents
-from bunshin.runtime.store import Store
+from bunshin.runtime.snapshot import precopy
+from bunshin.runtime.state.store import Store
 from bunshin.workspace import Snapshot
 from tests.workspace.fixtures import Family
 
@@ -553,7 +553,7 @@ def test_a_threshold_that_is_not_a_number_is_refused_before_anything_is_frozen(n
 
 def test_a_malformed_cpu_boost_is_refused_before_anything_is_frozen(live_family, monkeypatch) -> None:
     from bunshin.errors import InvalidArgument
-    from bunshin.runtime import fork_boost
+    from bunshin.runtime.criu import fork_boost
 
     ws, hp, first = started(live_family)
     monkeypatch.setenv(fork_boost.ENV, "much")

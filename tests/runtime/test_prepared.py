@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from bunshin.runtime import criu, prepared
-from bunshin.runtime import syscalls as sc
+from bunshin.runtime.criu import prepared
+from bunshin.runtime.criu import run as criu
+from bunshin.runtime.kernel import syscalls as sc
 
 pytestmark = pytest.mark.integration
 
@@ -101,7 +102,7 @@ def _mount_points(text: str) -> list[str]:
 def clone_mounts(tmp_path):
     """Mounts made the way a clone's are (a ``bunshin-upper`` tmpfs, an overlay root on
     it), ``clone_mounts(name)`` makes one more; all unmounted after the test."""
-    from bunshin.runtime import syscalls as sc
+    from bunshin.runtime.kernel import syscalls as sc
     made: list[str] = []
 
     def make(name: str) -> str:
@@ -199,7 +200,7 @@ def _spawn(lch: prepared.CriuLauncher, argv: list[str], placement: criu.Placemen
 def test_the_warm_pool_is_made_ahead_and_refilled_after_each_exec():
     import psutil
 
-    from bunshin.runtime import zygote
+    from bunshin.runtime.criu import zygote
 
     lch = prepared.CriuLauncher.start()
     try:
@@ -237,7 +238,7 @@ def test_the_warm_pool_is_made_ahead_and_refilled_after_each_exec():
 
 
 def test_the_helper_runs_at_its_nice_value_and_everything_it_starts_at_zero():
-    from bunshin.runtime import zygote
+    from bunshin.runtime.criu import zygote
 
     lch = prepared.CriuLauncher.start()
     try:

@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 
 from bunshin.errors import InvalidArgument
-from bunshin.runtime import criu, restore_boost
 from bunshin.runtime import snapshot as rsnap
-from bunshin.runtime.cgroups import Layout, WorkspaceCgroup
-from bunshin.runtime.records import SnapshotMode
-from bunshin.runtime.store import Store
+from bunshin.runtime.container.cgroups import Layout, WorkspaceCgroup
+from bunshin.runtime.criu import restore_boost
+from bunshin.runtime.criu import run as criu
+from bunshin.runtime.state.records import SnapshotMode
+from bunshin.runtime.state.store import Store
 
 
 def test_the_factor_comes_from_the_environment_and_a_malformed_one_is_refused(monkeypatch):

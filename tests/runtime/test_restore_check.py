@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 
-from bunshin.runtime import restore_check
+from bunshin.runtime.criu import restore_check
 
 
 def test_a_descendant_killed_by_a_signal_and_reaped_is_seen_and_a_normal_exit_is_not():

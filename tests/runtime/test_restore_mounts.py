@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from bunshin.runtime import mountinfo
 from bunshin.runtime import snapshot as rsnap
+from bunshin.runtime.kernel import mountinfo
 
 pytestmark = [pytest.mark.integration, pytest.mark.criu]
 

@@ -9,7 +9,7 @@ import time
 
 from bunshin.config import Config
 from bunshin.runtime import snapshot as rsnap
-from bunshin.runtime.store import Store
+from bunshin.runtime.state.store import Store
 
 
 def _owned(cfg: Config, snap_id: str, owner_pid: int) -> rsnap.SnapshotRecord:

@@ -17,7 +17,7 @@ from bunshin import Workspace
 from bunshin.config import Config
 from bunshin.errors import ResourceExhausted
 from bunshin.runtime import snapshot as rsnap
-from bunshin.runtime.store import Store
+from bunshin.runtime.state.store import Store
 from tests.conftest import drop_state_tmpfs, leftovers
 
 pytestmark = [pytest.mark.integration, pytest.mark.criu]

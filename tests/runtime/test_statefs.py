@@ -13,7 +13,8 @@ import pytest
 
 from bunshin.config import Config
 from bunshin.errors import RuntimeFailure
-from bunshin.runtime import mountinfo, statefs
+from bunshin.runtime.container import statefs
+from bunshin.runtime.kernel import mountinfo
 from bunshin.runtime.memfile import fileio
 from tests.conftest import drop_state_tmpfs
 
@@ -138,7 +139,7 @@ def test_huge_copy_off_region_bounds_and_short_source(home):
 def test_views_left_in_a_folder_that_is_no_longer_a_mount_are_released(home):
     """Views of an earlier tmpfs left in its folder (the tmpfs itself gone) are bunshin's
     state all the same: the idle release unmounts them."""
-    from bunshin.runtime import idmap
+    from bunshin.runtime.container import idmap
 
     home.tmpfs.mkdir(parents=True)
     try:

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from bunshin.runtime.cgroups import WorkspaceCgroup
+from bunshin.runtime.container.cgroups import WorkspaceCgroup
 from bunshin.workspace import Workspace
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from bunshin.runtime import snapshot as rsnap
-from bunshin.runtime.records import WorkspaceRecord, WorkspaceState
-from bunshin.runtime.store import Store
+from bunshin.runtime.state.records import WorkspaceRecord, WorkspaceState
+from bunshin.runtime.state.store import Store
 
 ROUNDS = 40
 

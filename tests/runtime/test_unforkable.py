@@ -16,7 +16,8 @@ import pytest
 
 from bunshin.config import DEFAULT_GHOST_LIMIT, Config
 from bunshin.errors import InvalidArgument
-from bunshin.runtime import mountinfo, unforkable
+from bunshin.runtime.kernel import mountinfo
+from bunshin.runtime.snapshot import unforkable
 
 _libc = ctypes.CDLL(None, use_errno=True)
 IN_CREATE = 0x100

@@ -13,9 +13,9 @@ from bunshin.errors import (
     ToolTimeout,
     WorkspaceNotFound,
 )
-from bunshin.runtime.cgroups import parse_size
-from bunshin.runtime.records import WorkspaceRecord, WorkspaceState
-from bunshin.runtime.store import Store
+from bunshin.runtime.container.cgroups import parse_size
+from bunshin.runtime.state.records import WorkspaceRecord, WorkspaceState
+from bunshin.runtime.state.store import Store
 
 
 @pytest.mark.parametrize(
@@ -81,7 +81,7 @@ def test_errors_survive_the_wire_and_match_builtins():
 
 
 def test_cpu_nice_maps_to_the_schedulers_weights(tmp_path):
-    from bunshin.runtime.cgroups import WorkspaceCgroup
+    from bunshin.runtime.container.cgroups import WorkspaceCgroup
 
     (tmp_path / "cpu.shares").write_text("1024")
     cg = WorkspaceCgroup(1, (("cpu", tmp_path),))

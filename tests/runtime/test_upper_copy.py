@@ -21,8 +21,8 @@ import pytest
 
 from bunshin.config import Config
 from bunshin.errors import BunshinError
-from bunshin.runtime import upper_copy
 from bunshin.runtime.memfile import criu_images
+from bunshin.runtime.snapshot import upper_copy
 
 pytestmark = pytest.mark.integration
 

@@ -21,8 +21,8 @@ from bunshin.config import Config
 from bunshin.errors import BunshinError, InvalidArgument
 from bunshin.rollout.policies import TraceReplayPolicy
 from bunshin.rollout.task import parse_task
-from bunshin.runtime.cgroups import MIN_MEMORY, parse_size
-from bunshin.runtime.limits import MAX_TIMEOUT_S, check_timeout
+from bunshin.runtime.container.cgroups import MIN_MEMORY, parse_size
+from bunshin.runtime.kernel.limits import MAX_TIMEOUT_S, check_timeout
 from bunshin.workspace import Workspace
 from tests.conftest import drop_state_tmpfs, leftovers
 

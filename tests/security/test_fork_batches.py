@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 
 from bunshin.errors import InvalidArgument, ResourceExhausted
-from bunshin.runtime import gc
-from bunshin.runtime import snapshot as rsnap
-from bunshin.runtime.records import WorkspaceState
-from bunshin.runtime.store import Store
+from bunshin.runtime.snapshot import lifetime as rsnap_lifetime
+from bunshin.runtime.snapshot import restoring as rsnap_restoring
+from bunshin.runtime.state.records import WorkspaceState
+from bunshin.runtime.state.store import Store
+from bunshin.runtime.upkeep import gc
 from bunshin.workspace import Workspace
 
 BUNSHIN = Path(sys.executable).parent / "bunshin"
@@ -33,7 +34,7 @@ def _env(cfg) -> dict[str, str]:
 
 def _records(cfg):
     with Store.open(cfg.db_path) as store:
-        return store.list_workspaces(), rsnap.list_all(store)
+        return store.list_workspaces(), rsnap_lifetime.list_all(store)
 
 
 # --- refused up front (no CRIU needed for the checks themselves) ---------------------------
@@ -41,26 +42,26 @@ def _records(cfg):
 
 def test_check_batch_limits(monkeypatch):
     with pytest.raises(InvalidArgument, match="limit of 1024"):
-        rsnap.check_batch(10_000, 1)
+        rsnap_restoring.check_batch(10_000, 1)
     for bad in (0, -1, True, 2.5):
         with pytest.raises(InvalidArgument):
-            rsnap.check_batch(bad, 1)  # type: ignore[arg-type]
-    monkeypatch.setattr(rsnap, "_pid_max", lambda: 32768)
-    monkeypatch.setattr(rsnap, "_tasks_now", lambda: 1000)
-    rsnap.check_batch(100, 10)  # 1000 pids: fits
+            rsnap_restoring.check_batch(bad, 1)  # type: ignore[arg-type]
+    monkeypatch.setattr(rsnap_restoring, "_pid_max", lambda: 32768)
+    monkeypatch.setattr(rsnap_restoring, "_tasks_now", lambda: 1000)
+    rsnap_restoring.check_batch(100, 10)  # 1000 pids: fits
     with pytest.raises(ResourceExhausted) as e:
-        rsnap.check_batch(1000, 40)  # 40,000 pids > 32768
+        rsnap_restoring.check_batch(1000, 40)  # 40,000 pids > 32768
     assert "40000 pids" in str(e.value) and "32768" in str(e.value) and "kernel.pid_max" in e.value.hint
-    monkeypatch.setattr(rsnap, "_pid_max", lambda: 1 << 22)
+    monkeypatch.setattr(rsnap_restoring, "_pid_max", lambda: 1 << 22)
 
     class Mem:
         available = 100 << 20
 
-    monkeypatch.setattr(rsnap.psutil, "virtual_memory", lambda: Mem)
+    monkeypatch.setattr(rsnap_restoring.psutil, "virtual_memory", lambda: Mem)
     with pytest.raises(ResourceExhausted, match="100 MiB of memory is available") as e:
-        rsnap.check_batch(64, 1)  # 64 x 2 MiB > 100 MiB
+        rsnap_restoring.check_batch(64, 1)  # 64 x 2 MiB > 100 MiB
     assert "at most 50 clones" in e.value.hint
-    rsnap.check_batch(40, 1)
+    rsnap_restoring.check_batch(40, 1)
 
 
 pytestmark = [pytest.mark.integration, pytest.mark.criu]
@@ -73,8 +74,8 @@ def test_too_many_clones_refused_and_nothing_created(no_leaks, monkeypatch):
         r = subprocess.run([str(BUNSHIN), "fork", ws.id, "-n", "10000"], capture_output=True, text=True,
                            env=_env(no_leaks), timeout=60)
         assert r.returncode != 0 and "1024" in r.stderr and "Traceback" not in r.stderr, r.stderr
-        monkeypatch.setattr(rsnap, "_pid_max", lambda: 2000)  # as if the kernel had few pids left
-        monkeypatch.setattr(rsnap, "_tasks_now", lambda: 1500)
+        monkeypatch.setattr(rsnap_restoring, "_pid_max", lambda: 2000)  # as if the kernel had few pids left
+        monkeypatch.setattr(rsnap_restoring, "_tasks_now", lambda: 1500)
         with pytest.raises(ResourceExhausted, match="pid_max"):
             ws.fork(200)
         recs, snaps = _records(no_leaks)

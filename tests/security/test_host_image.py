@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from bunshin.config import Config
-from bunshin.runtime import images
+from bunshin.runtime.container import images
 from bunshin.workspace import Workspace
 
 from ..conftest import drop_state_tmpfs, leftovers

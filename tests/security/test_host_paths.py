@@ -32,16 +32,19 @@ from pathlib import Path
 import pytest
 
 from bunshin.errors import AgentError
-from bunshin.runtime import container, gc
-from bunshin.runtime import snapshot as rsnap
-from bunshin.runtime.agent_client import AgentClient
-from bunshin.runtime.store import Store
+from bunshin.runtime.agent_host.client import AgentClient
+from bunshin.runtime.container import lifecycle as container
+from bunshin.runtime.snapshot import lifetime as rsnap_lifetime
+from bunshin.runtime.snapshot import sweeping as rsnap_sweeping
+from bunshin.runtime.snapshot import taking as rsnap_taking
+from bunshin.runtime.state.store import Store
+from bunshin.runtime.upkeep import gc
 from bunshin.workspace import Workspace
 
 pytestmark = [pytest.mark.integration, pytest.mark.criu]
 
 REPO = Path(__file__).resolve().parents[2]
-MEMFILE_NAME = "x" + rsnap.memfile.SUFFIX
+MEMFILE_NAME = "x" + rsnap_taking.memfile.SUFFIX
 
 
 # ------------------------------------------------------------------- helpers
@@ -84,7 +87,7 @@ def plant(ws: Workspace, script: str) -> bool:
 
 MEM_SYMLINK = 'mkdir -p /.bunshin && ln -sfn "$0" /.bunshin/mem'
 MEM_FOLDER = ('mkdir -p /.bunshin/mem && ln -sf "$0/' + MEMFILE_NAME + '" /.bunshin/mem/' + MEMFILE_NAME
-              + ' && ln -sfn "$0" /.bunshin/mem/sub && echo own > /.bunshin/mem/own' + rsnap.memfile.SUFFIX)
+              + ' && ln -sfn "$0" /.bunshin/mem/sub && echo own > /.bunshin/mem/own' + rsnap_taking.memfile.SUFFIX)
 
 
 def plant_mem(ws: Workspace, canary: Canary, script: str) -> str:
@@ -94,7 +97,7 @@ def plant_mem(ws: Workspace, canary: Canary, script: str) -> str:
     r = ws.exec(["sh", "-c", script, str(canary.folder)], timeout=30)
     if r.exit_code == 0:
         return "inside"
-    mem = Path(ws.record.upper) / rsnap.MEM_VIEW.lstrip("/")
+    mem = Path(ws.record.upper) / rsnap_lifetime.MEM_VIEW.lstrip("/")
     if script == MEM_SYMLINK:
         mem.parent.mkdir(parents=True, exist_ok=True)
         os.symlink(canary.folder, mem)
@@ -149,10 +152,10 @@ def test_mem_folder_with_symlinked_memfile_snapshot_and_remove(family, tmp_path)
     plant_mem(ws, canary, MEM_FOLDER)
     snap = ws.snapshot()
     family.snapshots.append(snap)
-    layer_mem = Path(snap.record.layer) / rsnap.MEM_VIEW.lstrip("/")
+    layer_mem = Path(snap.record.layer) / rsnap_lifetime.MEM_VIEW.lstrip("/")
     # the frozen layer's view is the host's own folder, holding only real memory files
     assert not layer_mem.is_symlink() and layer_mem.is_dir()
-    assert all(not p.is_symlink() and p.name.endswith(rsnap.memfile.SUFFIX) for p in layer_mem.iterdir())
+    assert all(not p.is_symlink() and p.name.endswith(rsnap_taking.memfile.SUFFIX) for p in layer_mem.iterdir())
     (clone,) = snap.restore(1)
     family.workspaces.append(clone)
     assert_works(clone)
@@ -166,7 +169,7 @@ def test_bunshin_folder_symlink_in_a_frozen_layer(family, tmp_path):
     removing it (what ``rm``, a failed take and ``gc`` do) unlinks, never follows."""
     canary = Canary.make(tmp_path)
     with Store.open(family.cfg.db_path) as store:
-        rsnap.sweep(family.cfg, store)
+        rsnap_sweeping.sweep(family.cfg, store)
     layers = family.cfg.tmpfs / "layers"
     layers.mkdir(parents=True, exist_ok=True)
     a, b = layers / "snap-000000attack", layers / "snap-000001attack"
@@ -177,7 +180,7 @@ def test_bunshin_folder_symlink_in_a_frozen_layer(family, tmp_path):
     os.symlink(canary.file, b / ".bunshin" / "mem" / MEMFILE_NAME)
     os.symlink(canary.folder, b / ".bunshin" / "mem" / "sub")
     with Store.open(family.cfg.db_path) as store:
-        freed = rsnap.sweep(family.cfg, store)  # orphans, as gc finds them after a crash
+        freed = rsnap_sweeping.sweep(family.cfg, store)  # orphans, as gc finds them after a crash
     assert {str(a), str(b)} <= set(freed)
     assert not a.exists() and not b.exists()
     canary.assert_untouched()

@@ -26,7 +26,7 @@ from bunshin.config import Config
 from bunshin.errors import ImageNotFound, InvalidArgument, PayloadTooLarge, ResourceExhausted
 from bunshin.runtime.oci import store as oci_store
 from bunshin.runtime.oci.pull import pull
-from bunshin.runtime.store import Store
+from bunshin.runtime.state.store import Store
 from bunshin.workspace import Workspace
 from tests.runtime import oci_images as oi
 

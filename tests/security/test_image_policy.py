@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from bunshin.errors import InvalidArgument
-from bunshin.runtime import image_policy
 from bunshin.runtime.memfile import criu_images
+from bunshin.runtime.snapshot import image_policy
 from bunshin.workspace import Workspace
 
 pytestmark = [pytest.mark.integration, pytest.mark.criu]
@@ -97,7 +97,7 @@ def test_garbage_images_are_a_clear_error(images, no_leaks):
 
 def test_load_refuses_edited_images_even_when_trusted(no_leaks, tmp_path):
     from bunshin.runtime import snapshot as rsnap
-    from bunshin.runtime.store import Store
+    from bunshin.runtime.state.store import Store
     from bunshin.workspace import Snapshot
 
     ws = Workspace.create("host", memory="256M", pids=64, config=no_leaks)

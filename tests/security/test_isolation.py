@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bunshin.runtime import container
+from bunshin.runtime.container import lifecycle as container
 from bunshin.workspace import Workspace
 
 pytestmark = [pytest.mark.integration, pytest.mark.criu]
@@ -223,7 +223,7 @@ def test_a_full_tmp_leaves_the_agent_working(ws):
 
 def test_a_forks_frozen_files_are_charged_to_the_workspace(no_leaks):
     from bunshin.errors import ResourceExhausted
-    from bunshin.runtime.cgroups import WorkspaceCgroup
+    from bunshin.runtime.container.cgroups import WorkspaceCgroup
 
     ws = Workspace.create("host", memory="256M", pids=64, config=no_leaks)
     clones = []

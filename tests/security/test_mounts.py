@@ -18,7 +18,7 @@ import pytest
 from bunshin.errors import InvalidArgument
 from bunshin.rollout import ModeOptions, Status, TraceReplayPolicy, parse_traces, rollout
 from bunshin.rollout.task import parse_task
-from bunshin.runtime.records import Mount, WorkspaceRecord, WorkspaceState
+from bunshin.runtime.state.records import Mount, WorkspaceRecord, WorkspaceState
 from bunshin.workspace import Workspace
 
 from ..cli.test_cli import bunshin

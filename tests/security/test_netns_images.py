@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from bunshin.errors import InvalidArgument
-from bunshin.runtime import image_policy, netns_image
+from bunshin.runtime.criu import netns_image
 from bunshin.runtime.memfile import criu_images
+from bunshin.runtime.snapshot import image_policy
 from bunshin.workspace import Workspace
 
 pytestmark = [pytest.mark.integration, pytest.mark.criu]

@@ -29,9 +29,14 @@ from bunshin.errors import (
     ResourceExhausted,
     RuntimeFailure,
 )
-from bunshin.runtime import agent_bundle, criu, gc, snapshot_checks, snapshot_io, statefs
 from bunshin.runtime import snapshot as rsnap
-from bunshin.runtime.store import Store
+from bunshin.runtime.agent_host import bundle as agent_bundle
+from bunshin.runtime.container import statefs
+from bunshin.runtime.criu import run as criu
+from bunshin.runtime.snapshot import checks as snapshot_checks
+from bunshin.runtime.snapshot import folder_save
+from bunshin.runtime.state.store import Store
+from bunshin.runtime.upkeep import gc
 from bunshin.workspace import Snapshot, Workspace
 from tests.cli.test_cli import bunshin
 from tests.conftest import drop_state_tmpfs
@@ -484,28 +489,28 @@ def test_save_takes_only_the_real_memory_files(tmp_path, canary):
     os.link(real, view / real.name)
     (view / "snap-999999999999-1.bunshin-mem").symlink_to(canary / "keep")  # someone else's name: skipped
     out = tmp_path / "out"
-    (entry,) = snapshot_io._save_memfiles(cfg, layer, out, set())
+    (entry,) = folder_save._save_memfiles(cfg, layer, out, set())
     assert entry["name"] == real.name and sorted(p.name for p in out.iterdir()) == [real.name]
     # a live pre-copy's file the layer links is taken too, once for the whole stack
     live = cfg.tmpfs / "mem" / "live-ws-0123456789ab-0a1b2c3d.bunshin-mem"
     live.write_bytes(b"z" * 8192)
     os.link(live, view / live.name)
     saved: set[str] = set()
-    got = snapshot_io._save_memfiles(cfg, layer, tmp_path / "out1", saved)
+    got = folder_save._save_memfiles(cfg, layer, tmp_path / "out1", saved)
     assert sorted(e["name"] for e in got) == sorted([live.name, real.name]) and saved == {real.name, live.name}
-    assert [e["name"] for e in snapshot_io._save_memfiles(cfg, layer, tmp_path / "out1b", saved)] == [real.name]
+    assert [e["name"] for e in folder_save._save_memfiles(cfg, layer, tmp_path / "out1b", saved)] == [real.name]
     for bad in ("snap-0123456789ab-8.bunshin-mem", "live-ws-0123456789ab-deadbeef.bunshin-mem"):
         (view / bad).symlink_to(canary / "keep")
         with pytest.raises(RuntimeFailure, match="cannot be opened safely"):
-            snapshot_io._save_memfiles(cfg, layer, tmp_path / "out2", set())
+            folder_save._save_memfiles(cfg, layer, tmp_path / "out2", set())
         (view / bad).unlink()
         (view / bad).write_bytes(b"y")  # a regular file, not the host's memory file
         with pytest.raises(RuntimeFailure, match="not the memory file"):
-            snapshot_io._save_memfiles(cfg, layer, tmp_path / "out3", set())
+            folder_save._save_memfiles(cfg, layer, tmp_path / "out3", set())
         (view / bad).unlink()
     shutil.rmtree(view)
     view.parent.joinpath("mem").symlink_to(canary)  # the view itself a link to a host folder
-    assert snapshot_io._save_memfiles(cfg, layer, tmp_path / "out4", set()) == []
+    assert folder_save._save_memfiles(cfg, layer, tmp_path / "out4", set()) == []
 
 
 # ------------------------------------------------------ pure checks (no root)
@@ -530,8 +535,8 @@ def test_relative_path_checks():
 def test_limit_checks_and_defaults():
     import inspect
 
-    from bunshin.runtime import container
-    from bunshin.runtime.cgroups import parse_size
+    from bunshin.runtime.container import lifecycle as container
+    from bunshin.runtime.container.cgroups import parse_size
 
     params = inspect.signature(container.create).parameters  # the defaults put back are `create`'s own
     assert (params["memory"].default, params["pids"].default) == (snapshot_checks.DEFAULT_MEMORY, snapshot_checks.DEFAULT_PIDS)
@@ -559,13 +564,13 @@ def test_tar_member_checks_accept_what_save_writes(tmp_path):
     (layer / "sgid").mkdir()
     os.chmod(layer / "sgid", 0o2775)
     archive = tmp_path / "x.tar"
-    snapshot_io._tar(layer, archive)
+    folder_save._tar(layer, archive)
     with tarfile.open(archive) as tf:
         snapshot_checks.check_tar_members(tf, "snap-0123456789ab", range(10**9, 10**9 + 65536))
 
 
 def test_the_safe_devices_are_those_of_a_workspace_dev():
-    from bunshin.runtime import container
+    from bunshin.runtime.container import lifecycle as container
 
     devices = getattr(container, "_DEVICES", None)
     if devices is None:
@@ -575,7 +580,7 @@ def test_the_safe_devices_are_those_of_a_workspace_dev():
 
 def test_mac_is_over_the_canonical_manifest():
     key = os.urandom(32)
-    m = {"format": snapshot_io.FORMAT, "record": {"a": 1.5, "b": [1, 2]}, "files": {}}
+    m = {"format": snapshot_checks.FORMAT, "record": {"a": 1.5, "b": [1, 2]}, "files": {}}
     signed = {**m, "mac": snapshot_checks.mac(key, m)}
     reordered = json.loads(json.dumps(dict(reversed(list(signed.items())))))
     assert snapshot_checks.mac(key, reordered) == signed["mac"] != snapshot_checks.mac(os.urandom(32), m)

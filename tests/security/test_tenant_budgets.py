@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from bunshin.runtime import idranges, userns_owner
+from bunshin.runtime.criu import userns_owner
+from bunshin.runtime.state import idranges
 from bunshin.workspace import Workspace
 
 pytestmark = [pytest.mark.integration, pytest.mark.criu]
@@ -225,7 +226,7 @@ def test_a_clone_whose_namespace_host_root_would_own_is_refused(no_leaks, tmp_pa
     import dataclasses
 
     from bunshin.errors import RuntimeFailure
-    from bunshin.runtime.store import Store
+    from bunshin.runtime.state.store import Store
 
     parent = Workspace.create("host", memory="256M", pids=64, config=no_leaks)
     try:

@@ -93,7 +93,7 @@ def test_the_pids_cap_counts_pids_limits_of_creates_forks_and_restores(limited):
 
 def test_serve_caps_memory_at_the_hosts_and_pids_at_the_budget_by_default():
     from bunshin.cli.serve_cmds import _max_memory, _max_pids, _size_or_off
-    from bunshin.runtime import budget
+    from bunshin.runtime.state import budget
 
     assert _max_memory("auto") == psutil.virtual_memory().total and _max_memory("off") is None
     assert _max_memory("64G") == 64 << 30  # more than the host: the operator's overcommit

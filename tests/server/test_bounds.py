@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from bunshin.client import Client
-from bunshin.runtime.limits import MAX_FILE_BYTES, MAX_TEXT_FILE_BYTES
+from bunshin.runtime.kernel.limits import MAX_FILE_BYTES, MAX_TEXT_FILE_BYTES
 from bunshin.tools.builtin import MAX_READ_BYTES
 
 pytestmark = [pytest.mark.integration, pytest.mark.criu]

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from bunshin import BunshinError, IdempotencyKeyReused, RequestInProgress
-from bunshin.runtime.store import Store
+from bunshin.runtime.state.store import Store
 from bunshin.server.idempotency import KIND, TTL_S, Entry, Idempotency, fingerprint
 from bunshin.server.thread import serve_in_thread
 

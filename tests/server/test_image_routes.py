@@ -20,7 +20,7 @@ from bunshin.client.images import copy_image
 from bunshin.config import Config
 from bunshin.errors import ImageNotFound, InvalidArgument, PayloadTooLarge, Unauthorized
 from bunshin.runtime.oci import store as oci_store
-from bunshin.runtime.store import Store
+from bunshin.runtime.state.store import Store
 from bunshin.server.admission import Limits
 from bunshin.server.thread import serve_in_thread
 from tests.conftest import drop_state_tmpfs, leftovers

@@ -10,9 +10,9 @@ import pytest
 
 from bunshin.config import Config
 from bunshin.errors import ImageNotFound, InvalidArgument
-from bunshin.runtime import gc
 from bunshin.runtime.oci import store as oci_store
-from bunshin.runtime.store import Store
+from bunshin.runtime.state.store import Store
+from bunshin.runtime.upkeep import gc
 
 from ..runtime import oci_images as oi
 from .conftest import Served

@@ -171,8 +171,8 @@ def test_an_upload_the_disk_cannot_hold_is_refused(served, no_leaks, monkeypatch
 def test_gc_removes_what_a_dead_server_left_in_transfers(cfg):
     import subprocess
 
-    from bunshin.runtime import gc
-    from bunshin.runtime.store import Store
+    from bunshin.runtime.state.store import Store
+    from bunshin.runtime.upkeep import gc
 
     dead = subprocess.Popen(["true"])
     dead.wait()

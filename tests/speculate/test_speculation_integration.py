@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bunshin.cache import CachePolicy, PrefixCache
-from bunshin.runtime.store import Store
+from bunshin.runtime.state.store import Store
 from bunshin.speculate import SpeculationPolicy
 from bunshin.tools import ToolSet
 from tests.cache.conftest import TASK_DIR

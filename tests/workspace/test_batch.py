@@ -6,9 +6,9 @@ import psutil
 import pytest
 
 from bunshin.errors import WorkspaceNotFound
-from bunshin.runtime import teardown
-from bunshin.runtime.cgroups import WorkspaceCgroup
-from bunshin.runtime.store import Store
+from bunshin.runtime.container import teardown
+from bunshin.runtime.container.cgroups import WorkspaceCgroup
+from bunshin.runtime.state.store import Store
 from bunshin.workspace import Workspace
 from bunshin.workspace.batch import remove_all
 

@@ -25,9 +25,13 @@ from bunshin.errors import (
     StateConflict,
     WorkspaceNotFound,
 )
-from bunshin.runtime import gc, netns_image, statefs
-from bunshin.runtime import snapshot as rsnap
-from bunshin.runtime.store import Store
+from bunshin.runtime.container import statefs
+from bunshin.runtime.criu import netns_image
+from bunshin.runtime.snapshot import lifetime as rsnap_lifetime
+from bunshin.runtime.snapshot import sweeping as rsnap_sweeping
+from bunshin.runtime.snapshot import taking as rsnap_taking
+from bunshin.runtime.state.store import Store
+from bunshin.runtime.upkeep import gc
 from bunshin.workspace import Session, Snapshot, Workspace
 from bunshin.workspace.family import SnapshotNode, WorkspaceNode, build
 from tests.conftest import drop_state_tmpfs, leftovers
@@ -573,16 +577,16 @@ def test_sweep_frees_what_a_dead_owner_left_and_gc_takes_strays(family):
     dead = subprocess.Popen(["true"])
     dead.wait()
     with Store.open(cfg.db_path) as store:
-        crashed_fork = rsnap.take(cfg, store, ws.record, keep=False)  # its forker died before restoring
-        half_kept = rsnap.take(cfg, store, ws.record, keep=True)  # its maker died before finishing
+        crashed_fork = rsnap_taking.take(cfg, store, ws.record, keep=False)  # its forker died before restoring
+        half_kept = rsnap_taking.take(cfg, store, ws.record, keep=True)  # its maker died before finishing
         for snap in (crashed_fork, half_kept):
-            store.put_object(rsnap.KIND, snap.id, dataclasses.replace(snap, owner_pid=dead.pid).to_json())
-        busy = rsnap.take(cfg, store, ws.record, keep=False)  # owned by this live process
-        kept = rsnap.take(cfg, store, ws.record, keep=True)
+            store.put_object(rsnap_lifetime.KIND, snap.id, dataclasses.replace(snap, owner_pid=dead.pid).to_json())
+        busy = rsnap_taking.take(cfg, store, ws.record, keep=False)  # owned by this live process
+        kept = rsnap_taking.take(cfg, store, ws.record, keep=True)
         strays = [cfg.tmpfs / "layers" / "snap-stray", cfg.tmpfs / "snapshots" / "snap-stray"]
         for d in strays:
             d.mkdir(parents=True)
-        stray_mem = rsnap.mem_dir(cfg) / f"snap-stray-7{rsnap.memfile.SUFFIX}"
+        stray_mem = rsnap_lifetime.mem_dir(cfg) / f"snap-stray-7{rsnap_taking.memfile.SUFFIX}"
         stray_mem.write_bytes(b"x")
         report = gc.collect(cfg, store)
         assert sorted(report.snapshots) == sorted([crashed_fork.id, half_kept.id])
@@ -590,10 +594,10 @@ def test_sweep_frees_what_a_dead_owner_left_and_gc_takes_strays(family):
         assert not any(p.exists() for p in [*strays, stray_mem])
         assert not Path(crashed_fork.images).exists() and not Path(half_kept.images).exists()
         assert all(Path(s.images).is_dir() for s in (busy, kept))  # recorded: gc keeps their images
-        assert {i for i, _ in store.list_objects(rsnap.KIND)} == {busy.id, kept.id}
-        rsnap.release(store, busy)
-        assert rsnap.sweep(cfg, store) == [busy.id]
-        rsnap.remove(cfg, store, kept)
+        assert {i for i, _ in store.list_objects(rsnap_lifetime.KIND)} == {busy.id, kept.id}
+        rsnap_lifetime.release(store, busy)
+        assert rsnap_sweeping.sweep(cfg, store) == [busy.id]
+        rsnap_sweeping.remove(cfg, store, kept)
     assert ws.is_alive()
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from bunshin.errors import RuntimeFailure
-from bunshin.runtime.store import Store
+from bunshin.runtime.state.store import Store
 from bunshin.workspace import Workspace
 from tests.workspace.test_fork import wait_file
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bunshin.runtime import upper_copy
+from bunshin.runtime.snapshot import upper_copy
 from tests.workspace.test_fork import wait_file
 
 pytestmark = [pytest.mark.integration, pytest.mark.criu]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from bunshin.runtime import netns_image
+from bunshin.runtime.criu import netns_image
 
 pytestmark = [pytest.mark.integration, pytest.mark.criu]
 

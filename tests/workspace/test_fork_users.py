@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from bunshin.config import Config
-from bunshin.runtime import gc
 from bunshin.runtime.oci import store as oci_store
-from bunshin.runtime.store import Store
+from bunshin.runtime.state.store import Store
+from bunshin.runtime.upkeep import gc
 from bunshin.workspace import Workspace
 from tests.runtime import oci_images as oi
 from tests.workspace.test_fork import wait_file

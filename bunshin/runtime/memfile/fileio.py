@@ -15,7 +15,7 @@ from pathlib import Path
 
 from bunshin.errors import RuntimeFailure
 
-from ..syscalls import punch_hole
+from ..kernel.syscalls import punch_hole
 from .criu_images import PAGE, SUFFIX
 
 _FS_IOC_GETFLAGS, _FS_IOC_SETFLAGS, _FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10

@@ -30,7 +30,7 @@ import os
 import stat
 from pathlib import Path
 
-from .. import syscalls as sc
+from ..kernel import syscalls as sc
 
 _SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_MOUNT_SETATTR = 428, 429, 442
 _OPEN_TREE_CLONE, _AT_EMPTY_PATH, _AT_SYMLINK_NOFOLLOW = 0x1, 0x1000, 0x100

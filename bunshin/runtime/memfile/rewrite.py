@@ -11,7 +11,7 @@ from typing import Any
 
 from bunshin.errors import InvalidArgument, NotForkable
 
-from ..syscalls import punch_hole
+from ..kernel.syscalls import punch_hole
 from . import trap
 from .criu_images import (
     MAP_ANONYMOUS,

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from ..syscalls import thread_nice
+from ..kernel.syscalls import thread_nice
 
 BUFFER = 4 << 20  # the bytes of one read (each thread's own buffer)
 NICE = -5  # the copying threads' nice while they copy (the fork's critical path; as restore_boost's threads)

@@ -31,9 +31,9 @@ import psutil
 
 from ...config import Config
 from ...errors import HostUnsupported, InvalidArgument, PayloadTooLarge, RuntimeFailure
-from .. import mountinfo
-from .. import syscalls as sc
-from ..store import Store
+from ..kernel import mountinfo
+from ..kernel import syscalls as sc
+from ..state.store import Store
 from . import caps
 from . import store as oci_store
 from .records import ImageRecord

@@ -24,7 +24,7 @@ from types import TracebackType
 
 from ...config import Config
 from ...errors import InvalidArgument, PayloadTooLarge
-from ..limits import byte_size
+from ..kernel.limits import byte_size
 
 BYTES_HINT = ("raise the cap if you trust the image: --max-size SIZE (image load/pull/build), "
               "BUNSHIN_IMAGE_MAX_BYTES or Config.image_max_bytes (e.g. 64G)")

@@ -3,7 +3,7 @@ the receiver lacks.
 
 ``manifest`` is what the holder sends: the image's id, names, config and, per layer,
 its diff id and the sha256 and size of its exported tar (``layer_tar``), signed with
-the home's snapshot key (HMAC-SHA256, as ``snapshot_io`` signs a saved snapshot; the
+the home's snapshot key (HMAC-SHA256, as ``folder_save`` signs a saved snapshot; the
 hosts of a cluster share that key, ``bunshin.cluster.serve_proc``). A receiver trusts
 nothing it does not check:
 
@@ -29,8 +29,8 @@ from typing import IO, Any
 
 from ...config import Config
 from ...errors import ImageNotFound, InvalidArgument, Unauthorized
-from ..keys import home_key, mac
-from ..store import Store
+from ..state.keys import home_key, mac
+from ..state.store import Store
 from . import caps, layer_tar
 from . import store as oci_store
 from .records import ImageConfig, ImageRecord

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from ...config import Config
 from ...errors import ImageNotFound, RuntimeFailure
-from ..store import Store
+from ..state.store import Store
 from .records import LAYER_TAR_KIND
 from .unpack import OPAQUE_MARKER, OPAQUE_XATTR, WHITEOUT_PREFIX
 

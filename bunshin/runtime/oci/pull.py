@@ -25,7 +25,7 @@ from typing import Any
 
 from ...config import Config
 from ...errors import HostUnsupported, ImageNotFound, InvalidArgument, RuntimeFailure, Unreachable
-from ..store import Store
+from ..state.store import Store
 from . import caps
 from . import store as oci_store
 from .records import ImageRecord

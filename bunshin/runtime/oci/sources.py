@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from ...errors import ImageNotFound, InvalidArgument, ResourceExhausted
-from .. import syscalls as sc
+from ..kernel import syscalls as sc
 from .caps import Budget
 from .unpack import compression, decompressed
 

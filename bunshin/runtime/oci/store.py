@@ -22,9 +22,9 @@ import psutil
 
 from ...config import Config
 from ...errors import ImageNotFound, InvalidArgument
-from ..entries import remove_entry
-from ..records import WorkspaceRecord
-from ..store import Store
+from ..state.entries import remove_entry
+from ..state.records import WorkspaceRecord
+from ..state.store import Store
 from . import caps
 from .records import KIND, LAYER_KIND, LAYER_TAR_KIND, ImageConfig, ImageRecord
 from .refs import Reference

@@ -1,0 +1,151 @@
+"""A dump's network namespace, put back into its images so CRIU makes it in the clone.
+
+A dump runs inside the workspace's network namespace (``criu.Placement``): CRIU sees
+the tree in its own namespace and leaves the namespace out of the images (no links,
+addresses, rules or tables to dump with CRIU's ``ip`` and ``iptables-save`` runs:
+~30 ms less pause). Restored tasks would then stay in the namespace criu runs in,
+which the host made, where CRIU's TCP repair (``TCP_REPAIR``: CAP_NET_ADMIN over the
+socket's namespace) is refused to them. ``add`` gives the inventory's ``root_ids`` (the
+namespaces criu was in) a network namespace id of its own and writes the tree's
+namespace as a workspace's always is (nothing inside can change it: no workspace
+process keeps CAP_NET_ADMIN or CAP_NET_RAW): ``lo`` up, ``ping_group_range`` over the
+workspace's groups, and CRIU's network lock. Only a dump that holds a TCP connection
+(neither listening nor closed) gets them: CRIU's restore of a namespace costs ~15 ms
+(it runs ``iptables-restore -V`` and ``ip6tables-restore -V`` even with no tables to
+restore), and without a connection the clone's tasks stay in the namespace criu ran in,
+as before. CRIU's restore then unshares the clone's
+network namespace in the root task after its user namespace, so the namespace is the
+user namespace's, and the restorer, which holds that namespace's capabilities until it
+restores the tasks' credentials last, repairs the connections.
+
+A restored connection's MSS: CRIU connects the socket in repair mode before it restores
+its options, so the kernel sizes its segments (``tcp_connect_init``) with the default
+MSS clamp (536: segments of 524 bytes instead of 65,483 on loopback), and the clamp
+CRIU sets next is not applied until the path's MTU changes (``tcp_current_mss``
+compares it with the one the MSS was sized for). With both windows full of 524-byte
+segments the receive buffer fills long before the window (each segment's overhead is
+counted) and the connection stalls; plain CRIU does the same. So ``lo`` is restored
+with ``RESTORE_MTU`` and ``restored`` puts ``LO_MTU`` back: a restored connection's
+first transmission finds another MTU and sizes its segments again, with the clamp.
+
+The lock (CRIU's own table, ``inet CRIU-`` + the dump's run id) drops every packet but
+CRIU's while the tasks are restored, and CRIU deletes it at "Unlock network", once all
+are back: without it the end restored first sends its unsent queue to a peer not yet
+restored and gets a reset.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+from ..kernel import syscalls as sc
+from ..memfile.criu_images import load, save
+
+# lo as a dump of a workspace's namespace records it: IFF_UP | IFF_LOOPBACK |
+# IFF_RUNNING | IFF_LOWER_UP, and the loopback MTU
+LO_FLAGS = 0x1 | 0x8 | 0x40 | 0x10000
+LO_MTU = 65536
+RESTORE_MTU = LO_MTU - 2  # lo while CRIU restores (under both families' path MTU caps): see above
+SOCCR_MARK = 0xC114  # the mark of CRIU's own repair-mode packets (criu/soccr)
+LOCK_ID_CHARS = 21  # "inet CRIU-" + 21 characters fill CRIU's 32-byte table name
+UNPRIVILEGED_PORT_START = "0"  # net.ipv4.ip_unprivileged_port_start in a workspace
+IPPROTO_TCP, TCP_CLOSE, TCP_LISTEN = 6, 7, 10
+NETWORK_LOCK_NFTABLES = 1  # InventoryEntry.network_lock_method (criu/include/cr_options.h)
+# The images CRIU keeps of one network namespace (criu/image-desc.c), by id
+NET_IMAGE = re.compile(r"(?:netdev|ifaddr|route6?|rule|ip6?tables|nftables|netns|netnf-ct|netnf-exp)-(\d+)\.img")
+
+
+def lock_table(run_id: str) -> str:
+    """CRIU's network lock for a restore of the dump ``run_id``, as nft commands."""
+    chains = "".join(
+        f"  chain {hook} {{ type filter hook {hook} priority 0; policy drop; meta mark {SOCCR_MARK:#x} accept; }}\n"
+        for hook in ("output", "input"))
+    return f"table inet CRIU-{run_id[:LOCK_ID_CHARS]} {{\n{chains}}}\n"
+
+
+def expected(net: int, run_id: str, groups: int) -> dict[str, Any]:
+    """The network namespace images ``add`` writes, by file name: decoded images
+    (dicts) and the lock's text."""
+    return {
+        f"netdev-{net}.img": {"magic": "NETDEV", "entries": [
+            {"type": "LOOPBACK", "ifindex": 1, "mtu": RESTORE_MTU, "flags": LO_FLAGS, "name": "lo"}]},
+        f"netns-{net}.img": {"magic": "NETNS", "entries": [
+            {"ipv4_sysctl": [{"type": "CTL_STR", "sarg": f"0\t{groups - 1}"}]}]},
+        f"nftables-{net}.img": lock_table(run_id),
+    }
+
+
+def has_connections(images: Path) -> bool:
+    """Whether the dump holds a TCP socket that is neither listening nor closed."""
+    for e in load(images / "files.img")["entries"]:
+        isk = e.get("isk") or {}
+        if isk.get("proto") == IPPROTO_TCP and isk.get("state") not in (TCP_CLOSE, TCP_LISTEN):
+            return True
+    return False
+
+
+def restores_netns(images: Path) -> bool:
+    """Whether a restore of ``images`` makes the clone's network namespace (``add`` wrote it)."""
+    return any(images.glob("netdev-*.img"))
+
+
+def tree_netns(images: Path) -> int:
+    """The network namespace id of the dumped tree (one for all its tasks)."""
+    nets = {int(load(p)["entries"][0]["net_ns_id"]) for p in images.glob("ids-*.img")}
+    if len(nets) != 1:
+        raise ValueError(f"the dump holds {len(nets)} network namespaces; a workspace has one")
+    return nets.pop()
+
+
+def add(images: Path, groups: int) -> int:
+    """Make the dump in ``images`` restore its network namespace; returns its id.
+
+    ``groups``: how many group ids the workspace's user namespace maps (0..groups-1).
+    A dump that already has its own namespace is left as it is.
+    """
+    net = tree_netns(images)
+    inv = load(images / "inventory.img")
+    entry = inv["entries"][0]
+    if entry["root_ids"]["net_ns_id"] != net or not has_connections(images):
+        return net  # no connection to repair: the clone's tasks stay in criu's namespace (cheaper)
+    used = [v for p in images.glob("ids-*.img") for k, v in load(p)["entries"][0].items() if k.endswith("_id")]
+    entry["root_ids"]["net_ns_id"] = max([*used, *entry["root_ids"].values()]) + 1
+    # a restore takes the lock method from the dump, not from its options
+    entry["network_lock_method"] = NETWORK_LOCK_NFTABLES
+    for name, content in expected(net, entry["dump_criu_run_id"], groups).items():
+        if isinstance(content, str):
+            (images / name).write_text(content)
+        else:
+            save(content, images / name)
+    save(inv, images / "inventory.img")  # last: a dump left half-way keeps criu's namespace
+    return net
+
+
+def _write_ports(pid: int, done: list[BaseException]) -> None:
+    try:
+        fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
+        try:
+            sc.setns(fd, sc.CLONE_NEWNET)  # this thread only
+        finally:
+            os.close(fd)
+        with open("/proc/sys/net/ipv4/ip_unprivileged_port_start", "w") as f:
+            f.write(UNPRIVILEGED_PORT_START)
+        sc.set_mtu("lo", LO_MTU)  # restored connections size their segments again (see above)
+    except BaseException as e:  # handed to the caller
+        done.append(e)
+
+
+def restored(pid: int) -> None:
+    """What CRIU does not carry, set in a restored clone's namespace (from a thread of
+    the host's that joins it): any port to bind for every user inside, as the launcher
+    sets it in a workspace's, and lo's MTU (``RESTORE_MTU`` during the restore)."""
+    failed: list[BaseException] = []
+    t = threading.Thread(target=_write_ports, args=(pid, failed), name="bunshin-netns-sysctl")
+    t.start()
+    t.join()
+    if failed:
+        raise failed[0]

@@ -1,0 +1,300 @@
+"""After a batch of restores: every restored process is still there, or the batch fails naming the dead one.
+
+A restored process can die on arrival (a signal the restore or the trap caused,
+SIGSYS, SIGSEGV...): CRIU has exited by then and reports success. ``Watch``
+listens to the kernel's process events (the proc connector: ``NETLINK_CONNECTOR``,
+group ``CN_IDX_PROC``; ``CAP_NET_ADMIN`` in the initial user namespace, root here)
+from before the first restore to the check: every fork and every exit on the host,
+with the exit's wait status, also of a process its parent reaped at once (a
+workspace's pid 1, the agent, reaps its children). ``check`` then lists each clone's
+procfs (``/proc/ROOT/root/proc``: the pids inside, as the dump numbers them, CRIU
+restores them the same): a dumped process that is gone, or a zombie, and died by a
+signal (its own wait status, or an exit by a signal among the clone's descendants,
+known from the fork events) fails the batch, named by pid, command line (read from
+its dump: the argument area of its stack) and signal; so does one stopped that ran
+when dumped. A dumped process that exited normally is not a failure: it may simply
+have finished; nor is a zombie of the dump (restored as one). A process that dies
+after the check, or one that hangs running, is not seen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import select
+import signal
+import socket
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bunshin.errors import RuntimeFailure
+
+from ..memfile.criu_images import PAGE, PE_PRESENT, load
+
+NETLINK_CONNECTOR, CN_IDX_PROC, CN_VAL_PROC = 11, 1, 1
+PROC_CN_MCAST_LISTEN, PROC_CN_MCAST_IGNORE = 1, 2
+PROC_EVENT_FORK, PROC_EVENT_EXIT = 0x1, 0x80000000
+_NLMSG = struct.Struct("=IHHII")  # len, type, flags, seq, pid
+_CN_MSG = struct.Struct("=IIIIHH")  # idx, val, seq, ack, len, flags
+_EVENT = struct.Struct("=IIQ")  # what, cpu, timestamp
+_FORK = struct.Struct("=iiii")  # parent pid, tgid, child pid, tgid
+_EXIT = struct.Struct("=iiIIii")  # pid, tgid, exit code (wait status), exit signal, parent pid, tgid
+_RCVBUF = 8 << 20
+NLMSG_DONE = 3
+TASK_ALIVE, TASK_DEAD, TASK_STOPPED, TASK_ZOMBIE = 1, 2, 3, 6  # CRIU's core tc.task_state (compel)
+
+
+@dataclass(frozen=True)
+class Dead:
+    """A dumped process gone from its clone or a zombie there (died), or stopped there."""
+
+    clone: str
+    pid: int  # inside the clone
+    command: str
+    signal: int | None  # what killed it, if known
+    stopped: bool = False  # stopped (it ran when dumped), not dead
+
+
+@dataclass
+class _Events:
+    parent: dict[int, int] = field(default_factory=dict)  # process (tgid) -> the process that forked it
+    exits: dict[int, int] = field(default_factory=dict)  # tgid -> wait status of the process's exit
+    lost: bool = False  # the socket overflowed: some events are missing
+
+
+class Watch:
+    """The host's fork and exit events, collected by a thread from ``start`` to ``close``."""
+
+    def __init__(self) -> None:
+        self.events = _Events()
+        self._sock: socket.socket | None = None
+        self._stop = threading.Event()
+        self._wake: tuple[int, int] | None = None  # a pipe: ``close`` ends the thread's wait at once
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._recv_lock = threading.Lock()
+
+    def start(self) -> Watch:
+        """Subscribe; without the connector (no permission, no kernel support) nothing is collected."""
+        try:
+            sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_CONNECTOR)
+        except OSError:
+            return self
+        try:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, 33, _RCVBUF)  # SO_RCVBUFFORCE
+            sock.bind((0, CN_IDX_PROC))
+            sock.send(_request(PROC_CN_MCAST_LISTEN))
+        except OSError:
+            sock.close()
+            return self
+        self._sock = sock
+        self._wake = os.pipe()
+        self._thread = threading.Thread(target=self._run, name="restore-check", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        assert self._sock is not None and self._wake is not None
+        while not self._stop.is_set():
+            try:
+                ready, _, _ = select.select([self._sock.fileno(), self._wake[0]], [], [])
+                if self._sock.fileno() in ready:
+                    self._drain()
+            except OSError:
+                pass
+
+    def _drain(self) -> None:
+        """Take every event waiting on the socket (the thread's, and the check's before it reads)."""
+        with self._recv_lock:
+            while self._sock is not None:
+                try:
+                    self._take(self._sock.recv(1 << 16, socket.MSG_DONTWAIT))
+                except BlockingIOError:
+                    return
+                except OSError as exc:
+                    if exc.errno != errno.ENOBUFS:
+                        return
+                    self.events.lost = True  # the socket overflowed: events were dropped (read on)
+
+    def _take(self, data: bytes) -> None:
+        at = 0
+        while at + _NLMSG.size <= len(data):
+            length = _NLMSG.unpack_from(data, at)[0]
+            if length < _NLMSG.size:
+                return
+            body = at + _NLMSG.size + _CN_MSG.size
+            what = _EVENT.unpack_from(data, body)[0] if body + _EVENT.size <= len(data) else 0
+            ev = body + _EVENT.size
+            with self._lock:
+                if what == PROC_EVENT_FORK:
+                    _, ptgid, cpid, ctgid = _FORK.unpack_from(data, ev)
+                    if cpid == ctgid:  # a process, not a thread
+                        self.events.parent[ctgid] = ptgid
+                elif what == PROC_EVENT_EXIT:
+                    pid, tgid, code, _, _, _ = _EXIT.unpack_from(data, ev)
+                    if pid == tgid:
+                        self.events.exits[tgid] = code
+            at += (length + 3) & ~3
+
+    def signals_under(self, root: int) -> list[int]:
+        """Signals that ended ``root`` or a process descended from it (forked since ``start``)."""
+        self._drain()  # every exit so far: a process's exit event is sent before its parent can reap it
+        with self._lock:
+            parent, exits = dict(self.events.parent), dict(self.events.exits)
+        out = []
+        for tgid, status in exits.items():
+            seen, p = 0, tgid
+            while p != root and p in parent and seen < 4096:
+                p, seen = parent[p], seen + 1
+            if p == root and os.WIFSIGNALED(status):
+                out.append(os.WTERMSIG(status))
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._wake is not None:
+            os.write(self._wake[1], b"x")
+        if self._thread is not None:
+            self._thread.join()
+        if self._wake is not None:
+            for fd in self._wake:
+                os.close(fd)
+            self._wake = None
+        if self._sock is not None:
+            with self._recv_lock:
+                with contextlib.suppress(OSError):
+                    self._sock.send(_request(PROC_CN_MCAST_IGNORE))
+                self._sock.close()
+                self._sock = None
+
+
+def _request(op: int) -> bytes:
+    payload = struct.pack("=I", op)
+    cn = _CN_MSG.pack(CN_IDX_PROC, CN_VAL_PROC, 0, 0, len(payload), 0) + payload
+    return _NLMSG.pack(_NLMSG.size + len(cn), NLMSG_DONE, 0, 0, 0) + cn
+
+
+def _inside(root: int) -> dict[int, str] | None:
+    """Processes of the clone whose pid 1 is ``root`` (host pid): pid inside -> state letter; None if gone."""
+    proc = Path(f"/proc/{root}/root/proc")
+    try:
+        names = [n for n in os.listdir(proc) if n.isdigit()]
+    except OSError:
+        return None
+    out = {}
+    for n in names:
+        with contextlib.suppress(OSError, IndexError):
+            stat = (proc / n / "stat").read_text()
+            out[int(n)] = stat[stat.rindex(")") + 2]
+    return out
+
+
+def _zombie_signal(root: int, pid: int) -> int | None:
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        stat = Path(f"/proc/{root}/root/proc/{pid}/stat").read_text()
+        status = int(stat[stat.rindex(")") + 2:].split()[49])  # exit_code, field 52
+        return os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+    return None
+
+
+def _dumped_state(images: Path, pid: int) -> int:
+    """The task state CRIU dumped for ``pid`` (``TASK_ALIVE`` if unreadable)."""
+    with contextlib.suppress(OSError, KeyError, IndexError, ValueError, TypeError):
+        return int(load(images / f"core-{pid}.img")["entries"][0]["tc"]["task_state"])
+    return TASK_ALIVE
+
+
+def _clone_dead(images: Path, entries: list[dict[str, Any]], clone: str, root: int, watch: Watch) -> list[Dead]:
+    live = _inside(root)
+    odd = [e["pid"] for e in entries if live is None or live.get(e["pid"]) in (None, "Z", "T")]
+    out: list[Dead] = []
+    signals: list[int] | None = None
+    for pid in odd:
+        dumped = _dumped_state(images, pid)  # (read only for what looks wrong)
+        if dumped in (TASK_DEAD, TASK_ZOMBIE):
+            continue  # a zombie in the dump is one in the clone
+        state = live.get(pid) if live is not None else None
+        if state == "T":
+            if dumped != TASK_STOPPED:
+                out.append(Dead(clone, pid, command(images, pid), None, stopped=True))
+            continue
+        sig = _zombie_signal(root, pid) if state == "Z" else None
+        if sig is None:
+            signals = watch.signals_under(root) if signals is None else signals
+            sig = signals[0] if signals else None  # reaped already: what killed a process of the clone
+        if sig is not None or live is None:  # an exit without a signal: the process may have finished
+            out.append(Dead(clone, pid, command(images, pid), sig))
+    return out
+
+
+def dead(images: Path, clones: Sequence[tuple[str, int]], watch: Watch) -> list[Dead]:
+    """The dumped processes of ``images`` that died by a signal, or stopped, in each (clone id,
+    pid 1's host pid)."""
+    entries = load(images / "pstree.img")["entries"]
+    return [d for clone, root in clones for d in _clone_dead(images, entries, clone, root, watch)]
+
+
+def check(images: Path, clones: Sequence[tuple[str, int]], watch: Watch) -> float:
+    """Raise ``RuntimeFailure`` naming the first dead or stopped restored process; the check's ms."""
+    t0 = time.perf_counter()
+    found = dead(images, clones, watch)
+    if found:
+        d = found[0]
+        if d.stopped:
+            what = "is stopped right after its restore (it was running when dumped)"
+        else:
+            cause = f"signal {d.signal} ({signal.Signals(d.signal).name})" if d.signal else "an unknown cause"
+            what = f"died of {cause} right after its restore"
+        raise RuntimeFailure(
+            f"process {d.pid} ({d.command}) of clone {d.clone} {what}"
+            + (f"; {len(found) - 1} more failed" if len(found) > 1 else ""),
+            hint="the fork made no clones; report this with the program (see README 'Live fork'): "
+                 "fork with mode='copy' meanwhile",
+            dead=[{"clone": x.clone, "pid": x.pid, "command": x.command, "signal": x.signal, "stopped": x.stopped}
+                  for x in found],
+        )
+    return (time.perf_counter() - t0) * 1000
+
+
+def command(images: Path, pid: int) -> str:
+    """The command line of dumped process ``pid`` (its argument area in the dump), or its name."""
+    try:
+        core = load(images / f"core-{pid}.img")["entries"][0]
+        name = str(core.get("tc", {}).get("comm", "?"))
+    except (OSError, KeyError, IndexError):
+        return "?"
+    with contextlib.suppress(OSError, KeyError, IndexError, ValueError):
+        mm = load(images / f"mm-{pid}.img")["entries"][0]
+        args = _read(images, pid, int(mm["mm_arg_start"]), int(mm["mm_arg_end"]))
+        if args:
+            return args.rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace")[:200]
+    return name
+
+
+def _read(images: Path, pid: int, start: int, end: int) -> bytes | None:
+    """Bytes [start, end) of the process's dumped private pages (None if not all stored)."""
+    if not 0 < end - start <= 1 << 16:
+        return None
+    pm = load(images / f"pagemap-{pid}.img")["entries"]
+    pages = images / f"pages-{pm[0]['pages_id']}.img"
+    off = 0
+    for e in pm[1:]:
+        n = int(e.get("nr_pages", 0))
+        lo, hi = int(e["vaddr"]), int(e["vaddr"]) + n * PAGE
+        stored = bool(int(e.get("flags", PE_PRESENT)) & PE_PRESENT)
+        if stored and lo <= start and end <= hi:
+            with open(pages, "rb") as f:
+                f.seek(off + start - lo)
+                return f.read(end - start)
+        off += n * PAGE if stored else 0
+    return None
+
+
+__all__ = ["Dead", "Watch", "check", "command", "dead"]

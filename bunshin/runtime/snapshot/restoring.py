@@ -1,0 +1,286 @@
+"""Restoring a snapshot, and ``fork`` (take, then restore).
+
+A restore builds a new workspace: an overlay of ``[snapshot layer, *source lowers]``
+with a fresh upper, fresh cgroups with the source's limits, and ``criu restore`` into
+them with new namespaces. A batch of restores returns every workspace or rolls back
+all of them; ``check_batch`` refuses one that cannot fit before anything is made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+
+from ...config import Config
+from ...errors import (
+    BunshinError,
+    CriuError,
+    InvalidArgument,
+    ResourceExhausted,
+    RuntimeFailure,
+)
+from ..container import cgroup_moves
+from ..container import lifecycle as container
+from ..container.cgroups import Layout, WorkspaceCgroup
+from ..criu import (
+    clone_images,
+    netns_image,
+    restore_boost,
+    restore_check,
+    userns_owner,
+)
+from ..criu import run as criu
+from ..kernel import host_limits
+from ..state import budget, idranges
+from ..state.records import SnapshotMode, WorkspaceRecord, WorkspaceState
+from ..state.store import Store
+from .lifetime import SnapshotRecord, release
+from .sweeping import sweep
+from .taking import _COMMON, SYS_EXTERNAL, _share, _tree, mount_externals, take
+
+RESTORE_CONCURRENCY = 2
+
+
+def restore(cfg: Config, store: Store, snap: SnapshotRecord, n: int, *, keep_logs: bool = False
+            ) -> list[WorkspaceRecord]:
+    """``n`` new running workspaces from ``snap``; all of them or none. ``keep_logs``: each
+    clone's criu log stays beside the images, named by ``extra["restore_log"]`` (the
+    caller removes it; ``bench restore-phases``).
+
+    All or none also under ``KeyboardInterrupt`` (pending restores are cancelled, the
+    running ones awaited, every clone made is destroyed) and under ``kill -9``: each
+    clone keeps this process as its ``owner_pid`` until the whole batch is in, so gc
+    treats the clones of a dead forker as unfinished.
+    """
+    check_batch(n, _snapshot_tasks(snap))
+    restore_boost.factor()  # a malformed setting refused before anything is made
+    budget.check_room(store, snap.pids_limit, n)  # each clone's record is checked again as it is added
+    cgroup_moves.ensure()  # criu's moves into the clone's cgroups: 0.03 ms instead of 3-17 (busy host)
+    layout = Layout.discover()
+    pool = ThreadPoolExecutor(max_workers=min(n, RESTORE_CONCURRENCY))
+    futures: list[Future[WorkspaceRecord]] = []
+    watch = restore_check.Watch().start()  # every restored process alive at the end, or the batch fails
+    try:
+        for _ in range(n):  # one by one: an interrupt mid-way still sees every submitted future
+            futures.append(pool.submit(restore_boost.in_thread, _restore_one, cfg, store, snap, layout, keep_logs))
+        done = [fut.result() for fut in futures]
+        check_ms = restore_check.check(Path(snap.images), [(r.id, r.pid or 0) for r in done], watch)
+        with store.transaction():  # the batch is in: the clones are the caller's now
+            done = [store.update_workspace(rec.id, _committed(check_ms)) or _committed(check_ms)(rec) for rec in done]
+        pool.shutdown()
+        return done
+    except BaseException as exc:
+        _roll_back(cfg, store, pool, futures)
+        limit = host_limits.explain_restore_failure(exc, n) if isinstance(exc, CriuError) else None
+        if limit is not None:
+            raise limit from exc
+        raise
+    finally:
+        watch.close()
+
+
+def _committed(check_ms: float) -> Callable[[WorkspaceRecord], WorkspaceRecord]:
+    """A clone of a batch that is in: no owner, the batch's check cost in its ``extra``."""
+    return lambda rec: rec.replace(owner_pid=None, extra={**rec.extra, "restore_check_ms": round(check_ms, 2)})
+
+
+def _roll_back(cfg: Config, store: Store, pool: ThreadPoolExecutor, futures: Sequence[Future[WorkspaceRecord]]) -> None:
+    """Cancel what has not started, wait for what runs, destroy every clone made.
+
+    A second Ctrl-C does not cut this short: the clones would be left running.
+    """
+    for fut in futures:
+        fut.cancel()
+    while True:
+        try:
+            pool.shutdown(wait=True, cancel_futures=True)
+            break
+        except KeyboardInterrupt:
+            continue
+    for fut in futures:
+        if fut.cancelled() or fut.exception() is not None:
+            continue
+        ws_id = fut.result().id
+        while True:
+            try:
+                with contextlib.suppress(BunshinError):  # gone already
+                    container.destroy(cfg, store, store.get_workspace(ws_id))
+                break
+            except KeyboardInterrupt:
+                continue
+
+
+#: Largest ``n`` of one ``fork``/``restore`` call.
+MAX_BATCH = 1024
+#: Memory a clone adds beyond what it shares with its snapshot (measured 140-320 KiB
+#: private per clone plus kernel memory: tasks, page tables, namespaces; rounded up).
+CLONE_MEMORY = 2 << 20
+#: Share of ``kernel.pid_max`` a batch must leave free.
+PID_MARGIN = budget.PID_MARGIN
+
+
+def check_batch(n: int, tasks_per_clone: int) -> None:
+    """Refuse a batch of ``n`` clones of ``tasks_per_clone`` tasks each that cannot fit."""
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        raise InvalidArgument(f"cannot make {n!r} clones", hint="give n >= 1")
+    if n > MAX_BATCH:
+        raise InvalidArgument(f"{n} clones in one call is more than the limit of {MAX_BATCH}",
+                              hint=f"fork or restore in batches of at most {MAX_BATCH}")
+    pid_max, existing = _pid_max(), _tasks_now()
+    need = n * max(tasks_per_clone, 1)
+    room = int(pid_max * (1 - PID_MARGIN)) - existing
+    if need > room:
+        raise ResourceExhausted(
+            f"{n} clones of {tasks_per_clone} tasks need {need} pids; kernel.pid_max is {pid_max}, "
+            f"{existing} are in use and {int(pid_max * PID_MARGIN)} stay spare, so {max(room, 0)} are left",
+            hint=f"fork at most {max(room, 0) // max(tasks_per_clone, 1)} clones, remove workspaces, "
+                 "or raise kernel.pid_max (sysctl -w kernel.pid_max=4194304)",
+        )
+    available = psutil.virtual_memory().available
+    if n * CLONE_MEMORY > available:
+        raise ResourceExhausted(
+            f"{n} clones need about {n * CLONE_MEMORY >> 20} MiB ({CLONE_MEMORY >> 20} MiB each), "
+            f"only {available >> 20} MiB of memory is available",
+            hint=f"fork at most {available // CLONE_MEMORY} clones or remove workspaces to free memory",
+        )
+
+
+def _pid_max() -> int:
+    return budget.pid_max()
+
+
+def _tasks_now() -> int:
+    """Threads on the machine now (the 4th field of /proc/loadavg: running/total)."""
+    try:
+        return int(Path("/proc/loadavg").read_text().split()[3].split("/")[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _snapshot_tasks(snap: SnapshotRecord) -> int:
+    """Tasks (threads) a restore of ``snap`` creates: CRIU writes one core image per thread."""
+    with contextlib.suppress(OSError):
+        return max(1, sum(1 for _ in Path(snap.images).glob("core-*.img")))
+    return 1
+
+
+def _live_tasks(rec: WorkspaceRecord) -> int:
+    total = 0
+    for pid in _tree(rec.pid):
+        with contextlib.suppress(OSError):
+            total += len(os.listdir(f"/proc/{pid}/task"))
+    return max(total, 1)
+
+
+def criu_mounts(cfg: Config, snap: SnapshotRecord, wdir: Path, ids: int | None = None
+                ) -> tuple[tuple[str, bool], ...]:
+    """The host mounts a clone's criu sees (``Placement.own_mounts``), parents first:
+    bunshin's tmpfs without what is mounted beneath it, the images' tmpfs, the clone's
+    folder with its upper and root, the views of the shared folders. No other clone's."""
+    trees = [(str(cfg.tmpfs), False), (str(cfg.paths.snapshots), False)]
+    if not Path(snap.images).is_relative_to(cfg.paths.snapshots):
+        trees.append((snap.images, False))
+    trees.append((str(wdir), True))
+    trees += [(str(_share(cfg, ids, m)), False) for m in snap.mounts]
+    return tuple(trees)
+
+
+def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout, keep_log: bool = False
+                 ) -> WorkspaceRecord:
+    ws_id = container.new_id()
+    wdir = cfg.paths.workspace(ws_id)
+    cg = WorkspaceCgroup.of(layout, cfg.cgroup_prefix + ws_id)
+    t0 = time.perf_counter()
+    ids = idranges.reserve(cfg, store, ws_id)
+    rec = WorkspaceRecord(
+        id=ws_id, name=None, image=snap.image, state=WorkspaceState.CREATING, created_at=time.time(),
+        root=str(wdir / "root"), upper=str(wdir / "upper"), work=str(wdir / "work"),
+        lowers=(snap.layer, *snap.lowers), cgroup_version=layout.version, cgroups=cg.dirs_as_str(),
+        memory_limit=snap.memory_limit, pids_limit=snap.pids_limit, hostname=snap.hostname,
+        owner_pid=os.getpid(), parent=snap.source, snapshot=snap.id, mounts=snap.mounts, ids=ids,
+    )
+    try:
+        budget.add_within(store, rec)
+    except BaseException:
+        idranges.free(cfg, store, ids)
+        raise
+    try:
+        container.make_workspace_dir(rec, cfg.id_base)
+        container.mount_overlay(rec, cfg)
+        container.publish_identity(rec, {"workspace_id": ws_id, "fork_id": ws_id, "parent": snap.source,
+                                         "snapshot": snap.id, "depth": snap.depth})
+        WorkspaceCgroup.create(layout, cfg.cgroup_prefix + ws_id, memory=snap.memory_limit, pids=snap.pids_limit)
+        boosted = restore_boost.boost(cg, restore_boost.factor())  # criu and the tasks it forks first
+        # criu starts inside the clone's cgroups and a fresh network namespace with
+        # lo up; the restored tasks inherit both.
+        sysfs = str(wdir / "sys")  # beneath the clone's folder: unmounted with it
+        os.mkdir(sysfs, 0o755)
+        # the clone's user namespace mapped onto its range and owned by its root (``userns_owner``)
+        images = clone_images.make(Path(snap.images), ws_id, ids)
+        into = criu.Placement(new_netns=True, own_keyring=True, sysfs=sysfs,
+                              hold_netns=netns_image.restores_netns(Path(snap.images)),
+                              cgroup_procs=tuple(str(p / "cgroup.procs") for p in cg.paths),
+                              own_mounts=criu_mounts(cfg, snap, wdir, ids),
+                              preload=str(userns_owner.library(cfg)))
+        t1 = time.perf_counter()
+        run = criu.restore(
+            cfg.criu, images, pidfile=wdir / "pid", root=Path(rec.root),
+            extra=[*_COMMON, "--external", f"mnt[{SYS_EXTERNAL}]:{sysfs}", "--manage-cgroups=ignore",
+                   *mount_externals(rec.mounts, dump=False, cfg=cfg, ids=ids)],
+            placement=into,
+            keep_log=keep_log,  # written from inside the clone's cgroup: it would be charged to it
+            log_level=4 if keep_log else cfg.restore_log_level,  # a kept log is read: every step
+        )
+        assert run.pid is not None
+        kept = clone_images.drop(images, keep=run.log if keep_log else None)
+        if userns_owner.owner_of(run.pid) != ids:  # never a clone whose namespace host root owns
+            raise RuntimeFailure(f"the user namespace of clone {ws_id} is owned by host uid "
+                                 f"{userns_owner.owner_of(run.pid)}, not its own root {ids}",
+                                 hint="its criu did not load bunshin's userns_owner helper: run criu through "
+                                      "the wrapper make install writes, or a script that keeps LD_PRELOAD")
+        if boosted:
+            restore_boost.settle(cg)
+        t2 = time.perf_counter()
+        if into.hold_netns:  # CRIU made the clone's namespace; criu's own had the setting already (``new_netns``)
+            netns_image.restored(run.pid)
+        pid_start = psutil.Process(run.pid).create_time()
+        # what this clone's restore cost, step by step (``bench fork``): its record, folder,
+        # overlay, identity and cgroups; the criu run (spawn to exit, ``restore_ms``); the
+        # pidfile and network lock after it
+        steps = {"prepare": (t1 - t0) * 1000, "criu_call": (t2 - t1) * 1000, "after": (time.perf_counter() - t2) * 1000}
+        # owner_pid stays set until ``restore`` commits the whole batch
+        started = {"state": WorkspaceState.RUNNING, "pid": run.pid, "pid_start": pid_start,
+                   "extra": {"restore_ms": round(run.duration_ms, 2),
+                             "restore_steps_ms": {k: round(v, 2) for k, v in steps.items()},
+                             **({"restore_log": str(kept)} if keep_log else {})}}
+        return store.update_workspace(ws_id, lambda r: r.replace(**started)) or rec.replace(**started)
+    except BaseException:
+        clone_images.drop(Path(snap.images) / f"{clone_images.CLONE_PREFIX}{ws_id}")
+        container.destroy(cfg, store, store.get_workspace(ws_id))
+        raise
+
+
+
+
+def fork(cfg: Config, store: Store, rec: WorkspaceRecord, n: int, *, mode: SnapshotMode | str = SnapshotMode.COW
+         ) -> tuple[SnapshotRecord, list[WorkspaceRecord]]:
+    """One dump of ``rec`` and ``n`` restores from it; all clones or none.
+
+    The snapshot lives on while the clones stack on it and is freed with the last;
+    if the restores fail or are interrupted it is freed at once.
+    """
+    check_batch(n, _live_tasks(rec))  # before the dump: a refused fork creates nothing
+    budget.check_room(store, rec.pids_limit, n)
+    snap = take(cfg, store, rec, keep=False, mode=mode)
+    try:
+        clones = restore(cfg, store, snap, n)
+    finally:
+        snap = release(store, snap)
+        sweep(cfg, store)
+    return snap, clones

@@ -1,0 +1,195 @@
+"""State on disk: one SQLite database under the state folder.
+
+Every CLI invocation opens it anew, so records are the only memory bunshin has
+across processes. WAL mode and a busy timeout let concurrent invocations share it.
+A record is changed by reading it, changing it and writing it back inside one
+``transaction`` (``update_workspace``, ``update_object``): ``BEGIN IMMEDIATE`` takes
+the database's write lock before the read, so two processes never interleave and
+neither loses the other's change.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from ...errors import InvalidArgument, WorkspaceNotFound
+from .records import WorkspaceRecord
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS workspaces (
+    id TEXT PRIMARY KEY,
+    name TEXT UNIQUE,
+    state TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    data TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS objects (
+    kind TEXT NOT NULL,
+    id TEXT NOT NULL,
+    data TEXT NOT NULL,
+    PRIMARY KEY (kind, id)
+);
+"""
+
+
+class Store:
+    """The SQLite store. Open with :meth:`open`; use as a context manager or call close()."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+        # The connection is shared by threads (a fork's restores): a transaction holds
+        # it for its thread, so another thread's statements never land inside it.
+        self._lock = threading.RLock()
+        self._depth = 0
+
+    @classmethod
+    def open(cls, path: Path) -> Store:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        conn = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.executescript(_SCHEMA)
+        return cls(conn)
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """All or nothing, and no other writer in between (``BEGIN IMMEDIATE``: the write
+        lock is taken at once, waiting up to the busy timeout). A nested call joins the
+        outer transaction."""
+        with self._lock:
+            if self._depth:
+                self._depth += 1
+                try:
+                    yield
+                finally:
+                    self._depth -= 1
+                return
+            self._conn.execute("BEGIN IMMEDIATE")
+            self._depth = 1
+            try:
+                yield
+            except BaseException:
+                self._depth = 0
+                self._conn.execute("ROLLBACK")
+                raise
+            self._depth = 0
+            self._conn.execute("COMMIT")
+
+    def _execute(self, sql: str, params: tuple[object, ...] = ()) -> None:
+        with self._lock:
+            self._conn.execute(sql, params)
+
+    def _rows(self, sql: str, params: tuple[object, ...] = ()) -> list[tuple[str, ...]]:
+        with self._lock:
+            return self._conn.execute(sql, params).fetchall()
+
+    # workspaces ------------------------------------------------------------------
+
+    def add_workspace(self, rec: WorkspaceRecord) -> None:
+        try:
+            self._execute(
+                "INSERT INTO workspaces (id, name, state, created_at, data) VALUES (?, ?, ?, ?, ?)",
+                (rec.id, rec.name, rec.state.value, rec.created_at, rec.to_json()),
+            )
+        except sqlite3.IntegrityError:
+            raise InvalidArgument(
+                f"a workspace named {rec.name!r} already exists", hint="pick another --name or remove it first"
+            ) from None
+
+    def save_workspace(self, rec: WorkspaceRecord) -> None:
+        self._execute(
+            "UPDATE workspaces SET name = ?, state = ?, data = ? WHERE id = ?",
+            (rec.name, rec.state.value, rec.to_json(), rec.id),
+        )
+
+    def update_workspace(
+        self, ws_id: str, change: Callable[[WorkspaceRecord], WorkspaceRecord]
+    ) -> WorkspaceRecord | None:
+        """Read the workspace ``ws_id``, ``change`` it and write it back, in one transaction;
+        the new record, or None (and nothing written) if there is none."""
+        with self.transaction():
+            rows = self._rows("SELECT data FROM workspaces WHERE id = ?", (ws_id,))
+            if not rows:
+                return None
+            rec = change(WorkspaceRecord.from_json(rows[0][0]))
+            self.save_workspace(rec)
+            return rec
+
+    def get_workspace(self, ref: str) -> WorkspaceRecord:
+        """By id, unique id prefix, or name."""
+        rows = self._rows("SELECT data FROM workspaces WHERE id = ? OR name = ?", (ref, ref))
+        if not rows:
+            rows = self._rows(
+                "SELECT data FROM workspaces WHERE id LIKE ? ESCAPE '\\'",
+                (ref.replace("%", "\\%").replace("_", "\\_") + "%",),
+            )
+            if len(rows) > 1:
+                raise InvalidArgument(f"{ref!r} matches {len(rows)} workspaces", hint="give more of the id")
+        if not rows:
+            raise WorkspaceNotFound(f"no workspace {ref!r}", hint="`bunshin ls` lists the workspaces")
+        return WorkspaceRecord.from_json(rows[0][0])
+
+    def live_pids_limits(self) -> list[int | None]:
+        """The pids limit of every workspace not dead (``budget``), read in SQL: no record is parsed."""
+        rows = self._rows("SELECT json_extract(data, '$.pids_limit') FROM workspaces WHERE state != 'dead'")
+        return [None if r[0] is None else int(r[0]) for r in rows]
+
+    def list_workspaces(self) -> list[WorkspaceRecord]:
+        rows = self._rows("SELECT data FROM workspaces ORDER BY created_at")
+        return [WorkspaceRecord.from_json(r[0]) for r in rows]
+
+    def delete_workspace(self, ws_id: str) -> None:
+        self._execute("DELETE FROM workspaces WHERE id = ?", (ws_id,))
+
+    # other objects (snapshots, layers, memory files) ---------------------------
+
+    def put_object(self, kind: str, obj_id: str, data: str) -> None:
+        self._execute(
+            "INSERT OR REPLACE INTO objects (kind, id, data) VALUES (?, ?, ?)", (kind, obj_id, data)
+        )
+
+    def insert_object(self, kind: str, obj_id: str, data: str) -> None:
+        """Add an object; ``sqlite3.IntegrityError`` if one of that kind and id exists."""
+        self._execute("INSERT INTO objects (kind, id, data) VALUES (?, ?, ?)", (kind, obj_id, data))
+
+    def get_object(self, kind: str, obj_id: str) -> str | None:
+        rows = self._rows("SELECT data FROM objects WHERE kind = ? AND id = ?", (kind, obj_id))
+        return rows[0][0] if rows else None
+
+    def update_object(self, kind: str, obj_id: str, change: Callable[[str], str]) -> str | None:
+        """Read an object, ``change`` its data and write it back, in one transaction; the
+        new data, or None (and nothing written) if there is none."""
+        with self.transaction():
+            data = self.get_object(kind, obj_id)
+            if data is None:
+                return None
+            new = change(data)
+            self.put_object(kind, obj_id, new)
+            return new
+
+    def list_objects(self, kind: str) -> list[tuple[str, str]]:
+        return [(r[0], r[1]) for r in self._rows("SELECT id, data FROM objects WHERE kind = ? ORDER BY id", (kind,))]
+
+    def delete_object(self, kind: str, obj_id: str) -> None:
+        self._execute("DELETE FROM objects WHERE kind = ? AND id = ?", (kind, obj_id))
+
+    def expire_objects(self, kind: str, field: str, before: float) -> None:
+        """Delete the objects of ``kind`` whose JSON data has a number ``field`` below
+        ``before`` (one statement: SQLite reads the field, nothing is parsed here)."""
+        if not field.isidentifier():
+            raise ValueError(f"not a field name: {field!r}")
+        self._execute("DELETE FROM objects WHERE kind = ? AND json_extract(data, ?) < ?",
+                      (kind, f"$.{field}", before))
