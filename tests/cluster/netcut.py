@@ -20,8 +20,10 @@ Both heal by deleting their table (and the cgroup, its processes moved back firs
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -141,12 +143,24 @@ class RayCut:
             return
         subprocess.run(["nft", "delete", "table", "inet", self.table], timeout=30)
         if self.cgroup.exists():
-            for pid in (self.cgroup / "cgroup.procs").read_text().split():
+            # a process of the node may fork while its siblings are moved out (a new worker):
+            # move until the cgroup stays empty, then remove it (bounded: 100 rounds, ~10 s)
+            for _ in range(100):
+                pids = (self.cgroup / "cgroup.procs").read_text().split()
+                for pid in pids:
+                    try:
+                        (CGROUP2 / "cgroup.procs").write_text(pid)
+                    except ProcessLookupError:
+                        pass
                 try:
-                    (CGROUP2 / "cgroup.procs").write_text(pid)
-                except ProcessLookupError:
-                    pass
-            self.cgroup.rmdir()
+                    self.cgroup.rmdir()
+                    break
+                except OSError as e:
+                    if e.errno != errno.EBUSY:
+                        raise
+                    time.sleep(0.1)
+            else:
+                raise RuntimeError(f"{self.cgroup} kept tasks for 10 s: {(self.cgroup / 'cgroup.procs').read_text()!r}")
         self.active = False
 
     def rules(self) -> str:

@@ -51,7 +51,7 @@ def test_gc_frees_what_a_dead_maker_left(no_leaks):
     cfg = no_leaks
     statefs.ensure(cfg)
     # a maker killed between reserving a range (and mounting its views) and recording its workspace
-    code = ("import sys; from bunshin.runtime import idranges; from bunshin.runtime.state.store import Store; "
+    code = ("import sys; from bunshin.runtime.state import idranges; from bunshin.runtime.state.store import Store; "
             "from bunshin.config import Config; cfg = Config.for_home(sys.argv[1]); "
             "print(idranges.reserve(cfg, Store.open(cfg.db_path), 'ws-gone'))")
     out = subprocess.run([sys.executable, "-c", code, str(cfg.home)], capture_output=True, text=True, check=True,
