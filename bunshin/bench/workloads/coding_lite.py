@@ -1,7 +1,7 @@
 """Workload `coding-lite`: a coding agent fixing a bug in a small Python project (no download needed).
 
 Setup writes the project (``/work/proj``: package ``textkit``, unittest tests, one of
-them slow), creates its virtualenv and byte-compiles it. Trajectories explore with
+them slow), creates its virtualenv (without pip: nothing is installed) and byte-compiles it. Trajectories explore with
 ``bash`` and ``read_file``, run the tests, fix the bug with ``edit`` (two right
 fixes, one wrong), run the tests again. The reward is the fraction of hidden tests
 that pass.
@@ -131,7 +131,7 @@ def task(i: int, *, seed: int) -> TaskSpec:
         "memory": "1G",
         "files": files,
         "setup": [
-            "python3 -m venv /work/.venv",
+            "python3 -m venv --without-pip /work/.venv",  # the task never installs: no pip to seed
             "echo /work/proj > /work/.venv/lib/$(ls /work/.venv/lib)/site-packages/textkit.pth",
             "/work/.venv/bin/python -m compileall -q /work/proj >/dev/null",
         ],
