@@ -9,7 +9,10 @@
 #   PYTHON                  python used to create .venv (default: python3 on PATH, >= 3.11)
 #   BUNSHIN_BIN_LINK        where to link the bunshin command (default /usr/local/bin/bunshin)
 #   BUNSHIN_CRIU_PREFIX     CRIU prefix (default /opt/bunshin/criu); see install_criu.sh
-#   BUNSHIN_FORCE_PIP=1     re-run `pip install -e .[dev]` even if nothing changed
+#   BUNSHIN_FORCE_PIP=1     re-run pip even if nothing changed
+#   BUNSHIN_INSTALL_PROFILE what to install beyond the core (library, CLI, server), comma-separated
+#                           extras: test, docs, adapters, cluster, desktop, e2b; `all` (the default,
+#                           what the test suite needs) or `core` (none). `make install-core` etc.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -19,6 +22,13 @@ BIN_LINK=${BUNSHIN_BIN_LINK:-/usr/local/bin/bunshin}
 CRIU_PREFIX=${BUNSHIN_CRIU_PREFIX:-/opt/bunshin/criu}
 PYCRIU_DIR=$CRIU_PREFIX/root/usr/lib/python3/dist-packages
 MIN_PY=3.11
+PROFILE=${BUNSHIN_INSTALL_PROFILE:-all}
+case "$PROFILE" in
+    all) EXTRAS=test,docs,adapters,cluster,desktop,e2b ;;
+    core | "") EXTRAS= ;;
+    *) EXTRAS=$PROFILE ;;
+esac
+has_extra() { case ",$EXTRAS," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 
 say() { printf '==> %s\n' "$*"; }
 die() {
@@ -49,26 +59,32 @@ py_ver=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])') ||
 # ---------------------------------------------------------------------------
 # 1. System packages
 # ---------------------------------------------------------------------------
-WANT=(
+WANT=(   # the core: workspaces, forks, images
     iproute2
     nftables
     util-linux
     busybox-static
-    libjemalloc2
     procps
     gcc              # builds the SIGSYS handler of converted memory (memfile/sigsys.c) and the tests' C programs
     skopeo           # image pulls (and the image tests' format conversions)
     buildah          # bunshin image build (Dockerfiles)
     runc             # buildah's RUN steps (--isolation oci, in a user namespace)
-    docker-registry  # the image tests' loopback registry
-    zstd             # the image tests' .tar.zst archives
-    python3          # the image tests copy Debian's python into a layer
-    # desktops (bunshin create --desktop; host-image workspaces see the host's /usr):
-    xvfb x11-apps x11-utils xdotool jwm openbox x11vnc socat
-    xterm tk dillo mousepad gnumeric  # the desktop tests' apps: terminal, editors (xedit, in x11-apps; mousepad),
-    firefox-esr chromium              # Tk, browsers (dillo, Firefox, Chromium), a spreadsheet
-    libglib2.0-bin   # gio monitor: GLib's file monitor (inotify), forked in test_fork_inotify
 )
+if has_extra desktop || has_extra test; then
+    # desktops (bunshin create --desktop; host-image workspaces see the host's /usr)
+    WANT+=(xvfb x11-apps x11-utils xdotool jwm openbox x11vnc socat)
+fi
+if has_extra test; then
+    WANT+=(
+        libjemalloc2     # an allocator test
+        docker-registry  # the image tests' loopback registry
+        zstd             # the image tests' .tar.zst archives
+        python3          # the image tests copy Debian's python into a layer
+        xterm tk dillo mousepad gnumeric  # the desktop tests' apps: terminal, editors (xedit, in x11-apps;
+        firefox-esr chromium              # mousepad), Tk, browsers (dillo, Firefox, Chromium), a spreadsheet
+        libglib2.0-bin   # gio monitor: GLib's file monitor (inotify), forked in test_fork_inotify
+    )
+fi
 # The python needs a working venv module (Debian's python3 splits it out).
 need_venv_pkg=0
 if ! "$PYTHON" -c 'import venv, ensurepip' >/dev/null 2>&1; then
@@ -157,16 +173,20 @@ fi
 
 # Re-run pip only when pyproject.toml (or the python) changed since last time.
 STAMP=$VENV/.bunshin-install-stamp
-want_stamp=$( { sha256sum "$REPO/pyproject.toml"; "$VENV/bin/python" -VV; } | sha256sum | cut -d' ' -f1)
+want_stamp=$( { sha256sum "$REPO/pyproject.toml"; "$VENV/bin/python" -VV; echo "$EXTRAS"; } | sha256sum | cut -d' ' -f1)
+SPEC=.${EXTRAS:+[$EXTRAS]}
+PROBE=bunshin
+has_extra test && PROBE="$PROBE, pytest, ruff"
+has_extra docs && PROBE="$PROBE, mkdocs"
 if [ "${BUNSHIN_FORCE_PIP:-0}" != 1 ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want_stamp" ] &&
         [ -x "$VENV/bin/bunshin" ] &&
-        (cd / && "$VENV/bin/python" -c 'import bunshin, pytest, ruff' >/dev/null 2>&1); then
+        (cd / && "$VENV/bin/python" -c "import $PROBE" >/dev/null 2>&1); then
     say "python packages up to date"
 else
-    say "installing bunshin, its dev dependencies, the adapters' frameworks and Ray into $VENV (pip install -e '.[dev,adapters,cluster]')"
+    say "installing bunshin (profile ${PROFILE}) into $VENV (pip install -e '$SPEC')"
     rm -f "$STAMP"
-    (cd "$REPO" && "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[dev,adapters,cluster]') ||
-        die "pip install -e '.[dev,adapters,cluster]' failed" "Check network access to PyPI and re-run 'make install'."
+    (cd "$REPO" && "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$SPEC") ||
+        die "pip install -e '$SPEC' failed" "Check network access to PyPI and re-run 'make install'."
     printf '%s\n' "$want_stamp" >"$STAMP"
 fi
 
