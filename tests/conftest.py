@@ -19,6 +19,9 @@ from bunshin.runtime.container.cgroups import Layout
 from bunshin.runtime.kernel import mountinfo
 from bunshin.runtime.state.store import Store
 
+#: The ``internet`` fixture (a test internet in a network namespace): tests/net/internet.py
+pytest_plugins = ["tests.net.internet"]
+
 # --- what a test needs of the machine --------------------------------------------------
 
 #: Fixtures that run the real runtime: a test using one is an integration test.
