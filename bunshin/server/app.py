@@ -33,6 +33,9 @@ from ..errors import BunshinError, InvalidArgument, PayloadTooLarge, Unauthorize
 from . import groups, images, rollouts, snapshots, streaming, swerex, tools, transfer, workspaces
 from .admission import Limits
 from .context import CallerGone, ServerContext
+from .e2b import hosts
+from .e2b import portproxy as _portproxy  # noqa: F401  # registers get_host's proxy for the other ports
+from .e2b.envd import app as _envd  # noqa: F401  # registers envd on port 49983 of every sandbox
 from .leases import SWEEP_EVERY_S
 
 log = logging.getLogger("bunshin.server")
@@ -80,6 +83,7 @@ def create_app(config: Config, token: str, *, limits: Limits | None = None,
 
     app = FastAPI(title="bunshin", version=__version__, lifespan=lifespan)
     app.add_middleware(_JsonTooLarge)
+    app.add_middleware(hosts.SandboxRouter, ctx=ctx)  # E2B: requests naming a sandbox (header or host name)
 
     @app.exception_handler(BunshinError)
     async def _bunshin_error(_: Request, exc: BunshinError) -> JSONResponse:

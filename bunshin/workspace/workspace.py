@@ -28,6 +28,7 @@ from ..runtime.agent_host.types import (
     SessionResult,
 )
 from ..runtime.container import lifecycle as container
+from ..runtime.container import port_socket
 from ..runtime.container import stats as rstats
 from ..runtime.container.cgroups import WorkspaceCgroup
 from ..runtime.container.stats import WorkspaceStats
@@ -256,6 +257,15 @@ class Workspace:
 
     def processes(self) -> builtins.list[ProcessInfo]:
         return self.agent().processes()
+
+    def connect_port(self, port: int, *, timeout: float = 5.0) -> socket.socket:
+        """A TCP connection to ``127.0.0.1:port`` inside the workspace's network, made from
+        the host (the caller closes it); ``Unreachable`` when nothing listens there."""
+        pid = self._record.pid
+        if pid is None or not container.is_alive(self._record):
+            raise StateConflict(f"workspace {self.id} has no process to reach its network through",
+                                hint="it is not running; create a new one")
+        return port_socket.connect_port(pid, port, timeout=timeout)
 
     def stats(self) -> WorkspaceStats:
         return rstats.collect(self._record)

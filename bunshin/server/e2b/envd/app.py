@@ -1,0 +1,78 @@
+"""The ASGI app of envd's port (49983) of every sandbox: the access token checked, the
+sandbox found, then the Connect services or the HTTP routes."""
+
+from __future__ import annotations
+
+import json
+
+import anyio.to_thread
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ....errors import NotFound, StateConflict
+from ...context import ServerContext
+from .. import hosts
+from . import files, filesystem, process
+from .rpc import CALL, Call, user_of
+
+#: Connect services by the first segment of their paths.
+SERVICES = ("/process.Process/", "/filesystem.Filesystem/")
+
+
+class EnvdApp:
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+        self.rpc: dict[str, ASGIApp] = {SERVICES[0]: process.app(), SERVICES[1]: filesystem.app()}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await hosts.refuse(scope, send, 400, "envd takes no websockets")
+            return
+        path: str = scope["path"]
+        if path == "/health":
+            await send({"type": "http.response.start", "status": 204, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        service = next((s for s in SERVICES if path.startswith(s)), None)
+        t = hosts.target(scope)
+        if not hosts.token_ok(self.ctx.token, scope):
+            message = f"missing or wrong access token for sandbox {t.sandbox_id}: send its envdAccessToken as X-Access-Token"
+            await _refuse(scope, send, 401, message, service is not None, "unauthenticated")
+            return
+        try:
+            ws = await anyio.to_thread.run_sync(self.ctx.ws_of, t.sandbox_id)
+            if not ws.is_alive():
+                raise StateConflict(f"sandbox {t.sandbox_id} is not running")
+        except (NotFound, StateConflict):
+            await hosts.refuse(scope, send, 502, f"The sandbox {t.sandbox_id} was not found")
+            return
+        request = Request(scope, receive)
+        try:
+            user = user_of(request.headers.get("authorization"))
+        except ConnectError as e:
+            await _refuse(scope, send, 400, e.message, service is not None, "invalid_argument")
+            return
+        token = CALL.set(Call(self.ctx, ws, user))
+        try:
+            if service is not None:
+                await self.rpc[service](scope, receive, send)
+            else:
+                await (await files.answer(CALL.get(), request))(scope, receive, send)
+        finally:
+            CALL.reset(token)
+
+
+async def _refuse(scope: Scope, send: Send, status: int, message: str, rpc: bool, code: str) -> None:
+    """An error before the call runs: Connect's shape for an RPC, envd's for its HTTP routes."""
+    if not rpc:
+        await hosts.refuse(scope, send, status, message)
+        return
+    body = json.dumps({"code": Code(code).value, "message": message}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+hosts.register_port(hosts.ENVD_PORT, EnvdApp)

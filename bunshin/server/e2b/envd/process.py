@@ -1,0 +1,203 @@
+"""envd's ``process.Process`` service: Start, Connect, List, SendSignal, SendInput.
+
+``Start`` answers a start event (the command's pid), its output as data events as it
+comes, keepalives every ``Keepalive-Ping-Interval`` seconds the SDK asks for, and an end
+event with the exit status; past the call's deadline (``connect-timeout-ms``: the SDK's
+``timeout``) the command's process group is killed and the call ends
+``deadline_exceeded``. A client that hangs up stops being followed; the command goes on
+(as E2B's: ``commands.connect(pid)`` finds it again) and nothing on the host is left
+behind. PTYs, ``Update``, ``StreamInput`` and ``CloseStdin`` are refused by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+from connectrpc.request import RequestContext
+
+from ....errors import BunshinError, PathNotFound
+from . import procs
+from .gen.process import process_pb2 as pb
+from .rpc import Call, service_app
+
+#: Seconds between two looks at a command's files while it is quiet (it starts at POLL_MIN_S
+#: after output and doubles).
+POLL_MIN_S, POLL_MAX_S = 0.005, 0.1
+#: Keepalive interval when the client names none, and bounds on the one it names.
+KEEPALIVE_S, KEEPALIVE_MIN_S = 30.0, 1.0
+#: Most arguments, environment variables and bytes of them a command takes.
+MAX_ARGS, MAX_ENVS, MAX_SPEC_BYTES = 4096, 1024, 1 << 20
+_SIGNALS = {pb.SIGNAL_SIGKILL: signal.SIGKILL, pb.SIGNAL_SIGTERM: signal.SIGTERM}
+
+
+def _spec(req: Any) -> procs.Spec:
+    p = req.process
+    if req.HasField("pty"):
+        raise ConnectError(Code.UNIMPLEMENTED, "process.Process/Start with a PTY is not implemented by bunshin's envd")
+    if not p.cmd or "\0" in p.cmd:
+        raise ConnectError(Code.INVALID_ARGUMENT, "process.cmd must be a non-empty string without NUL")
+    args, envs = tuple(p.args), dict(p.envs)
+    size = len(p.cmd) + sum(map(len, args)) + sum(len(k) + len(v) for k, v in envs.items())
+    if len(args) > MAX_ARGS or len(envs) > MAX_ENVS or size > MAX_SPEC_BYTES:
+        raise ConnectError(Code.INVALID_ARGUMENT, f"the command is over {MAX_ARGS} args, {MAX_ENVS} envs "
+                                                  f"or {MAX_SPEC_BYTES} bytes")
+    if any("\0" in a for a in args) or any(not k or "=" in k or "\0" in k + v for k, v in envs.items()):
+        raise ConnectError(Code.INVALID_ARGUMENT, "an argument or environment variable has a NUL byte or a bad name")
+    cwd = p.cwd if p.HasField("cwd") and p.cwd else None
+    if cwd is not None and (not cwd.startswith("/") or "\0" in cwd):
+        raise ConnectError(Code.INVALID_ARGUMENT, f"cwd {cwd[:100]!r} must be an absolute path")
+    tag = req.tag if req.HasField("tag") else None
+    stdin = req.stdin if req.HasField("stdin") else True
+    return procs.Spec(p.cmd, args, envs, cwd, tag, stdin)
+
+
+def _keepalive_s(ctx: RequestContext) -> float:
+    text = ctx.request_headers.get("keepalive-ping-interval", "")
+    try:
+        return max(KEEPALIVE_MIN_S, float(text))
+    except ValueError:
+        return KEEPALIVE_S
+
+
+def _pid_of(selector: Any) -> int:
+    if selector.WhichOneof("selector") != "pid":
+        raise ConnectError(Code.UNIMPLEMENTED, "selecting a process by tag is not implemented by bunshin's envd")
+    return int(selector.pid)
+
+
+async def _wait_pid(call: Call, folder: str, deadline: float | None) -> int:
+    delay = POLL_MIN_S
+    while True:
+        with contextlib.suppress(PathNotFound):
+            text = (await procs.run(call, call.ws.files.read, f"{folder}/pid", length=32)).decode().strip()
+            if text.isdigit():
+                return int(text)
+        if deadline is not None and time.monotonic() > deadline:
+            raise ConnectError(Code.DEADLINE_EXCEEDED, "the command did not start before the deadline")
+        await anyio.sleep(delay)
+        delay = min(delay * 2, POLL_MAX_S)
+
+
+async def follow(call: Call, folder: str, pid: int, ctx: RequestContext, event: type,
+                 *, from_start: bool, owned: bool) -> AsyncIterator[Any]:
+    """The data, keepalive and end events of the command in ``folder``; ``owned``: the call
+    started it (its deadline kills it, and its files go when it is reported ended)."""
+    ms = ctx.timeout_ms
+    deadline = None if ms is None else time.monotonic() + ms / 1000
+    offsets = {"out": 0, "err": 0}
+    if not from_start:  # Connect: what comes from now on
+        for f in await procs.run(call, procs.entries, call, folder):
+            if f.name in offsets:
+                offsets[f.name] = f.size
+    keepalive, last = _keepalive_s(ctx), time.monotonic()
+    delay = POLL_MIN_S
+    while True:
+        sizes = {f.name: f.size for f in await procs.run(call, procs.entries, call, folder)}
+        if not sizes:
+            raise ConnectError(Code.NOT_FOUND, f"process with pid {pid} not found")
+        got = False
+        for name, field in (("out", "stdout"), ("err", "stderr")):
+            while sizes.get(name, 0) > offsets[name]:
+                data = await procs.run(call, call.ws.files.read, f"{folder}/{name}", offset=offsets[name],
+                                       length=procs.CHUNK)
+                if not data:
+                    break
+                offsets[name] += len(data)
+                got = True
+                yield event(event=pb.ProcessEvent(data=pb.ProcessEvent.DataEvent(**{field: data})))
+                last = time.monotonic()
+        if "rc" in sizes:
+            yield event(event=pb.ProcessEvent(end=await _end(call, folder)))
+            if owned:
+                with contextlib.suppress(BunshinError):
+                    await procs.run(call, procs.remove, call, folder, pid)
+            return
+        now = time.monotonic()
+        if deadline is not None and now > deadline:
+            if owned:
+                with contextlib.suppress(BunshinError):
+                    await procs.run(call, call.ws.commands.kill, pid, signal.SIGKILL, group=True)
+            raise ConnectError(Code.DEADLINE_EXCEEDED, "the command ran past its timeout and was killed"
+                               if owned else "the connection ran past its timeout")
+        if now - last >= keepalive:
+            last = now
+            yield event(event=pb.ProcessEvent(keepalive=pb.ProcessEvent.KeepAlive()))
+        delay = POLL_MIN_S if got else min(delay * 2, POLL_MAX_S)
+        await anyio.sleep(delay)
+
+
+async def _end(call: Call, folder: str) -> Any:
+    text = (await procs.run(call, call.ws.files.read, f"{folder}/rc", length=32)).decode().strip()
+    code = int(text) if text.lstrip("-").isdigit() else -1
+    if code > 128:  # sh's status of a command a signal ended
+        sig = code - 128
+        with contextlib.suppress(ValueError):
+            name = signal.Signals(sig).name.removeprefix("SIG").lower()
+            return pb.ProcessEvent.EndEvent(exit_code=-1, exited=False, status=f"signal: {name}")
+    return pb.ProcessEvent.EndEvent(exit_code=code, exited=True, status=f"exit status {code}")
+
+
+async def start(req: Any, call: Call, ctx: RequestContext) -> AsyncIterator[Any]:
+    spec = _spec(req)
+    ms = ctx.timeout_ms
+    deadline = None if ms is None else time.monotonic() + ms / 1000
+    folder = await procs.run(call, procs.start, call, spec)
+    pid = await _wait_pid(call, folder, deadline)
+    yield pb.StartResponse(event=pb.ProcessEvent(start=pb.ProcessEvent.StartEvent(pid=pid)))
+    async for e in follow(call, folder, pid, ctx, pb.StartResponse, from_start=True, owned=True):
+        yield e
+
+
+async def connect(req: Any, call: Call, ctx: RequestContext) -> AsyncIterator[Any]:
+    pid = _pid_of(req.process)
+    folder = await procs.run(call, procs.folder_of, call, pid)
+    yield pb.ConnectResponse(event=pb.ProcessEvent(start=pb.ProcessEvent.StartEvent(pid=pid)))
+    async for e in follow(call, folder, pid, ctx, pb.ConnectResponse, from_start=False, owned=False):
+        yield e
+
+
+async def list_(req: Any, call: Call, ctx: RequestContext) -> Any:
+    found = await procs.run(call, procs.listing, call)
+    out = pb.ListResponse()
+    for pid, meta in found:
+        info = out.processes.add(pid=pid)
+        info.config.cmd = str(meta.get("cmd", ""))
+        info.config.args.extend(str(a) for a in meta.get("args") or [])
+        info.config.envs.update({str(k): str(v) for k, v in (meta.get("envs") or {}).items()})
+        if meta.get("cwd"):
+            info.config.cwd = str(meta["cwd"])
+        if meta.get("tag"):
+            info.tag = str(meta["tag"])
+    return out
+
+
+async def send_signal(req: Any, call: Call, ctx: RequestContext) -> Any:
+    pid = _pid_of(req.process)
+    sig = _SIGNALS.get(req.signal)
+    if sig is None:
+        raise ConnectError(Code.INVALID_ARGUMENT, "signal must be SIGTERM or SIGKILL")
+    await procs.run(call, procs.folder_of, call, pid)  # only the commands envd started
+    await procs.run(call, call.ws.commands.kill, pid, sig, group=True)
+    return pb.SendSignalResponse()
+
+
+async def send_input(req: Any, call: Call, ctx: RequestContext) -> Any:
+    pid = _pid_of(req.process)
+    if req.input.WhichOneof("input") != "stdin":
+        raise ConnectError(Code.UNIMPLEMENTED, "PTY input is not implemented by bunshin's envd")
+    folder = await procs.run(call, procs.folder_of, call, pid)
+    await procs.run(call, procs.write_stdin, call, folder, bytes(req.input.stdin))
+    return pb.SendInputResponse()
+
+
+def app() -> Any:
+    return service_app(pb.DESCRIPTOR.services_by_name["Process"],
+                       unary={"List": list_, "SendSignal": send_signal, "SendInput": send_input},
+                       streams={"Start": start, "Connect": connect})
