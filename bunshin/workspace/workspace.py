@@ -29,8 +29,10 @@ from ..runtime.agent_host.types import (
 )
 from ..runtime.container import lifecycle as container
 from ..runtime.container import port_socket
+from ..runtime.container import publish as rpublish
 from ..runtime.container import stats as rstats
 from ..runtime.container.cgroups import WorkspaceCgroup
+from ..runtime.container.publish import Published
 from ..runtime.container.stats import WorkspaceStats
 from ..runtime.kernel.limits import check_timeout
 from ..runtime.snapshot import folder_load, folder_save
@@ -269,6 +271,22 @@ class Workspace:
 
     def stats(self) -> WorkspaceStats:
         return rstats.collect(self._record)
+
+    # ports in --------------------------------------------------------------------
+
+    def publish(self, port: int, host_port: int | None = None, host: str = "127.0.0.1") -> Published:
+        """Forward ``host:host_port`` on the host (loopback by default; ``host_port`` None:
+        a free port) to ``port`` inside, until ``unpublish`` or the workspace ends. Clones
+        do not inherit it; publish on a clone for its own."""
+        return rpublish.publish(self._config, self._record, port, host_port=host_port, host=host)
+
+    def published(self) -> builtins.list[Published]:
+        """This workspace's published ports."""
+        return rpublish.published(self._config, self.id)
+
+    def unpublish(self, host_port: int) -> None:
+        """Stop forwarding ``host_port``."""
+        rpublish.unpublish(self._config, self.id, host_port)
 
     def set_cpu_priority(self, nice: int) -> None:
         """The CPU priority of the whole workspace, as a nice value 0..19 (its cgroup's
