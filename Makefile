@@ -44,6 +44,7 @@ check:
 	cd $(ROOT) && $(VENV)/bin/ruff check bunshin tests
 	cd $(ROOT) && $(VENV)/bin/mypy
 	cd $(ROOT) && $(VENV)/bin/lint-imports --no-cache
+	cd $(ROOT) && $(VENV)/bin/python -m bunshin.bench.results readme --check
 	cd $(ROOT) && $(VENV)/bin/mkdocs build --strict --quiet
 
 docs: install

@@ -214,7 +214,7 @@ def readme_table(records: Sequence[Record]) -> str:
         out.append(f"| {label} | **{number}** | {_when(rec)} | {_where(rec)} | {_load(rec)} | `{rec.command}` |")
     if not rows:
         out.append("| (no results committed yet) | | | | | |")
-    out += ["", "All results, with what each bench measures: [docs/results](docs/results/index.md).", "", END]
+    out += ["", "Every record in full: [docs/results/](docs/results/) (the site's Results page).", "", END]
     return "\n".join(out)
 
 

@@ -82,6 +82,12 @@ VARS: dict[str, Var] = {
                                        "`1`: the tests do not check that the machine was left clean "
                                        "(for several test runs on one machine)."),
     "BUNSHIN_TEST_AGENT_ONLY": Var("test", "-", "A marker the agent tests put in the agent's environment."),
+    "BUNSHIN_E2B_META": Var("internal", "-",
+                            "Set by the E2B envd process wrapper for one command (its metadata); removed "
+                            "before the command runs."),
+    "BUNSHIN_E2B_STDIN": Var("internal", "-",
+                             "Set by the E2B envd process wrapper: `1` when the command takes stdin; removed "
+                             "before the command runs."),
     "BUNSHIN_IMAGE": Var("internal", "-",
                          "Set by bunshin in the agent's environment: the image's run config (Env, "
                          "WorkingDir, User)."),
@@ -112,7 +118,9 @@ def check(found: dict[str, list[str]]) -> None:
     stale = sorted(set(VARS) - set(found))
     if missing or stale:
         raise SystemExit(f"docs/gen/envvars.py: variables without a description: {missing or 'none'}; "
-                         f"described but not in the code: {stale or 'none'} (edit VARS there)")
+                         f"described but not in the code: {stale or 'none'}. Every BUNSHIN_* variable "
+                         "needs one row in VARS there (scope, default, meaning): the docs' table of them "
+                         "is generated from it")
 
 
 def render(found: dict[str, list[str]]) -> str:
