@@ -347,10 +347,11 @@ class Snapshot:
         """Write images, memory files and layers into ``folder`` (new or empty)."""
         return folder_save.save(self._config, self._record, Path(folder))
 
-    def restore(self, n: int = 1) -> builtins.list[Workspace]:
-        """``n`` new running workspaces in this state; all of them or none."""
+    def restore(self, n: int = 1, *, ids: Sequence[str] | None = None) -> builtins.list[Workspace]:
+        """``n`` new running workspaces in this state; all of them or none. ``ids``: the ids
+        they take (free ones, e.g. of workspaces removed since); else new ones."""
         with Store.open(self._config.db_path) as store:
-            recs = rsnap.restore(self._config, store, self._record, n)
+            recs = rsnap.restore(self._config, store, self._record, n, ids=ids)
         return [Workspace(self._config, r) for r in recs]
 
     def remove(self) -> None:

@@ -41,6 +41,10 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 READY_TIMEOUT_S = 20.0
 
 
+#: What :func:`new_id` makes.
+ID_RE = re.compile(r"ws-[0-9a-f]{12}")
+
+
 def new_id() -> str:
     return "ws-" + secrets.token_hex(6)
 

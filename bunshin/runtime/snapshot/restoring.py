@@ -24,6 +24,7 @@ from ...errors import (
     InvalidArgument,
     ResourceExhausted,
     RuntimeFailure,
+    StateConflict,
 )
 from ..container import cgroup_moves
 from ..container import lifecycle as container
@@ -47,9 +48,11 @@ from .taking import _COMMON, SYS_EXTERNAL, _share, _tree, mount_externals, take
 RESTORE_CONCURRENCY = 2
 
 
-def restore(cfg: Config, store: Store, snap: SnapshotRecord, n: int, *, keep_logs: bool = False
-            ) -> list[WorkspaceRecord]:
-    """``n`` new running workspaces from ``snap``; all of them or none. ``keep_logs``: each
+def restore(cfg: Config, store: Store, snap: SnapshotRecord, n: int, *, keep_logs: bool = False,
+            ids: Sequence[str] | None = None) -> list[WorkspaceRecord]:
+    """``n`` new running workspaces from ``snap``; all of them or none. ``ids``: the ids they
+    take (``n`` of them, each free: a workspace that was removed may come back under its own
+    id, as E2B's resumed sandboxes do); else new ones. ``keep_logs``: each
     clone's criu log stays beside the images, named by ``extra["restore_log"]`` (the
     caller removes it; ``bench restore-phases``).
 
@@ -59,6 +62,7 @@ def restore(cfg: Config, store: Store, snap: SnapshotRecord, n: int, *, keep_log
     treats the clones of a dead forker as unfinished.
     """
     check_batch(n, _snapshot_tasks(snap))
+    given = _free_ids(store, ids, n)
     restore_boost.factor()  # a malformed setting refused before anything is made
     budget.check_room(store, snap.pids_limit, n)  # each clone's record is checked again as it is added
     cgroup_moves.ensure()  # criu's moves into the clone's cgroups: 0.03 ms instead of 3-17 (busy host)
@@ -67,8 +71,9 @@ def restore(cfg: Config, store: Store, snap: SnapshotRecord, n: int, *, keep_log
     futures: list[Future[WorkspaceRecord]] = []
     watch = restore_check.Watch().start()  # every restored process alive at the end, or the batch fails
     try:
-        for _ in range(n):  # one by one: an interrupt mid-way still sees every submitted future
-            futures.append(pool.submit(restore_boost.in_thread, _restore_one, cfg, store, snap, layout, keep_logs))
+        for i in range(n):  # one by one: an interrupt mid-way still sees every submitted future
+            futures.append(pool.submit(restore_boost.in_thread, _restore_one, cfg, store, snap, layout, keep_logs,
+                                       given[i] if given else None))
         done = [fut.result() for fut in futures]
         check_ms = restore_check.check(Path(snap.images), [(r.id, r.pid or 0) for r in done], watch)
         with store.transaction():  # the batch is in: the clones are the caller's now
@@ -191,9 +196,24 @@ def criu_mounts(cfg: Config, snap: SnapshotRecord, wdir: Path, ids: int | None =
     return tuple(trees)
 
 
-def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout, keep_log: bool = False
-                 ) -> WorkspaceRecord:
-    ws_id = container.new_id()
+def _free_ids(store: Store, ids: Sequence[str] | None, n: int) -> list[str] | None:
+    """``ids`` checked: ``n`` distinct workspace ids, none held by a workspace record."""
+    if ids is None:
+        return None
+    given = list(ids)
+    if len(given) != n or len(set(given)) != n or not all(container.ID_RE.fullmatch(i) for i in given):
+        raise InvalidArgument(f"restore of {n} workspaces given ids {given!r}",
+                              hint="give one id per workspace, each like ws-0123456789ab, none twice")
+    held = {r.id for r in store.list_workspaces()} & set(given)
+    if held:
+        raise StateConflict(f"workspace ids in use: {', '.join(sorted(held))}",
+                            hint="a workspace comes back under its id only once it is removed")
+    return given
+
+
+def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout, keep_log: bool = False,
+                 ws_id: str | None = None) -> WorkspaceRecord:
+    ws_id = ws_id or container.new_id()
     wdir = cfg.paths.workspace(ws_id)
     cg = WorkspaceCgroup.of(layout, cfg.cgroup_prefix + ws_id)
     t0 = time.perf_counter()
