@@ -33,6 +33,7 @@ from ..errors import BunshinError, InvalidArgument, PayloadTooLarge, Unauthorize
 from . import groups, images, rollouts, snapshots, streaming, swerex, tools, transfer, workspaces
 from .admission import Limits
 from .context import CallerGone, ServerContext
+from .e2b import control as e2b_control
 from .e2b import hosts
 from .e2b import portproxy as _portproxy  # noqa: F401  # registers get_host's proxy for the other ports
 from .e2b.envd import app as _envd  # noqa: F401  # registers envd on port 49983 of every sandbox
@@ -66,11 +67,12 @@ async def _sweep_leases(ctx: ServerContext) -> None:
 
 
 def create_app(config: Config, token: str, *, limits: Limits | None = None,
-               default_ttl: float | None = None) -> FastAPI:
+               default_ttl: float | None = None, e2b_domain: str | None = None) -> FastAPI:
     """The app serving ``config``'s workspaces to callers holding ``token``, within
     ``limits`` (admission control: caps and the create/fork rate; none by default);
-    ``default_ttl``: the lease of workspaces made without one (none by default)."""
-    ctx = ServerContext(config, token, limits or Limits(), default_ttl=default_ttl)
+    ``default_ttl``: the lease of workspaces made without one (none by default);
+    ``e2b_domain``: the sandbox domain E2B's API answers (default ``localhost:<port>``)."""
+    ctx = ServerContext(config, token, limits or Limits(), default_ttl=default_ttl, e2b_domain=e2b_domain)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -124,6 +126,7 @@ def create_app(config: Config, token: str, *, limits: Limits | None = None,
     for r in (workspaces, snapshots, transfer, images, groups, rollouts, tools, streaming):
         app.include_router(r.router(ctx), dependencies=auth, max_body_size=most)
     app.include_router(swerex.router(ctx), max_body_size=most)  # SWE-ReX's runtime API: its own X-API-Key check
+    app.include_router(e2b_control.router(ctx), max_body_size=most)  # E2B's control plane: its own X-API-Key check
     return app
 
 

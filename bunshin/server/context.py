@@ -42,6 +42,8 @@ class ServerContext:
     token: str
     limits: Limits = field(default_factory=Limits)
     default_ttl: float | None = None  # the lease of workspaces made without one
+    # E2B's sandbox domain (``<port>-<sandbox id>.<domain>``); None: ``localhost:<port called>``
+    e2b_domain: str | None = None
     locks: WorkspaceLocks = field(default_factory=workspace_locks)  # shared with the groups' caches
     admission: Admission = field(init=False)
     idempotency: Idempotency = field(init=False)

@@ -1,0 +1,150 @@
+"""E2B templates on bunshin: a template id names a snapshot, so creating a sandbox is a
+restore, never a boot.
+
+- ``base`` (the SDK's default) is :data:`BASE_IMAGE`; any other image reference the server
+  holds (``python:3.12``) names that image. The first create from an image boots it once,
+  snapshots it and removes the workspace; the snapshot is the template from then on
+  (records of kind ``e2b-template``, so a restarted server keeps them).
+- a snapshot taken through E2B (``POST /sandboxes/{id}/snapshots``) is a template by its
+  id (``snap-...``) and by the name it was given.
+
+Building templates (``POST /v3/templates``, Dockerfiles) is not bunshin's: images come in
+with ``bunshin image`` and a template is made from one on first use.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+from ...config import Config
+from ...errors import NotFound, SnapshotNotFound
+from ...runtime.state.store import Store
+from ...workspace import Snapshot, Workspace
+from ..images import image_id
+
+KIND = "e2b-template"
+#: The image the ``base`` template is made from.
+BASE_IMAGE = "host"
+BASE = "base"
+#: Memory and pids limits of a template's sandboxes (E2B's default sandbox has 512 MiB).
+SANDBOX_MEMORY = "512M"
+SANDBOX_PIDS = 512
+_SNAP_ID = re.compile(r"snap-[0-9a-f]{12}")
+
+
+@dataclass(frozen=True)
+class TemplateRecord:
+    """A template: the snapshot it restores, made from ``image`` (booted once) or from the
+    sandbox ``source`` (a snapshot taken through E2B); ``names`` it is also found by."""
+
+    id: str
+    snapshot: str
+    kind: Literal["image", "snapshot"]
+    created_at: float
+    image: str | None = None
+    source: str | None = None
+    names: list[str] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> TemplateRecord:
+        return cls(**json.loads(text))
+
+
+class Templates:
+    """The templates of one server; one lock per template id, so two first creates of an
+    image boot it once."""
+
+    def __init__(self, config: Config) -> None:
+        self._config = config
+        self._guard = threading.Lock()
+        self._locks: dict[str, threading.Lock] = {}
+
+    def _lock(self, key: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault(key, threading.Lock())
+
+    def all(self) -> list[TemplateRecord]:
+        with Store.open(self._config.db_path) as store:
+            return [TemplateRecord.from_json(raw) for _, raw in store.list_objects(KIND)]
+
+    def find(self, ref: str) -> TemplateRecord | None:
+        """The template whose id or one of whose names is ``ref`` (a ``:tag`` after it ignored)."""
+        ref = ref.split(":", 1)[0] if ref.endswith(":default") else ref
+        with Store.open(self._config.db_path) as store:
+            raw = store.get_object(KIND, ref)
+            if raw is not None:
+                return TemplateRecord.from_json(raw)
+            for _, raw in store.list_objects(KIND):
+                rec = TemplateRecord.from_json(raw)
+                if ref in rec.names:
+                    return rec
+        return None
+
+    def put(self, rec: TemplateRecord) -> None:
+        with Store.open(self._config.db_path) as store:
+            store.put_object(KIND, rec.id, rec.to_json())
+
+    def snapshot_of(self, template_id: str) -> tuple[Snapshot, str]:
+        """The snapshot a sandbox of ``template_id`` restores, and the template's id;
+        made from its image the first time. :class:`NotFound` if it names neither a
+        template, nor a snapshot, nor an image."""
+        with self._lock(template_id):
+            rec = self.find(template_id)
+            if rec is not None:
+                try:
+                    return Snapshot.get(rec.snapshot, config=self._config), rec.id
+                except SnapshotNotFound:  # removed by bunshin's own API: made anew from its image
+                    self.remove(rec)
+                    if rec.kind != "image":
+                        raise NotFound(f"template {template_id!r}: its snapshot {rec.snapshot} is gone",
+                                       hint="take a new snapshot of a sandbox") from None
+            if _SNAP_ID.fullmatch(template_id):
+                return Snapshot.get(template_id, config=self._config), template_id
+            image = BASE_IMAGE if template_id == BASE else template_id
+            try:
+                image_ref = image_id(self._config, image, field="templateID")
+            except Exception as e:  # not an image reference, or none held here: not a template
+                raise NotFound(f"template {template_id!r} not found: not a template, snapshot or image on this "
+                               "server", hint="use 'base', a snapshot id, or an image `bunshin image ls` shows"
+                               ) from e
+            return self._from_image(template_id, image_ref), template_id
+
+    def _from_image(self, template_id: str, image: str) -> Snapshot:
+        """Boot ``image`` once, snapshot it, remove the workspace: the template's snapshot."""
+        ws = Workspace.create(image, memory=SANDBOX_MEMORY, pids=SANDBOX_PIDS, config=self._config)
+        try:
+            snap = ws.snapshot()
+        finally:
+            ws.remove()
+        self.put(TemplateRecord(template_id, snap.id, "image", time.time(), image=image))
+        return snap
+
+    def add_snapshot(self, snap: Snapshot, source: str, name: str | None) -> TemplateRecord:
+        """A snapshot taken through E2B, as a template (by its id, and by ``name``: a name
+        already used moves to this snapshot, as E2B's new build of a named template does)."""
+        names = [name] if name else []
+        if name:
+            old = self.find(name)
+            if old is not None and old.kind == "snapshot":
+                self.put(TemplateRecord(old.id, old.snapshot, old.kind, old.created_at, old.image, old.source,
+                                        [n for n in old.names if n != name]))
+        rec = TemplateRecord(snap.id, snap.id, "snapshot", time.time(), source=source, names=names)
+        self.put(rec)
+        return rec
+
+    def remove(self, rec: TemplateRecord) -> None:
+        """Drop the template and its snapshot (sandboxes restored from it keep running)."""
+        with Store.open(self._config.db_path) as store:
+            store.delete_object(KIND, rec.id)
+        try:
+            Snapshot.get(rec.snapshot, config=self._config).remove()
+        except SnapshotNotFound:
+            pass
