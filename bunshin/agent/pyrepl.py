@@ -13,6 +13,14 @@ sends the code and prints the reply as one JSON line:
 SIGINT (``KeyboardInterrupt``); one that ignores it for 3 s is killed, and the
 next call starts a fresh one.
 
+A request with ``"split": true`` (the E2B code interpreter's) keeps stdout and stderr
+apart (in ``DIR/<exec_id>.out`` and ``.err`` while it runs, so a caller can read them as
+they grow), reports the trailing value and an exception instead of printing them, sets
+``env`` for the run only, and answers ``{"stdout", "stderr", "exit_code", "interrupted",
+"result", "error", "count"}``: ``result`` the value's displays (``text/plain`` is its repr,
+``text/html`` and the like from its ``_repr_*_`` methods), ``error`` its name, value and
+traceback, ``count`` the interpreter's runs so far. The interpreter's pid is in ``DIR/py.pid``.
+
 The interpreter (``serve``) is an ordinary process of the workspace, so its
 globals are forked and snapshotted with everything else, and no connection is
 open between calls. Like the interactive prompt, it prints the value of a
@@ -24,6 +32,7 @@ named like a standard-library one (a test holds it).
 from __future__ import annotations
 
 import ast
+import base64
 import builtins
 import json
 import os
@@ -37,6 +46,13 @@ from typing import Any
 
 SOCKET_NAME = "py.sock"
 OUTPUT_NAME = "py.out"
+PID_NAME = "py.pid"
+#: Most of each stream a split reply carries (the rest is cut, with a note).
+SPLIT_MAX_CHARS = 4 << 20
+#: Displays of a trailing value, by MIME type, from its ``_repr_*_`` methods.
+_DISPLAYS = (("text/html", "_repr_html_"), ("text/markdown", "_repr_markdown_"),
+             ("image/svg+xml", "_repr_svg_"), ("image/png", "_repr_png_"), ("image/jpeg", "_repr_jpeg_"),
+             ("text/latex", "_repr_latex_"), ("application/json", "_repr_json_"))
 START_TIMEOUT_S = 10.0
 INTERRUPT_GRACE_S = 3.0
 _CHUNK = 1 << 20
@@ -46,12 +62,14 @@ _NAME = "<python>"
 # --- the interpreter ---------------------------------------------------------------
 
 
-def run(code: str, ns: dict[str, Any]) -> int:
-    """Run ``code`` in ``ns`` like the interactive prompt; its exit status."""
+def run(code: str, ns: dict[str, Any], outcome: dict[str, Any] | None = None) -> int:
+    """Run ``code`` in ``ns`` like the interactive prompt; its exit status. With ``outcome``
+    the trailing value goes to ``outcome["value"]`` and an exception to ``outcome["error"]``
+    instead of being printed."""
     try:
         tree = ast.parse(code, _NAME, "exec")
     except SyntaxError:
-        traceback.print_exc(limit=0)
+        _report(sys.exc_info(), outcome, limit=0)
         return 1
     last = None
     tail = tree.body[-1] if tree.body else None
@@ -62,16 +80,55 @@ def run(code: str, ns: dict[str, Any]) -> int:
         exec(compile(tree, _NAME, "exec"), ns)
         if last is not None:
             value = eval(compile(last, _NAME, "eval"), ns)
-            if value is not None:
+            if value is not None and outcome is not None:
+                outcome["value"] = value
+            elif value is not None:
                 print(repr(value))
         return 0
     except SystemExit as e:
+        if outcome is not None and e.code not in (None, 0):
+            _report(sys.exc_info(), outcome)
         return e.code if isinstance(e.code, int) else 1
     except BaseException:
         kind, err, tb = sys.exc_info()
         # the traceback starts at the user's code, not at this frame
-        traceback.print_exception(kind, err, tb.tb_next if tb is not None else None)
+        _report((kind, err, tb.tb_next if tb is not None else None), outcome)
         return 1
+
+
+def _report(info: Any, outcome: dict[str, Any] | None, limit: int | None = None) -> None:
+    """Print an exception's traceback, or put it in ``outcome["error"]``."""
+    kind, err, tb = info
+    if outcome is None:
+        traceback.print_exception(kind, err, tb, limit=limit)
+        return
+    outcome["error"] = {"name": kind.__name__, "value": str(err),
+                        "traceback": "".join(traceback.format_exception(kind, err, tb, limit=limit))}
+
+
+def displays(value: Any) -> dict[str, Any]:
+    """A value's displays by MIME type: ``text/plain`` (its repr) and those its ``_repr_*_``
+    methods give (a method that fails or gives nothing is skipped)."""
+    out: dict[str, Any] = {}
+    for mime, method in _DISPLAYS:
+        fn = getattr(value, method, None)
+        if not callable(fn) or isinstance(value, type):
+            continue
+        try:
+            data = fn()
+        except Exception:
+            continue
+        if isinstance(data, tuple):  # (data, metadata)
+            data = data[0]
+        if isinstance(data, bytes):
+            data = base64.b64encode(data).decode()
+        if data is not None:
+            out[mime] = data
+    try:
+        out["text/plain"] = repr(value)
+    except Exception as e:
+        out["text/plain"] = f"<repr failed: {type(e).__name__}: {e}>"
+    return out
 
 
 def _flush_std() -> None:
@@ -79,17 +136,31 @@ def _flush_std() -> None:
     sys.stderr.flush()
 
 
-def execute(code: str, ns: dict[str, Any], out_path: str) -> tuple[int, str, bool]:
-    """Run ``code`` with fds 1 and 2 on ``out_path`` (children's output lands there
-    too): ``(status, output, interrupted)``."""
+def _drain(fd: int) -> str:
+    os.lseek(fd, 0, os.SEEK_SET)
+    chunks = []
+    while True:
+        b = os.read(fd, _CHUNK)
+        if not b:
+            break
+        chunks.append(b)
+    os.close(fd)
+    return b"".join(chunks).decode("utf-8", "replace")
+
+
+def execute(code: str, ns: dict[str, Any], out_path: str, err_path: str | None = None,
+            outcome: dict[str, Any] | None = None) -> tuple[int, str, bool, str]:
+    """Run ``code`` with fd 1 on ``out_path`` and fd 2 on ``err_path`` (else on ``out_path``
+    too; children's output lands there as well): ``(status, output, interrupted, errors)``."""
     fd = os.open(out_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    efd = fd if err_path is None else os.open(err_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     saved = os.dup(1), os.dup(2)
     _flush_std()
     os.dup2(fd, 1)
-    os.dup2(fd, 2)
+    os.dup2(efd, 2)
     status, interrupted = 1, False
     try:
-        status = run(code, ns)
+        status = run(code, ns, outcome)
     except KeyboardInterrupt:
         interrupted = True
     finally:
@@ -101,18 +172,42 @@ def execute(code: str, ns: dict[str, Any], out_path: str) -> tuple[int, str, boo
         os.dup2(saved[1], 2)
         os.close(saved[0])
         os.close(saved[1])
-    os.lseek(fd, 0, os.SEEK_SET)
-    chunks = []
-    while True:
-        b = os.read(fd, _CHUNK)
-        if not b:
-            break
-        chunks.append(b)
-    os.close(fd)
-    return status, b"".join(chunks).decode("utf-8", "replace"), interrupted
+    errors = "" if efd == fd else _drain(efd)
+    return status, _drain(fd), interrupted, errors
 
 
-def _answer(conn: socket.socket, ns: dict[str, Any], out_path: str) -> None:
+def _cut(text: str) -> str:
+    if len(text) <= SPLIT_MAX_CHARS:
+        return text
+    return text[:SPLIT_MAX_CHARS] + f"\n[output cut at {SPLIT_MAX_CHARS} characters]\n"
+
+
+def _split_run(req: dict[str, Any], ns: dict[str, Any], run_dir: str, count: int) -> dict[str, Any]:
+    """One run of a split request (see the module's docstring)."""
+    base = os.path.join(run_dir, os.path.basename(str(req.get("exec_id") or "run")))
+    env = {str(k): str(v) for k, v in (req.get("env") or {}).items()}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    outcome: dict[str, Any] = {}
+    try:
+        status, out, interrupted, err = execute(req["code"], ns, base + ".out", base + ".err", outcome)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for suffix in (".out", ".err"):
+            try:
+                os.unlink(base + suffix)
+            except OSError:
+                pass
+    result = displays(outcome["value"]) if "value" in outcome else None
+    return {"stdout": _cut(out), "stderr": _cut(err), "exit_code": status, "interrupted": interrupted,
+            "result": result, "error": outcome.get("error"), "count": count}
+
+
+def _answer(conn: socket.socket, ns: dict[str, Any], run_dir: str, count: int) -> None:
     buf = b""
     while not buf.endswith(b"\n"):
         b = conn.recv(_CHUNK)
@@ -121,14 +216,17 @@ def _answer(conn: socket.socket, ns: dict[str, Any], out_path: str) -> None:
         buf += b
     req = json.loads(buf)
     conn.sendall(json.dumps({"pid": os.getpid()}).encode() + b"\n")
-    status, output, interrupted = execute(req["code"], ns, out_path)
-    reply = {"output": output, "exit_code": status, "interrupted": interrupted}
+    if req.get("split"):
+        reply = _split_run(req, ns, run_dir, count)
+    else:
+        status, output, interrupted, _ = execute(req["code"], ns, os.path.join(run_dir, OUTPUT_NAME))
+        reply = {"output": output, "exit_code": status, "interrupted": interrupted}
     conn.sendall(json.dumps(reply).encode() + b"\n")
 
 
 def serve(run_dir: str) -> None:
     """Listen on ``run_dir/py.sock`` forever, one connection (one call) at a time."""
-    sock_path, out_path = os.path.join(run_dir, SOCKET_NAME), os.path.join(run_dir, OUTPUT_NAME)
+    sock_path = os.path.join(run_dir, SOCKET_NAME)
     sys.path[0] = ""  # the user's imports resolve from the working folder, as at the prompt
     ns: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -139,14 +237,18 @@ def serve(run_dir: str) -> None:
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(sock_path)
     srv.listen(8)
+    with open(os.path.join(run_dir, PID_NAME), "w") as f:
+        f.write(str(os.getpid()))
+    count = 0
     while True:
         try:
             conn, _ = srv.accept()
         except KeyboardInterrupt:
             continue
+        count += 1
         try:
             with conn:
-                _answer(conn, ns, out_path)
+                _answer(conn, ns, run_dir, count)
         except (KeyboardInterrupt, OSError, ValueError):
             continue
 
@@ -203,15 +305,17 @@ def _start(run_dir: str, workdir: str) -> socket.socket:
 _TIMEOUTS = (socket.timeout, TimeoutError)  # noqa: UP041
 
 
-def call(run_dir: str, workdir: str, code: str, timeout: float) -> dict[str, Any]:
-    """Run ``code`` in the workspace's interpreter: ``{output, exit_code, timed_out}``."""
+def call(run_dir: str, workdir: str, code: str, timeout: float,
+         extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run ``code`` in the workspace's interpreter: ``{output, exit_code, timed_out}`` (a split
+    request's ``extra``: the split answer, with ``timed_out``)."""
     sock_path = os.path.join(run_dir, SOCKET_NAME)
     try:
         s = _connect(sock_path)
     except OSError:
         s = _start(run_dir, workdir)
     lines = _Lines(s)
-    s.sendall(json.dumps({"code": code}).encode() + b"\n")
+    s.sendall(json.dumps({"code": code, **(extra or {})}).encode() + b"\n")
     pid = json.loads(lines.read(START_TIMEOUT_S))["pid"]
     timed_out = False
     try:
@@ -238,7 +342,8 @@ def main(argv: list[str]) -> None:
         serve(argv[1])
     elif len(argv) == 3 and argv[0] == "call":
         req = json.loads(sys.stdin.read())
-        print(json.dumps(call(argv[1], argv[2], req["code"], req["timeout"])))
+        extra = {k: req[k] for k in ("split", "env", "exec_id") if k in req}
+        print(json.dumps(call(argv[1], argv[2], req["code"], req["timeout"], extra)))
     else:
         sys.exit("usage: pyrepl.py serve DIR | pyrepl.py call DIR WORKDIR < {code, timeout}")
 

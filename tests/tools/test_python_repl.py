@@ -30,13 +30,14 @@ def repl(tmp_path):
     run_dir, workdir = tmp_path / "run", tmp_path / "work"
     workdir.mkdir()
 
-    def call(code: str, timeout: float = 10.0) -> dict:
+    def call(code: str, timeout: float = 10.0, **extra) -> dict:
         r = subprocess.run([sys.executable, str(REPL), "call", str(run_dir), str(workdir)],
-                           input=json.dumps({"code": code, "timeout": timeout}),
+                           input=json.dumps({"code": code, "timeout": timeout, **extra}),
                            capture_output=True, text=True, timeout=timeout + 15, check=True)
         return json.loads(r.stdout)
 
     call.workdir = workdir
+    call.run_dir = run_dir
     yield call
     if (run_dir / pyrepl.SOCKET_NAME).exists():
         os.kill(int(call("import os\nos.getpid()")["output"]), signal.SIGKILL)
@@ -72,6 +73,31 @@ def test_an_interpreter_ignoring_the_interrupt_is_restarted(repl):
     assert hung == {"output": "(the interpreter did not stop; it was restarted)\n",
                     "exit_code": None, "timed_out": True}
     assert "NameError" in repl("kept")["output"]  # a fresh interpreter
+
+
+def test_a_split_run_keeps_streams_value_and_error_apart(repl):
+    """The E2B interpreter's requests: stdout and stderr apart, the trailing value's displays
+    and the exception as data, ``env`` for the run only, the run count."""
+    first = repl("import os, sys\nclass H:\n    def _repr_html_(self): return '<b>h</b>'\n"
+                 "print('out'); print('err', file=sys.stderr)\nH()", split=True, exec_id="e1", env={"E2BX": "1"})
+    assert first["stdout"] == "out\n" and first["stderr"] == "err\n" and first["error"] is None
+    assert first["result"]["text/html"] == "<b>h</b>" and first["result"]["text/plain"].startswith("<__main__.H")
+    assert first["exit_code"] == 0 and not first["timed_out"]
+    second = repl("os.environ.get('E2BX', 'unset')", split=True, env={})
+    assert second["result"] == {"text/plain": "'unset'"} and second["count"] == first["count"] + 1
+    failed = repl("def f():\n    raise ValueError('bad v')\nf()", split=True)
+    assert failed["error"]["name"] == "ValueError" and failed["error"]["value"] == "bad v"
+    assert 'line 2, in f' in failed["error"]["traceback"] and "pyrepl" not in failed["error"]["traceback"]
+    assert failed["stderr"] == "" and failed["result"] is None and failed["exit_code"] == 1
+    assert repl("def g(:", split=True)["error"]["name"] == "SyntaxError"
+    assert repl("raise SystemExit(0)", split=True)["error"] is None
+    assert int((repl.run_dir / pyrepl.PID_NAME).read_text()) > 0
+    assert sorted(p.name for p in repl.run_dir.iterdir()) == ["py.pid", "py.sock"]  # no run's files left
+
+
+def test_a_split_run_is_interrupted_at_its_timeout(repl):
+    slow = repl("import time\ntime.sleep(30)", timeout=0.5, split=True)
+    assert slow["timed_out"] and slow["error"]["name"] == "KeyboardInterrupt"
 
 
 def test_no_agent_module_shadows_the_standard_library():

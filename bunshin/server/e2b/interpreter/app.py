@@ -1,0 +1,180 @@
+"""The code interpreter's HTTP API (what ``e2b_code_interpreter.Sandbox`` calls on port
+49999): ``POST /execute`` streaming JSON lines, ``/contexts`` create, list, restart, remove.
+
+Which sandbox: the ``E2b-Sandbox-Id`` header the SDK sends, else the host name
+``49999-<sandbox id>.<domain>``; the sandbox id is the workspace id. Every route needs the
+sandbox's ``X-Access-Token`` (envd's, sent with ``/execute``) or its
+``E2B-Traffic-Access-Token`` (the only one the SDK sends with the context routes).
+Errors are plain text with bunshin's message and hint and its HTTP status: 404 is the SDK's
+``NotFoundException``, any other its ``SandboxException("<status>: <text>")``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+import anyio.to_thread
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, Field
+
+from ....errors import (
+    BunshinError,
+    InvalidArgument,
+    NotFound,
+    PathNotFound,
+    Unauthorized,
+    WorkspaceNotFound,
+)
+from ....workspace.locks import WorkspaceLocks, workspace_locks
+from ....workspace.protocol import WorkspaceAPI
+from ..auth import envd_token_ok, traffic_token_ok
+from . import contexts
+from .run import POLL_S, CodeRun
+
+#: The port E2B's SDK reaches the code interpreter on.
+PORT = 49999
+MAX_CODE_CHARS = 8 << 20
+MAX_ENV_VARS = 1000
+#: How long a run interrupted because its caller hung up may take to stop before the
+#: workspace's lock is left to the call's own thread.
+STOP_GRACE_S = 10.0
+_SANDBOX_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
+_HOST = re.compile(rf"{PORT}-([A-Za-z0-9_-]{{1,128}})\.")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,255}")
+
+Resolver = Callable[[str], WorkspaceAPI]
+
+
+class ExecuteIn(BaseModel):
+    code: str = Field(max_length=MAX_CODE_CHARS)
+    context_id: str | None = None
+    language: str | None = None
+    env_vars: dict[str, str] | None = None
+
+
+class ContextIn(BaseModel):
+    language: str | None = None
+    cwd: str | None = None
+
+
+def sandbox_id_of(request: Request) -> str:
+    """The sandbox a request is for: ``E2b-Sandbox-Id``, else the host name's."""
+    given = request.headers.get("e2b-sandbox-id")
+    if given is None:
+        m = _HOST.match(request.headers.get("host", ""))
+        given = m.group(1) if m else None
+    if given is None or not _SANDBOX_ID.fullmatch(given):
+        raise NotFound("no sandbox named in the request",
+                       hint=f"send E2b-Sandbox-Id, or call {PORT}-<sandbox id>.<domain>")
+    return given
+
+
+def _env(env: dict[str, str] | None) -> dict[str, str]:
+    env = env or {}
+    if len(env) > MAX_ENV_VARS or any(not _ENV_NAME.fullmatch(k) or "\0" in v for k, v in env.items()):
+        raise InvalidArgument(f"env_vars: at most {MAX_ENV_VARS} variables named like shell variables, "
+                              "without NUL in their values", hint="e.g. envs={'MY_VAR': 'value'}")
+    return env
+
+
+def make_interpreter_app(resolve: Resolver, *, server_token: str,
+                         locks: WorkspaceLocks | None = None) -> FastAPI:
+    """The interpreter's API over the workspaces ``resolve`` finds by sandbox id (raising
+    :class:`~bunshin.errors.WorkspaceNotFound`), for callers holding a sandbox's token
+    derived from ``server_token``; calls take ``locks`` (the process's by default)."""
+    held = locks or workspace_locks()
+    app = FastAPI(title="bunshin e2b code interpreter", openapi_url=None, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(BunshinError)
+    async def _error(_: Request, exc: BunshinError) -> Response:
+        return PlainTextResponse(str(exc), status_code=exc.http_status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> Response:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        return PlainTextResponse(f"invalid request: {problems}", status_code=422)
+
+    def sandbox(request: Request) -> WorkspaceAPI:
+        sid = sandbox_id_of(request)
+        if not (envd_token_ok(server_token, sid, request.headers.get("x-access-token"))
+                or traffic_token_ok(server_token, sid, request.headers.get("e2b-traffic-access-token"))):
+            raise Unauthorized(f"missing or wrong access token for sandbox {sid}",
+                               hint="send the sandbox's envdAccessToken (X-Access-Token) or trafficAccessToken "
+                                    "(E2B-Traffic-Access-Token), both in its create and connect answers")
+        try:
+            return resolve(sid)
+        except WorkspaceNotFound:
+            raise NotFound(f"sandbox {sid} not found", hint="it was killed, paused or timed out") from None
+
+    def locked(request: Request, fn: Callable[[WorkspaceAPI], Any]) -> Any:
+        ws = sandbox(request)
+        with held.held(ws):
+            return fn(ws)
+
+    @app.post("/contexts")
+    async def create_context(request: Request, body: ContextIn) -> dict[str, str]:
+        made = await anyio.to_thread.run_sync(locked, request,
+                                              lambda ws: contexts.create(ws, body.language, body.cwd))
+        return made.to_dict()
+
+    @app.get("/contexts")
+    async def list_contexts(request: Request) -> list[dict[str, str]]:
+        found = await anyio.to_thread.run_sync(locked, request, contexts.listing)
+        return [c.to_dict() for c in found]
+
+    @app.post("/contexts/{context_id}/restart")
+    async def restart_context(request: Request, context_id: str) -> Response:
+        await anyio.to_thread.run_sync(locked, request, lambda ws: contexts.restart(ws, context_id))
+        return Response(status_code=204)
+
+    @app.delete("/contexts/{context_id}")
+    async def remove_context(request: Request, context_id: str) -> Response:
+        await anyio.to_thread.run_sync(locked, request, lambda ws: contexts.remove(ws, context_id))
+        return Response(status_code=204)
+
+    @app.post("/execute")
+    async def execute(request: Request, body: ExecuteIn) -> Response:
+        if body.context_id and body.language:
+            raise InvalidArgument("give context_id or language, not both",
+                                  hint="a context has its language already")
+        env = _env(body.env_vars)
+        context_id = contexts.check_id(body.context_id) if body.context_id else contexts.DEFAULT_ID
+        contexts.language_of(body.language)
+        ws = await anyio.to_thread.run_sync(sandbox, request)
+        if body.context_id:
+            await anyio.to_thread.run_sync(_must_exist, ws, context_id)
+        run = CodeRun(ws, context_id, body.code, env, held.lock_of(ws))
+        return StreamingResponse(_stream(run), media_type="application/x-ndjson")
+
+    return app
+
+
+def _must_exist(ws: WorkspaceAPI, context_id: str) -> None:
+    try:
+        ws.files.read(f"{contexts.folder(context_id)}/context.json", length=4096)
+    except PathNotFound:
+        raise NotFound(f"context {context_id!r} not found", hint="list the contexts: GET /contexts") from None
+
+
+async def _stream(run: CodeRun) -> AsyncIterator[bytes]:
+    """The run's lines as they come; a caller that hangs up (the stream cancelled) interrupts it."""
+    try:
+        await anyio.to_thread.run_sync(run.start)
+        while not await anyio.to_thread.run_sync(run.done.wait, POLL_S, abandon_on_cancel=True):
+            for piece in await anyio.to_thread.run_sync(run.poll):
+                yield piece
+        for piece in run.answer():
+            yield piece
+    finally:
+        with anyio.CancelScope(shield=True):
+            if not run.done.is_set():
+                await anyio.to_thread.run_sync(run.interrupt)
+                with anyio.move_on_after(STOP_GRACE_S):
+                    while not run.done.is_set():
+                        await anyio.sleep(0.05)
+            run.stop()

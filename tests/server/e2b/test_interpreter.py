@@ -1,0 +1,173 @@
+"""Integration: ``e2b_code_interpreter.Sandbox`` (the unmodified SDK from PyPI) over real
+loopback HTTP against bunshin's code interpreter, on a real workspace and its forks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+e2b_ci = pytest.importorskip("e2b_code_interpreter")
+from e2b import ConnectionConfig, NotFoundException, SandboxException, TimeoutException  # noqa: E402
+from packaging.version import Version  # noqa: E402
+
+from bunshin.config import Config  # noqa: E402
+from bunshin.errors import WorkspaceNotFound  # noqa: E402
+from bunshin.server.e2b.auth import envd_access_token, traffic_access_token  # noqa: E402
+from bunshin.server.e2b.interpreter import make_interpreter_app  # noqa: E402
+from bunshin.workspace import Workspace  # noqa: E402
+from tests.conftest import leftovers  # noqa: E402
+from tests.server.e2b.serving import serve_app  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.criu]
+TOKEN = "interpreter-test-token-0123456789"
+
+
+@dataclass
+class Rig:
+    url: str
+    cfg: Config
+    ws: Workspace
+    made: list[Workspace]
+
+    def sandbox(self, ws_id: str | None = None, *, token: str | None = None, cls=None):
+        sid = ws_id or self.ws.id
+        kind = cls or e2b_ci.Sandbox
+        return kind(sandbox_id=sid, envd_version=Version("0.4.0"), sandbox_domain=None,
+                    envd_access_token=envd_access_token(TOKEN, sid) if token is None else token,
+                    traffic_access_token=traffic_access_token(TOKEN, sid) if token is None else token,
+                    connection_config=ConnectionConfig(sandbox_url=self.url, api_key="unused", request_timeout=30))
+
+
+@pytest.fixture(scope="module")
+def rig(cfg: Config) -> Iterator[Rig]:
+    """One workspace and the interpreter's app over loopback for the module; all removed after."""
+    made: list[Workspace] = []
+
+    def resolve(sid: str) -> Workspace:
+        for w in made:
+            if w.id == sid:
+                return w
+        raise WorkspaceNotFound(f"workspace {sid} not found")
+
+    ws = Workspace.create("host", config=cfg, memory="1G")
+    made.append(ws)
+    try:
+        with serve_app(make_interpreter_app(resolve, server_token=TOKEN)) as url:
+            yield Rig(url, cfg, ws, made)
+    finally:
+        for w in made:
+            w.remove()
+        assert not any(leftovers(cfg).values()), leftovers(cfg)
+
+
+def test_results_logs_errors_and_state_carry_over(rig: Rig) -> None:
+    sbx = rig.sandbox()
+    first = sbx.run_code("import sys\nx = 40\nprint('to out'); print('to err', file=sys.stderr)\nx + 2")
+    assert first.text == "42" and first.error is None
+    assert first.logs.stdout == ["to out\n"] and first.logs.stderr == ["to err\n"]
+    again = sbx.run_code("x += 1\nx")
+    assert again.text == "41" and again.execution_count == first.execution_count + 1
+    html = sbx.run_code("class T:\n    def _repr_html_(self): return '<i>t</i>'\nT()")
+    assert html.results[0].html == "<i>t</i>" and html.results[0].is_main_result
+    failed = sbx.run_code("def f():\n    raise KeyError('nope')\nf()")
+    assert failed.error.name == "KeyError" and failed.error.value == "'nope'"
+    assert "in f" in failed.error.traceback and failed.text is None
+    assert sbx.run_code("import os\nos.environ.get('ONLY_NOW')", envs={"ONLY_NOW": "yes"}).text == "'yes'"
+    assert sbx.run_code("os.environ.get('ONLY_NOW', 'gone')").text == "'gone'"
+
+
+def test_output_streams_while_the_code_runs(rig: Rig) -> None:
+    seen: list[tuple[str, float]] = []
+    sbx = rig.sandbox()
+    run = sbx.run_code("import time\nprint('early', flush=True)\ntime.sleep(1.5)\nprint('late')",
+                       on_stdout=lambda m: seen.append((m.line, time.monotonic())))
+    ended = time.monotonic()
+    assert [s for s, _ in seen] == ["early\n", "late\n"] and run.logs.stdout == ["early\n", "late\n"]
+    assert ended - seen[0][1] > 0.7  # the first line came long before the run ended
+
+
+def test_contexts_are_separate_interpreters(rig: Rig) -> None:
+    sbx = rig.sandbox()
+    rig.ws.exec(["mkdir", "-p", "/srv/ctx"])
+    ctx = sbx.create_code_context(cwd="/srv/ctx")
+    assert ctx.language == "python" and ctx.cwd == "/srv/ctx"
+    assert sbx.run_code("import os\nos.getcwd()", context=ctx).text == "'/srv/ctx'"
+    sbx.run_code("mine = 'ctx'", context=ctx)
+    assert sbx.run_code("mine", context=ctx).text == "'ctx'"
+    assert sbx.run_code("mine").error.name == "NameError"  # the default context has its own globals
+    assert ctx.id in {c.id for c in sbx.list_code_contexts()}
+    sbx.restart_code_context(ctx)
+    assert sbx.run_code("mine", context=ctx).error.name == "NameError"  # a fresh interpreter
+    sbx.remove_code_context(ctx.id)
+    assert ctx.id not in {c.id for c in sbx.list_code_contexts()}
+    with pytest.raises(NotFoundException, match="not found"):
+        sbx.run_code("1", context=ctx)
+    with pytest.raises(NotFoundException):
+        sbx.restart_code_context("no-such-context")
+    with pytest.raises(SandboxException, match="not a folder"):
+        sbx.create_code_context(cwd="/no/such/folder")
+
+
+def test_other_languages_are_refused_by_name(rig: Rig) -> None:
+    sbx = rig.sandbox()
+    with pytest.raises(SandboxException, match="language 'javascript' is not supported.*python only"):
+        sbx.run_code("1", language="javascript")
+    with pytest.raises(SandboxException, match="language 'r' is not supported"):
+        sbx.create_code_context(language="r")
+    assert sbx.run_code("1 + 1", language="python").text == "2"
+
+
+def test_tokens_and_sandbox_ids_are_checked(rig: Rig) -> None:
+    other = Workspace.create("host", config=rig.cfg, memory="256M")
+    rig.made.append(other)
+    wrong = rig.sandbox(token="0" * 64)
+    with pytest.raises(SandboxException, match="401.*access token"):
+        wrong.run_code("1")
+    with pytest.raises(SandboxException, match="401"):
+        wrong.list_code_contexts()
+    # the other sandbox's own tokens open it, not this one
+    crossed = rig.sandbox(rig.ws.id, token=envd_access_token(TOKEN, other.id))
+    with pytest.raises(SandboxException, match="401"):
+        crossed.run_code("1")
+    assert rig.sandbox(other.id).run_code("'other'").text == "'other'"
+    with pytest.raises(NotFoundException, match="not found"):
+        rig.sandbox("ws-000000000000").run_code("1")
+
+
+def test_a_timed_out_run_is_interrupted_and_the_state_stays(rig: Rig) -> None:
+    sbx = rig.sandbox()
+    sbx.run_code("kept = 'here'")
+    with pytest.raises(TimeoutException):
+        sbx.run_code("import time\ntime.sleep(60)", timeout=1)
+    started = time.monotonic()
+    assert sbx.run_code("kept").text == "'here'"
+    assert time.monotonic() - started < 15  # the sleep was interrupted, not waited out
+    procs = [p.cmdline for p in rig.ws.processes()]
+    assert not any("pyrepl.py call" in " ".join(c) for c in procs), procs  # no call left behind
+
+
+def test_async_client(rig: Rig) -> None:
+    async def go() -> tuple[str | None, list[str]]:
+        sbx = rig.sandbox(cls=e2b_ci.AsyncSandbox)
+        out: list[str] = []
+        r = await sbx.run_code("print('async'); 6 * 7", on_stdout=lambda m: out.append(m.line))
+        return r.text, out
+
+    assert asyncio.run(go()) == ("42", ["async\n"])
+
+
+def test_each_fork_continues_the_session_and_diverges_alone(rig: Rig) -> None:
+    sbx = rig.sandbox()
+    sbx.run_code("trail = ['parent']")
+    clones = rig.ws.fork(2)
+    rig.made.extend(clones)
+    for i, c in enumerate(clones):
+        rig.sandbox(c.id).run_code(f"trail.append('fork{i}')")
+    sbx.run_code("trail.append('parent again')")
+    assert sbx.run_code("trail").text == "['parent', 'parent again']"
+    for i, c in enumerate(clones):
+        assert rig.sandbox(c.id).run_code("trail").text == f"['parent', 'fork{i}']"
