@@ -37,6 +37,7 @@ from .e2b import control as e2b_control
 from .e2b import hosts
 from .e2b import portproxy as _portproxy  # noqa: F401  # registers get_host's proxy for the other ports
 from .e2b.envd import app as _envd  # noqa: F401  # registers envd on port 49983 of every sandbox
+from .e2b.interpreter import app as _interpreter  # noqa: F401  # registers the code interpreter on port 49999
 from .leases import SWEEP_EVERY_S
 
 log = logging.getLogger("bunshin.server")

@@ -1,5 +1,6 @@
 """Integration: ``e2b_code_interpreter.Sandbox`` (the unmodified SDK from PyPI) over real
-loopback HTTP against bunshin's code interpreter, on a real workspace and its forks."""
+loopback HTTP against ``bunshin serve``'s code interpreter (port 49999 of a sandbox, by the
+``E2b-Sandbox-Port`` header or the host name), on a real workspace and its forks."""
 
 from __future__ import annotations
 
@@ -11,16 +12,15 @@ from dataclasses import dataclass
 import pytest
 
 e2b_ci = pytest.importorskip("e2b_code_interpreter")
+import httpx  # noqa: E402
 from e2b import ConnectionConfig, NotFoundException, SandboxException, TimeoutException  # noqa: E402
 from packaging.version import Version  # noqa: E402
 
 from bunshin.config import Config  # noqa: E402
-from bunshin.errors import WorkspaceNotFound  # noqa: E402
 from bunshin.server.e2b.auth import envd_access_token, traffic_access_token  # noqa: E402
-from bunshin.server.e2b.interpreter import make_interpreter_app  # noqa: E402
+from bunshin.server.thread import serve_in_thread  # noqa: E402
 from bunshin.workspace import Workspace  # noqa: E402
 from tests.conftest import leftovers  # noqa: E402
-from tests.server.e2b.serving import serve_app  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.criu]
 TOKEN = "interpreter-test-token-0123456789"
@@ -44,19 +44,11 @@ class Rig:
 
 @pytest.fixture(scope="module")
 def rig(cfg: Config) -> Iterator[Rig]:
-    """One workspace and the interpreter's app over loopback for the module; all removed after."""
-    made: list[Workspace] = []
-
-    def resolve(sid: str) -> Workspace:
-        for w in made:
-            if w.id == sid:
-                return w
-        raise WorkspaceNotFound(f"workspace {sid} not found")
-
+    """One workspace and ``bunshin serve`` over loopback for the module; all removed after."""
     ws = Workspace.create("host", config=cfg, memory="1G")
-    made.append(ws)
+    made = [ws]
     try:
-        with serve_app(make_interpreter_app(resolve, server_token=TOKEN)) as url:
+        with serve_in_thread(cfg, TOKEN) as url:
             yield Rig(url, cfg, ws, made)
     finally:
         for w in made:
@@ -136,6 +128,16 @@ def test_tokens_and_sandbox_ids_are_checked(rig: Rig) -> None:
     assert rig.sandbox(other.id).run_code("'other'").text == "'other'"
     with pytest.raises(NotFoundException, match="not found"):
         rig.sandbox("ws-000000000000").run_code("1")
+
+
+def test_the_host_name_names_the_sandbox_and_port(rig: Rig) -> None:
+    """``49999-<sandbox id>.<domain>`` (what ``get_host(49999)`` gives) reaches the same API."""
+    rig.sandbox().run_code("1")  # the default context exists from its first run
+    host = f"49999-{rig.ws.id}.e2b.localhost"
+    ok = httpx.get(f"{rig.url}/contexts", headers={"Host": host,
+                   "E2B-Traffic-Access-Token": traffic_access_token(TOKEN, rig.ws.id)})
+    assert ok.status_code == 200 and any(c["id"] == "default-python" for c in ok.json())
+    assert httpx.get(f"{rig.url}/contexts", headers={"Host": host}).status_code == 401
 
 
 def test_a_timed_out_run_is_interrupted_and_the_state_stays(rig: Rig) -> None:

@@ -32,6 +32,8 @@ from ....errors import (
 )
 from ....workspace.locks import WorkspaceLocks, workspace_locks
 from ....workspace.protocol import WorkspaceAPI
+from ...context import ServerContext
+from .. import hosts
 from ..auth import envd_token_ok, traffic_token_ok
 from . import contexts
 from .run import POLL_S, CodeRun
@@ -63,8 +65,10 @@ class ContextIn(BaseModel):
 
 
 def sandbox_id_of(request: Request) -> str:
-    """The sandbox a request is for: ``E2b-Sandbox-Id``, else the host name's."""
-    given = request.headers.get("e2b-sandbox-id")
+    """The sandbox a request is for: the one ``bunshin serve``'s router found
+    (:mod:`..hosts`), else ``E2b-Sandbox-Id``, else the host name's."""
+    routed = request.scope.get(hosts.SCOPE_KEY)
+    given = routed.sandbox_id if isinstance(routed, hosts.Target) else request.headers.get("e2b-sandbox-id")
     if given is None:
         m = _HOST.match(request.headers.get("host", ""))
         given = m.group(1) if m else None
@@ -107,9 +111,12 @@ def make_interpreter_app(resolve: Resolver, *, server_token: str,
                                hint="send the sandbox's envdAccessToken (X-Access-Token) or trafficAccessToken "
                                     "(E2B-Traffic-Access-Token), both in its create and connect answers")
         try:
-            return resolve(sid)
+            ws = resolve(sid)
+            if ws.is_alive():
+                return ws
         except WorkspaceNotFound:
-            raise NotFound(f"sandbox {sid} not found", hint="it was killed, paused or timed out") from None
+            pass
+        raise NotFound(f"sandbox {sid} not found", hint="it was killed, paused or timed out")
 
     def locked(request: Request, fn: Callable[[WorkspaceAPI], Any]) -> Any:
         ws = sandbox(request)
@@ -178,3 +185,11 @@ async def _stream(run: CodeRun) -> AsyncIterator[bytes]:
                     while not run.done.is_set():
                         await anyio.sleep(0.05)
             run.stop()
+
+
+def _served(ctx: ServerContext) -> FastAPI:
+    """The interpreter of ``bunshin serve``: its workspaces, token and locks."""
+    return make_interpreter_app(ctx.ws_of, server_token=ctx.token, locks=ctx.locks)
+
+
+hosts.register_port(PORT, _served)
