@@ -27,7 +27,7 @@ from ..runtime.agent_host.types import (
     SessionResult,
 )
 from ..runtime.container.stats import WorkspaceStats
-from ..runtime.kernel.limits import check_timeout
+from ..runtime.kernel.limits import check_timeout, exec_timeout
 from ..runtime.state.records import SnapshotMode
 from ..tools.spec import Observation
 from ..workspace.protocol import SnapshotAPI, WorkspaceAPI
@@ -239,7 +239,8 @@ class RemoteCommands:
     def run(self, command: str | Sequence[str], *, timeout: float | None = None, cwd: str | None = None,
             env: dict[str, str] | None = None, stdin: str | None = None, max_output: int | None = None,
             text: bool = True) -> ExecResult[str] | ExecResult[bytes]:
-        timeout = check_timeout(timeout)
+        """Run and wait, as :meth:`bunshin.Workspace.exec` (``timeout``: default 600 s)."""
+        timeout = exec_timeout(timeout)
         req = m.build(m.ExecRequest, command=command if isinstance(command, str) else list(command),
                       timeout=timeout, cwd=cwd, env=env, stdin=stdin, max_output=max_output, text=text)
         r = self._ws.client.request("POST", f"{self._ws.path}/exec", json=req.model_dump(),

@@ -34,7 +34,7 @@ from ..runtime.container import stats as rstats
 from ..runtime.container.cgroups import WorkspaceCgroup
 from ..runtime.container.publish import Published
 from ..runtime.container.stats import WorkspaceStats
-from ..runtime.kernel.limits import check_timeout
+from ..runtime.kernel.limits import check_timeout, exec_timeout
 from ..runtime.snapshot import folder_load, folder_save
 from ..runtime.state.records import Mount, SnapshotMode, WorkspaceRecord, WorkspaceState
 from ..runtime.state.store import Store
@@ -247,7 +247,9 @@ class Workspace:
     ) -> ExecResult[str] | ExecResult[bytes]:
         """Run one command (a shell string or an argv list) and wait for it.
 
-        ``timeout``: seconds, finite and at most ``limits.MAX_TIMEOUT_S`` (7 days). ``text=False``
+        ``timeout``: seconds, finite and at most ``limits.MAX_TIMEOUT_S`` (7 days); none given,
+        ``limits.DEFAULT_EXEC_TIMEOUT_S`` (600 s). Past it the command's whole process group is
+        killed and the result says ``timed_out`` (``exit_code`` -9). ``text=False``
         returns ``stdout``/``stderr`` as the exact bytes the command wrote (no
         decoding, no truncation note; see ``*_truncated``).
         """
@@ -419,8 +421,9 @@ class Commands:
         max_output: int | None = None,
         text: bool = True,
     ) -> ExecResult[str] | ExecResult[bytes]:
-        """Run and wait; ``text=False``: output as exact bytes (see :meth:`Workspace.exec`)."""
-        timeout = check_timeout(timeout)
+        """Run and wait (``timeout``: default 600 s); ``text=False``: output as exact bytes
+        (see :meth:`Workspace.exec`)."""
+        timeout = exec_timeout(timeout)
         argv, cmd = (None, command) if isinstance(command, str) else (list(command), None)
         return self._ws.agent().exec(argv=argv, cmd=cmd, cwd=cwd, env=env, timeout=timeout,
                                      stdin=stdin, max_output=max_output, text=text)

@@ -9,6 +9,10 @@ from ...errors import InvalidArgument
 
 #: Longest timeout a command, a session run or a tool call may ask for: 7 days.
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+#: Timeout of a one-shot command (``exec``, ``commands.run``) given none: 10 minutes. A
+#: command that runs past it is killed like one past its own timeout (``timed_out``; the
+#: CLI exits 124); ask for more per call, up to :data:`MAX_TIMEOUT_S`.
+DEFAULT_EXEC_TIMEOUT_S = 600.0
 #: Most bytes of output (each of stdout and stderr) one command or session run may ask to
 #: keep (``max_output``; the agent's default is 1 MiB). The answer holds them JSON-escaped
 #: (up to 6 bytes each) and the host holds the answer whole: larger output goes to a file,
@@ -35,6 +39,12 @@ def check_timeout(timeout: float | None, what: str = "timeout") -> float | None:
             hint=f"give a finite number of seconds > 0 and <= {MAX_TIMEOUT_S:g} (7 days), or no timeout",
         )
     return float(timeout)
+
+
+def exec_timeout(timeout: float | None) -> float:
+    """A one-shot command's timeout: ``timeout`` checked, or :data:`DEFAULT_EXEC_TIMEOUT_S`."""
+    checked = check_timeout(timeout)
+    return DEFAULT_EXEC_TIMEOUT_S if checked is None else checked
 
 
 def check_max_output(max_output: int | None) -> int | None:
