@@ -6,7 +6,8 @@ import dataclasses
 import enum
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,26 @@ def print_error(e: BaseException) -> None:
             err.print("--- log tail ---\n" + log_tail, markup=False)
     else:
         err.print(f"error: {type(e).__name__}: {e}", markup=False)
+
+
+@contextmanager
+def progress(what: str, *, quiet: bool = False) -> Iterator[None]:
+    """A spinner with the elapsed time on stderr while a long step runs (``what``: what
+    it does); none with ``quiet`` (``--json``) or when stderr is not a terminal."""
+    if quiet or not err.is_terminal:
+        yield
+        return
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err,
+                  transient=True) as bar:
+        bar.add_task(what, total=None)
+        yield
+
+
+def deprecated(old: str, new: str) -> None:
+    """One line on stderr: ``old`` still works but ``new`` is the way."""
+    err.print(f"[yellow]deprecated:[/] `{old}` will go; use `{new}`", markup=True, soft_wrap=True)
 
 
 def human_bytes(n: int | None) -> str:

@@ -1,8 +1,9 @@
-"""CLI commands of the live fork: fork, snapshot, restore, tree, snapshot-rm.
+"""CLI commands of the live fork: fork, restore, tree and the ``snapshot`` group.
 
-``bunshin snapshot WS`` captures a workspace; ``bunshin snapshot save SNAP DIR``,
-``snapshot load DIR``, ``snapshot rm SNAP...`` and ``snapshot ls`` manage
-snapshots (``snapshot-rm`` and ``rm snap-...`` remove them too).
+``bunshin snapshot create WS`` (short: ``snapshot WS``) captures a workspace;
+``snapshot save SNAP DIR``, ``snapshot load DIR``, ``snapshot rm SNAP...`` and
+``snapshot ls`` manage snapshots. ``snapshot rm`` is the one way to remove one
+(``snapshot-rm`` and ``rm snap-...`` still work, with a deprecation note).
 """
 
 from __future__ import annotations
@@ -14,15 +15,11 @@ from rich.tree import Tree
 
 from .. import console as output
 from ..config import Config
-from ..errors import InvalidArgument
-from ..workspace import Snapshot, Workspace
+from ..workspace import Snapshot, Workspace, WorkspaceInfo
 from ..workspace.family import SnapshotNode, WorkspaceNode, build
+from . import exits
 
-_SNAPSHOT_VERBS = {"save": 2, "load": 1, "rm": None, "ls": 0}
-_SNAPSHOT_USAGE = (
-    "bunshin snapshot WS [--json] | snapshot save SNAP DIR | snapshot load DIR [--trust] [--json]"
-    " | snapshot rm SNAP... | snapshot ls [--json]"
-)
+SNAPSHOT_VERBS = ("create", "save", "load", "rm", "ls")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,14 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_fork)
 
-    p = sub.add_parser("snapshot", help="capture a running workspace (prints the snapshot id); "
-                                        "also: snapshot save|load|rm|ls", usage=_SNAPSHOT_USAGE)
-    p.add_argument("args", nargs="+", metavar="WS | VERB ARGS")
-    p.add_argument("--mode", default="cow", help="cow (default) or copy")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--trust", action="store_true",
-                   help="snapshot load: accept a folder this home did not save (it is still checked)")
-    p.set_defaults(func=cmd_snapshot)
+    register_snapshot(sub)
 
     p = sub.add_parser("restore", help="start N workspaces from a snapshot")
     p.add_argument("snapshot")
@@ -53,25 +43,62 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-stats", action="store_true", help="skip per-workspace memory (faster)")
     p.set_defaults(func=cmd_tree)
 
-    p = sub.add_parser("snapshot-rm", help="remove snapshots (files go once no workspace uses them)")
+    p = sub.add_parser("snapshot-rm")  # no help: hidden, the deprecated spelling of `snapshot rm`
+    p.add_argument("snapshots", nargs="+")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_snapshot_rm_deprecated)
+
+
+def register_snapshot(sub: argparse._SubParsersAction) -> None:
+    """``bunshin snapshot create|save|load|rm|ls``, each with its own help
+    (``bunshin snapshot WS`` is short for ``snapshot create WS``)."""
+    group = sub.add_parser("snapshot", help="snapshots: create, save, load, rm, ls",
+                           description="Capture running workspaces and manage the snapshots. "
+                                       "`bunshin snapshot WS` is short for `bunshin snapshot create WS`.")
+    ssub = group.add_subparsers(dest="verb", metavar="VERB")
+    ssub.required = True
+    p = ssub.add_parser("create", help="capture a running workspace (it keeps running); prints the snapshot id")
+    p.add_argument("workspace")
+    p.add_argument("--mode", default="cow", help="cow (default) or copy")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_snapshot_create)
+    p = ssub.add_parser("save", help="write a snapshot to a folder (to load it on another host or later)")
+    p.add_argument("snapshot")
+    p.add_argument("folder")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_snapshot_save)
+    p = ssub.add_parser("load", help="bring back a snapshot a `snapshot save` wrote; prints its id")
+    p.add_argument("folder")
+    p.add_argument("--trust", action="store_true",
+                   help="accept a folder this home did not save (it is still checked)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_snapshot_load)
+    p = ssub.add_parser("rm", help="remove snapshots (their files go once no workspace uses them)")
     p.add_argument("snapshots", nargs="+")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_snapshot_rm)
+    p = ssub.add_parser("ls", help="list snapshots")
+    p.add_argument("-q", "--quiet", action="store_true", help="print the ids only")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_snapshot_ls)
 
 
-def _clones(clones: list[Workspace]) -> list[dict[str, Any]]:
-    return [{"id": c.id, "restore_ms": c.record.extra.get("restore_ms")} for c in clones]
+def forks_json(clones: list[Workspace]) -> list[dict[str, Any]]:
+    """The new workspaces as the HTTP API shows them (``WorkspaceOut``), with each one's restore time."""
+    return [{**output.to_jsonable(WorkspaceInfo.of(c.record)), "restore_ms": c.record.extra.get("restore_ms")}
+            for c in clones]
 
 
 def cmd_fork(args: argparse.Namespace) -> int:
     ws = Workspace.get(args.workspace)
-    clones = ws.fork(args.n, mode=args.mode)
+    with output.progress(f"forking {ws.id} {args.n} ways", quiet=args.json):
+        clones = ws.fork(args.n, mode=args.mode)
     snap = ws.last_fork
     assert snap is not None
-    rows = _clones(clones)
+    rows = forks_json(clones)
     result = {"parent": ws.id, "snapshot": snap.id, "mode": snap.mode, "pause_ms": round(snap.pause_ms, 2),
               "dump_ms": round(snap.dump_ms, 2), "rewrite_ms": round(snap.rewrite_ms, 2),
-              "memfile_bytes": snap.memfile_bytes, "clones": rows}
+              "memfile_bytes": snap.memfile_bytes, "forks": rows}
     if args.json:
         output.print_json(result)
     else:
@@ -81,66 +108,74 @@ def cmd_fork(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_snapshot(args: argparse.Namespace) -> int:
-    """``snapshot WS`` captures; ``snapshot VERB ...`` manages (a workspace named like a verb: use its id)."""
-    verb, rest = args.args[0], args.args[1:]
-    if verb not in _SNAPSHOT_VERBS and not rest:
-        return _capture(verb, args.mode, args.json)
-    want = _SNAPSHOT_VERBS.get(verb, -1)
-    if want == -1 or (want is not None and len(rest) != want) or (want is None and not rest):
-        raise InvalidArgument(f"bad snapshot command: {' '.join(args.args)}", hint=_SNAPSHOT_USAGE)
-    if verb == "save":
-        folder = Snapshot.get(rest[0]).save(rest[1])
-        print(folder)
-    elif verb == "load":
-        snap = Snapshot.load(rest[0], trust=args.trust)
-        if args.json:
-            output.print_json({"id": snap.id, "source": snap.record.source})
-        else:
-            print(snap.id)
-    elif verb == "rm":
-        return _remove(rest, args.json)
-    else:
-        _list(args.json)
-    return 0
-
-
-def _capture(ref: str, mode: str, as_json: bool) -> int:
-    snap = Workspace.get(ref).snapshot(mode=mode).record
-    if as_json:
-        output.print_json({"id": snap.id, "source": snap.source, "mode": snap.mode, "pause_ms": snap.pause_ms,
-                           "dump_ms": snap.dump_ms, "rewrite_ms": snap.rewrite_ms,
-                           "memfile_bytes": snap.memfile_bytes})
+def cmd_snapshot_create(args: argparse.Namespace) -> int:
+    with output.progress(f"snapshot of {args.workspace}", quiet=args.json):
+        snap = Workspace.get(args.workspace).snapshot(mode=args.mode).record
+    if args.json:
+        output.print_json({"id": snap.id, "source": snap.source, "mode": snap.mode, "created_at": snap.created_at,
+                           "depth": snap.depth, "pause_ms": snap.pause_ms, "dump_ms": snap.dump_ms,
+                           "rewrite_ms": snap.rewrite_ms, "memfile_bytes": snap.memfile_bytes})
     else:
         print(snap.id)
     return 0
 
 
-def _list(as_json: bool) -> None:
+def cmd_snapshot_save(args: argparse.Namespace) -> int:
+    with output.progress(f"saving {args.snapshot} to {args.folder}", quiet=args.json):
+        folder = Snapshot.get(args.snapshot).save(args.folder)
+    if args.json:
+        output.print_json({"id": args.snapshot, "folder": str(folder)})
+    else:
+        print(folder)
+    return 0
+
+
+def cmd_snapshot_load(args: argparse.Namespace) -> int:
+    with output.progress(f"loading {args.folder}", quiet=args.json):
+        snap = Snapshot.load(args.folder, trust=args.trust)
+    if args.json:
+        output.print_json({"id": snap.id, "source": snap.record.source})
+    else:
+        print(snap.id)
+    return 0
+
+
+def cmd_snapshot_ls(args: argparse.Namespace) -> int:
     snaps = [s.record for s in Snapshot.list()]
-    if as_json:
+    if args.json:
         output.print_json(snaps)
-        return
-    output.print_table(None, ["ID", "SOURCE", "MODE", "KEEP", "DEPTH", "MEMORY FILES", "IMAGES", "LAYER"], [
-        (s.id, s.source, s.mode, s.keep, s.depth, output.human_bytes(s.memfile_bytes),
-         output.human_bytes(s.image_bytes), output.human_bytes(s.layer_bytes)) for s in snaps])
+    elif args.quiet:
+        for s in snaps:
+            print(s.id)
+    else:
+        output.print_table(None, ["ID", "SOURCE", "MODE", "KEEP", "DEPTH", "MEMORY FILES", "IMAGES", "LAYER"], [
+            (s.id, s.source, s.mode, s.keep, s.depth, output.human_bytes(s.memfile_bytes),
+             output.human_bytes(s.image_bytes), output.human_bytes(s.layer_bytes)) for s in snaps])
+    return 0
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
     snap = Snapshot.get(args.snapshot)
-    clones = snap.restore(args.n)
+    with output.progress(f"restoring {args.n} from {snap.id}", quiet=args.json):
+        clones = snap.restore(args.n)
     if args.json:
-        output.print_json({"snapshot": snap.id, "clones": _clones(clones)})
+        output.print_json({"snapshot": snap.id, "forks": forks_json(clones)})
     else:
         print("\n".join(c.id for c in clones))
     return 0
 
 
 def cmd_snapshot_rm(args: argparse.Namespace) -> int:
-    return _remove(args.snapshots, args.json)
+    return remove_snapshots(args.snapshots, args.json)
 
 
-def _remove(refs: list[str], as_json: bool) -> int:
+def cmd_snapshot_rm_deprecated(args: argparse.Namespace) -> int:
+    output.deprecated("bunshin snapshot-rm", "bunshin snapshot rm")
+    return remove_snapshots(args.snapshots, args.json)
+
+
+def remove_snapshots(refs: list[str], as_json: bool) -> int:
+    """``snapshot rm``: each one removed, the failures reported (exit 125 if any)."""
     removed, failed = [], []
     for ref in refs:
         try:
@@ -153,7 +188,7 @@ def _remove(refs: list[str], as_json: bool) -> int:
         output.print_json({"removed": removed, "failed": failed})
     elif removed:
         print("\n".join(removed))
-    return 1 if failed else 0
+    return exits.FAILED if failed else 0
 
 
 def cmd_tree(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -11,6 +12,8 @@ import textwrap
 import time
 
 import pytest
+
+from bunshin.cli.main import main
 
 pytestmark = pytest.mark.integration
 
@@ -34,9 +37,10 @@ def test_lifecycle_across_invocations(no_leaks):
         r = bunshin(cfg, "exec", ws["id"], "--cwd", "/tmp", "-e", "A=b", "--", "sh", "-c", "echo $A $PWD")
         assert r.stdout == "b /tmp\n"
         r = bunshin(cfg, "exec", "cli-a", "--timeout", "0.5", "--", "sleep", "30", check=False)
-        assert r.returncode == 124 and "timed out" in r.stderr
+        assert r.returncode == 124 and "timed out after 0.5 s" in r.stderr
         listed = json.loads(bunshin(cfg, "ls", "--json").stdout)
         assert [w["id"] for w in listed] == [ws["id"]] and listed[0]["state"] == "running"
+        assert set(ws) >= {"id", "name", "image", "state", "pid", "created_at", "parent", "create_ms"}
         st = json.loads(bunshin(cfg, "stats", "cli-a", "--json").stdout)
         assert st["memory"]["cgroup_bytes"] > 0 and st["memory"]["pss_bytes"] > 0
         assert st["memory"]["uss_bytes"] > 0 and st["processes"] >= 1
@@ -44,6 +48,49 @@ def test_lifecycle_across_invocations(no_leaks):
     finally:
         bunshin(cfg, "rm", ws["id"])
     assert json.loads(bunshin(cfg, "ls", "--json").stdout) == []
+
+
+def here(cfg, monkeypatch, capfd, *args: str) -> tuple[int, str, str]:
+    """``bunshin ARGS`` run in this process (no interpreter start): exit code, stdout, stderr."""
+    monkeypatch.setenv("BUNSHIN_HOME", str(cfg.home))
+    monkeypatch.setenv("BUNSHIN_CRIU", str(cfg.criu))
+    monkeypatch.setenv("BUNSHIN_TMPFS", str(cfg.tmpfs))
+    code = main(list(args))
+    out, err = capfd.readouterr()
+    return code, out, err
+
+
+def test_exit_codes_and_ls(no_leaks, monkeypatch, capfd):
+    """docker's classes: 127 not found, 126 not executable, 125 bunshin's own failure, else the
+    command's status; `ls -q` and `--filter`; `rm -f` (running, or missing) and `rm --all`."""
+    run = functools.partial(here, no_leaks, monkeypatch, capfd)
+    ws, other = (run("create", "--name", name, "--memory", "128M")[1].strip() for name in ("codes", "other"))
+    try:
+        assert run("exec", ws, "--", "sh", "-c", "exit 7")[0] == 7
+        code, _, err = run("exec", ws, "--", "no-such-program")
+        assert code == 127 and "executable not found: no-such-program" in err, err
+        code, out, err = run("exec", ws, "--json", "--", "no-such-program")
+        assert code == 127 and out == "", out
+        code, _, err = run("exec", ws, "--", "/etc/hostname")
+        assert code == 126 and "cannot execute /etc/hostname" in err, err
+        code, _, err = run("exec", ws, "--cwd", "/no/such/dir", "--", "true")
+        assert code == 125 and "no such directory" in err, err
+        assert run("ls", "-q") == (0, f"{ws}\n{other}\n", "")
+        assert run("ls", "-q", "--filter", "status=running", "-f", "name=codes")[1] == ws + "\n"
+        assert run("ls", "-q", "--filter", f"id={ws[:6]}")[1] == ws + "\n"
+        assert run("ls", "-q", "--filter", "status=dead")[1] == ""
+        assert json.loads(run("ls", "--json", "--filter", "parent=ws-other")[1]) == []
+        code, _, err = run("ls", "--filter", "colour=red")
+        assert code == 125 and "KEY one of id, name, status, image, parent" in err
+        code, out, err = run("rm", "-f", ws, "ws-nosuch", "--json")
+        assert (code, json.loads(out), err) == (0, {"removed": [ws], "failed": []}, "")
+        code, out, _ = run("rm", "--all", "--json")
+        assert (code, json.loads(out)["removed"]) == (0, [other])
+        assert run("ls", "-q")[1] == "" and run("rm", "--all") == (0, "", "")  # nothing left: no error
+        code, _, err = run("rm")
+        assert code == 125 and "bunshin rm WS... (or --all)" in err
+    finally:
+        run("rm", "-f", ws, other)
 
 
 def test_exec_marks_output_cut_at_max_output(no_leaks):
@@ -61,7 +108,7 @@ def test_exec_marks_output_cut_at_max_output(no_leaks):
         r = bunshin(no_leaks, *failing, check=False)
         assert r.returncode == 3 and "stdout cut at 1.0 KiB" in r.stderr  # the command's own failure wins
         r = bunshin(no_leaks, "exec", ws, "--max-output", "17M", "--", "true", check=False)
-        assert r.returncode == 1 and "max_output" in r.stderr and "Traceback" not in r.stderr
+        assert r.returncode == 125 and "max_output" in r.stderr and "Traceback" not in r.stderr
     finally:
         bunshin(no_leaks, "rm", ws)
 
@@ -78,7 +125,7 @@ def test_exec_marks_output_cut_at_max_output(no_leaks):
 )
 def test_errors_are_clear_without_traceback(no_leaks, args, message):
     r = bunshin(no_leaks, *args, check=False)
-    assert r.returncode == 1
+    assert r.returncode == 125
     assert message in r.stderr and "Traceback" not in r.stderr
     assert "hint:" in r.stderr or "error:" in r.stderr
 
@@ -87,7 +134,7 @@ def test_exec_into_removed_workspace(no_leaks):
     ws_id = bunshin(no_leaks, "create").stdout.strip()
     bunshin(no_leaks, "rm", ws_id)
     r = bunshin(no_leaks, "exec", ws_id, "--", "true", check=False)
-    assert r.returncode == 1 and "no workspace" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 125 and "no workspace" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_gc_after_creator_killed_mid_create(no_leaks):
@@ -123,7 +170,7 @@ def test_gc_after_workspace_init_killed(no_leaks):
     time.sleep(0.2)
     assert json.loads(bunshin(no_leaks, "ls", "--json").stdout)[0]["state"] == "dead"
     r = bunshin(no_leaks, "exec", ws_id, "--", "true", check=False)
-    assert r.returncode == 1 and "not running" in r.stderr
+    assert r.returncode == 125 and "not running" in r.stderr
     report = json.loads(bunshin(no_leaks, "gc", "--json").stdout)
     assert report["workspaces"] == [ws_id]
     from tests.conftest import leftovers
@@ -216,11 +263,12 @@ def test_rm_of_many_workspaces_removes_them_together_and_reports_the_rest(no_lea
     root = bunshin(no_leaks, "create", "--memory", "128M").stdout.strip()
     clones: list[str] = []
     try:
-        clones = [c["id"] for c in json.loads(bunshin(no_leaks, "fork", root, "-n", "3", "--json").stdout)["clones"]]
+        clones = [c["id"] for c in json.loads(bunshin(no_leaks, "fork", root, "-n", "3", "--json").stdout)["forks"]]
         r = bunshin(no_leaks, "rm", *clones, "ws-nosuch", root, "--json", check=False)
     finally:
         bunshin(no_leaks, "rm", *clones, root, check=False)  # whatever is left, if anything failed
     out = json.loads(r.stdout)
-    assert r.returncode == 1 and out["failed"] == ["ws-nosuch"] and "no workspace" in r.stderr
+    assert r.returncode == 125 and out["failed"] == ["ws-nosuch"] and "no workspace" in r.stderr
     assert sorted(out["removed"]) == sorted([*clones, root])
     assert json.loads(bunshin(no_leaks, "ls", "--json").stdout) == []
+

@@ -55,7 +55,7 @@ def test_image_commands_across_invocations(no_leaks, tmp_path: Path) -> None:
 ])
 def test_image_errors_are_clear(cfg, args: tuple[str, ...], message: str) -> None:
     r = bunshin(cfg, *args, check=False)
-    assert r.returncode == 1 and message in r.stderr, r.stderr
+    assert r.returncode == 125 and message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
 
 
@@ -114,7 +114,7 @@ def test_build_steps_get_no_network_unless_host_is_asked_with_a_warning(no_leaks
         f"FROM oci-archive:{tmp_path / 'base.tar'}\n"
         f"RUN (busybox nc -w 5 127.0.0.1 {port} </dev/null && echo reached || echo unreachable) > /net\n")
     r = bunshin(cfg, "image", "build", str(ctx), "--network", "egress", check=False)
-    assert r.returncode == 1 and "network 'egress'" in r.stderr and "not supported" in r.stderr, r.stderr
+    assert r.returncode == 125 and "network 'egress'" in r.stderr and "not supported" in r.stderr, r.stderr
     ids = []
     try:
         for args, want in ((), "unreachable\n"), (("--network", "host"), "reached\n"):
@@ -142,12 +142,12 @@ def test_caps_are_set_by_flag_or_environment_and_a_pull_is_refused_before_downlo
         for args, why in ((("--max-layers", "1"), "2 layers, more than the layer cap image_max_layers=1"),
                           (("--max-size", "1K"), "layer blobs goes past the image size cap image_max_bytes=1024")):
             r = bunshin(cfg, "image", "pull", ref, *args, check=False)
-            assert r.returncode == 1 and why in r.stderr, r.stderr
+            assert r.returncode == 125 and why in r.stderr, r.stderr
             assert "Copying blob" not in r.stderr, "refused from the manifest, before a blob is fetched"
     monkeypatch.setenv("BUNSHIN_IMAGE_MAX_BYTES", "1M")  # busybox alone unpacks to ~2 MiB
     r = bunshin(cfg, "image", "load", str(layout), check=False)
-    assert r.returncode == 1 and "image_max_bytes=1048576" in r.stderr and "--max-size" in r.stderr, r.stderr
+    assert r.returncode == 125 and "image_max_bytes=1048576" in r.stderr and "--max-size" in r.stderr, r.stderr
     r = bunshin(cfg, "image", "load", str(layout), "--max-size", "abc", check=False)
-    assert r.returncode == 1 and "'abc' is not a size" in r.stderr, r.stderr
+    assert r.returncode == 125 and "'abc' is not a size" in r.stderr, r.stderr
     assert bunshin(cfg, "image", "ls", "--json").stdout == before, "nothing stored"
     assert not list(cfg.paths.image_staging.iterdir())

@@ -98,7 +98,7 @@ def test_a_home_with_another_key_is_refused(tmp_path):
 def test_no_ray_cluster_is_a_clear_error():
     out = subprocess.run([sys.executable, "-m", "bunshin.cli.main", "cluster", "status", "--address",
                           "127.0.0.1:1"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 1
+    assert out.returncode == 125
     assert "no Ray cluster at 127.0.0.1:1" in out.stderr and "ray start --head" in out.stderr
 
 
@@ -136,7 +136,7 @@ def test_cluster_init_makes_a_secret_only_its_owner_reads(tmp_path):
     assert path.stat().st_mode & 0o777 == 0o600 and len(path.read_bytes()) == 32
     made = path.read_bytes()
     again = subprocess.run(cli, capture_output=True, text=True, timeout=60)
-    assert again.returncode == 1 and "exists" in again.stderr and path.read_bytes() == made  # never replaced
+    assert again.returncode == 125 and "exists" in again.stderr and path.read_bytes() == made  # never replaced
     a, b = ClusterSecret.load(path), ClusterSecret.create(tmp_path / "other")
     assert a.host_token("a", 1) != a.host_token("a", 2) != a.host_token("b", 2)  # per host and epoch
     assert a.snapshot_key() != b.snapshot_key() and len(a.snapshot_key()) == 32

@@ -12,16 +12,16 @@ def test_bad_task_spec_names_the_field(tmp_path, capsys):
     task.write_text("id: a\nmax_turns: zero\n")
     traces = tmp_path / "tr.jsonl"
     traces.write_text(json.dumps({"steps": []}) + "\n")
-    assert main(["rollout", str(task), "--policy", str(traces)]) == 1
+    assert main(["rollout", str(task), "--policy", str(traces)]) == 125
     assert "field 'max_turns'" in capsys.readouterr().err
 
 
 def test_bad_policy(tmp_path, capsys):
     task = tmp_path / "t.json"
     task.write_text(json.dumps({"id": "a"}))
-    assert main(["rollout", str(task), "--policy", str(tmp_path / "none.jsonl")]) == 1
+    assert main(["rollout", str(task), "--policy", str(tmp_path / "none.jsonl")]) == 125
     assert "no such file" in capsys.readouterr().err
-    assert main(["rollout", str(task), "--policy", "openai"]) == 1
+    assert main(["rollout", str(task), "--policy", "openai"]) == 125
     assert "--model" in capsys.readouterr().err
-    assert main(["rollout", str(task), "--policy", "py:nosuchmodule:f"]) == 1
+    assert main(["rollout", str(task), "--policy", "py:nosuchmodule:f"]) == 125
     assert "nosuchmodule" in capsys.readouterr().err
