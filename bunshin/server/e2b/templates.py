@@ -1,7 +1,10 @@
 """E2B templates on bunshin: a template id names a snapshot, so creating a sandbox is a
 restore, never a boot.
 
-- ``base`` (the SDK's default) is :data:`BASE_IMAGE`; any other image reference the server
+- ``base`` (the SDK's default) is :data:`BASE_IMAGE`, and so are the defaults of E2B's other
+  SDKs (:data:`BUILTIN`: ``code-interpreter-v1``, whose interpreter runs the image's
+  ``python3``, and ``desktop``, whose SDK starts Xvfb and XFCE in it; ``make install`` puts
+  them on the host); any other image reference the server
   holds (``python:3.12``) names that image. The first create from an image boots it once,
   snapshots it and removes the workspace; the snapshot is the template from then on
   (records of kind ``e2b-template``, so a restarted server keeps them).
@@ -31,6 +34,8 @@ KIND = "e2b-template"
 #: The image the ``base`` template is made from.
 BASE_IMAGE = "host"
 BASE = "base"
+#: Templates named by E2B's SDKs' defaults, and the images they are made from.
+BUILTIN = {BASE: BASE_IMAGE, "code-interpreter-v1": BASE_IMAGE, "desktop": BASE_IMAGE}
 #: Memory and pids limits of a template's sandboxes (E2B's default sandbox has 512 MiB).
 SANDBOX_MEMORY = "512M"
 SANDBOX_PIDS = 512
@@ -108,7 +113,7 @@ class Templates:
                                        hint="take a new snapshot of a sandbox") from None
             if _SNAP_ID.fullmatch(template_id):
                 return Snapshot.get(template_id, config=self._config), template_id
-            image = BASE_IMAGE if template_id == BASE else template_id
+            image = BUILTIN.get(template_id, template_id)
             try:
                 image_ref = image_id(self._config, image, field="templateID")
             except Exception as e:  # not an image reference, or none held here: not a template

@@ -8,6 +8,7 @@ import asyncio
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -30,34 +31,41 @@ TOKEN = "interpreter-test-token-0123456789"
 class Rig:
     url: str
     cfg: Config
-    ws: Workspace
-    made: list[Workspace]
+    sbx: Any  # the module's sandbox, made by Sandbox.create through the control plane
 
-    def sandbox(self, ws_id: str | None = None, *, token: str | None = None, cls=None):
-        sid = ws_id or self.ws.id
+    @property
+    def ws(self) -> Workspace:
+        return Workspace.get(self.sbx.sandbox_id, config=self.cfg)
+
+    def sandbox(self, sid: str | None = None, *, token: str | None = None, cls=None):
+        """An SDK object for sandbox ``sid`` (this one by default) holding ``token`` (its own)."""
+        sid = sid or self.sbx.sandbox_id
         kind = cls or e2b_ci.Sandbox
         return kind(sandbox_id=sid, envd_version=Version("0.4.0"), sandbox_domain=None,
                     envd_access_token=envd_access_token(TOKEN, sid) if token is None else token,
                     traffic_access_token=traffic_access_token(TOKEN, sid) if token is None else token,
-                    connection_config=ConnectionConfig(sandbox_url=self.url, api_key="unused", request_timeout=30))
+                    connection_config=ConnectionConfig(sandbox_url=self.url, api_key=TOKEN, request_timeout=30))
 
 
 @pytest.fixture(scope="module")
 def rig(cfg: Config) -> Iterator[Rig]:
-    """One workspace and ``bunshin serve`` over loopback for the module; all removed after."""
-    ws = Workspace.create("host", config=cfg, memory="1G")
-    made = [ws]
-    try:
-        with serve_in_thread(cfg, TOKEN) as url:
-            yield Rig(url, cfg, ws, made)
-    finally:
-        for w in made:
-            w.remove()
-        assert not any(leftovers(cfg).values()), leftovers(cfg)
+    """``bunshin serve`` over loopback and one sandbox of the SDK's default template
+    (``code-interpreter-v1``) for the module; every sandbox and template goes after."""
+    with serve_in_thread(cfg, TOKEN) as url:
+        sbx = e2b_ci.Sandbox.create(api_url=url, sandbox_url=url, api_key=TOKEN)
+        try:
+            yield Rig(url, cfg, sbx)
+        finally:
+            with httpx.Client(base_url=url, headers={"X-API-Key": TOKEN}, timeout=60) as c:
+                for sb in c.get("/v2/sandboxes").json():
+                    c.delete(f"/sandboxes/{sb['sandboxID']}")
+                for t in c.get("/templates").json():
+                    c.delete(f"/templates/{t['templateID']}")
+    assert not any(leftovers(cfg).values()), leftovers(cfg)
 
 
 def test_results_logs_errors_and_state_carry_over(rig: Rig) -> None:
-    sbx = rig.sandbox()
+    sbx = rig.sbx
     first = sbx.run_code("import sys\nx = 40\nprint('to out'); print('to err', file=sys.stderr)\nx + 2")
     assert first.text == "42" and first.error is None
     assert first.logs.stdout == ["to out\n"] and first.logs.stderr == ["to err\n"]
@@ -114,18 +122,18 @@ def test_other_languages_are_refused_by_name(rig: Rig) -> None:
 
 
 def test_tokens_and_sandbox_ids_are_checked(rig: Rig) -> None:
-    other = Workspace.create("host", config=rig.cfg, memory="256M")
-    rig.made.append(other)
+    other = e2b_ci.Sandbox.create(api_url=rig.url, sandbox_url=rig.url, api_key=TOKEN)
     wrong = rig.sandbox(token="0" * 64)
     with pytest.raises(SandboxException, match="401.*access token"):
         wrong.run_code("1")
     with pytest.raises(SandboxException, match="401"):
         wrong.list_code_contexts()
     # the other sandbox's own tokens open it, not this one
-    crossed = rig.sandbox(rig.ws.id, token=envd_access_token(TOKEN, other.id))
+    crossed = rig.sandbox(rig.ws.id, token=envd_access_token(TOKEN, other.sandbox_id))
     with pytest.raises(SandboxException, match="401"):
         crossed.run_code("1")
-    assert rig.sandbox(other.id).run_code("'other'").text == "'other'"
+    assert other.run_code("'other'").text == "'other'"
+    other.kill()
     with pytest.raises(NotFoundException, match="not found"):
         rig.sandbox("ws-000000000000").run_code("1")
 
@@ -163,13 +171,16 @@ def test_async_client(rig: Rig) -> None:
 
 
 def test_each_fork_continues_the_session_and_diverges_alone(rig: Rig) -> None:
-    sbx = rig.sandbox()
+    """``Sandbox.fork`` (live fork) of a sandbox holding a Python session: every fork has the
+    session's globals and its own interpreter from then on."""
+    sbx = rig.sbx
     sbx.run_code("trail = ['parent']")
-    clones = rig.ws.fork(2)
-    rig.made.extend(clones)
-    for i, c in enumerate(clones):
-        rig.sandbox(c.id).run_code(f"trail.append('fork{i}')")
+    forks = sbx.fork(count=2)
+    assert all(isinstance(f, e2b_ci.Sandbox) for f in forks), forks
+    for i, f in enumerate(forks):
+        f.run_code(f"trail.append('fork{i}')")
     sbx.run_code("trail.append('parent again')")
     assert sbx.run_code("trail").text == "['parent', 'parent again']"
-    for i, c in enumerate(clones):
-        assert rig.sandbox(c.id).run_code("trail").text == f"['parent', 'fork{i}']"
+    for i, f in enumerate(forks):
+        assert f.run_code("trail").text == f"['parent', 'fork{i}']"
+        f.kill()
