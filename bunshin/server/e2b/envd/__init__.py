@@ -14,7 +14,7 @@ plane reports it as ``envdVersion``; the SDK picks its wire forms by it).
 
 from __future__ import annotations
 
-#: The envd version served: octet-stream uploads (0.5.7), stdin choice (0.3.0), the
-#: default user (0.4.0), recursive watches (0.1.4). Not: file metadata (0.6.2), entries in
-#: watch events (0.6.3), PTYs, CloseStdin (0.5.2: refused by name).
+#: The envd version served: octet-stream uploads (0.5.7), CloseStdin (0.5.2), the default
+#: user (0.4.0), the stdin choice (0.3.0), recursive watches (0.1.4), PTYs. Not: file
+#: metadata (0.6.2) nor entries in watch events (0.6.3), which the SDK asks only of newer ones.
 ENVD_VERSION = "0.5.7"

@@ -6,7 +6,10 @@ event with the exit status; past the call's deadline (``connect-timeout-ms``: th
 ``timeout``) the command's process group is killed and the call ends
 ``deadline_exceeded``. A client that hangs up stops being followed; the command goes on
 (as E2B's: ``commands.connect(pid)`` finds it again) and nothing on the host is left
-behind. PTYs, ``Update``, ``StreamInput`` and ``CloseStdin`` are refused by name.
+behind. A PTY command (``Start`` with ``pty``) runs on a terminal of its own
+(``ptyrelay``), its screen as ``pty`` data events; ``Update`` resizes it; ``SendInput``
+and ``StreamInput`` type into it or write a command's stdin; ``CloseStdin`` ends that
+stdin. Processes are selected by pid (selecting by tag is refused by name).
 """
 
 from __future__ import annotations
@@ -34,13 +37,16 @@ POLL_MIN_S, POLL_MAX_S = 0.005, 0.1
 KEEPALIVE_S, KEEPALIVE_MIN_S = 30.0, 1.0
 #: Most arguments, environment variables and bytes of them a command takes.
 MAX_ARGS, MAX_ENVS, MAX_SPEC_BYTES = 4096, 1024, 1 << 20
+MAX_TERM = 1000
 _SIGNALS = {pb.SIGNAL_SIGKILL: signal.SIGKILL, pb.SIGNAL_SIGTERM: signal.SIGTERM}
 
 
 def _spec(req: Any) -> procs.Spec:
     p = req.process
+    pty = None
     if req.HasField("pty"):
-        raise ConnectError(Code.UNIMPLEMENTED, "process.Process/Start with a PTY is not implemented by bunshin's envd")
+        pty = (req.pty.size.rows or 24, req.pty.size.cols or 80)
+        _check_size(*pty)
     if not p.cmd or "\0" in p.cmd:
         raise ConnectError(Code.INVALID_ARGUMENT, "process.cmd must be a non-empty string without NUL")
     args, envs = tuple(p.args), dict(p.envs)
@@ -55,7 +61,12 @@ def _spec(req: Any) -> procs.Spec:
         raise ConnectError(Code.INVALID_ARGUMENT, f"cwd {cwd[:100]!r} must be an absolute path")
     tag = req.tag if req.HasField("tag") else None
     stdin = req.stdin if req.HasField("stdin") else True
-    return procs.Spec(p.cmd, args, envs, cwd, tag, stdin)
+    return procs.Spec(p.cmd, args, envs, cwd, tag, stdin, pty)
+
+
+def _check_size(rows: int, cols: int) -> None:
+    if not (1 <= rows <= MAX_TERM and 1 <= cols <= MAX_TERM):
+        raise ConnectError(Code.INVALID_ARGUMENT, f"a terminal is 1..{MAX_TERM} rows and columns")
 
 
 def _keepalive_s(ctx: RequestContext) -> float:
@@ -86,7 +97,7 @@ async def _wait_pid(call: Call, folder: str, deadline: float | None) -> int:
 
 
 async def follow(call: Call, folder: str, pid: int, ctx: RequestContext, event: type,
-                 *, from_start: bool, owned: bool) -> AsyncIterator[Any]:
+                 *, from_start: bool, owned: bool, pty: bool) -> AsyncIterator[Any]:
     """The data, keepalive and end events of the command in ``folder``; ``owned``: the call
     started it (its deadline kills it, and its files go when it is reported ended)."""
     ms = ctx.timeout_ms
@@ -103,7 +114,7 @@ async def follow(call: Call, folder: str, pid: int, ctx: RequestContext, event: 
         if not sizes:
             raise ConnectError(Code.NOT_FOUND, f"process with pid {pid} not found")
         got = False
-        for name, field in (("out", "stdout"), ("err", "stderr")):
+        for name, field in (("out", "pty" if pty else "stdout"), ("err", "stderr")):
             while sizes.get(name, 0) > offsets[name]:
                 data = await procs.run(call, call.ws.files.read, f"{folder}/{name}", offset=offsets[name],
                                        length=procs.CHUNK)
@@ -124,6 +135,7 @@ async def follow(call: Call, folder: str, pid: int, ctx: RequestContext, event: 
             if owned:
                 with contextlib.suppress(BunshinError):
                     await procs.run(call, call.ws.commands.kill, pid, signal.SIGKILL, group=True)
+                    await procs.run(call, procs.remove, call, folder, pid)
             raise ConnectError(Code.DEADLINE_EXCEEDED, "the command ran past its timeout and was killed"
                                if owned else "the connection ran past its timeout")
         if now - last >= keepalive:
@@ -151,15 +163,17 @@ async def start(req: Any, call: Call, ctx: RequestContext) -> AsyncIterator[Any]
     folder = await procs.run(call, procs.start, call, spec)
     pid = await _wait_pid(call, folder, deadline)
     yield pb.StartResponse(event=pb.ProcessEvent(start=pb.ProcessEvent.StartEvent(pid=pid)))
-    async for e in follow(call, folder, pid, ctx, pb.StartResponse, from_start=True, owned=True):
+    async for e in follow(call, folder, pid, ctx, pb.StartResponse, from_start=True, owned=True,
+                          pty=spec.pty is not None):
         yield e
 
 
 async def connect(req: Any, call: Call, ctx: RequestContext) -> AsyncIterator[Any]:
     pid = _pid_of(req.process)
     folder = await procs.run(call, procs.folder_of, call, pid)
+    pty = bool((await procs.run(call, procs.meta_of, call, folder)).get("pty"))
     yield pb.ConnectResponse(event=pb.ProcessEvent(start=pb.ProcessEvent.StartEvent(pid=pid)))
-    async for e in follow(call, folder, pid, ctx, pb.ConnectResponse, from_start=False, owned=False):
+    async for e in follow(call, folder, pid, ctx, pb.ConnectResponse, from_start=False, owned=False, pty=pty):
         yield e
 
 
@@ -188,16 +202,48 @@ async def send_signal(req: Any, call: Call, ctx: RequestContext) -> Any:
     return pb.SendSignalResponse()
 
 
+def _input(msg: Any) -> bytes:
+    kind = msg.WhichOneof("input")
+    return bytes(msg.stdin if kind == "stdin" else msg.pty if kind == "pty" else b"")
+
+
 async def send_input(req: Any, call: Call, ctx: RequestContext) -> Any:
-    pid = _pid_of(req.process)
-    if req.input.WhichOneof("input") != "stdin":
-        raise ConnectError(Code.UNIMPLEMENTED, "PTY input is not implemented by bunshin's envd")
-    folder = await procs.run(call, procs.folder_of, call, pid)
-    await procs.run(call, procs.write_stdin, call, folder, bytes(req.input.stdin))
+    folder = await procs.run(call, procs.folder_of, call, _pid_of(req.process))
+    await procs.run(call, procs.write_stdin, call, folder, _input(req.input))
     return pb.SendInputResponse()
+
+
+async def stream_input(reqs: AsyncIterator[Any], call: Call, ctx: RequestContext) -> Any:
+    folder = None
+    async for req in reqs:
+        kind = req.WhichOneof("event")
+        if kind == "start":
+            folder = await procs.run(call, procs.folder_of, call, _pid_of(req.start.process))
+        elif kind == "data":
+            if folder is None:
+                raise ConnectError(Code.INVALID_ARGUMENT, "the input stream must start with a start event")
+            await procs.run(call, procs.write_stdin, call, folder, _input(req.data.input))
+    return pb.StreamInputResponse()
+
+
+async def close_stdin(req: Any, call: Call, ctx: RequestContext) -> Any:
+    folder = await procs.run(call, procs.folder_of, call, _pid_of(req.process))
+    await procs.run(call, procs.close_stdin, call, folder)
+    return pb.CloseStdinResponse()
+
+
+async def update(req: Any, call: Call, ctx: RequestContext) -> Any:
+    pid = _pid_of(req.process)
+    folder = await procs.run(call, procs.folder_of, call, pid)
+    if req.HasField("pty"):
+        rows, cols = req.pty.size.rows, req.pty.size.cols
+        _check_size(rows, cols)
+        await procs.run(call, procs.resize, call, folder, pid, rows, cols)
+    return pb.UpdateResponse()
 
 
 def app() -> Any:
     return service_app(pb.DESCRIPTOR.services_by_name["Process"],
-                       unary={"List": list_, "SendSignal": send_signal, "SendInput": send_input},
-                       streams={"Start": start, "Connect": connect})
+                       unary={"List": list_, "SendSignal": send_signal, "SendInput": send_input,
+                              "CloseStdin": close_stdin, "Update": update},
+                       streams={"Start": start, "Connect": connect}, clients={"StreamInput": stream_input})

@@ -19,15 +19,21 @@ from __future__ import annotations
 import base64
 import json
 import shlex
+import signal
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio.to_thread
 
 from ....errors import InvalidArgument, NotFound, PathNotFound
+from ....runtime.agent_host.bundle import AgentBundle
 from .rpc import Call
+
+#: The PTY relay's source, run by the agent's Python inside the workspace.
+RELAY = (Path(__file__).parent / "ptyrelay.py").read_text()
 
 BASE = "/tmp/.bunshin-e2b/procs"
 BY_PID = f"{BASE}/by-pid"
@@ -43,15 +49,24 @@ WRAPPER = r"""
 d="$1"; shift
 mkdir -p "$d" "${d%/*}/by-pid" || exit 126
 printf '%s' "$BUNSHIN_E2B_META" > "$d/meta"; unset BUNSHIN_E2B_META
-: > "$d/out"; : > "$d/err"
-if [ -n "$BUNSHIN_E2B_STDIN" ]; then mkfifo -m 600 "$d/in" && exec 3<>"$d/in"; else exec 3</dev/null; fi
+: > "$d/out"; : > "$d/err"; echo "$$" > "$d/wpid"
+if [ -n "$BUNSHIN_E2B_STDIN" ]; then
+  mkfifo -m 600 "$d/in" && exec 3<>"$d/in" || exit 126
+  trap 'exec 3<&-' USR1
+  i="$d/in"
+else
+  i=/dev/null
+fi
 unset BUNSHIN_E2B_STDIN
 if command -v setsid >/dev/null 2>&1; then set -- setsid "$@"; fi
-"$@" <&3 >"$d/out" 2>"$d/err" 3<&- &
+"$@" <"$i" >"$d/out" 2>"$d/err" 3<&- &
 c=$!
-exec 3<&-
-ln -s "$d" "${d%/*}/by-pid/$c"; echo "$c" > "$d/pid.tmp"; mv "$d/pid.tmp" "$d/pid"
-wait "$c"; rc=$?
+ln -sfn "$d" "${d%/*}/by-pid/$c"; echo "$c" > "$d/pid.tmp"; mv "$d/pid.tmp" "$d/pid"
+while :; do
+  wait "$c"; rc=$?
+  if [ "$rc" -gt 128 ] && kill -0 "$c" 2>/dev/null; then continue; fi
+  break
+done
 echo "$rc" > "$d/rc.tmp"; mv "$d/rc.tmp" "$d/rc"
 """
 
@@ -66,6 +81,7 @@ class Spec:
     cwd: str | None
     tag: str | None
     stdin: bool
+    pty: tuple[int, int] | None = None  # rows, cols
 
 
 async def run(call: Call, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
@@ -104,9 +120,16 @@ def start(call: Call, spec: Spec) -> str:
     """Spawn ``spec`` under the wrapper (blocking); the run's folder."""
     folder = f"{BASE}/{uuid.uuid4().hex}"
     argv, user_env = user_argv(call, [spec.cmd, *spec.args])
+    extra: dict[str, str] = {}
+    if spec.pty is not None:  # the relay (the agent's own Python) holds the terminal
+        rows, cols = spec.pty
+        agent = AgentBundle(Path())
+        argv = [*agent.argv[:4], "-s", "-B", "-c", RELAY, f"{folder}/size", str(rows), str(cols), *argv]
+        extra = {"PYTHONHOME": agent.env["PYTHONHOME"], "PYTHONDONTWRITEBYTECODE": "1"}
     meta = json.dumps({"cmd": spec.cmd, "args": list(spec.args), "envs": spec.envs, "cwd": spec.cwd,
-                       "tag": spec.tag})
-    env = {**user_env, **spec.envs, "BUNSHIN_E2B_META": meta, "BUNSHIN_E2B_STDIN": "1" if spec.stdin else ""}
+                       "tag": spec.tag, "pty": spec.pty is not None})
+    env = {**user_env, **spec.envs, **extra, "BUNSHIN_E2B_META": meta,
+           "BUNSHIN_E2B_STDIN": "1" if spec.stdin or spec.pty else ""}
     call.ws.commands.spawn(["/bin/sh", "-c", WRAPPER, "bunshin-e2b", folder, *argv], cwd=spec.cwd, env=env)
     return folder
 
@@ -119,6 +142,15 @@ def folder_of(call: Call, pid: int) -> str:
     except PathNotFound:
         raise NotFound(f"process with pid {pid} not found", hint="list them with commands.list()") from None
     return folder
+
+
+def meta_of(call: Call, folder: str) -> dict[str, Any]:
+    """What started the command in ``folder`` (blocking)."""
+    try:
+        meta = json.loads(call.ws.files.read(f"{folder}/meta", length=1 << 20) or b"{}")
+    except (PathNotFound, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def listing(call: Call) -> list[tuple[int, dict[str, Any]]]:
@@ -167,6 +199,24 @@ def write_stdin(call: Call, folder: str, data: bytes) -> None:
                           timeout=30)
     if result.exit_code != 0:
         raise InvalidArgument(f"cannot write to the process's stdin: {result.stderr.strip()[:200]}")
+
+
+def close_stdin(call: Call, folder: str) -> None:
+    """Let the command read the end of its stdin (blocking): the wrapper lets go of the FIFO."""
+    names = {f.name for f in entries(call, folder)}
+    if "in" not in names:
+        raise InvalidArgument("the process was started without stdin")
+    wpid = call.ws.files.read(f"{folder}/wpid", length=32).decode().strip()
+    if wpid.isdigit():
+        call.ws.commands.kill(int(wpid), signal.SIGUSR1)
+
+
+def resize(call: Call, folder: str, pid: int, rows: int, cols: int) -> None:
+    """Set the terminal of a PTY command to ``rows`` x ``cols`` (blocking)."""
+    if not meta_of(call, folder).get("pty"):
+        raise InvalidArgument(f"process {pid} has no PTY to resize")
+    call.ws.files.write(f"{folder}/size", f"{rows} {cols}\n")
+    call.ws.commands.kill(pid, signal.SIGWINCH)
 
 
 def remove(call: Call, folder: str, pid: int) -> None:

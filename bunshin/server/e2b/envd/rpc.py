@@ -53,6 +53,7 @@ CALL: ContextVar[Call] = ContextVar("bunshin_e2b_envd_call")
 
 Unary = Callable[[Any, Call, RequestContext], Awaitable[Message]]
 Stream = Callable[[Any, Call, RequestContext], AsyncIterator[Message]]
+ClientStream = Callable[[AsyncIterator[Any], Call, RequestContext], Awaitable[Message]]
 
 
 def user_of(authorization: str | None) -> str | None:
@@ -117,10 +118,20 @@ def _stream(fn: Stream) -> Callable[[Any, RequestContext], AsyncIterator[Message
     return call
 
 
-def service_app(service: ServiceDescriptor, unary: Mapping[str, Unary],
-                streams: Mapping[str, Stream]) -> ConnectASGIApplication[None]:
-    """The Connect app of ``service``: ``unary`` and ``streams`` handlers by method name;
-    every other method (client or bidi streams included) refused by name."""
+def _client_stream(fn: ClientStream) -> Callable[[AsyncIterator[Any], RequestContext], Awaitable[Message]]:
+    async def call(reqs: AsyncIterator[Any], ctx: RequestContext) -> Message:
+        try:
+            return await fn(reqs, CALL.get(), ctx)
+        except BunshinError as e:
+            raise connect_error(e) from None
+    return call
+
+
+def service_app(service: ServiceDescriptor, unary: Mapping[str, Unary], streams: Mapping[str, Stream],
+                clients: Mapping[str, ClientStream] | None = None) -> ConnectASGIApplication[None]:
+    """The Connect app of ``service``: ``unary``, server-``streams`` and client-stream
+    (``clients``) handlers by method name; every other method refused by name."""
+    clients = clients or {}
     endpoints: dict[str, Any] = {}
     for m in service.methods:
         info = MethodInfo(name=m.name, service_name=service.full_name, input=GetMessageClass(m.input_type),
@@ -128,6 +139,8 @@ def service_app(service: ServiceDescriptor, unary: Mapping[str, Unary],
         path = f"/{service.full_name}/{m.name}"
         if m.name in streams:
             endpoints[path] = Endpoint.server_stream(info, _stream(streams[m.name]))
+        elif m.name in clients:
+            endpoints[path] = Endpoint.client_stream(info, _client_stream(clients[m.name]))
         elif m.name in unary:
             endpoints[path] = Endpoint.unary(info, _unary(unary[m.name]))
         else:

@@ -1,0 +1,240 @@
+"""envd on ``bunshin serve``, through the unmodified ``e2b`` SDK (sync) over loopback HTTP:
+commands, PTYs, files, watches, a sandbox's port, and the access token."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("e2b")
+
+from e2b import (  # noqa: E402
+    AuthenticationException,
+    CommandExitException,
+    FileType,
+    InvalidArgumentException,
+    NotFoundException,
+    PtySize,
+    Sandbox,
+    SandboxNotRunningException,
+    TimeoutException,
+)
+
+from bunshin.server.e2b.auth import envd_access_token  # noqa: E402
+
+from .envd_fixtures import TOKEN, Env, served  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def env(cfg) -> Env:
+    with served(cfg) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def sbx(env: Env) -> Sandbox:
+    return env.sandbox(Sandbox)
+
+
+def test_run_output_exit_code_cwd_envs(sbx: Sandbox) -> None:
+    r = sbx.commands.run("echo out; echo err >&2; pwd; echo $GREETING", cwd="/tmp", envs={"GREETING": "hi there"})
+    assert (r.exit_code, r.stdout, r.stderr) == (0, "out\n/tmp\nhi there\n", "err\n")
+    with pytest.raises(CommandExitException) as e:
+        sbx.commands.run("echo partial; exit 3")
+    assert (e.value.exit_code, e.value.stdout) == (3, "partial\n")
+
+
+def test_run_as_user_and_a_user_that_is_not_there(sbx: Sandbox) -> None:
+    assert sbx.commands.run("id -un", user="root").stdout == "root\n"
+    sbx.commands.run("id e2buser >/dev/null 2>&1 || useradd -m e2buser")
+    r = sbx.commands.run("id -un; echo $HOME; pwd", user="e2buser", cwd="/tmp")
+    assert r.stdout == "e2buser\n/home/e2buser\n/tmp\n"
+    with pytest.raises(InvalidArgumentException, match="does not exist"):
+        sbx.commands.run("true", user="nosuchuser")
+
+
+def test_timeout_kills_the_command(sbx: Sandbox) -> None:
+    with pytest.raises(TimeoutException):
+        sbx.commands.run("sleep 30; echo never", timeout=1)
+    deadline = time.monotonic() + 10
+    while any(p.cmd == "/bin/bash" and "sleep 30" in " ".join(p.args) for p in sbx.commands.list()):
+        assert time.monotonic() < deadline, "the timed-out command is still listed"
+        time.sleep(0.1)
+
+
+def test_background_callbacks_list_connect_stdin_kill(sbx: Sandbox) -> None:
+    out: list[str] = []
+    err: list[str] = []
+    h = sbx.commands.run("echo ready; echo warn >&2; while read line; do echo got:$line; done",
+                         background=True, stdin=True)
+    listed = {p.pid: p for p in sbx.commands.list()}
+    assert h.pid in listed and listed[h.pid].cmd == "/bin/bash"
+    sbx.commands.send_stdin(h.pid, "one\n")
+    h2 = sbx.commands.connect(h.pid)  # a second follower of the same process
+    sbx.commands.send_stdin(h.pid, b"two\n")
+    seen = ""
+    for stdout, _, _ in h2:
+        seen += stdout or ""
+        if "got:two" in seen:
+            break
+    h2.disconnect()
+    sbx.commands.close_stdin(h.pid)  # EOF: the loop ends, the command exits 0
+    result = h.wait(on_stdout=out.append, on_stderr=err.append)
+    assert result.exit_code == 0
+    assert "".join(out) == "ready\ngot:one\ngot:two\n" and "".join(err) == "warn\n"
+    assert h.pid not in {p.pid for p in sbx.commands.list()}
+
+    h3 = sbx.commands.run("sleep 60", background=True)
+    assert sbx.commands.kill(h3.pid) is True
+    with pytest.raises(CommandExitException):
+        h3.wait()
+    assert sbx.commands.kill(h3.pid) is False  # gone: the SDK's not-found answer
+
+
+def test_pty_create_input_resize_kill(sbx: Sandbox) -> None:
+    screen = bytearray()
+    marks = {b"A:24 80": threading.Event(), b"B:50 132": threading.Event()}
+
+    def on_data(data: bytes) -> None:
+        screen.extend(data)
+        for mark, seen in marks.items():
+            if mark in screen:
+                seen.set()
+
+    term = sbx.pty.create(PtySize(rows=24, cols=80), cwd="/tmp")
+    reader = threading.Thread(target=_drain, args=(term, on_data), daemon=True)
+    reader.start()
+    sbx.pty.send_stdin(term.pid, b"tty; echo A:$(stty size)\n")
+    assert marks[b"A:24 80"].wait(20), bytes(screen)
+    sbx.pty.resize(term.pid, PtySize(rows=50, cols=132))
+    sbx.pty.send_stdin(term.pid, b"echo B:$(stty size)\n")
+    assert marks[b"B:50 132"].wait(20), bytes(screen)
+    assert b"/dev/pts/" in screen
+    assert sbx.pty.kill(term.pid) is True
+    reader.join(20)
+    assert not reader.is_alive()
+
+
+def _drain(handle, on_data) -> None:  # noqa: ANN001
+    try:
+        handle.wait(on_pty=on_data)
+    except CommandExitException:
+        pass  # killed
+
+
+def test_files_text_bytes_many_list_info_dirs_rename_remove(sbx: Sandbox) -> None:
+    info = sbx.files.write("/work/a.txt", "héllo")
+    assert (info.path, info.name) == ("/work/a.txt", "a.txt")
+    assert sbx.files.read("/work/a.txt") == "héllo"
+    blob = bytes(range(256)) * 1000
+    sbx.files.write("/work/b.bin", blob)
+    assert bytes(sbx.files.read("/work/b.bin", format="bytes")) == blob
+    written = sbx.files.write_files([{"path": "/work/d/x.txt", "data": "x"}, {"path": "/work/d/e/y.txt", "data": b"yy"}])
+    assert sorted(w.path for w in written) == ["/work/d/e/y.txt", "/work/d/x.txt"]
+    assert {e.path for e in sbx.files.list("/work/d")} == {"/work/d/x.txt", "/work/d/e"}
+    assert {e.path for e in sbx.files.list("/work/d", depth=2)} == {"/work/d/x.txt", "/work/d/e", "/work/d/e/y.txt"}
+    st = sbx.files.get_info("/work/b.bin")
+    assert (st.type, st.size, st.permissions) == (FileType.FILE, len(blob), "-rw-r--r--")
+    assert sbx.files.exists("/work/a.txt") and not sbx.files.exists("/work/none")
+    assert sbx.files.make_dir("/work/new/deep") is True
+    assert sbx.files.make_dir("/work/new/deep") is False  # already there
+    moved = sbx.files.rename("/work/a.txt", "/work/new/a.txt")
+    assert moved.path == "/work/new/a.txt" and sbx.files.read("/work/new/a.txt") == "héllo"
+    sbx.files.remove("/work/new")
+    assert not sbx.files.exists("/work/new/a.txt")
+    with pytest.raises(NotFoundException):
+        sbx.files.read("/work/new/a.txt")
+    sbx.files.write("rel.txt", "home")  # relative: the user's home
+    assert sbx.commands.run("cat /root/rel.txt").stdout == "home"
+
+
+def test_watch_dir(sbx: Sandbox) -> None:
+    sbx.files.make_dir("/watched")
+    w = sbx.files.watch_dir("/watched", recursive=True)
+    try:
+        sbx.files.write("/watched/f.txt", "1")
+        sbx.commands.run("mkdir -p /watched/sub && echo 2 > /watched/sub/g.txt && echo more >> /watched/f.txt")
+        seen: set[tuple[str, str]] = set()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not {("f.txt", "create"), ("sub/g.txt", "create")} <= seen:
+            seen |= {(e.name, e.type.value) for e in w.get_new_events()}
+            time.sleep(0.15)
+        sbx.files.remove("/watched/f.txt")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and ("f.txt", "remove") not in seen:
+            seen |= {(e.name, e.type.value) for e in w.get_new_events()}
+            time.sleep(0.15)
+    finally:
+        w.stop()
+    assert {("f.txt", "create"), ("sub/g.txt", "create"), ("f.txt", "remove")} <= seen
+
+
+def test_a_port_inside_through_the_server(env: Env, sbx: Sandbox) -> None:
+    sbx.files.write("/srv/index.html", "served from inside")
+    server = sbx.commands.run("cd /srv && exec python3 -m http.server 8123 --bind 127.0.0.1", background=True)
+    headers = {"E2b-Sandbox-Id": env.ws.id, "E2b-Sandbox-Port": "8123", "X-Access-Token": env.access_token}
+    deadline = time.monotonic() + 15
+    while True:
+        r = httpx.get(f"{env.url}/index.html", headers=headers)
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert r.text == "served from inside"
+    assert httpx.get(f"{env.url}/index.html", headers={**headers, "X-Access-Token": "wrong"}).status_code == 401
+    closed = httpx.get(f"{env.url}/", headers={**headers, "E2b-Sandbox-Port": "8124"})
+    assert closed.status_code == 502 and "port 8124 is not open" in closed.json()["message"]
+    server.kill()
+    server.disconnect()
+
+
+def test_wrong_token_and_another_sandboxs_token(env: Env) -> None:
+    for token in ("not-the-token", envd_access_token(TOKEN, "ws-000000000000"), envd_access_token("other", env.ws.id)):
+        bad = env.sandbox(Sandbox, token=token)
+        with pytest.raises(AuthenticationException):
+            bad.commands.run("echo no")
+        with pytest.raises(AuthenticationException):
+            bad.files.read("/etc/hostname")
+
+
+def test_a_sandbox_that_is_not_there(env: Env) -> None:
+    gone = "ws-0123456789ab"
+    sbx = env.sandbox(Sandbox, sandbox_id=gone, token=envd_access_token(TOKEN, gone))
+    with pytest.raises(SandboxNotRunningException, match="was not found"):
+        sbx.commands.run("echo no")
+    with pytest.raises(SandboxNotRunningException):
+        sbx.files.write("/x", "no")
+
+
+def test_raw_connect_codecs_and_unimplemented(env: Env) -> None:
+    h = {"E2b-Sandbox-Id": env.ws.id, "X-Access-Token": env.access_token}
+    j = httpx.post(f"{env.url}/filesystem.Filesystem/Stat", json={"path": "/etc"},
+                   headers={**h, "Content-Type": "application/json"})
+    assert j.status_code == 200 and j.json()["entry"]["type"] == "FILE_TYPE_DIRECTORY"
+    from bunshin.server.e2b.envd.gen.filesystem import filesystem_pb2 as fpb
+
+    b = httpx.post(f"{env.url}/filesystem.Filesystem/Stat", content=fpb.StatRequest(path="/etc").SerializeToString(),
+                   headers={**h, "Content-Type": "application/proto"})
+    assert b.status_code == 200 and fpb.StatResponse.FromString(b.content).entry.path == "/etc"
+    tag = httpx.post(f"{env.url}/process.Process/SendSignal", json={"process": {"tag": "x"}, "signal": 9},
+                     headers={**h, "Content-Type": "application/json"})
+    assert tag.status_code == 501 and tag.json()["code"] == "unimplemented" and "tag" in tag.json()["message"]
+    nope = httpx.post(f"{env.url}/process.Process/Nope", json={}, headers={**h, "Content-Type": "application/json"})
+    assert nope.status_code == 404
+
+
+def test_a_client_that_hangs_up_leaves_no_stream_running(env: Env, sbx: Sandbox) -> None:
+    before = threading.active_count()
+    for _ in range(5):
+        w = sbx.files.watch_dir("/tmp")
+        w.stop()
+        h = sbx.commands.run("sleep 30", background=True)
+        h.disconnect()  # the command goes on; its follower on the server ends
+        assert h.pid in {p.pid for p in sbx.commands.list()}
+        sbx.commands.kill(h.pid)
+    time.sleep(0.5)
+    assert threading.active_count() <= before + 2
