@@ -12,7 +12,7 @@ from __future__ import annotations
 import base64
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..errors import InvalidArgument
 from ..runtime.agent_host.types import (
@@ -85,9 +85,25 @@ class Health(Model):
 # --- workspaces ----------------------------------------------------------------------
 
 
+class PublishPort(Model):
+    """A workspace ``port`` published on the server host's loopback at ``host_port``
+    (None: a free one). Over HTTP only loopback: a client cannot open the server host's
+    other addresses."""
+
+    port: int = Field(ge=1, le=65535)
+    host_port: int | None = Field(default=None, ge=1, le=65535)
+
+
+class PortOut(Model):
+    port: int
+    host: str
+    host_port: int
+
+
 class CreateWorkspace(Model):
     """``image``: ``host`` or an image reference the host holds or can pull (over HTTP a host
-    folder is never an image: that is a local choice)."""
+    folder is never an image: that is a local choice). ``publish``: ports published on
+    each new workspace (with ``count`` > 1, no fixed ``host_port``)."""
 
     image: ServedImage = "host"
     name: str | None = Field(default=None, max_length=64)
@@ -95,6 +111,13 @@ class CreateWorkspace(Model):
     pids: int | None = Field(default=512, ge=MIN_PIDS, le=PID_MAX_LIMIT)
     count: int = Field(default=1, ge=1, le=MAX_COUNT)
     ttl: TTL = None
+    publish: list[PublishPort] = Field(default_factory=list, max_length=16)
+
+    @model_validator(mode="after")
+    def _one_host_port_each(self) -> CreateWorkspace:
+        if self.count > 1 and any(p.host_port is not None for p in self.publish):
+            raise ValueError("publish: with count > 1 leave host_port out (each workspace gets a free one)")
+        return self
 
 
 class WorkspaceOut(Model):
@@ -108,6 +131,7 @@ class WorkspaceOut(Model):
     memory_limit: int | None
     pids_limit: int | None
     expires_at: float | None = None  # its lease: the server removes it then, unless renewed
+    ports: list[PortOut] | None = None  # published on create (``publish``)
 
 
 class ForkRequest(Model):

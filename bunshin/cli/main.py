@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .desktop_cmds import register as register_desktop
 
     register_desktop(sub)
+    from .network_cmds import register as register_network
+
+    register_network(sub)
     document_json(parser)
     return parser
 

@@ -17,6 +17,7 @@ from .. import console as output
 from ..agent.execs import DEFAULT_MAX_OUTPUT
 from ..errors import InvalidArgument, PathNotFound, WorkspaceNotFound
 from ..runtime.agent_host.types import ExecResult
+from ..runtime.container.publish import parse as parse_publish
 from ..runtime.kernel.limits import (
     DEFAULT_EXEC_TIMEOUT_S,
     MAX_OUTPUT,
@@ -27,7 +28,7 @@ from ..runtime.kernel.limits import (
 from ..workspace import Snapshot, Workspace, WorkspaceInfo
 from ..workspace.batch import remove_all
 from ..workspace.desktop import DesktopSpec
-from . import exits
+from . import exits, network_cmds
 
 #: ``bunshin exec``'s exit code when the command exited 0 but its output was cut at
 #: ``--max-output`` (128 + SIGPIPE: the reader stopped taking its output).
@@ -50,6 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--desktop", nargs="?", const=True, default=None, metavar="WxH[xD]",
                    help="start a desktop inside (Xvfb, jwm; default screen 1280x800x24): see `bunshin desktop`")
     p.add_argument("--vnc", action="store_true", help="with --desktop: x11vnc on the workspace's loopback")
+    network_cmds.add_create_args(p)
     p.add_argument("--json", action="store_true", help="print a JSON object")
     p.add_argument("cmd", nargs="*", help="-- CMD...: a long-lived command to run inside")
     p.set_defaults(func=cmd_create)
@@ -100,14 +102,22 @@ def cmd_create(args: argparse.Namespace) -> int:
         if desktop is None:
             raise InvalidArgument("--vnc needs --desktop", hint="bunshin create --desktop --vnc")
         desktop = dataclasses.replace(desktop, vnc=True)
+    for spec in args.publish:  # a bad one before anything is made
+        parse_publish(spec)
     t0 = time.perf_counter()
     what = "creating a workspace" + ("" if args.image == "host" else f" of {args.image} (pulled first if need be)")
     with output.progress(what, quiet=args.json):
         ws = Workspace.create(args.image, name=args.name, memory=args.memory, pids=args.pids, command=command,
                               mounts=args.mount, desktop=desktop)
+    try:
+        ports = network_cmds.publish_all(ws, args.publish)
+    except BaseException:
+        ws.remove()
+        raise
     if args.json:
         output.print_json({**output.to_jsonable(WorkspaceInfo.of(ws.record)),
-                           "create_ms": round((time.perf_counter() - t0) * 1000, 1)})
+                           "create_ms": round((time.perf_counter() - t0) * 1000, 1),
+                           "ports": [{"port": p.port, "host": p.host, "host_port": p.host_port} for p in ports]})
     else:
         print(ws.id)
     return 0

@@ -30,7 +30,18 @@ from .. import __version__
 from ..api import models as m
 from ..config import Config
 from ..errors import BunshinError, InvalidArgument, PayloadTooLarge, Unauthorized
-from . import groups, images, rollouts, snapshots, streaming, swerex, tools, transfer, workspaces
+from . import (
+    groups,
+    images,
+    network,
+    rollouts,
+    snapshots,
+    streaming,
+    swerex,
+    tools,
+    transfer,
+    workspaces,
+)
 from .admission import Limits
 from .context import CallerGone, ServerContext
 from .e2b import control as e2b_control
@@ -124,7 +135,7 @@ def create_app(config: Config, token: str, *, limits: Limits | None = None,
     # JSON bodies are parsed whole (held several times over): bounded per route (inside the
     # error handling); routes taking raw bodies set their own and stream them within budgets
     auth, most = [Depends(authorized)], MAX_JSON_BODY
-    for r in (workspaces, snapshots, transfer, images, groups, rollouts, tools, streaming):
+    for r in (workspaces, snapshots, transfer, images, groups, rollouts, tools, streaming, network):
         app.include_router(r.router(ctx), dependencies=auth, max_body_size=most)
     app.include_router(swerex.router(ctx), max_body_size=most)  # SWE-ReX's runtime API: its own X-API-Key check
     app.include_router(e2b_control.router(ctx), max_body_size=most)  # E2B's control plane: its own X-API-Key check

@@ -30,6 +30,7 @@ from .context import (
 )
 from .idempotency import IdemKey
 from .images import image_id
+from .network import publish_all
 from .uploads import UploadBudget
 
 
@@ -45,17 +46,20 @@ def router(ctx: ServerContext) -> APIRouter:
         def go() -> list[m.WorkspaceOut]:
             image = image_id(config, req.image)  # never a host folder; pulled here if need be
             made: list[Workspace] = []
+            ports: list[list[m.PortOut]] = []
             with admission.admit(req.count, parse_size(req.memory), req.pids):
                 try:
                     for i in range(req.count):
                         name = req.name if req.count == 1 or req.name is None else f"{req.name}-{i}"
                         made.append(Workspace.create(image, name=name, memory=req.memory, pids=req.pids,
                                                      config=config))
+                        ports.append(publish_all(made[-1], req.publish))
                 except BaseException:
                     for ws in made:  # all or none
                         ws.remove()
                     raise
-            return ctx.made(request, made, req.ttl)
+            out = ctx.made(request, made, req.ttl)
+            return [o.model_copy(update={"ports": p}) for o, p in zip(out, ports, strict=True)] if req.publish else out
         return once(key, "POST", "/v1/workspaces", req, 201, go)
 
     @r.get("/workspaces")

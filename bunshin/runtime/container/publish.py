@@ -32,7 +32,7 @@ from pathlib import Path
 import psutil
 
 from ...config import Config
-from ...errors import InvalidArgument, StateConflict
+from ...errors import InvalidArgument, NotFound, StateConflict
 from ..state.records import WorkspaceRecord
 from . import lifecycle
 from .port_socket import MAX_PORT
@@ -172,7 +172,7 @@ def unpublish(cfg: Config, ws_id: str, host_port: int) -> None:
     folder = _folder(cfg, ws_id)
     found = sorted(folder.glob(f"{host_port}-*.json")) if folder.is_dir() else []
     if not found:
-        raise InvalidArgument(f"host port {host_port} is not published for workspace {ws_id}",
+        raise NotFound(f"host port {host_port} is not published for workspace {ws_id}",
                               hint="see `bunshin port WS` for its published ports")
     for f in found:
         with contextlib.suppress(OSError, ValueError):

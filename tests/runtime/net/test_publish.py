@@ -9,7 +9,7 @@ import httpx
 import psutil
 import pytest
 
-from bunshin.errors import InvalidArgument, StateConflict
+from bunshin.errors import InvalidArgument, NotFound, StateConflict
 from bunshin.runtime.container import publish
 
 # a server inside on 127.0.0.1 only: a forward from the host must arrive as a loopback client
@@ -91,7 +91,7 @@ def test_publish_per_workspace_and_per_clone(family):
         assert s.recv(1) == b""
     ws.unpublish(r.host_port)
     assert _gone(r.pid) and ws.published() == [p]
-    with pytest.raises(InvalidArgument):
+    with pytest.raises(NotFound):
         ws.unpublish(r.host_port)
     assert _get(p) == "parent"
 

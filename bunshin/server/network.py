@@ -1,0 +1,43 @@
+"""Routes of a workspace's network: its published ports.
+
+``POST /v1/workspaces/{id}/ports`` publishes a port on the server host's loopback (the
+forwarder of ``runtime.container.publish``), ``GET`` lists them, ``DELETE
+/v1/workspaces/{id}/ports/{host_port}`` stops one."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+
+from ..api import models as m
+from ..runtime.container.publish import Published
+from ..workspace import Workspace
+from .context import ServerContext
+
+
+def port_out(p: Published) -> m.PortOut:
+    return m.PortOut(port=p.port, host=p.host, host_port=p.host_port)
+
+
+def publish_all(ws: Workspace, wanted: list[m.PublishPort]) -> list[m.PortOut]:
+    """Publish each of ``wanted`` on ``ws`` (loopback only); the first failure raises."""
+    return [port_out(ws.publish(p.port, p.host_port)) for p in wanted]
+
+
+def router(ctx: ServerContext) -> APIRouter:
+    r = APIRouter(prefix="/v1")
+    ws_of = ctx.ws_of
+
+    @r.get("/workspaces/{ws_id}/ports")
+    def ports(ws_id: str) -> list[m.PortOut]:
+        return [port_out(p) for p in ws_of(ws_id).published()]
+
+    @r.post("/workspaces/{ws_id}/ports", status_code=201)
+    def publish(ws_id: str, req: m.PublishPort) -> m.PortOut:
+        return port_out(ws_of(ws_id).publish(req.port, req.host_port))
+
+    @r.delete("/workspaces/{ws_id}/ports/{host_port}", status_code=204)
+    def unpublish(ws_id: str, host_port: int) -> Response:
+        ws_of(ws_id).unpublish(host_port)
+        return Response(status_code=204)
+
+    return r
