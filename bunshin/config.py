@@ -68,6 +68,11 @@ class Config:
     # size such as "32G") and its layer count (refused before anything is unpacked).
     image_max_bytes: int | str = DEFAULT_IMAGE_MAX_BYTES
     image_max_layers: int | str = DEFAULT_IMAGE_MAX_LAYERS
+    # Workspaces with egress (``runtime.net``): each gets a /30 of this private pool; the
+    # host's resolver forwards the names a policy allows to these servers (empty: the
+    # nameservers of the host's /etc/resolv.conf).
+    net_pool: str = "10.200.0.0/16"
+    dns_upstream: tuple[str, ...] = ()
 
     @classmethod
     def from_env(cls) -> Config:

@@ -107,6 +107,11 @@ def leftovers(config: Config) -> dict[str, list]:
         p.name for p in (layers.iterdir() if layers.is_dir() else [])
         if not p.name.startswith(("agent-", "mask-"))
     )
+    from bunshin.runtime.net import egress, slots
+
+    with Store.open(config.db_path) as store:
+        out["net_slots"] = sorted(slots.held(store))
+    out["veths"], out["nft_tables"] = egress.leftovers(config, set())  # this home's links and tables
     criu = subprocess.run(["pgrep", "-af", "criu"], capture_output=True, text=True).stdout.splitlines()
     out["criu"] = [ln for ln in criu if str(config.tmpfs) in ln or str(config.home) in ln]
     return {k: v for k, v in out.items() if v}

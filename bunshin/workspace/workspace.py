@@ -35,6 +35,8 @@ from ..runtime.container.cgroups import WorkspaceCgroup
 from ..runtime.container.publish import Published
 from ..runtime.container.stats import WorkspaceStats
 from ..runtime.kernel.limits import check_timeout, exec_timeout
+from ..runtime.net import attach as rnet
+from ..runtime.net.policy import Limits, NetworkMode, Policy
 from ..runtime.snapshot import folder_load, folder_save
 from ..runtime.state.records import Mount, SnapshotMode, WorkspaceRecord, WorkspaceState
 from ..runtime.state.store import Store
@@ -90,6 +92,10 @@ class Workspace:
         config: Config | None = None,
         mounts: Sequence[Mount | str] = (),
         desktop: DesktopSpec | bool | str | None = None,
+        network: NetworkMode | str = NetworkMode.NONE,
+        allow: Sequence[str] = (),
+        deny: Sequence[str] = (),
+        limits: Limits | None = None,
     ) -> Workspace:
         """Start a new workspace from ``image``: 'host', a root filesystem folder, or an
         OCI/Docker image in the store (``name:tag``, an id; a reference naming its registry,
@@ -101,12 +107,19 @@ class Workspace:
         or ``"HOST:PATH[:ro|rw]"``; its clones share them too (see ``Mount``).
 
         ``desktop``: start a desktop inside (``True``, ``"1280x800x24"`` or a ``DesktopSpec``;
-        see :mod:`bunshin.workspace.desktop`); the workspace is removed if it fails to start."""
+        see :mod:`bunshin.workspace.desktop`); the workspace is removed if it fails to start.
+
+        ``network``: ``"none"`` (loopback only, the default) or ``"egress"``: an address, a
+        default route and NAT out, under the policy of ``allow`` and ``deny`` (CIDRs,
+        addresses, domain names, ``*.domain``) and ``limits`` (connections, bytes/s); see
+        docs/guides/network.md."""
         cfg = config or Config.from_env()
         spec = DesktopSpec.parse(desktop)
+        policy = Policy.of(allow, deny, limits) if (allow or deny or limits) else None
         with Store.open(cfg.db_path) as store:
             rec = container.create(cfg, store, image=image, name=name, memory=memory, pids=pids,
-                                   command=list(command) if command else None, mounts=mounts)
+                                   command=list(command) if command else None, mounts=mounts,
+                                   network=network, policy=policy)
         ws = cls(cfg, rec)
         if spec is not None:
             try:
@@ -134,6 +147,29 @@ class Workspace:
         with Store.open(self._config.db_path) as store:
             container.destroy(self._config, store, self._record)
             rsnap.sweep(self._config, store)
+
+    # network ---------------------------------------------------------------------
+
+    def set_network_policy(self, allow: Sequence[str] = (), deny: Sequence[str] = (),
+                           limits: Limits | None = None) -> None:
+        """Replace this running workspace's egress policy (its clones keep theirs); open
+        connections stay. StateConflict if it was created without ``network="egress"``."""
+        policy = Policy.of(allow, deny, limits)
+        with Store.open(self._config.db_path) as store:
+            if rnet.set_policy(self._config, store, self.id, policy) is None:
+                raise StateConflict(f"workspace {self.id} has no network to set a policy on",
+                                    hint="create it with network='egress' (--network egress)")
+
+    def network_policy(self) -> Policy | None:
+        """This workspace's egress policy; None without egress."""
+        with Store.open(self._config.db_path) as store:
+            return rnet.policy_of(self._config, store, self.id)
+
+    def network_address(self) -> str | None:
+        """This workspace's IPv4 address on its link out; None without egress."""
+        with Store.open(self._config.db_path) as store:
+            slot = rnet.slot_of(self._config, store, self.id)
+        return None if slot is None else str(slot.address.ip)
 
     # fork ------------------------------------------------------------------------
 

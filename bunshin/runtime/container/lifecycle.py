@@ -30,6 +30,8 @@ from ..agent_host.bundle import AgentBundle
 from ..agent_host.client import AgentClient
 from ..kernel import mountinfo
 from ..kernel import syscalls as sc
+from ..net import attach as net
+from ..net.policy import NetworkMode, Policy
 from ..state import budget, idranges
 from ..state.records import Mount, WorkspaceRecord, WorkspaceState, check_mounts
 from ..state.store import Store
@@ -168,14 +170,22 @@ def create(
     pids: int | None = 512,
     command: list[str] | None = None,
     mounts: Sequence[Mount | str] = (),
+    network: NetworkMode | str = NetworkMode.NONE,
+    policy: Policy | None = None,
 ) -> WorkspaceRecord:
     """Create and start a workspace; returns its record in state RUNNING.
+
+    ``network``: ``none`` (loopback only) or ``egress`` (an address, a route and NAT out,
+    under ``policy``: ``runtime.net``); a policy without egress is refused.
 
     ``mounts``: host folders shared on purpose (``Mount``, or ``HOST:PATH[:ro|rw]``).
     ``image``: 'host', a root filesystem folder or a stored (or pullable) image reference;
     an image's Env, WorkingDir and User apply to every command, and ``command`` runs
     as ``docker run IMAGE [command]`` would (its Entrypoint, then ``command`` or Cmd)."""
     validate_name(name)
+    mode = NetworkMode.of(network)
+    if policy is not None and mode != NetworkMode.EGRESS:
+        raise InvalidArgument("allow/deny rules need network='egress'", hint="pass network='egress' (--network egress)")
     shared = check_shared(cfg, mounts)
     mem_bytes = parse_size(memory)
     pids = budget.check_pids_limit(pids)
@@ -209,6 +219,7 @@ def create(
         mounts=shared,
         extra={"image_id": base.image_id, "image_config": base.config.agent_defaults()} if base.config else {},
         ids=ids,
+        network=mode.value,
     )
     try:
         budget.add_within(store, rec)  # refused here (nothing made) if the host's pids budget is spent
@@ -226,6 +237,8 @@ def create(
         started = {"state": WorkspaceState.RUNNING, "pid": pid, "pid_start": psutil.Process(pid).create_time(),
                    "owner_pid": None}
         rec = store.update_workspace(ws_id, lambda r: r.replace(**started)) or rec.replace(**started)
+        if mode == NetworkMode.EGRESS:
+            net.connect(cfg, store, ws_id, pid, policy or Policy())
         client = agent(rec)
         try:
             client.wait_ready(READY_TIMEOUT_S)
@@ -427,6 +440,8 @@ def destroy(cfg: Config, store: Store, rec: WorkspaceRecord) -> None:
         teardown.umount_all(mount_point)  # no mountinfo read: it grows with every clone
     shutil.rmtree(wdir, ignore_errors=True)
     cg.destroy()
+    if rec.network != NetworkMode.NONE:
+        net.disconnect(cfg, store, rec.id)
     if rec.ids is not None:
         range_views.release(cfg, rec.ids)
     store.delete_workspace(rec.id)

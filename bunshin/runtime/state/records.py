@@ -165,6 +165,9 @@ class WorkspaceRecord:
     # host uid (and gid) of root inside, the first of the workspace's own range of
     # ``Config.id_count`` ids (``idranges``); None: ``Config.id_base`` (older records)
     ids: int | None = None
+    # "none" (loopback only) or "egress" (``runtime.net``: its address, route and policy
+    # live with its slot in the store)
+    network: str = "none"
 
     def replace(self, **changes: Any) -> WorkspaceRecord:
         if "state" in changes and changes["state"] != self.state:

@@ -30,6 +30,7 @@ from ..container import idmap, range_views, statefs
 from ..container import lifecycle as container
 from ..container.cgroups import Layout, WorkspaceCgroup
 from ..kernel import syscalls as sc
+from ..net import attach as net
 from ..oci import store as oci_store
 from ..state import idranges
 from ..state.entries import remove_entry
@@ -46,11 +47,12 @@ class GcReport:
     files: list[str] = field(default_factory=list)
     snapshots: list[str] = field(default_factory=list)
     image_layers: list[str] = field(default_factory=list)
+    network: list[str] = field(default_factory=list)  # veths and nftables tables
 
     @property
     def total(self) -> int:
         return (len(self.workspaces) + len(self.mounts) + len(self.cgroups) + len(self.processes)
-                + len(self.files) + len(self.snapshots) + len(self.image_layers))
+                + len(self.files) + len(self.snapshots) + len(self.image_layers) + len(self.network))
 
 
 LEASE_NAME = "cluster-lease.json"
@@ -141,6 +143,7 @@ def collect(cfg: Config, store: Store, *, extra_owned: set[str] | None = None, r
     held = {r.ids for r in store.list_workspaces() if r.id in live and r.ids is not None}
     report.mounts.extend(range_views.sweep(cfg, held))
     idranges.sweep(cfg, store)
+    report.network.extend(net.sweep(cfg, store))  # slots of workspaces gone, links and tables no slot holds
     views = Path(os.path.realpath(cfg.paths.idmap))
     # Mounts beneath our tmpfs folder (deepest first) that belong to no live workspace
     # (bunshin's own images tmpfs and the ranges' views aside).
