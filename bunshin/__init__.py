@@ -7,6 +7,12 @@ The public API, importable from here::
     with Workspace.create("host", memory="1G") as ws:
         ws.exec("echo hi > /tmp/x")
         clones = ws.fork(4)                  # 4 live copy-on-write clones
+        print(clones.timings.pause_ms)       # what the fork cost the parent
+        remove_all(clones)
+
+Also here: the rollout engine and the hook for your own model (``RolloutEngine``,
+``CallablePolicy``, ``TaskSpec``), the client of a ``bunshin serve`` host
+(``Client``, ``AsyncClient``) and batch removal (``remove_all``).
 
 Names are loaded on first use (``import bunshin`` stays cheap; ``bunshin.errors``
 and ``bunshin.config`` do not pull in the runtime). What is exported is pinned by
@@ -22,6 +28,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from .cache import CachePolicy, CacheStats, PrefixCache, Trajectory
+    from .client import AsyncClient, Client
     from .config import Config
     from .errors import (
         AgentError,
@@ -48,6 +55,15 @@ if TYPE_CHECKING:
         Unreachable,
         WorkspaceNotFound,
     )
+    from .rollout import (
+        CallablePolicy,
+        GroupResult,
+        PolicyContext,
+        RolloutEngine,
+        TaskSpec,
+        TrajectoryResult,
+        load_task,
+    )
     from .runtime.agent_host.types import (
         ExecResult,
         FileEntry,
@@ -62,6 +78,8 @@ if TYPE_CHECKING:
     from .tools import Observation, Tool, ToolSet, ToolSpec, command_tool, function_tool
     from .workspace import LocalHost, Session, Snapshot, Workspace, WorkspaceInfo
     from .workspace.aio import AsyncSnapshot, AsyncWorkspace, ThreadBridge
+    from .workspace.batch import remove_all
+    from .workspace.forks import ForkResult, ForkTimings
     from .workspace.protocol import (
         CommandsAPI,
         FilesAPI,
@@ -76,7 +94,13 @@ _WHERE = {
     "Workspace": "workspace", "Snapshot": "workspace", "Session": "workspace",
     "WorkspaceInfo": "workspace", "LocalHost": "workspace",
     "AsyncWorkspace": "workspace.aio", "AsyncSnapshot": "workspace.aio",
-    "ThreadBridge": "workspace.aio",
+    "ThreadBridge": "workspace.aio", "remove_all": "workspace.batch",
+    "ForkResult": "workspace.forks", "ForkTimings": "workspace.forks",
+    # rollouts: the engine and your own policy; the client of a `bunshin serve` host
+    **{name: "rollout" for name in (
+        "RolloutEngine", "CallablePolicy", "PolicyContext", "TaskSpec", "load_task", "GroupResult",
+        "TrajectoryResult")},
+    "Client": "client", "AsyncClient": "client",
     "WorkspaceAPI": "workspace.protocol", "SnapshotAPI": "workspace.protocol",
     "CommandsAPI": "workspace.protocol", "FilesAPI": "workspace.protocol",
     "SessionsAPI": "workspace.protocol", "HostAPI": "workspace.protocol",
@@ -103,6 +127,8 @@ _WHERE = {
 }
 
 __all__ = [  # every key of _WHERE (tests/test_exports.py pins both)
+    "AsyncClient", "CallablePolicy", "Client", "ForkResult", "ForkTimings", "GroupResult", "PolicyContext",
+    "RolloutEngine", "TaskSpec", "TrajectoryResult", "load_task", "remove_all",
     "AgentError", "AsyncSnapshot", "AsyncWorkspace", "BunshinError", "CachePolicy", "CacheStats",
     "CommandsAPI", "Config", "CriuError", "ExecResult", "FileEntry", "FileType", "FilesAPI",
     "HostAPI", "HostUnsupported", "IdempotencyKeyReused", "ImageNotFound", "InvalidArgument", "LocalHost", "MemoryStats", "Mount", "NotForkable",

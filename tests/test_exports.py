@@ -10,6 +10,8 @@ import pytest
 import bunshin
 
 PUBLIC = [
+    "AsyncClient", "CallablePolicy", "Client", "ForkResult", "ForkTimings", "GroupResult", "PolicyContext",
+    "RolloutEngine", "TaskSpec", "TrajectoryResult", "load_task", "remove_all",
     "AgentError", "AsyncSnapshot", "AsyncWorkspace", "BunshinError", "CachePolicy", "CacheStats",
     "CommandsAPI", "Config", "CriuError", "ExecResult", "FileEntry", "FileType", "FilesAPI",
     "HostAPI", "HostUnsupported", "IdempotencyKeyReused", "ImageNotFound", "InvalidArgument", "LocalHost", "MemoryStats", "Mount", "NotForkable",
@@ -53,3 +55,14 @@ def test_errors_and_config_import_without_the_runtime():
 
 def test_every_export_says_where_it_lives():
     assert sorted(bunshin._WHERE) == sorted(bunshin.__all__)
+
+
+def test_the_package_says_it_is_typed():
+    """PEP 561: ``py.typed`` beside ``__init__`` and in the package data a wheel ships."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(bunshin.__file__).parent
+    assert (root / "py.typed").is_file()
+    pyproject = tomllib.loads((root.parent / "pyproject.toml").read_text())
+    assert "py.typed" in pyproject["tool"]["setuptools"]["package-data"]["bunshin"]

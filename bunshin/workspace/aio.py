@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -38,6 +39,7 @@ from ..runtime.agent_host.types import (
 )
 from ..runtime.container.stats import WorkspaceStats
 from ..runtime.state.records import SnapshotMode
+from .forks import ForkResult
 from .locks import WorkspaceLocks, workspace_locks
 from .protocol import Command, SnapshotAPI, WorkspaceAPI
 
@@ -156,6 +158,37 @@ class AsyncWorkspace:
         self.files = AsyncFiles(self)
         self.sessions = AsyncSessions(self)
 
+    @classmethod
+    async def create(cls, image: str = "host", *, bridge: ThreadBridge | None = None,
+                     **options: Any) -> AsyncWorkspace:
+        """A new workspace on this machine, awaitable: ``await AsyncWorkspace.create("host", memory="1G")``.
+
+        ``options`` are :meth:`bunshin.Workspace.create`'s (``name``, ``memory``, ``pids``,
+        ``command``, ``mounts``, ``desktop``, ``config``). It is made in a bridge thread; if
+        the caller is cancelled meanwhile, the workspace is removed once it is made.
+        (Workspaces on a ``bunshin serve`` host: :meth:`bunshin.AsyncClient.create`.)
+        """
+        from .workspace import Workspace
+
+        b = bridge or default_bridge()
+        ws = await b.run_sync(functools.partial(Workspace.create, image, **options), undo=_remove_one)
+        return cls(ws, bridge=b)
+
+    @classmethod
+    async def get(cls, ref: str, *, bridge: ThreadBridge | None = None, **options: Any) -> AsyncWorkspace:
+        """The local workspace ``ref`` (an id or a name; ``options``: ``config``), awaitable."""
+        from .workspace import Workspace
+
+        b = bridge or default_bridge()
+        return cls(await b.run_sync(functools.partial(Workspace.get, ref, **options)), bridge=b)
+
+    async def __aenter__(self) -> AsyncWorkspace:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        """``async with``: removed on the way out."""
+        await self.remove()
+
     @property
     def sync(self) -> WorkspaceAPI:
         """The blocking workspace underneath (use it only from a bridge thread)."""
@@ -229,8 +262,11 @@ class AsyncWorkspace:
         return AsyncSnapshot(snap, bridge=self._bridge)
 
     async def fork(self, n: int = 1, *, mode: SnapshotMode | str = SnapshotMode.COW) -> list[AsyncWorkspace]:
+        """``n`` live clones (see :meth:`bunshin.Workspace.fork`); a local fork's list has
+        its ``timings`` (:class:`~bunshin.workspace.forks.ForkTimings`)."""
         clones = await self.call(self._ws.fork, n, mode=mode, undo=_remove_all)
-        return [AsyncWorkspace(c, bridge=self._bridge) for c in clones]
+        wrapped = [AsyncWorkspace(c, bridge=self._bridge) for c in clones]
+        return ForkResult(wrapped, clones.timings) if isinstance(clones, ForkResult) else wrapped
 
     async def remove(self, *, wait: bool = True) -> None:
         """Remove it once the running call is done; ``wait=False``: now, under that call."""

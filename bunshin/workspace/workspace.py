@@ -41,6 +41,7 @@ from ..runtime.snapshot import folder_load, folder_save
 from ..runtime.state.records import Mount, SnapshotMode, WorkspaceRecord, WorkspaceState
 from ..runtime.state.store import Store
 from .desktop import Desktop, DesktopSpec
+from .forks import ForkResult, ForkTimings
 from .protocol import SnapshotAPI, WorkspaceAPI
 
 
@@ -178,17 +179,20 @@ class Workspace:
         with Store.open(self._config.db_path) as store:
             return Snapshot(self._config, rsnap.take(self._config, store, self._record, keep=True, mode=mode))
 
-    def fork(self, n: int = 1, *, mode: SnapshotMode | str = SnapshotMode.COW) -> builtins.list[Workspace]:
+    def fork(self, n: int = 1, *, mode: SnapshotMode | str = SnapshotMode.COW) -> ForkResult[Workspace]:
         """``n`` live clones that continue from this instant; all of them or none.
 
         ``mode="cow"`` shares memory and files copy-on-write; ``"copy"`` is a plain
-        CRIU restore with private pages (for comparison). The fork's snapshot
-        (``last_fork``: pause and dump times) is freed with the last clone.
+        CRIU restore with private pages (for comparison). Returns a list of the clones
+        whose ``timings`` (:class:`~bunshin.workspace.forks.ForkTimings`) hold the
+        parent's pause, the dump and each clone's restore (also kept as ``last_fork``,
+        the fork's snapshot record, freed with the last clone).
         """
         with Store.open(self._config.db_path) as store:
             snap, recs = rsnap.fork(self._config, store, self._record, n, mode=mode)
         self.last_fork = snap
-        return [Workspace(self._config, r) for r in recs]
+        timings = ForkTimings.of(snap, (r.extra.get("restore_ms") for r in recs))
+        return ForkResult((Workspace(self._config, r) for r in recs), timings)
 
     def __enter__(self) -> Workspace:
         return self

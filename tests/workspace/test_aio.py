@@ -218,14 +218,19 @@ def test_bridge_grows_and_runs_calls_in_parallel():
 @pytest.mark.integration
 @pytest.mark.criu
 def test_real_workspace_fork_and_cancel_leave_nothing(family):
-    ws = family.create()
-    aws = AsyncWorkspace(ws)
+    """Made by ``await AsyncWorkspace.create`` (a local workspace, as ``AsyncClient.create`` makes
+    remote ones); its fork returns the timings with the clones."""
 
     async def go():
+        aws = await AsyncWorkspace.create("host", config=family.cfg, memory="1G")
+        family.workspaces.append(aws.sync)
         sid = await aws.sessions.open("bash", cwd="/tmp")
         await aws.sessions.run(sid, "export K=forked; echo 1 > n")
-        (clone,) = await aws.fork(1)
+        forks = await aws.fork(1)
+        (clone,) = forks
         family.workspaces.append(clone.sync)
+        t = forks.timings
+        assert t.pause_ms > 0 and t.dump_ms > 0 and len(t.restore_ms) == 1 and t.restore_ms[0] > 0
         got = await clone.sessions.run(sid, 'echo "$K $(cat n)"', timeout=30)
         fork = asyncio.ensure_future(aws.fork(2))
         await asyncio.sleep(0.05)
