@@ -167,6 +167,21 @@ def _fork_size(r: dict[str, Any]) -> str:
     return f"{int(dig(r, 'bunshin.clones'))} clones of a {int(dig(r, 'heap_mib'))} MiB heap"
 
 
+def _against_baseline(key: str, unit: str, scale: float) -> Callable[[dict[str, Any]], str]:
+    def show(r: dict[str, Any]) -> str:
+        ours, base = float(dig(r, f"modes.bunshin.{key}")), float(dig(r, f"modes.baseline.{key}"))
+        change = (ours - base) / base * 100 if base else 0.0
+        return f"{ours / scale:.1f} {unit} against {base / scale:.1f} {unit} ({change:+.0f} %)"
+    return show
+
+
+def _rollout_plan(r: dict[str, Any]) -> str:
+    plan = dig(r, "plan")
+    sizes = "/".join(str(g) for g in plan["group_sizes"])
+    return (f"groups of {sizes}, {plan['tasks_per_workload']} tasks of {', '.join(plan['workloads'])}; "
+            f"same rewards: {'yes' if dig(r, 'same_rewards') else 'no'}")
+
+
 #: The README's rows, in order: a row shows when its bench has a record (a missing key fails).
 HEADLINES: tuple[Headline, ...] = (
     Headline("fork", "restore of a clone, p50 (live fork; plain CRIU in brackets)",
@@ -178,6 +193,10 @@ HEADLINES: tuple[Headline, ...] = (
     Headline("fork", "pause of a fork of a running fork (depth 2)", _ms("depth.1.parent_pause_ms")),
     Headline("fork", "the same state without a fork: a new workspace, its heap built again, p50",
              _ms("cold.start_ms_p50")),
+    Headline("rollout", "rollouts, bunshin against a fresh workspace per trajectory: peak memory of the "
+             "workspaces", lambda r: _against_baseline("ws_peak_bytes", "GiB", 2**30)(r) + f"; {_rollout_plan(r)}"),
+    Headline("rollout", "... memory-time of the workspaces", _against_baseline("ws_gb_s", "GB·s", 1.0)),
+    Headline("rollout", "... makespan of the run", _against_baseline("makespan_s", "s", 1.0)),
 )
 
 
@@ -273,9 +292,13 @@ def render_page(records: Sequence[Record]) -> str:
         out += [f"## {rec.bench}", "",
                 f"- command: `{rec.command}`", f"- date: {rec.date}", f"- commit: `{rec.commit}`",
                 f"- machine: {_where(rec)}", f"- load (1/5/15 min) at the start: {_load(rec)}",
-                f"- raw: [{rec.bench}.json]({rec.bench}.json)", "",
-                "| result | value |", "|---|---|"]
-        out += [f"| `{k}` | {v} |" for k, v in flat]
+                f"- raw: [{rec.bench}.json]({rec.bench}.json)", ""]
+        mine = [(label, num) for label, num, r in rows if r is rec]
+        if mine:
+            out += ["| headline | measured |", "|---|---|"] + [f"| {lb} | {n} |" for lb, n in mine] + [""]
+        out += [f'??? note "every result of {rec.bench} ({len(flat)})"', "",
+                "    | result | value |", "    |---|---|"]
+        out += [f"    | `{k}` | {v} |" for k, v in flat]
         out.append("")
     if not records:
         out += ["No results committed yet.", ""]
