@@ -74,6 +74,11 @@ if has_extra desktop || has_extra test; then
     # desktops (bunshin create --desktop; host-image workspaces see the host's /usr)
     WANT+=(xvfb x11-apps x11-utils xdotool jwm openbox x11vnc socat)
 fi
+if has_extra e2b || has_extra test; then
+    # what e2b_desktop.Sandbox runs in the `desktop` template (the host image): XFCE (its
+    # session starts under dbus-launch), scrot (screenshots), xrandr, gtk-launch (launch)
+    WANT+=(xvfb x11-utils xdotool xfce4-session xfwm4 xfdesktop4 dbus-x11 scrot x11-xserver-utils libgtk-3-bin)
+fi
 if has_extra test; then
     WANT+=(
         libjemalloc2     # an allocator test

@@ -30,6 +30,7 @@ import anyio.to_thread
 
 from ....errors import InvalidArgument, NotFound, PathNotFound
 from ....runtime.agent_host.bundle import AgentBundle
+from ..sandboxes import sandbox_envs
 from .rpc import Call
 
 #: The PTY relay's source, run by the agent's Python inside the workspace.
@@ -128,7 +129,8 @@ def start(call: Call, spec: Spec) -> str:
         extra = {"PYTHONHOME": agent.env["PYTHONHOME"], "PYTHONDONTWRITEBYTECODE": "1"}
     meta = json.dumps({"cmd": spec.cmd, "args": list(spec.args), "envs": spec.envs, "cwd": spec.cwd,
                        "tag": spec.tag, "pty": spec.pty is not None})
-    env = {**user_env, **spec.envs, **extra, "BUNSHIN_E2B_META": meta,
+    # the sandbox's envVars (from its create), then the command's own
+    env = {**user_env, **sandbox_envs(call.ctx.config, call.ws.id), **spec.envs, **extra, "BUNSHIN_E2B_META": meta,
            "BUNSHIN_E2B_STDIN": "1" if spec.stdin or spec.pty else ""}
     call.ws.commands.spawn(["/bin/sh", "-c", WRAPPER, "bunshin-e2b", folder, *argv], cwd=spec.cwd, env=env)
     return folder
