@@ -52,7 +52,8 @@ def rig(cfg: Config) -> Iterator[Rig]:
     """``bunshin serve`` over loopback and one sandbox of the SDK's default template
     (``code-interpreter-v1``) for the module; every sandbox and template goes after."""
     with serve_in_thread(cfg, TOKEN) as url:
-        sbx = e2b_ci.Sandbox.create(api_url=url, sandbox_url=url, api_key=TOKEN)
+        sbx = e2b_ci.Sandbox.create(envs={"FROM_CREATE": "sandbox", "ONLY_NOW": "create's"},
+                                    api_url=url, sandbox_url=url, api_key=TOKEN)
         try:
             yield Rig(url, cfg, sbx)
         finally:
@@ -77,7 +78,8 @@ def test_results_logs_errors_and_state_carry_over(rig: Rig) -> None:
     assert failed.error.name == "KeyError" and failed.error.value == "'nope'"
     assert "in f" in failed.error.traceback and failed.text is None
     assert sbx.run_code("import os\nos.environ.get('ONLY_NOW')", envs={"ONLY_NOW": "yes"}).text == "'yes'"
-    assert sbx.run_code("os.environ.get('ONLY_NOW', 'gone')").text == "'gone'"
+    assert sbx.run_code("os.environ.get('ONLY_NOW')").text == '"create\'s"'  # the run's envs win for the run
+    assert sbx.run_code("os.environ['FROM_CREATE']").text == "'sandbox'"  # the sandbox's envVars
 
 
 def test_output_streams_while_the_code_runs(rig: Rig) -> None:

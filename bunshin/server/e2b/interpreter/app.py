@@ -35,6 +35,7 @@ from ....workspace.protocol import WorkspaceAPI
 from ...context import ServerContext
 from .. import hosts
 from ..auth import envd_token_ok, traffic_token_ok
+from ..sandboxes import sandbox_envs
 from . import contexts
 from .run import POLL_S, CodeRun
 
@@ -86,11 +87,12 @@ def _env(env: dict[str, str] | None) -> dict[str, str]:
     return env
 
 
-def make_interpreter_app(resolve: Resolver, *, server_token: str,
-                         locks: WorkspaceLocks | None = None) -> FastAPI:
+def make_interpreter_app(resolve: Resolver, *, server_token: str, locks: WorkspaceLocks | None = None,
+                         envs_of: Callable[[str], dict[str, str]] | None = None) -> FastAPI:
     """The interpreter's API over the workspaces ``resolve`` finds by sandbox id (raising
     :class:`~bunshin.errors.WorkspaceNotFound`), for callers holding a sandbox's token
-    derived from ``server_token``; calls take ``locks`` (the process's by default)."""
+    derived from ``server_token``; calls take ``locks`` (the process's by default); a run
+    has ``envs_of(sandbox id)`` (the sandbox's ``envVars``), then its own ``env_vars``."""
     held = locks or workspace_locks()
     app = FastAPI(title="bunshin e2b code interpreter", openapi_url=None, docs_url=None, redoc_url=None)
 
@@ -155,6 +157,8 @@ def make_interpreter_app(resolve: Resolver, *, server_token: str,
         ws = await anyio.to_thread.run_sync(sandbox, request)
         if body.context_id:
             await anyio.to_thread.run_sync(_must_exist, ws, context_id)
+        if envs_of is not None:
+            env = {**await anyio.to_thread.run_sync(envs_of, ws.id), **env}
         run = CodeRun(ws, context_id, body.code, env, held.lock_of(ws))
         return StreamingResponse(_stream(run), media_type="application/x-ndjson")
 
@@ -189,7 +193,8 @@ async def _stream(run: CodeRun) -> AsyncIterator[bytes]:
 
 def _served(ctx: ServerContext) -> FastAPI:
     """The interpreter of ``bunshin serve``: its workspaces, token and locks."""
-    return make_interpreter_app(ctx.ws_of, server_token=ctx.token, locks=ctx.locks)
+    return make_interpreter_app(ctx.ws_of, server_token=ctx.token, locks=ctx.locks,
+                                envs_of=lambda sid: sandbox_envs(ctx.config, sid))
 
 
 hosts.register_port(PORT, _served)
