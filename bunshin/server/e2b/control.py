@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
 from ...errors import BunshinError, NotFound
+from ...runtime.container.cgroups import parse_size
 from ...workspace import Snapshot, Workspace
 from ..context import ServerContext
 from ..idempotency import IdemKey
@@ -41,9 +42,10 @@ from .shapes import (
     RefreshRequest,
     ResumedSandbox,
     TimeoutRequest,
+    egress,
     refused,
 )
-from .templates import Templates
+from .templates import SANDBOX_MEMORY, SANDBOX_PIDS, Templates
 
 __all__ = ["ENVD_VERSION", "router"]
 
@@ -107,17 +109,31 @@ def router(ctx: ServerContext) -> APIRouter:
         if (why := refused(req)) is not None:
             raise E2BError(400, why)
 
+        rules = egress(req)
+
         def go() -> dict[str, Any]:
-            snap, template_id = templates.snapshot_of(req.template_id)
-            with ctx.admission.admit(1, snap.record.memory_limit, snap.record.pids_limit):
-                made = snap.restore(1)
+            made, template_id = boot(req.template_id, rules) if rules is not None else restore(req.template_id)
             timeout = req.timeout or default_timeout
             ctx.made(request, made, timeout)
             rec = SandboxRecord(made[0].id, template_id, time.time(), timeout, req.metadata or {},
-                                req.env_vars or {}, req.allow_internet_access)
+                                req.env_vars or {}, True if rules is not None else req.allow_internet_access)
             sandboxes.put(rec)
             return out.created(ctx, request, rec)
         return once(key, "POST", request.url.path, req, 201, go)
+
+    def restore(template_id: str) -> tuple[list[Workspace], str]:
+        """A sandbox of the template: its snapshot restored."""
+        snap, template_id = templates.snapshot_of(template_id)
+        with ctx.admission.admit(1, snap.record.memory_limit, snap.record.pids_limit):
+            return snap.restore(1), template_id
+
+    def boot(template_id: str, rules: tuple[list[str], list[str]]) -> tuple[list[Workspace], str]:
+        """A sandbox with internet access: its template's image booted with egress (a snapshot
+        holds no network), under the allow and deny rules."""
+        image = templates.image_of(template_id)
+        with ctx.admission.admit(1, parse_size(SANDBOX_MEMORY), SANDBOX_PIDS):
+            return [Workspace.create(image, memory=SANDBOX_MEMORY, pids=SANDBOX_PIDS, network="egress",
+                                     allow=rules[0], deny=rules[1], config=ctx.config)], template_id
 
     @r.post("/v2/sandboxes", status_code=201)
     def create_v2(req: NewSandbox, key: IdemKey, request: Request) -> Response:

@@ -14,7 +14,7 @@ from ...errors import NotFound
 from ..context import ServerContext
 from . import control_out as out
 from .sandboxes import Sandbox, Sandboxes
-from .shapes import ENVD_VERSION, MAX_PAGE, E2BError, SnapshotRequest, iso
+from .shapes import ENVD_VERSION, MAX_PAGE, E2BError, SnapshotRequest, iso, rules
 from .templates import BASE, TemplateRecord, Templates
 
 BUILDS_REFUSED = ("building templates is not supported by bunshin's E2B API: load the image on the server "
@@ -81,11 +81,14 @@ def routes(r: APIRouter, ctx: ServerContext, sandboxes: Sandboxes, templates: Te
 
     @r.put("/sandboxes/{sandbox_id}/network", status_code=204)
     def update_network(sandbox_id: str, body: dict[str, Any]) -> Response:
+        """A sandbox with internet access: its allow and deny rules replaced (omitted: none)."""
         running(sandbox_id)
-        if body.get("allowOut") or body.get("allowPublicTraffic") or body.get("rules"):
-            raise E2BError(400, "allowOut/allowPublicTraffic/rules: egress is not enabled on this server "
-                                "(a sandbox has no network)")
-        return Response(status_code=204)  # deny rules: a sandbox without network denies all already
+        for name in body:
+            if name not in ("allowOut", "denyOut") and body[name]:
+                raise E2BError(400, f"network.{name}: not supported by bunshin's E2B API (allowOut and denyOut are)")
+        allow, deny = rules(body.get("allowOut")), rules(body.get("denyOut"))
+        ctx.locked(sandbox_id, lambda ws: ws.set_network_policy(allow, deny))  # none: StateConflict, 409
+        return Response(status_code=204)
 
 
 def _snapshot_info(t: TemplateRecord) -> dict[str, Any]:

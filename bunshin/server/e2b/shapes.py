@@ -140,17 +140,37 @@ class SnapshotRequest(Request):
 
 def refused(req: NewSandbox) -> str | None:
     """What in a create bunshin cannot honour, named; None: all of it can be."""
-    if req.allow_internet_access:
-        return ("allow_internet_access=true: egress is not enabled on this server (a sandbox has no network); "
-                "create with allow_internet_access=False or leave it out")
     net = req.network or {}
-    if net.get("allowOut") or net.get("allowPublicTraffic") or net.get("egressProxy") or net.get("rules"):
-        return "network allowOut/allowPublicTraffic/egressProxy/rules: egress is not enabled on this server"
+    for name in ("allowPublicTraffic", "egressProxy", "rules", "dnsServers", "maskRequestHost", "httpsPorts"):
+        if net.get(name):
+            return f"network.{name}: not supported by bunshin's E2B API (allowOut and denyOut are)"
+    if req.allow_internet_access is False and (net.get("allowOut") or net.get("denyOut")):
+        return "network.allowOut/denyOut with allow_internet_access=false: a sandbox without internet has no rules"
     for name, value in (("autoPause", req.auto_pause), ("autoResume", req.auto_resume), ("mcp", req.mcp),
                         ("iam", req.iam), ("volumeMounts", req.volume_mounts)):
         if value:
             return f"{name}: not supported by bunshin's E2B API (leave it out)"
     return None
+
+
+def egress(req: NewSandbox) -> tuple[list[str], list[str]] | None:
+    """The allow and deny rules of a sandbox with internet access (``allow_internet_access``,
+    or ``network.allowOut``/``denyOut`` given without it); None: no network (the default:
+    a sandbox restores from its template's snapshot, which holds none)."""
+    net = req.network or {}
+    allow, deny = rules(net.get("allowOut")), rules(net.get("denyOut"))
+    if req.allow_internet_access or (req.allow_internet_access is None and (allow or deny)):
+        return allow, deny
+    return None
+
+
+def rules(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or len(value) > 256 or not all(isinstance(v, str) and 0 < len(v) <= 253
+                                                                  for v in value):
+        raise E2BError(400, "network.allowOut/denyOut: at most 256 CIDRs, addresses or domain names")
+    return list(value)
 
 
 def iso(t: float) -> str:

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from ...config import Config
-from ...errors import NotFound, SnapshotNotFound
+from ...errors import InvalidArgument, NotFound, SnapshotNotFound
 from ...runtime.state.store import Store
 from ...workspace import Snapshot, Workspace
 from ..images import image_id
@@ -113,14 +113,24 @@ class Templates:
                                        hint="take a new snapshot of a sandbox") from None
             if _SNAP_ID.fullmatch(template_id):
                 return Snapshot.get(template_id, config=self._config), template_id
-            image = BUILTIN.get(template_id, template_id)
-            try:
-                image_ref = image_id(self._config, image, field="templateID")
-            except Exception as e:  # not an image reference, or none held here: not a template
-                raise NotFound(f"template {template_id!r} not found: not a template, snapshot or image on this "
-                               "server", hint="use 'base', a snapshot id, or an image `bunshin image ls` shows"
-                               ) from e
-            return self._from_image(template_id, image_ref), template_id
+            return self._from_image(template_id, self.image_of(template_id)), template_id
+
+    def image_of(self, template_id: str) -> str:
+        """The image a template is made from: :class:`NotFound` for a snapshot's template
+        (it has no image to boot) or a name that is not an image held here."""
+        rec = self.find(template_id)
+        if rec is not None and rec.kind == "image" and rec.image:
+            return rec.image
+        if rec is not None or _SNAP_ID.fullmatch(template_id):
+            raise InvalidArgument(f"template {template_id!r} is a snapshot: it restores as it was taken, without "
+                                  "network, and has no image to boot with it",
+                                  hint="use an image template ('base' or an image reference) for internet access")
+        try:
+            return image_id(self._config, BUILTIN.get(template_id, template_id), field="templateID")
+        except Exception as e:  # not an image reference, or none held here: not a template
+            raise NotFound(f"template {template_id!r} not found: not a template, snapshot or image on this "
+                           "server", hint="use 'base', a snapshot id, or an image `bunshin image ls` shows"
+                           ) from e
 
     def _from_image(self, template_id: str, image: str) -> Snapshot:
         """Boot ``image`` once, snapshot it, remove the workspace: the template's snapshot."""

@@ -266,9 +266,35 @@ def test_not_there(server, opts, api) -> None:
     assert r.status_code == 404 and r.json()["code"] == 404
 
 
+def test_internet_access_is_egress(server, opts, api) -> None:
+    """``allow_internet_access`` boots the template's image with egress (a snapshot holds no
+    network) under allowOut/denyOut; by default a sandbox has none. No traffic leaves."""
+    cfg = server[1]
+    sb = Sandbox.create(allow_internet_access=True, network={"deny_out": ["198.51.100.0/24"]}, **opts)
+    plain = Sandbox.create(**opts)
+    try:
+        ws = _ws(cfg, sb.sandbox_id)
+        assert ws.network_address() is not None and sb.get_info().allow_internet_access is True
+        policy = ws.network_policy()
+        assert policy is not None and policy.deny_cidrs == ("198.51.100.0/24",)
+        r = api.put(f"/sandboxes/{sb.sandbox_id}/network", json={"allowOut": ["203.0.113.0/24"]})
+        assert r.status_code == 204, r.text
+        policy = ws.network_policy()
+        assert policy is not None and (policy.allow_cidrs, policy.deny_cidrs) == (("203.0.113.0/24",), ())
+
+        assert _ws(cfg, plain.sandbox_id).network_address() is None  # the default: no network
+        r = api.put(f"/sandboxes/{plain.sandbox_id}/network", json={"allowOut": ["203.0.113.0/24"]})
+        assert r.status_code == 409 and r.json()["code"] == 409
+        snap = plain.create_snapshot()
+        r = api.post("/v2/sandboxes", json={"templateID": snap.snapshot_id, "allow_internet_access": True})
+        assert r.status_code == 400 and "is a snapshot" in r.json()["message"]
+        assert Sandbox.delete_snapshot(snap.snapshot_id, **opts)
+    finally:
+        sb.kill()
+        plain.kill()
+
+
 def test_bad_input(server, opts, api) -> None:
-    with pytest.raises(SandboxException, match="egress is not enabled"):
-        Sandbox.create(allow_internet_access=True, **opts)
     with pytest.raises(SandboxException, match="not found"):
         Sandbox.create("no-such-template", **opts)
     sb = Sandbox.create(allow_internet_access=False, **opts)
@@ -280,6 +306,9 @@ def test_bad_input(server, opts, api) -> None:
                      {"templateID": "base", "timeout": 0},
                      {"templateID": ""},
                      {"templateID": "base", "autoPause": True},
+                     {"templateID": "base", "network": {"allowPublicTraffic": True}},
+                     {"templateID": "base", "allow_internet_access": False, "network": {"allowOut": ["1.1.1.1"]}},
+                     {"templateID": "base", "network": {"allowOut": "1.1.1.1"}},
                      {"metadata": {}}):
             r = api.post("/v2/sandboxes", json=body)
             assert r.status_code == 400 and r.json()["code"] == 400 and r.json()["message"], (body, r.text)
