@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .. import console as output
 from ..config import Config
+from ..errors import InvalidArgument
 
 DEFAULT_PORT = 8770
 #: ``--max-upload``'s default: all uploads in flight together.
@@ -48,6 +49,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--e2b-domain", default=None, metavar="DOMAIN",
                    help="the sandbox domain E2B's API answers: the SDK reaches a sandbox's port P at "
                         "<P>-<sandbox id>.DOMAIN (wildcard DNS to this server; default localhost:<port>)")
+    p.add_argument("--tls-cert", type=Path, default=None, metavar="PEM",
+                   help="serve HTTPS with this certificate chain (with --tls-key); for E2B's host-name mode "
+                        "it must cover *.DOMAIN of --e2b-domain")
+    p.add_argument("--tls-key", type=Path, default=None, metavar="PEM", help="the private key of --tls-cert")
     p.set_defaults(func=cmd_serve)
 
 
@@ -62,17 +67,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     limits = Limits(max_workspaces=args.max_workspaces, max_memory=_max_memory(args.max_memory),
                     reserve_memory=_reserve(args.reserve_memory), rate=args.rate, burst=args.burst,
                     max_upload=_size_or_off(args.max_upload, "--max-upload"), max_pids=_max_pids(args.max_pids))
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise InvalidArgument("--tls-cert and --tls-key go together", hint="give both, or neither for plain HTTP")
+    for f in (args.tls_cert, args.tls_key):
+        if f is not None and not f.is_file():
+            raise InvalidArgument(f"{f} is not a file", hint="give the PEM files of the certificate and its key")
+    scheme = "https" if args.tls_cert else "http"
     token_file = args.token_file or cfg.paths.server_token
     token = ensure_token(token_file)
-    if not _loopback(args.host):
+    if not _loopback(args.host) and not args.tls_cert:
         output.err.print(f"[yellow]listening on {args.host}: anyone who reaches it and holds the token "
                          "drives this host's workspaces; put TLS in front of it[/yellow]")
-    output.err.print(f"bunshin serve: http://{args.host}:{args.port}  (token: {token_file}; docs: /docs)")
+    output.err.print(f"bunshin serve: {scheme}://{args.host}:{args.port}  (token: {token_file}; docs: /docs)")
     sock = listening_socket(args.host, args.port)
     try:
         app = create_app(cfg, token, limits=limits, default_ttl=args.ttl, e2b_domain=args.e2b_domain)
-        uvicorn.Server(uvicorn.Config(app, log_level="warning",
-                                      timeout_graceful_shutdown=args.shutdown_grace)).run(sockets=[sock])
+        uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.shutdown_grace,
+                                      ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key)).run(sockets=[sock])
     finally:
         sock.close()
     return 0

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .auth import envd_token_ok
+from .auth import envd_token_ok, traffic_token_ok
 
 if TYPE_CHECKING:
     from ..context import ServerContext
@@ -37,9 +37,10 @@ ENVD_PORT = 49983
 #: Headers the SDK sends in ``sandbox_url`` mode.
 SANDBOX_ID_HEADER = b"e2b-sandbox-id"
 SANDBOX_PORT_HEADER = b"e2b-sandbox-port"
-#: Headers that may carry a sandbox's access token: envd's, and the one E2B's proxy takes
-#: for a sandbox's own ports (``traffic_access_token``).
-TOKEN_HEADERS = (b"x-access-token", b"e2b-traffic-access-token")
+#: The headers of a sandbox's tokens: envd's, and the one E2B's proxy takes for the
+#: sandbox's own ports (``trafficAccessToken``).
+ENVD_TOKEN_HEADER = b"x-access-token"
+TRAFFIC_TOKEN_HEADER = b"e2b-traffic-access-token"
 #: A workspace id (``runtime.container.lifecycle.new_id``).
 SANDBOX_ID = re.compile(r"ws-[0-9a-f]{12}")
 _HOST_LABEL = re.compile(rb"([0-9]{1,5})-(ws-[0-9a-f]{12})")
@@ -89,18 +90,25 @@ def target(scope: Scope) -> Target:
     return t
 
 
-def presented_token(scope: Scope) -> str | None:
-    """The access token a request carries (``X-Access-Token`` or ``e2b-traffic-access-token``)."""
-    headers = dict(scope.get("headers") or [])
-    for name in TOKEN_HEADERS:
-        if name in headers:
-            return headers[name].decode("latin-1")
+def _header(scope: Scope, name: bytes) -> str | None:
+    for k, v in scope.get("headers") or []:
+        if k.lower() == name:
+            return bytes(v).decode("latin-1")
     return None
 
 
 def token_ok(server_token: str, scope: Scope) -> bool:
-    """Whether the request carries its target sandbox's access token (and no other's)."""
-    return envd_token_ok(server_token, target(scope).sandbox_id, presented_token(scope))
+    """Whether the request carries its target sandbox's envd access token (``X-Access-Token``;
+    another sandbox's opens nothing here)."""
+    return envd_token_ok(server_token, target(scope).sandbox_id, _header(scope, ENVD_TOKEN_HEADER))
+
+
+def traffic_ok(server_token: str, scope: Scope) -> bool:
+    """Whether the request may reach its sandbox's ports: its traffic token
+    (``E2B-Traffic-Access-Token``) or its envd access token (``X-Access-Token``)."""
+    sid = target(scope).sandbox_id
+    return traffic_token_ok(server_token, sid, _header(scope, TRAFFIC_TOKEN_HEADER)) or \
+        envd_token_ok(server_token, sid, _header(scope, ENVD_TOKEN_HEADER))
 
 
 def target_of(scope: Scope) -> Target | None:

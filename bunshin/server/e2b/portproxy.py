@@ -4,8 +4,8 @@ A request for ``<port>-<sandbox id>.<domain>`` (or ``E2b-Sandbox-Port: <port>``)
 no app is registered for is sent on, HTTP/1.1 over a TCP connection the host makes into the
 workspace's own network namespace (``Workspace.connect_port``), one connection per request
 (``Connection: close``), framed both ways by ``h11``; bodies stream through in pieces.
-The request must carry the sandbox's access token (``X-Access-Token`` or
-``e2b-traffic-access-token``): a sandbox's ports are not open to whoever knows its id.
+The request must carry the sandbox's traffic token (``E2B-Traffic-Access-Token``) or its
+envd access token (``X-Access-Token``): a sandbox's ports are not open to whoever knows its id.
 Websockets are refused (close 1008).
 """
 
@@ -21,7 +21,7 @@ from starlette.types import Receive, Scope, Send
 
 from ...errors import BunshinError, NotFound, Unreachable
 from ..context import ServerContext
-from .hosts import refuse, register_other_ports, target, token_ok
+from .hosts import refuse, register_other_ports, target, traffic_ok
 
 #: Headers that belong to one hop (RFC 9110 7.6.1) and are not sent on either way.
 HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer", b"transfer-encoding",
@@ -40,9 +40,10 @@ class PortProxy:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         t = target(scope)
-        if not token_ok(self.ctx.token, scope):
+        if not traffic_ok(self.ctx.token, scope):
             await refuse(scope, send, 401, f"missing or wrong access token for sandbox {t.sandbox_id}: send its "
-                                           "envdAccessToken as X-Access-Token (or e2b-traffic-access-token)")
+                                           "trafficAccessToken as E2B-Traffic-Access-Token (or its "
+                                           "envdAccessToken as X-Access-Token)")
             return
         if scope["type"] == "websocket":
             await refuse(scope, send, 400, "websockets to a sandbox port are not forwarded")
@@ -111,6 +112,11 @@ async def _answer(conn: h11.Connection, send: Send, reader: asyncio.StreamReader
         elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
             if started:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
+            else:
+                body = b'{"code": 502, "message": "the server inside closed the connection without answering"}'
+                await send({"type": "http.response.start", "status": 502,
+                            "headers": [(b"content-type", b"application/json")]})
+                await send({"type": "http.response.body", "body": body})
             return
 
 

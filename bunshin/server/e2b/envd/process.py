@@ -97,16 +97,12 @@ async def _wait_pid(call: Call, folder: str, deadline: float | None) -> int:
 
 
 async def follow(call: Call, folder: str, pid: int, ctx: RequestContext, event: type,
-                 *, from_start: bool, owned: bool, pty: bool) -> AsyncIterator[Any]:
-    """The data, keepalive and end events of the command in ``folder``; ``owned``: the call
-    started it (its deadline kills it, and its files go when it is reported ended)."""
+                 *, offsets: dict[str, int], owned: bool, pty: bool) -> AsyncIterator[Any]:
+    """The data, keepalive and end events of the command in ``folder`` from ``offsets`` on;
+    ``owned``: the call started it (its deadline kills it, and its files go when it is
+    reported ended)."""
     ms = ctx.timeout_ms
     deadline = None if ms is None else time.monotonic() + ms / 1000
-    offsets = {"out": 0, "err": 0}
-    if not from_start:  # Connect: what comes from now on
-        for f in await procs.run(call, procs.entries, call, folder):
-            if f.name in offsets:
-                offsets[f.name] = f.size
     keepalive, last = _keepalive_s(ctx), time.monotonic()
     delay = POLL_MIN_S
     while True:
@@ -163,7 +159,7 @@ async def start(req: Any, call: Call, ctx: RequestContext) -> AsyncIterator[Any]
     folder = await procs.run(call, procs.start, call, spec)
     pid = await _wait_pid(call, folder, deadline)
     yield pb.StartResponse(event=pb.ProcessEvent(start=pb.ProcessEvent.StartEvent(pid=pid)))
-    async for e in follow(call, folder, pid, ctx, pb.StartResponse, from_start=True, owned=True,
+    async for e in follow(call, folder, pid, ctx, pb.StartResponse, offsets={"out": 0, "err": 0}, owned=True,
                           pty=spec.pty is not None):
         yield e
 
@@ -172,8 +168,11 @@ async def connect(req: Any, call: Call, ctx: RequestContext) -> AsyncIterator[An
     pid = _pid_of(req.process)
     folder = await procs.run(call, procs.folder_of, call, pid)
     pty = bool((await procs.run(call, procs.meta_of, call, folder)).get("pty"))
+    # what comes from now on: the sizes before the start event, which the client waits for
+    offsets = {f.name: f.size for f in await procs.run(call, procs.entries, call, folder) if f.name in ("out", "err")}
     yield pb.ConnectResponse(event=pb.ProcessEvent(start=pb.ProcessEvent.StartEvent(pid=pid)))
-    async for e in follow(call, folder, pid, ctx, pb.ConnectResponse, from_start=False, owned=False, pty=pty):
+    async for e in follow(call, folder, pid, ctx, pb.ConnectResponse, offsets={"out": 0, "err": 0, **offsets},
+                          owned=False, pty=pty):
         yield e
 
 

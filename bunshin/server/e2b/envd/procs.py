@@ -47,13 +47,13 @@ T = TypeVar("T")
 #: The wrapper: ``sh -c WRAPPER bunshin-e2b <folder> <argv...>``; BUNSHIN_E2B_META and
 #: BUNSHIN_E2B_STDIN in its environment, both removed before the command runs.
 WRAPPER = r"""
-d="$1"; shift
+d="$1"; shift; u=0
 mkdir -p "$d" "${d%/*}/by-pid" || exit 126
 printf '%s' "$BUNSHIN_E2B_META" > "$d/meta"; unset BUNSHIN_E2B_META
 : > "$d/out"; : > "$d/err"; echo "$$" > "$d/wpid"
 if [ -n "$BUNSHIN_E2B_STDIN" ]; then
   mkfifo -m 600 "$d/in" && exec 3<>"$d/in" || exit 126
-  trap 'exec 3<&-' USR1
+  trap 'exec 3<&-; u=1' USR1
   i="$d/in"
 else
   i=/dev/null
@@ -63,10 +63,9 @@ if command -v setsid >/dev/null 2>&1; then set -- setsid "$@"; fi
 "$@" <"$i" >"$d/out" 2>"$d/err" 3<&- &
 c=$!
 ln -sfn "$d" "${d%/*}/by-pid/$c"; echo "$c" > "$d/pid.tmp"; mv "$d/pid.tmp" "$d/pid"
-while :; do
-  wait "$c"; rc=$?
-  if [ "$rc" -gt 128 ] && kill -0 "$c" 2>/dev/null; then continue; fi
-  break
+wait "$c"; rc=$?
+while [ "$u" = 1 ] && [ "$rc" = 138 ]; do  # 128 + SIGUSR1: the wait was cut by CloseStdin's signal
+  u=0; wait "$c"; r=$?; [ "$r" = 127 ] && break; rc=$r
 done
 echo "$rc" > "$d/rc.tmp"; mv "$d/rc.tmp" "$d/rc"
 """
