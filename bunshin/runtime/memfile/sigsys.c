@@ -18,10 +18,19 @@
  *     memory holding the same bytes (pages of zeros are left as holes).
  *   rt_sigaction(SIGSYS): kept in STATE; traps that are not ours go to it (in a
  *     vfork child, which shares STATE with its parent, it is ignored: exec follows).
- *   rt_sigprocmask, rt_sigaction's sa_mask: SIGSYS is taken out of what gets
- *     blocked. A trap while SIGSYS is blocked would kill the process (the kernel
- *     resets a blocked SIGSYS to its default action), so SIGSYS is never blocked.
- *     An action's mask given with SIGSYS is kept in STATE and read back as given.
+ *   rt_sigaction's sa_mask: SIGSYS is taken out of what gets blocked; a mask given
+ *     with SIGSYS is kept in STATE and read back as given.
+ *   rt_sigprocmask: a trap while SIGSYS is blocked would kill the process (the
+ *     kernel resets a blocked forced SIGSYS to its default action), so the kernel
+ *     never blocks it; a thread that asks to block it gets a slot in STATE (by tid)
+ *     and reads its mask back with SIGSYS. A SIGSYS sent to a thread that blocks it
+ *     this way is held in STATE (the thread's, or the process's for a kill) until
+ *     the thread unblocks it (then raised again: the program's action gets a
+ *     tgkill's siginfo); rt_sigpending shows it.
+ *   execve, execveat: the thread's SIGSYS block (and a held SIGSYS, as pending)
+ *     made real first, so the new program starts with the mask the program set.
+ *   clone without CLONE_VM and without a new stack (fork): issued here, so the
+ *     child's STATE keeps only the forking thread's slot, under the child's tid.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -34,11 +43,15 @@
 #define NR_RT_SIGACTION 13
 #define NR_RT_SIGPROCMASK 14
 #define NR_MREMAP 25
+#define NR_CLONE 56
+#define NR_EXECVE 59
+#define NR_RT_SIGPENDING 127
 #define NR_MADVISE 28
 #define NR_GETPID 39
 #define NR_GETTID 186
 #define NR_TGKILL 234
 #define NR_OPENAT 257
+#define NR_EXECVEAT 322
 #define NR_KCMP 312
 #define NR_IOCTL 16
 #define PROCMAP_QUERY 0xC0686611UL
@@ -48,7 +61,12 @@
 #define ENAMETOOLONG 36
 #define ENOMEM 12
 #define KCMP_VM 1
+#define SIG_BLOCK 0
 #define SIG_UNBLOCK 1
+#define SIG_SETMASK 2
+#define HOW_NONE 99 /* refused (EINVAL) after set is read */
+#define SI_TKILL (-6)
+#define ESRCH 3
 #define SIGSYS_BIT (1UL << (SIGSYS - 1))
 
 #define MADV_DONTNEED 4
@@ -103,12 +121,23 @@ struct table {
     struct fent files[];
 };
 
+#define NTHREAD 384 /* threads that block SIGSYS at once (STATE is one page) */
+#define T_BLOCKS 1u /* the thread's mask holds SIGSYS (the kernel's does not) */
+#define T_HELD 2u   /* a SIGSYS sent to the thread while it blocked it */
+
+struct tslot {
+    int32_t tid; /* 0: free */
+    uint32_t flags;
+};
+
 struct state {
     uint64_t magic;
     struct ksigaction prog; /* the program's SIGSYS action */
     int64_t owner;          /* the process whose memory this is (a vfork child shares it) */
     uint64_t held;          /* signals (bit sig - 1) whose action's mask held SIGSYS ... */
     uint64_t masks[64];     /* ... and those masks as the program gave them */
+    uint64_t shared_held;   /* a SIGSYS sent to the process while the thread given it blocked it */
+    struct tslot threads[NTHREAD];
 };
 
 extern char __blob_start[] __attribute__((visibility("hidden")));
@@ -454,9 +483,75 @@ static long do_sigaction(const long *g) {
     return 0;
 }
 
+/* ------------------------------------------------------------ each thread's SIGSYS block */
+
+_Static_assert(sizeof(struct state) <= 4096, "STATE is one page");
+
+static struct tslot *slot_of(int32_t tid) {
+    struct state *st = STATE;
+    for (int i = 0; i < NTHREAD; i++)
+        if (__atomic_load_n(&st->threads[i].tid, __ATOMIC_ACQUIRE) == tid)
+            return &st->threads[i];
+    return 0;
+}
+
+static uint32_t flags_of(int32_t tid) {
+    struct tslot *t = slot_of(tid);
+    return t ? t->flags : 0;
+}
+
+/* free the slots of tids that are no thread of this process (exited, or a vfork child's) */
+static void purge(void) {
+    struct state *st = STATE;
+    long pid = sys(NR_GETPID, 0, 0, 0);
+    for (int i = 0; i < NTHREAD; i++) {
+        int32_t tid = __atomic_load_n(&st->threads[i].tid, __ATOMIC_ACQUIRE);
+        if (tid && sys(NR_TGKILL, pid, tid, 0) == -ESRCH)
+            __atomic_compare_exchange_n(&st->threads[i].tid, &tid, 0, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED);
+    }
+}
+
+/* the calling thread's flags (only it writes its slot; a slot is taken by compare-and-swap) */
+static int set_flags(int32_t tid, uint32_t flags) {
+    struct state *st = STATE;
+    struct tslot *t = slot_of(tid);
+    if (t || !flags) {
+        if (t) {
+            t->flags = flags;
+            if (!flags)
+                __atomic_store_n(&t->tid, 0, __ATOMIC_RELEASE);
+        }
+        return 1;
+    }
+    for (int pass = 0; pass < 2; pass++, purge())
+        for (int i = 0; i < NTHREAD; i++) {
+            int32_t free = 0;
+            if (__atomic_compare_exchange_n(&st->threads[i].tid, &free, tid, 0, __ATOMIC_ACQ_REL,
+                                            __ATOMIC_RELAXED)) {
+                st->threads[i].flags = flags;
+                return 1;
+            }
+        }
+    return 0; /* NTHREAD threads block SIGSYS: this one reads its mask back without it */
+}
+
+static int32_t my_tid(void) {
+    return (int32_t)sys(NR_GETTID, 0, 0, 0);
+}
+
+/* a held SIGSYS (the thread's or the process's), taken: it is to be raised again */
+static int take_held(int32_t tid, uint32_t *flags) {
+    int any = (*flags & T_HELD) != 0;
+    *flags &= ~T_HELD;
+    return __atomic_exchange_n(&STATE->shared_held, 0, __ATOMIC_ACQ_REL) != 0 || any;
+}
+
 /*
  * The mask the program asks for goes into the interrupted context: sigreturn sets
- * it (a mask set by a real call here would be undone by sigreturn).
+ * it (a mask set by a real call here would be undone by sigreturn). The kernel
+ * reads set, checks how, changes the mask, then writes old: so does this. The real
+ * calls only check the pointers and change nothing: set is read before how is
+ * refused, old gets the current mask (overwritten with the program's).
  */
 static long do_sigprocmask(const long *g, void *uc) {
     const uint64_t *set = (const uint64_t *)g[R_RSI];
@@ -464,19 +559,79 @@ static long do_sigprocmask(const long *g, void *uc) {
     uint64_t *mask = (uint64_t *)((char *)uc + UC_SIGMASK);
     if (g[R_R10] != 8)
         return -EINVAL;
-    uint64_t cur = *mask, want;
-    if (g[R_RDI] == 0) /* SIG_BLOCK */
-        want = cur | *set;
-    else if (g[R_RDI] == SIG_UNBLOCK)
-        want = cur & ~*set;
-    else if (g[R_RDI] == 2) /* SIG_SETMASK */
-        want = *set;
-    else
-        return -EINVAL;
-    if (old)
+    int32_t tid = my_tid();
+    uint32_t flags = flags_of(tid);
+    uint64_t cur = *mask | (flags & T_BLOCKS ? SIGSYS_BIT : 0), want = cur;
+    if (set) {
+        long r = sys6(NR_RT_SIGPROCMASK, HOW_NONE, (long)set, 0, 8, 0, 0);
+        if (r == -EFAULT)
+            return r;
+        if (g[R_RDI] == SIG_BLOCK)
+            want = cur | *set;
+        else if (g[R_RDI] == SIG_UNBLOCK)
+            want = cur & ~*set;
+        else if (g[R_RDI] == SIG_SETMASK)
+            want = *set;
+        else
+            return -EINVAL;
+        want &= ~((1UL << 8) | (1UL << 18)); /* nor SIGKILL, SIGSTOP */
+        flags = want & SIGSYS_BIT ? flags | T_BLOCKS : flags & ~T_BLOCKS;
+        int again = !(flags & T_BLOCKS) && take_held(tid, &flags);
+        set_flags(tid, flags);
+        *mask = want & ~SIGSYS_BIT;
+        if (again) /* delivered at once (SIGSYS is not blocked in here): as an unblock does */
+            sys(NR_TGKILL, sys(NR_GETPID, 0, 0, 0), tid, SIGSYS);
+    }
+    if (old) {
+        long r = sys6(NR_RT_SIGPROCMASK, SIG_BLOCK, 0, (long)old, 8, 0, 0);
+        if (r < 0)
+            return r;
         *old = cur;
-    *mask = want & ~(SIGSYS_BIT | (1UL << 8) | (1UL << 18)); /* nor SIGKILL, SIGSTOP */
+    }
     return 0;
+}
+
+/* what the kernel has pending, and a SIGSYS held back */
+static long do_sigpending(const long *g) {
+    long r = sys(NR_RT_SIGPENDING, g[R_RDI], g[R_RSI], 0);
+    if (r == 0 && g[R_RSI] == 8 && ((flags_of(my_tid()) & T_HELD) || __atomic_load_n(&STATE->shared_held, __ATOMIC_ACQUIRE)))
+        *(uint64_t *)g[R_RDI] |= SIGSYS_BIT;
+    return r;
+}
+
+/* the thread's SIGSYS block made real for the new program (undone if exec fails) */
+static long do_exec(int nr, const long *g) {
+    int32_t tid = my_tid();
+    uint32_t flags = flags_of(tid);
+    uint64_t bit = SIGSYS_BIT;
+    int blocks = (flags & T_BLOCKS) != 0;
+    if (blocks) { /* the slot goes (a vfork child's would outlive it), SIGSYS blocked for real */
+        set_flags(tid, 0);
+        sys6(NR_RT_SIGPROCMASK, SIG_BLOCK, (long)&bit, 0, 8, 0, 0);
+        if (take_held(tid, &flags)) /* pending signals outlive exec: so does this one */
+            sys(NR_TGKILL, sys(NR_GETPID, 0, 0, 0), tid, SIGSYS);
+    }
+    long r = sys6(nr, g[R_RDI], g[R_RSI], g[R_RDX], g[R_R10], g[R_R8], g[R_R9]);
+    if (blocks) { /* still here: exec failed; the SIGSYS now pending arrives and is held again */
+        set_flags(tid, flags);
+        sys6(NR_RT_SIGPROCMASK, SIG_UNBLOCK, (long)&bit, 0, 8, 0, 0);
+    }
+    return r;
+}
+
+/* fork: the child's STATE is a copy; it keeps the forking thread's block under its tid */
+static long do_fork(const long *g) {
+    struct state *st = STATE;
+    uint32_t flags = flags_of(my_tid()) & T_BLOCKS; /* a fork's child has nothing pending */
+    long r = sys6(NR_CLONE, g[R_RDI], g[R_RSI], g[R_RDX], g[R_R10], g[R_R8], 0);
+    if (r == 0) {
+        st->owner = sys(NR_GETPID, 0, 0, 0);
+        st->shared_held = 0;
+        for (int i = 0; i < NTHREAD; i++)
+            st->threads[i].tid = 0;
+        set_flags(my_tid(), flags);
+    }
+    return r;
 }
 
 /* a SIGSYS that is not our trap: what the program's own action would do */
@@ -503,11 +658,33 @@ static void chain(int sig, void *info, void *uc, int seccomp) {
     sys6(NR_RT_SIGPROCMASK, 2 /* SIG_SETMASK */, (long)&saved, 0, 8, 0, 0);
 }
 
+/*
+ * A SIGSYS that is not our trap, sent while the thread blocks SIGSYS: held (a
+ * seccomp trap of the program's own filter is never held: it kills, as the kernel
+ * does when SIGSYS is blocked). 1 if it was held.
+ */
+static int hold(const int *si, int seccomp) {
+    int32_t tid = my_tid();
+    uint32_t flags = flags_of(tid);
+    if (!(flags & T_BLOCKS))
+        return 0;
+    if (seccomp) { /* the kernel resets a blocked forced SIGSYS to its default action */
+        STATE->prog.handler = SIG_DFL;
+        return 0;
+    }
+    if (si[2] == SI_TKILL)
+        set_flags(tid, flags | T_HELD);
+    else
+        __atomic_store_n(&STATE->shared_held, 1, __ATOMIC_RELEASE);
+    return 1;
+}
+
 void bunshin_sigsys(int sig, void *info, void *uc) {
     const int *si = (const int *)info; /* si_signo, si_errno, si_code */
     int seccomp = si[2] == SYS_SECCOMP;
     if (!seccomp || si[1] != TRAP_DATA || TABLE->magic != MAGIC) {
-        chain(sig, info, uc, seccomp);
+        if (!hold(si, seccomp))
+            chain(sig, info, uc, seccomp);
         return;
     }
     long *g = (long *)((char *)uc + UC_GREGS);
@@ -521,6 +698,12 @@ void bunshin_sigsys(int sig, void *info, void *uc) {
         ret = do_sigaction(g);
     else if (nr == NR_RT_SIGPROCMASK)
         ret = do_sigprocmask(g, uc);
+    else if (nr == NR_RT_SIGPENDING)
+        ret = do_sigpending(g);
+    else if (nr == NR_EXECVE || nr == NR_EXECVEAT)
+        ret = do_exec(nr, g);
+    else if (nr == NR_CLONE)
+        ret = do_fork(g);
     else /* not one we trap: issue it as it was */
         ret = sys6(nr, g[R_RDI], g[R_RSI], g[R_RDX], g[R_R10], g[R_R8], g[R_R9]);
     g[R_RAX] = ret;

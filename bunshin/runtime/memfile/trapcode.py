@@ -43,7 +43,8 @@ MAX_FILES = (TABLE_SIZE - _HEADER.size) // _FENT.size
 _STATE = struct.Struct("<QQQQQqQ64Q")  # magic, the program's SIGSYS action, owner, held, masks
 
 NR_MADVISE, NR_MREMAP, NR_RT_SIGACTION, NR_RT_SIGPROCMASK = 28, 25, 13, 14
-SIG_UNBLOCK = 1
+NR_RT_SIGPENDING, NR_CLONE, NR_EXECVE, NR_EXECVEAT = 127, 56, 59, 322
+CLONE_VM = 0x100
 SIGSYS = 31
 SIGSYS_BIT = 1 << (SIGSYS - 1)
 MADV_DONTNEED, MADV_FREE, MADV_WIPEONFORK, MADV_DONTNEED_LOCKED = 4, 8, 18, 24
@@ -199,7 +200,7 @@ def state_bytes(prog: dict[str, int], pid: int, masks: dict[int, int] | None = N
 # ------------------------------------------------------------------ the seccomp filter
 
 _LD_IMM, _LD_ABS, _LD_MEM, _ST, _TAX = 0x00, 0x20, 0x60, 0x02, 0x07
-_ADD_X, _ADD_K, _JA, _JEQ, _JGT, _JGE, _JGE_X, _RET = 0x0C, 0x04, 0x05, 0x15, 0x25, 0x35, 0x3D, 0x06
+_ADD_X, _ADD_K, _JA, _JEQ, _JGT, _JGE, _JSET, _JGE_X, _RET = 0x0C, 0x04, 0x05, 0x15, 0x25, 0x35, 0x45, 0x3D, 0x06
 RET_ALLOW, RET_TRAP = 0x7FFF0000, 0x00030000
 AUDIT_ARCH_X86_64 = 0xC000003E
 _NR, _ARCH, _IP = 0, 4, 8
@@ -339,7 +340,12 @@ def filter_program(
     p.label("nr3")
     p.jump(_JEQ, NR_RT_SIGACTION, "sigaction", "nr4")
     p.label("nr4")
-    p.jump(_JEQ, NR_RT_SIGPROCMASK, "sigprocmask", "allow")
+    # every rt_sigprocmask and rt_sigpending (each thread's SIGSYS block lives in the handler's
+    # state), execve (that block made real first), fork (the child's state keeps the forker's)
+    for i, nr in enumerate((NR_RT_SIGPROCMASK, NR_RT_SIGPENDING, NR_EXECVE, NR_EXECVEAT)):
+        p.jump(_JEQ, nr, "signal_ok", f"nr{5 + i}")
+        p.label(f"nr{5 + i}")
+    p.jump(_JEQ, NR_CLONE, "clone", "allow")
     p.label("madvise")
     p.op(_LD_ABS, _arg(2))
     for adv in TRAPPED_ADVICE:
@@ -347,11 +353,18 @@ def filter_program(
         p.jump(_JEQ, adv, "madvise_ok", nxt)
         p.label(nxt)
     p.op(_JA, "allow")
-    # rt_sigaction: SIGSYS's (kept by the handler), or any that sets or reads an action (its
-    # sa_mask loses SIGSYS, read back as given); rt_sigprocmask that may block (SIGSYS taken out)
-    p.label("sigprocmask")
+    # clone: a fork (no CLONE_VM, no new stack) only
+    p.label("clone")
     p.op(_LD_ABS, _arg(0))
-    p.jump(_JEQ, SIG_UNBLOCK, "allow", "act")
+    p.jump(_JSET, CLONE_VM, "allow", "clone_sp")
+    p.label("clone_sp")
+    p.op(_LD_ABS, _arg(1))
+    p.jump(_JEQ, 0, "clone_sp_hi", "allow")
+    p.label("clone_sp_hi")
+    p.op(_LD_ABS, _arg(1, True))
+    p.jump(_JEQ, 0, "signal_ok", "allow")
+    # rt_sigaction: SIGSYS's (kept by the handler), or any that sets or reads an action (its
+    # sa_mask loses SIGSYS, read back as given)
     p.label("sigaction")
     p.op(_LD_ABS, _arg(0))
     p.jump(_JEQ, SIGSYS, "sig_hi", "sa_act")
@@ -366,12 +379,6 @@ def filter_program(
         p.label(f"{name}_hi")
         p.op(_LD_ABS, _arg(arg, True))
         p.jump(_JEQ, 0, nxt, "signal_ok")
-    p.label("act")
-    p.op(_LD_ABS, _arg(1))
-    p.jump(_JEQ, 0, "act_hi", "signal_ok")
-    p.label("act_hi")
-    p.op(_LD_ABS, _arg(1, True))
-    p.jump(_JEQ, 0, "allow", "signal_ok")
     for kind, name in enumerate(("madvise_ok", "mremap", "signal_ok")):
         p.label(name)
         p.op(_LD_IMM, kind)

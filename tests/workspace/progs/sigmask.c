@@ -17,6 +17,15 @@
  *   setaction SIGURG's action set with the mask SIGSYS and SIGUSR1, then read back
  *   dontneed  the worker: MADV_DONTNEED on the pattern, "zero" if it reads zeros,
  *             then mremap shrink and regrow reads zeros too ("zero"), pattern refilled
+ *   held      the main thread blocks SIGSYS (its action counts), raises it: whether
+ *             it ran, whether sigpending shows it; unblocked: how often it ran
+ *   forkmask  the main thread blocks every signal and forks: the child's mask
+ *             (sigprocmask) and its SigBlk after exec (grep); the mask restored
+ *   errors    errno of rt_sigprocmask given a bad how, a bad set, a bad old set (the
+ *             mask must not change), and of rt_sigpending given a bad set
+ *   timer     a SIGEV_THREAD timer started now whose function (in glibc's thread)
+ *             drops a page written at the start (MADV_DONTNEED) and reads it:
+ *             "timer ok N bad M" after 20 runs
  *
  * With LATE set in its environment it blocks nothing and starts no timer before
  * the requests; its worker blocks every signal only at its first "dontneed".
@@ -29,7 +38,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <errno.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -78,9 +90,30 @@ static unsigned long long action_mask(int sig) {
     return bits(&got.sa_mask);
 }
 
+static char *page;          /* written at the start: a timer's function drops it */
+static atomic_long page_ok, page_bad;
+static volatile sig_atomic_t sys_ran;
+
 static void tick(union sigval v) {
     (void)v;
     ticks++;
+}
+
+static void drop_page(union sigval v) {
+    static pthread_mutex_t one = PTHREAD_MUTEX_INITIALIZER; /* runs may overlap (a thread each) */
+    (void)v;
+    pthread_mutex_lock(&one);
+    if (madvise(page, 4096, MADV_DONTNEED) == 0 && zeros(page, 4096))
+        page_ok++;
+    else
+        page_bad++;
+    memset(page, 7, 4096);
+    pthread_mutex_unlock(&one);
+}
+
+static void on_sys(int sig) {
+    (void)sig;
+    sys_ran++;
 }
 
 static void dontneed(char *out) {
@@ -152,6 +185,82 @@ static void status_lines(FILE *out) {
     }
 }
 
+static void held(FILE *f) {
+    struct sigaction sa = {.sa_handler = on_sys};
+    sigset_t s, old, pend;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGSYS, &sa, NULL);
+    sigemptyset(&s);
+    sigaddset(&s, SIGSYS);
+    sys_ran = 0;
+    sigprocmask(SIG_BLOCK, &s, &old);
+    raise(SIGSYS);
+    int ran = sys_ran;
+    sigpending(&pend);
+    sigprocmask(SIG_SETMASK, &old, NULL);
+    fprintf(f, "held ran %d pending %d after %d", ran, sigismember(&pend, SIGSYS), (int)sys_ran);
+}
+
+static void forkmask(FILE *f) {
+    sigset_t all, old;
+    int fds[2];
+    char buf[256] = "";
+    sigfillset(&all);
+    sigprocmask(SIG_SETMASK, &all, &old);
+    if (pipe(fds))
+        return;
+    pid_t c = fork();
+    if (c == 0) {
+        sigset_t cur;
+        sigprocmask(SIG_BLOCK, NULL, &cur);
+        dprintf(fds[1], "child %llx ", bits(&cur));
+        dup2(fds[1], 1);
+        execl("/bin/grep", "grep", "SigBlk", "/proc/self/status", (char *)NULL);
+        _exit(127);
+    }
+    close(fds[1]);
+    size_t n = 0;
+    ssize_t r;
+    while (n < sizeof buf - 1 && (r = read(fds[0], buf + n, sizeof buf - 1 - n)) > 0)
+        n += (size_t)r;
+    buf[n] = 0;
+    close(fds[0]);
+    int status = -1;
+    waitpid(c, &status, 0);
+    sigprocmask(SIG_SETMASK, &old, NULL);
+    fprintf(f, "%.*s status %d", (int)strcspn(buf, "\n"), buf, status);
+}
+
+static void errors(FILE *f) {
+    sigset_t s, before, after;
+    sigemptyset(&s);
+    sigaddset(&s, SIGSYS);
+    sigprocmask(SIG_BLOCK, NULL, &before);
+    long a = syscall(SYS_rt_sigprocmask, 99, &s, NULL, 8) ? errno : 0;
+    long b = syscall(SYS_rt_sigprocmask, SIG_BLOCK, (void *)8, NULL, 8) ? errno : 0;
+    long c = syscall(SYS_rt_sigprocmask, SIG_BLOCK, &s, (void *)8, 8) ? errno : 0; /* blocks, then EFAULT */
+    sigprocmask(SIG_BLOCK, NULL, &after);
+    sigprocmask(SIG_SETMASK, &before, NULL);
+    long d = syscall(SYS_rt_sigpending, (void *)8, 8) ? errno : 0;
+    fprintf(f, "errors %ld %ld %ld %ld blocked %llx", a, b, c, d, bits(&after) & ~bits(&before));
+}
+
+static void timer(FILE *f) {
+    struct sigevent ev = {.sigev_notify = SIGEV_THREAD, .sigev_notify_function = drop_page};
+    struct itimerspec every = {{0, 2000000}, {0, 2000000}}, stop = {{0, 0}, {0, 0}};
+    timer_t t;
+    page_ok = page_bad = 0;
+    if (timer_create(CLOCK_MONOTONIC, &ev, &t) || timer_settime(t, 0, &every, NULL)) {
+        fprintf(f, "timer failed");
+        return;
+    }
+    while (page_ok + page_bad < 20)
+        usleep(1000);
+    timer_settime(t, 0, &stop, NULL);
+    timer_delete(t);
+    fprintf(f, "timer ok %d bad %d", page_ok >= 20, (int)page_bad);
+}
+
 static void answer(const char *req) {
     char tmp[512], fin[512];
     FILE *f;
@@ -168,6 +277,14 @@ static void answer(const char *req) {
             pthread_cond_wait(&cond, &lock);
         fprintf(f, "%s worker %llx", result, bits(&worker_mask));
         pthread_mutex_unlock(&lock);
+    } else if (!strcmp(req, "held")) {
+        held(f);
+    } else if (!strcmp(req, "forkmask")) {
+        forkmask(f);
+    } else if (!strcmp(req, "errors")) {
+        errors(f);
+    } else if (!strcmp(req, "timer")) {
+        timer(f);
     } else if (!strcmp(req, "setaction")) {
         fprintf(f, "urg %llx", set_action(SIGURG, SIGSYS, SIGUSR1));
     } else if (!strcmp(req, "masks")) {
@@ -190,6 +307,8 @@ int main(int argc, char **argv) {
     dir = argv[1];
     mem = mmap(NULL, SIZE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     fill();
+    page = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    memset(page, 7, 4096);
     int late = getenv("LATE") != NULL;
     set_action(SIGUSR2, SIGSYS, SIGHUP);
     sigset_t mask;
