@@ -3,7 +3,8 @@
 ``restore_check``: a restored process that dies by a signal right after its restore
 fails the whole batch (no clone is left), named by its pid, command line and signal;
 one that exits normally does not (it may have finished), nor a zombie of the dump; one
-stopped that ran when dumped fails it too, one stopped in the parent does not.
+stopped that ran when dumped fails it too, one stopped in the parent does not; so does
+one hung in uninterruptible sleep, not running, for ``HUNG_S``.
 ``progs/arrival.c`` dies (or stops) only once it finds itself in another pid namespace,
 i.e. in a clone.
 """
@@ -63,6 +64,7 @@ def test_a_process_that_exits_normally_on_arrival_is_no_failure(family, arrival)
     assert c.exec(["kill", "-0", str(pid)]).exit_code != 0  # it did exit there
     assert ws.exec(["kill", "-0", str(pid)]).exit_code == 0
     assert c.record.extra["restore_check_ms"] >= 0
+    assert c.record.extra["restore_check_tasks"] >= 2  # the agent and its threads, the shell...
 
 
 def test_a_process_that_stops_on_arrival_fails_the_fork_one_stopped_before_does_not(family, arrival):
@@ -76,6 +78,19 @@ def test_a_process_that_stops_on_arrival_fails_the_fork_one_stopped_before_does_
     assert ws.exec(["kill", "-STOP", str(pid)]).exit_code == 0  # stopped before the fork: stays so
     (c,) = family.fork(ws, 1)
     assert c.exec(["sh", "-c", f"grep '^State:' /proc/{pid}/status"]).stdout.split()[1] == "T"
+
+
+def test_a_process_hung_on_arrival_fails_the_fork_naming_it(family, arrival):
+    ws = family.create()
+    pid = start(ws, arrival, "hang")
+    with pytest.raises(RuntimeFailure) as err:
+        family.fork(ws, 1)
+    assert f"process {pid} (/root/arrival hang /tmp/arr) of clone" in err.value.message
+    assert f"is hung right after its restore: thread {pid} in uninterruptible sleep" in err.value.message
+    assert "did not run for 1 s" in err.value.message
+    assert err.value.details["dead"][0]["hung"].startswith(f"thread {pid} ")
+    assert ws.exec(["kill", "-0", str(pid)]).exit_code == 0  # the parent's runs on, not hung
+    assert ws.exec(["grep", "^State:", f"/proc/{pid}/status"]).stdout.split()[1] != "D"
 
 
 def test_a_zombie_killed_by_a_signal_before_the_fork_is_no_failure(family):

@@ -12,9 +12,15 @@ restores them the same): a dumped process that is gone, or a zombie, and died by
 signal (its own wait status, or an exit by a signal among the clone's descendants,
 known from the fork events) fails the batch, named by pid, command line (read from
 its dump: the argument area of its stack) and signal; so does one stopped that ran
-when dumped. A dumped process that exited normally is not a failure: it may simply
-have finished; nor is a zombie of the dump (restored as one). A process that dies
-after the check, or one that hangs running, is not seen.
+when dumped, or has a thread stopped or traced (``T``, ``t``), or hung: a thread in
+uninterruptible sleep (``D``) that does not run at all (its ``schedstat`` run time
+stays) for ``HUNG_S`` after the check first sees it (a thread that sleeps in ``D``
+and runs between, faulting pages in, is not). A dumped process that exited normally
+is not a failure: it may simply have finished; nor is a zombie of the dump
+(restored as one). A process that dies after the check, or one that hangs in an
+interruptible sleep or running, is not seen. The check reads each restored
+thread's ``stat`` once (its cost per task is in ``check``'s result); only a thread
+seen in ``D`` is read again, every 10 ms, until it runs or ``HUNG_S`` passes.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ from typing import Any
 
 from bunshin.errors import RuntimeFailure
 
-from ..memfile.criu_images import PAGE, PE_PRESENT, load
+from ..memfile.criu_images import dumped_command as command
+from ..memfile.criu_images import load
 
 NETLINK_CONNECTOR, CN_IDX_PROC, CN_VAL_PROC = 11, 1, 1
 PROC_CN_MCAST_LISTEN, PROC_CN_MCAST_IGNORE = 1, 2
@@ -48,6 +55,8 @@ _EXIT = struct.Struct("=iiIIii")  # pid, tgid, exit code (wait status), exit sig
 _RCVBUF = 8 << 20
 NLMSG_DONE = 3
 TASK_ALIVE, TASK_DEAD, TASK_STOPPED, TASK_ZOMBIE = 1, 2, 3, 6  # CRIU's core tc.task_state (compel)
+HUNG_S = 1.0  # a thread in D that has not run for this long after the check first saw it: hung
+_POLL_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -58,7 +67,20 @@ class Dead:
     pid: int  # inside the clone
     command: str
     signal: int | None  # what killed it, if known
-    stopped: bool = False  # stopped (it ran when dumped), not dead
+    stopped: bool = False  # stopped or traced (it ran when dumped), not dead
+    hung: str = ""  # a thread of it in uninterruptible sleep that did not run: "thread TID in WCHAN"
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What one check cost."""
+
+    ms: float
+    tasks: int  # restored threads whose state was read
+
+    @property
+    def us_per_task(self) -> float:
+        return self.ms * 1000 / self.tasks if self.tasks else 0.0
 
 
 @dataclass
@@ -181,18 +203,64 @@ def _request(op: int) -> bytes:
     return _NLMSG.pack(_NLMSG.size + len(cn), NLMSG_DONE, 0, 0, 0) + cn
 
 
-def _inside(root: int) -> dict[int, str] | None:
-    """Processes of the clone whose pid 1 is ``root`` (host pid): pid inside -> state letter; None if gone."""
+def _inside(root: int) -> dict[int, dict[int, str]] | None:
+    """Processes of the clone whose pid 1 is ``root`` (host pid): pid inside -> {tid: state
+    letter} of its threads (the leader's under its pid); None if the clone is gone."""
     proc = Path(f"/proc/{root}/root/proc")
     try:
         names = [n for n in os.listdir(proc) if n.isdigit()]
     except OSError:
         return None
-    out = {}
+    out: dict[int, dict[int, str]] = {}
     for n in names:
+        states: dict[int, str] = {}
         with contextlib.suppress(OSError, IndexError):
-            stat = (proc / n / "stat").read_text()
-            out[int(n)] = stat[stat.rindex(")") + 2]
+            states[int(n)] = _state((proc / n / "stat").read_text())
+            for t in os.listdir(proc / n / "task"):
+                if t != n:
+                    with contextlib.suppress(OSError, IndexError):
+                        states[int(t)] = _state((proc / n / "task" / t / "stat").read_text())
+        if states:
+            out[int(n)] = states
+    return out
+
+
+def _state(stat: str) -> str:
+    return stat[stat.rindex(")") + 2]
+
+
+def _ran(task: Path) -> str | None:
+    """What shows that a thread ran: its run time (``schedstat``), else its context switches."""
+    with contextlib.suppress(OSError, IndexError):
+        return (task / "schedstat").read_text().split()[0]
+    with contextlib.suppress(OSError):
+        return ",".join(line for line in (task / "status").read_text().splitlines() if "ctxt_switches" in line)
+    return None
+
+
+def _hung(root: int, waiting: list[tuple[int, int]]) -> dict[int, str]:
+    """Of the threads (pid, tid) seen in D: those still in D that did not run for ``HUNG_S``
+    (pid -> "thread TID in WCHAN")."""
+    proc = Path(f"/proc/{root}/root/proc")
+    task = {w: proc / str(w[0]) / "task" / str(w[1]) for w in waiting}
+    first = {w: _ran(t) for w, t in task.items()}
+    end = time.monotonic() + HUNG_S
+    left = set(waiting)
+    while left and time.monotonic() < end:
+        time.sleep(_POLL_S)
+        for w in list(left):
+            try:
+                still = _state((task[w] / "stat").read_text()) == "D"
+            except (OSError, IndexError):
+                still = False
+            if not still or _ran(task[w]) != first[w]:
+                left.discard(w)
+    out: dict[int, str] = {}
+    for pid, tid in sorted(left):
+        wchan = ""
+        with contextlib.suppress(OSError):
+            wchan = (task[(pid, tid)] / "wchan").read_text().strip()
+        out.setdefault(pid, f"thread {tid} in uninterruptible sleep" + (f" ({wchan})" if wchan not in ("", "0") else ""))
     return out
 
 
@@ -211,19 +279,28 @@ def _dumped_state(images: Path, pid: int) -> int:
     return TASK_ALIVE
 
 
-def _clone_dead(images: Path, entries: list[dict[str, Any]], clone: str, root: int, watch: Watch) -> list[Dead]:
-    live = _inside(root)
-    odd = [e["pid"] for e in entries if live is None or live.get(e["pid"]) in (None, "Z", "T")]
+def _odd(states: dict[int, str] | None) -> bool:
+    return states is None or any(c in "ZTtD" for c in states.values())
+
+
+def _clone_dead(images: Path, entries: list[dict[str, Any]], clone: str, root: int, watch: Watch,
+                live: dict[int, dict[int, str]] | None) -> list[Dead]:
+    odd = [e["pid"] for e in entries if live is None or _odd(live.get(e["pid"]))]
     out: list[Dead] = []
     signals: list[int] | None = None
+    waiting: list[tuple[int, int]] = []
     for pid in odd:
         dumped = _dumped_state(images, pid)  # (read only for what looks wrong)
         if dumped in (TASK_DEAD, TASK_ZOMBIE):
             continue  # a zombie in the dump is one in the clone
-        state = live.get(pid) if live is not None else None
-        if state == "T":
+        states = live.get(pid) if live is not None else None
+        state = states.get(pid) if states else None
+        if states and state != "Z" and any(c in "Tt" for c in states.values()):
             if dumped != TASK_STOPPED:
                 out.append(Dead(clone, pid, command(images, pid), None, stopped=True))
+            continue
+        if states and state != "Z":
+            waiting += [(pid, tid) for tid, c in states.items() if c == "D"]
             continue
         sig = _zombie_signal(root, pid) if state == "Z" else None
         if sig is None:
@@ -231,24 +308,38 @@ def _clone_dead(images: Path, entries: list[dict[str, Any]], clone: str, root: i
             sig = signals[0] if signals else None  # reaped already: what killed a process of the clone
         if sig is not None or live is None:  # an exit without a signal: the process may have finished
             out.append(Dead(clone, pid, command(images, pid), sig))
+    if waiting:
+        out += [Dead(clone, pid, command(images, pid), None, hung=what) for pid, what in _hung(root, waiting).items()]
     return out
 
 
 def dead(images: Path, clones: Sequence[tuple[str, int]], watch: Watch) -> list[Dead]:
-    """The dumped processes of ``images`` that died by a signal, or stopped, in each (clone id,
-    pid 1's host pid)."""
+    """The dumped processes of ``images`` that died by a signal, or stopped or hung, in each
+    (clone id, pid 1's host pid)."""
+    return _dead(images, clones, watch)[0]
+
+
+def _dead(images: Path, clones: Sequence[tuple[str, int]], watch: Watch) -> tuple[list[Dead], int]:
     entries = load(images / "pstree.img")["entries"]
-    return [d for clone, root in clones for d in _clone_dead(images, entries, clone, root, watch)]
+    out: list[Dead] = []
+    tasks = 0
+    for clone, root in clones:
+        live = _inside(root)
+        tasks += sum(len(s) for s in live.values()) if live else 0
+        out += _clone_dead(images, entries, clone, root, watch, live)
+    return out, tasks
 
 
-def check(images: Path, clones: Sequence[tuple[str, int]], watch: Watch) -> float:
-    """Raise ``RuntimeFailure`` naming the first dead or stopped restored process; the check's ms."""
+def check(images: Path, clones: Sequence[tuple[str, int]], watch: Watch) -> Checked:
+    """Raise ``RuntimeFailure`` naming the first dead, stopped or hung restored process; the check's cost."""
     t0 = time.perf_counter()
-    found = dead(images, clones, watch)
+    found, tasks = _dead(images, clones, watch)
     if found:
         d = found[0]
         if d.stopped:
             what = "is stopped right after its restore (it was running when dumped)"
+        elif d.hung:
+            what = f"is hung right after its restore: {d.hung} did not run for {HUNG_S:g} s"
         else:
             cause = f"signal {d.signal} ({signal.Signals(d.signal).name})" if d.signal else "an unknown cause"
             what = f"died of {cause} right after its restore"
@@ -257,44 +348,10 @@ def check(images: Path, clones: Sequence[tuple[str, int]], watch: Watch) -> floa
             + (f"; {len(found) - 1} more failed" if len(found) > 1 else ""),
             hint="the fork made no clones; report this with the program (see README 'Live fork'): "
                  "fork with mode='copy' meanwhile",
-            dead=[{"clone": x.clone, "pid": x.pid, "command": x.command, "signal": x.signal, "stopped": x.stopped}
-                  for x in found],
+            dead=[{"clone": x.clone, "pid": x.pid, "command": x.command, "signal": x.signal, "stopped": x.stopped,
+                   "hung": x.hung} for x in found],
         )
-    return (time.perf_counter() - t0) * 1000
+    return Checked((time.perf_counter() - t0) * 1000, tasks)
 
 
-def command(images: Path, pid: int) -> str:
-    """The command line of dumped process ``pid`` (its argument area in the dump), or its name."""
-    try:
-        core = load(images / f"core-{pid}.img")["entries"][0]
-        name = str(core.get("tc", {}).get("comm", "?"))
-    except (OSError, KeyError, IndexError):
-        return "?"
-    with contextlib.suppress(OSError, KeyError, IndexError, ValueError):
-        mm = load(images / f"mm-{pid}.img")["entries"][0]
-        args = _read(images, pid, int(mm["mm_arg_start"]), int(mm["mm_arg_end"]))
-        if args:
-            return args.rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace")[:200]
-    return name
-
-
-def _read(images: Path, pid: int, start: int, end: int) -> bytes | None:
-    """Bytes [start, end) of the process's dumped private pages (None if not all stored)."""
-    if not 0 < end - start <= 1 << 16:
-        return None
-    pm = load(images / f"pagemap-{pid}.img")["entries"]
-    pages = images / f"pages-{pm[0]['pages_id']}.img"
-    off = 0
-    for e in pm[1:]:
-        n = int(e.get("nr_pages", 0))
-        lo, hi = int(e["vaddr"]), int(e["vaddr"]) + n * PAGE
-        stored = bool(int(e.get("flags", PE_PRESENT)) & PE_PRESENT)
-        if stored and lo <= start and end <= hi:
-            with open(pages, "rb") as f:
-                f.seek(off + start - lo)
-                return f.read(end - start)
-        off += n * PAGE if stored else 0
-    return None
-
-
-__all__ = ["Dead", "Watch", "check", "command", "dead"]
+__all__ = ["Checked", "Dead", "Watch", "check", "command", "dead"]

@@ -75,9 +75,9 @@ def restore(cfg: Config, store: Store, snap: SnapshotRecord, n: int, *, keep_log
             futures.append(pool.submit(restore_boost.in_thread, _restore_one, cfg, store, snap, layout, keep_logs,
                                        given[i] if given else None))
         done = [fut.result() for fut in futures]
-        check_ms = restore_check.check(Path(snap.images), [(r.id, r.pid or 0) for r in done], watch)
+        checked = restore_check.check(Path(snap.images), [(r.id, r.pid or 0) for r in done], watch)
         with store.transaction():  # the batch is in: the clones are the caller's now
-            done = [store.update_workspace(rec.id, _committed(check_ms)) or _committed(check_ms)(rec) for rec in done]
+            done = [store.update_workspace(rec.id, _committed(checked)) or _committed(checked)(rec) for rec in done]
         pool.shutdown()
         return done
     except BaseException as exc:
@@ -90,9 +90,11 @@ def restore(cfg: Config, store: Store, snap: SnapshotRecord, n: int, *, keep_log
         watch.close()
 
 
-def _committed(check_ms: float) -> Callable[[WorkspaceRecord], WorkspaceRecord]:
+def _committed(checked: restore_check.Checked) -> Callable[[WorkspaceRecord], WorkspaceRecord]:
     """A clone of a batch that is in: no owner, the batch's check cost in its ``extra``."""
-    return lambda rec: rec.replace(owner_pid=None, extra={**rec.extra, "restore_check_ms": round(check_ms, 2)})
+    cost = {"restore_check_ms": round(checked.ms, 2), "restore_check_tasks": checked.tasks,
+            "restore_check_us_per_task": round(checked.us_per_task, 1)}
+    return lambda rec: rec.replace(owner_pid=None, extra={**rec.extra, **cost})
 
 
 def _roll_back(cfg: Config, store: Store, pool: ThreadPoolExecutor, futures: Sequence[Future[WorkspaceRecord]]) -> None:

@@ -1,7 +1,8 @@
 /*
  * arrival HOW DIR: waits for its restore into another pid namespace (a clone), then
  * dies there at once: HOW "segv" raises SIGSEGV (no core), "exit" exits with 0, "stop"
- * stops itself (SIGSTOP).
+ * stops itself (SIGSTOP), "hang" hangs in uninterruptible sleep (a vfork whose child
+ * waits for ever: the parent waits for it in D).
  * Writes DIR/ready (its pid) when it runs.
  */
 #include <signal.h>
@@ -28,6 +29,9 @@ int main(int argc, char **argv) {
         if (readlink("/proc/self/ns/pid", now, sizeof now - 1) > 0 && strcmp(now, first)) {
             if (!strcmp(argv[1], "exit"))
                 return 0;
+            if (!strcmp(argv[1], "hang") && vfork() == 0)
+                for (;;)
+                    pause();
             raise(strcmp(argv[1], "stop") ? SIGSEGV : SIGSTOP);
             memcpy(first, now, sizeof first); /* stopped, then continued: waits for the next clone */
         }
