@@ -1089,6 +1089,7 @@ def test_a_process_that_cannot_get_the_trap_is_copied_or_refused(lab: Lab, tmp_p
     with pytest.raises(NotForkable) as exc:
         lab.rewrite(refused, zero_fill=ZeroFillPolicy.REFUSE, memfile_view=view)
     assert "too long" in str(exc.value) and exc.value.hint
+    assert f"process 1 ({lab.memprog} {lab.ctl} 8 0 0) of the dump" in str(exc.value)  # its command line
     assert _digest(refused) == before and not list(lab.mem.iterdir())  # nothing lost, nothing left
     res = lab.rewrite(copied, memfile_view=view)
     assert res.vmas_converted == 0 and [u.pid for u in res.left_anonymous] == [1]

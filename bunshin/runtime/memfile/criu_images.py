@@ -9,6 +9,7 @@ integers, enums are their names. The constants are CRIU's and the kernel's (``cr
 from __future__ import annotations
 
 import bisect
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -160,3 +161,43 @@ def stored_bytes(pieces: list[Piece]) -> tuple[dict[int, int], set[int]]:
             else:
                 stored[p.vma] = stored.get(p.vma, 0) + p.end - p.start
     return stored, missing
+
+
+def dumped_command(images: Path, pid: int) -> str:
+    """The command line of dumped process ``pid`` (its argument area in the dump), or its name
+    (control characters shown as ``?``: it goes into messages)."""
+    text = _dumped_command(images, pid)
+    return "".join(ch if ch.isprintable() else "?" for ch in text)
+
+
+def _dumped_command(images: Path, pid: int) -> str:
+    try:
+        core = load(images / f"core-{pid}.img")["entries"][0]
+        name = str(core.get("tc", {}).get("comm", "?"))
+    except (OSError, KeyError, IndexError):
+        return "?"
+    with contextlib.suppress(OSError, KeyError, IndexError, ValueError):
+        mm = load(images / f"mm-{pid}.img")["entries"][0]
+        args = _read(images, pid, int(mm["mm_arg_start"]), int(mm["mm_arg_end"]))
+        if args:
+            return args.rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace")[:200]
+    return name
+
+
+def _read(images: Path, pid: int, start: int, end: int) -> bytes | None:
+    """Bytes [start, end) of the process's dumped private pages (None if not all stored)."""
+    if not 0 < end - start <= 1 << 16:
+        return None
+    pm = load(images / f"pagemap-{pid}.img")["entries"]
+    pages = images / f"pages-{pm[0]['pages_id']}.img"
+    off = 0
+    for e in pm[1:]:
+        n = int(e.get("nr_pages", 0))
+        lo, hi = int(e["vaddr"]), int(e["vaddr"]) + n * PAGE
+        stored = bool(int(e.get("flags", PE_PRESENT)) & PE_PRESENT)
+        if stored and lo <= start and end <= hi:
+            with open(pages, "rb") as f:
+                f.seek(off + start - lo)
+                return f.read(end - start)
+        off += n * PAGE if stored else 0
+    return None

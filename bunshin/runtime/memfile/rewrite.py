@@ -20,6 +20,7 @@ from .criu_images import (
     VMA_AREA_REGULAR,
     VMA_FILE_PRIVATE,
     append_entry,
+    dumped_command,
     load,
     pids,
     regular_files,
@@ -346,8 +347,8 @@ def rewrite_images(
                     except trap.TrapUnavailable as exc:
                         if zero_fill is ZeroFillPolicy.REFUSE:
                             raise NotForkable(
-                                f"process {pid} of the dump cannot be given the trap that keeps converted "
-                                f"memory exact: {exc}",
+                                f"process {pid} ({dumped_command(images_dir, pid)}) of the dump cannot be given "
+                                f"the trap that keeps converted memory exact: {exc}",
                                 hint="fork it with zero_fill=TRAP (its memory is then copied, not shared) "
                                 "or by copy (--mode copy)",
                                 pid=pid,
