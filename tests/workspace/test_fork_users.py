@@ -159,3 +159,44 @@ def test_su_and_runuser_as_root_work_in_a_workspace_its_clone_and_a_fork_of_it(f
             r = w.exec(argv)
             assert r.exit_code == 0 and r.stdout.split("\n")[0] == want, (w.id, argv, r)
         assert "staff" in w.exec(["su", "-c", "id -Gn", "pamuser"]).stdout.split()
+
+
+@pytest.fixture
+def pam_image(tmp_path: Path, cfg: Config, no_leaks):
+    """An image with Debian's su, runuser and PAM stack (this host's files: /etc/pam.d, every
+    PAM module), root and nobody, and a shadow file of locked passwords."""
+    base = oi.Layer()
+    for d in ("bin", "sbin", "usr", "usr/bin", "usr/sbin", "etc", "etc/pam.d", "etc/security", "lib",
+              "lib/x86_64-linux-gnu", "lib/x86_64-linux-gnu/security", "root", "tmp", "proc", "sys", "dev"):
+        base.add(d, "dir", None, 0o1777 if d == "tmp" else 0o755)
+    for f in [*Path("/etc/pam.d").iterdir(), *Path("/etc/security").glob("*.conf"), Path("/etc/login.defs")]:
+        base.add(str(f).lstrip("/"), "file", f.read_bytes(), 0o644)
+    base.add("etc/passwd", "file", "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/usr/sbin/nologin\n")
+    base.add("etc/group", "file", "root:x:0:\nnogroup:x:65534:\n")
+    base.add("etc/shadow", "file", "root:*:19000:0:99999:7:::\nnobody:*:19000:0:99999:7:::\n", 0o640)
+    modules = [str(m) for m in Path("/lib/x86_64-linux-gnu/security").glob("*.so")]
+    programs = oi.binaries_layer("/bin/su", "/sbin/runuser", "/usr/bin/id", "/bin/sh", "/usr/sbin/nologin", *modules)
+    oi.build_layout(tmp_path / "layout", [base, programs], config={"Cmd": ["/bin/sh", "-c", "exec sleep infinity"]})
+    with Store.open(cfg.db_path) as store:
+        (rec,) = oci_store.load(cfg, store, tmp_path / "layout", tags=["test/pam:1"])
+    yield rec
+    with Store.open(cfg.db_path) as store:
+        oci_store.remove(store, rec.id)
+        gc.free_image_layers(cfg, store)
+
+
+def test_su_and_runuser_as_root_work_in_an_image_with_debians_pam(pam_image, cfg: Config):
+    """The image's own PAM stack (pam_rootok, pam_unix, pam_limits, pam_env...) in the workspace's
+    user namespace: root's ``su`` to itself and to nobody (whose login shell refuses, as on any
+    system; then another shell), ``su -``, ``runuser`` (clones: the host image's test above)."""
+    ws = Workspace.create("test/pam:1", memory="256M", config=cfg)
+    try:
+        for argv, want in ((["su", "-c", "id -un"], "root"), (["su", "-", "root", "-c", "id -un"], "root"),
+                           (["su", "-s", "/bin/sh", "-c", "id -un", "nobody"], "nobody"),
+                           (["runuser", "-u", "nobody", "--", "id", "-un"], "nobody")):
+            r = ws.exec(argv)
+            assert r.exit_code == 0 and r.stdout.strip() == want, (argv, r)
+        r = ws.exec(["su", "-c", "id", "nobody"])  # nobody's shell is nologin: its refusal, not PAM's
+        assert r.exit_code == 1 and "currently not available" in r.stdout + r.stderr, r
+    finally:
+        ws.remove()
