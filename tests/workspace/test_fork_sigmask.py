@@ -55,9 +55,11 @@ def ask(ws: Workspace, req: str) -> str:
 
 
 def steady(masks: str) -> str:
-    """``masks`` without the timer's own signal (32, glibc's SIGTIMER) pending in a thread: it is, for
-    a moment, each time the timer fires."""
-    return re.sub(r"SigPnd:\t(\w+)", lambda m: f"SigPnd:\t{int(m[1], 16) & ~(1 << 31):016x}", masks)
+    """``masks`` without the timer's own signal (32, glibc's SIGTIMER) pending in a thread, nor glibc's
+    own signals (32, 33) blocked in one: they are, for a moment, each time the timer fires (its helper
+    thread blocks them too while it starts the thread that runs the function)."""
+    masks = re.sub(r"SigPnd:\t(\w+)", lambda m: f"SigPnd:\t{int(m[1], 16) & ~(1 << 31):016x}", masks)
+    return re.sub(r"SigBlk:\t(\w+)", lambda m: f"SigBlk:\t{int(m[1], 16) & ~(3 << 31):016x}", masks)
 
 
 def maps_memfile(ws: Workspace, pid: int) -> bool:
