@@ -6,6 +6,10 @@ with a virtualenv) run in every mode one after another — ``baseline`` (a fresh
 workspace per trajectory, setup re-run), ``copy`` (plain CRIU restore of the task
 root), ``bunshin`` (live fork + tool prefix cache + speculation) — and the table of
 memory, memory-time, makespan, tool latency and rewards is printed. A few minutes.
+
+Its tasks ship with bunshin (``DEMO_WORKLOADS``: the data is generated, the coding
+project is written by the setup), so it downloads nothing and gives the same
+workload on every machine.
 """
 
 from __future__ import annotations
@@ -14,11 +18,19 @@ from .. import console as output
 from ..config import Config
 from . import rollout as bench_rollout
 
+#: The demo's workloads: built from what bunshin ships, nothing fetched at run time.
+DEMO_WORKLOADS = ("data-analysis", "coding-lite")
+
+
+def plan() -> bench_rollout.Plan:
+    """``bench rollout --quick`` on the workloads that ship with bunshin."""
+    return bench_rollout.Plan.make(quick=True, workloads=DEMO_WORKLOADS)
+
 
 def run(cfg: Config, *, as_json: bool = False, report: str | None = None) -> int:
     output.err.print("bunshin demo: the same rollouts in baseline, copy and bunshin mode, side by side "
                      "(bench rollout --quick; about 3-4 minutes)")
-    result = bench_rollout.run(cfg, bench_rollout.Plan.make(quick=True))
+    result = bench_rollout.run(cfg, plan())
     if report:
         from . import rollout_report
 
