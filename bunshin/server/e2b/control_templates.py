@@ -11,9 +11,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Response
 
 from ...errors import NotFound
+from ...workspace import Snapshot
 from ..context import ServerContext
 from . import control_out as out
-from .sandboxes import Sandbox, Sandboxes
+from .sandboxes import Sandbox, Sandboxes, resources
 from .shapes import ENVD_VERSION, MAX_PAGE, E2BError, SnapshotRequest, iso, rules
 from .templates import BASE, TemplateRecord, Templates
 
@@ -51,6 +52,18 @@ def routes(r: APIRouter, ctx: ServerContext, sandboxes: Sandboxes, templates: Te
         if token:
             response.headers["X-Next-Token"] = token
         return [_snapshot_info(t) for t in shown]
+
+    def _template(t: TemplateRecord) -> dict[str, Any]:
+        """E2B's ``Template`` of a bunshin template (its build is the snapshot)."""
+        try:
+            memory = Snapshot.get(t.snapshot, config=ctx.config).record.memory_limit
+        except NotFound:
+            memory = None
+        when = iso(t.created_at)
+        return {"templateID": t.id, "buildID": t.snapshot, **resources(memory), "public": False,
+                "aliases": list(t.names), "names": list(t.names) or [t.id], "createdAt": when, "updatedAt": when,
+                "createdBy": None, "lastSpawnedAt": None, "spawnCount": 0, "buildCount": 1,
+                "envdVersion": ENVD_VERSION, "buildStatus": "ready"}
 
     @r.get("/templates")
     def list_templates() -> list[dict[str, Any]]:
@@ -93,12 +106,3 @@ def routes(r: APIRouter, ctx: ServerContext, sandboxes: Sandboxes, templates: Te
 
 def _snapshot_info(t: TemplateRecord) -> dict[str, Any]:
     return {"snapshotID": t.id, "names": list(t.names)}
-
-
-def _template(t: TemplateRecord) -> dict[str, Any]:
-    """E2B's ``Template`` of a bunshin template (its build is the snapshot)."""
-    when = iso(t.created_at)
-    return {"templateID": t.id, "buildID": t.snapshot, "cpuCount": 0, "memoryMB": 0, "diskSizeMB": 0,
-            "public": False, "aliases": list(t.names), "names": list(t.names) or [t.id], "createdAt": when,
-            "updatedAt": when, "createdBy": None, "lastSpawnedAt": None, "spawnCount": 0, "buildCount": 1,
-            "envdVersion": ENVD_VERSION, "buildStatus": "ready"}

@@ -145,9 +145,11 @@ class Sandboxes:
     def all(self) -> list[Sandbox]:
         """Every sandbox: the live workspaces and the paused records."""
         recs = self.records()
-        out = [Sandbox(recs.get(i.id) or _made_up(i), i) for i in Workspace.list(config=self._config)
-               if i.state != WorkspaceState.DEAD.value]
+        live = {i.id: i for i in Workspace.list(config=self._config) if i.state != WorkspaceState.DEAD.value}
+        out = [Sandbox(recs.get(i.id) or _made_up(i), i) for i in live.values()]
         out += [Sandbox(r, None) for r in recs.values() if r.state == "paused"]
+        for gone in [r.id for r in recs.values() if r.state == "running" and r.id not in live]:
+            self.drop(gone)  # its workspace went without it (a lease ran out, bunshin's own DELETE)
         return out
 
     def paused(self, sb: Sandbox, snapshot: str) -> SandboxRecord:

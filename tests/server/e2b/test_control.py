@@ -28,7 +28,7 @@ from bunshin.errors import NotFound  # noqa: E402
 from bunshin.server.admission import Limits  # noqa: E402
 from bunshin.server.e2b.auth import envd_access_token, traffic_access_token  # noqa: E402
 from bunshin.server.e2b.control import ENVD_VERSION  # noqa: E402
-from bunshin.server.e2b.sandboxes import sandbox_envs  # noqa: E402
+from bunshin.server.e2b.sandboxes import Sandboxes, sandbox_envs  # noqa: E402
 from bunshin.server.leases import Leases  # noqa: E402
 from bunshin.server.thread import serve_in_thread  # noqa: E402
 from bunshin.workspace import Workspace  # noqa: E402
@@ -202,6 +202,9 @@ def test_snapshots_are_templates(server, opts, api) -> None:
                 assert child.get_info().template_id == snap.snapshot_id
             finally:
                 child.kill()
+        shown = {t["templateID"]: t for t in api.get("/templates").json()}
+        assert shown["base"]["memoryMB"] == 512 and shown["base"]["buildStatus"] == "ready"
+        assert shown[snap.snapshot_id]["names"] == ["kept"]
         assert Sandbox.delete_snapshot(snap.snapshot_id, **opts)
         assert not Sandbox.delete_snapshot(snap.snapshot_id, **opts)
         r = api.post("/v2/sandboxes", json={"templateID": snap.snapshot_id})
@@ -334,3 +337,23 @@ def test_admission_429_is_a_rate_limit(server, opts, api) -> None:
         assert len([s for s in Sandbox.list(**opts).next_items()]) == 1  # nothing was made
     finally:
         sb.kill()
+
+
+def test_a_caller_that_hangs_up_leaves_nothing(server, opts, api) -> None:
+    """The create's client is gone before its answer: the restored workspace is removed and no
+    record is kept (``ServerContext.made``)."""
+    cfg = server[1]
+    before = {i.id for i in Workspace.list(config=cfg)}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server[0] + "/v2/sandboxes", json={"templateID": "base"}, headers={"X-API-Key": TOKEN},
+                   timeout=0.001)
+    deadline, seen = time.monotonic() + 20, set()
+    while True:  # it appears (the restore runs on), then goes
+        now = {i.id for i in Workspace.list(config=cfg)} - before
+        seen |= now
+        if seen and not now:
+            break
+        assert time.monotonic() < deadline, f"made {seen}, left {now}"
+        time.sleep(0.02)
+    assert not {s["sandboxID"] for s in api.get("/v2/sandboxes").json()} & seen
+    assert not set(Sandboxes(cfg).records()) & seen
