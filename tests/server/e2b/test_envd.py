@@ -228,13 +228,19 @@ def test_raw_connect_codecs_and_unimplemented(env: Env) -> None:
 
 
 def test_a_client_that_hangs_up_leaves_no_stream_running(env: Env, sbx: Sandbox) -> None:
-    before = threading.active_count()
-    for _ in range(5):
-        w = sbx.files.watch_dir("/tmp")
-        w.stop()
+    from bunshin.server.e2b.envd.rpc import FOLLOWING
+
+    for _ in range(3):
         h = sbx.commands.run("sleep 30", background=True)
+        _until(lambda: FOLLOWING.count == 1)
         h.disconnect()  # the command goes on; its follower on the server ends
+        _until(lambda: FOLLOWING.count == 0)
         assert h.pid in {p.pid for p in sbx.commands.list()}
         sbx.commands.kill(h.pid)
-    time.sleep(0.5)
-    assert threading.active_count() <= before + 2
+
+
+def _until(cond, timeout: float = 5.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "not within the time"
+        time.sleep(0.02)

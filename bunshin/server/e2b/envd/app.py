@@ -9,7 +9,7 @@ import anyio.to_thread
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from starlette.requests import Request
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ....errors import NotFound, StateConflict
 from ...context import ServerContext
@@ -54,10 +54,18 @@ class EnvdApp:
         except ConnectError as e:
             await _refuse(scope, send, 400, e.message, service is not None, "invalid_argument")
             return
-        token = CALL.set(Call(self.ctx, ws, user))
+        call = Call(self.ctx, ws, user)
+        token = CALL.set(call)
+
+        async def watched() -> Message:  # a stream's handler ends when its client hangs up
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                call.gone.set()
+            return message
+
         try:
             if service is not None:
-                await self.rpc[service](scope, receive, send)
+                await self.rpc[service](scope, watched, send)
             else:
                 await (await files.answer(CALL.get(), request))(scope, receive, send)
         finally:

@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ....errors import BunshinError, InvalidArgument, PayloadTooLarge
 from ...context import MAX_FILE_BYTES, STREAM_CHUNK
+from ..sandboxes import sandbox_envs
 from . import procs
 from .filesystem import resolve
 from .rpc import Call, user_of
@@ -152,7 +153,8 @@ async def _multipart(call: Call, request: Request) -> Response:
 
 
 async def envs(call: Call, request: Request) -> Response:
-    return JSONResponse({})
+    """The sandbox's environment variables (its create's ``envVars``)."""
+    return JSONResponse(await anyio.to_thread.run_sync(sandbox_envs, call.ctx.config, call.ws.id))
 
 
 async def metrics(call: Call, request: Request) -> Response:

@@ -28,7 +28,7 @@ from ....errors import InvalidArgument, PathNotFound
 from ....runtime.agent_host.types import FileEntry
 from . import procs
 from .gen.filesystem import filesystem_pb2 as pb
-from .rpc import Call, service_app
+from .rpc import WATCHING, Call, service_app
 
 MAX_PATH = 4096
 #: Most entries one ListDir answers, and one watch follows.
@@ -167,10 +167,16 @@ async def _start_watch(call: Call, path_in: str, recursive: bool) -> tuple[str, 
 
 
 async def watch_dir(req: Any, call: Call, ctx: RequestContext) -> AsyncIterator[Any]:
+    with WATCHING:
+        async for e in _watch(req, call):
+            yield e
+
+
+async def _watch(req: Any, call: Call) -> AsyncIterator[Any]:
     path, seen = await _start_watch(call, req.path, req.recursive)
     yield pb.WatchDirResponse(start=pb.WatchDirResponse.StartEvent())
     last = time.monotonic()
-    while True:
+    while not call.gone.is_set():  # a client that hung up ends its watch
         await anyio.sleep(WATCH_POLL_S)
         try:
             now = await procs.run(call, _look, call, path, req.recursive)

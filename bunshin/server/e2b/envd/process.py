@@ -4,9 +4,9 @@
 comes, keepalives every ``Keepalive-Ping-Interval`` seconds the SDK asks for, and an end
 event with the exit status; past the call's deadline (``connect-timeout-ms``: the SDK's
 ``timeout``) the command's process group is killed and the call ends
-``deadline_exceeded``. A client that hangs up stops being followed; the command goes on
-(as E2B's: ``commands.connect(pid)`` finds it again) and nothing on the host is left
-behind. A PTY command (``Start`` with ``pty``) runs on a terminal of its own
+``deadline_exceeded`` (a client hanging up at its deadline is taken for it). A client that
+hangs up otherwise stops being followed; the command goes on (as E2B's:
+``commands.connect(pid)`` finds it again) and nothing on the host is left behind. A PTY command (``Start`` with ``pty``) runs on a terminal of its own
 (``ptyrelay``), its screen as ``pty`` data events; ``Update`` resizes it; ``SendInput``
 and ``StreamInput`` type into it or write a command's stdin; ``CloseStdin`` ends that
 stdin. Processes are selected by pid (selecting by tag is refused by name).
@@ -28,7 +28,7 @@ from connectrpc.request import RequestContext
 from ....errors import BunshinError, PathNotFound
 from . import procs
 from .gen.process import process_pb2 as pb
-from .rpc import Call, service_app
+from .rpc import FOLLOWING, Call, service_app
 
 #: Seconds between two looks at a command's files while it is quiet (it starts at POLL_MIN_S
 #: after output and doubles).
@@ -38,6 +38,8 @@ KEEPALIVE_S, KEEPALIVE_MIN_S = 30.0, 1.0
 #: Most arguments, environment variables and bytes of them a command takes.
 MAX_ARGS, MAX_ENVS, MAX_SPEC_BYTES = 4096, 1024, 1 << 20
 MAX_TERM = 1000
+#: A Start client hanging up this close to its deadline is taken for its timeout.
+DEADLINE_SLACK_S = 1.0
 _SIGNALS = {pb.SIGNAL_SIGKILL: signal.SIGKILL, pb.SIGNAL_SIGTERM: signal.SIGTERM}
 
 
@@ -101,11 +103,18 @@ async def follow(call: Call, folder: str, pid: int, ctx: RequestContext, event: 
     """The data, keepalive and end events of the command in ``folder`` from ``offsets`` on;
     ``owned``: the call started it (its deadline kills it, and its files go when it is
     reported ended)."""
+    with FOLLOWING:
+        async for e in _follow(call, folder, pid, ctx, event, offsets, owned, pty):
+            yield e
+
+
+async def _follow(call: Call, folder: str, pid: int, ctx: RequestContext, event: type,
+                  offsets: dict[str, int], owned: bool, pty: bool) -> AsyncIterator[Any]:
     ms = ctx.timeout_ms
     deadline = None if ms is None else time.monotonic() + ms / 1000
     keepalive, last = _keepalive_s(ctx), time.monotonic()
     delay = POLL_MIN_S
-    while True:
+    while not call.gone.is_set():  # a client that hung up is followed no more (the command goes on)
         sizes = {f.name: f.size for f in await procs.run(call, procs.entries, call, folder)}
         if not sizes:
             raise ConnectError(Code.NOT_FOUND, f"process with pid {pid} not found")
@@ -139,6 +148,11 @@ async def follow(call: Call, folder: str, pid: int, ctx: RequestContext, event: 
             yield event(event=pb.ProcessEvent(keepalive=pb.ProcessEvent.KeepAlive()))
         delay = POLL_MIN_S if got else min(delay * 2, POLL_MAX_S)
         await anyio.sleep(delay)
+    if owned and deadline is not None and time.monotonic() > deadline - DEADLINE_SLACK_S:
+        # the client hung up at its timeout (it keeps the same deadline): the command goes as it would here
+        with contextlib.suppress(BunshinError):
+            await procs.run(call, call.ws.commands.kill, pid, signal.SIGKILL, group=True)
+            await procs.run(call, procs.remove, call, folder, pid)
 
 
 async def _end(call: Call, folder: str) -> Any:

@@ -11,12 +11,13 @@ envd app after the access token was checked, before the service runs).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from connectrpc.code import Code
@@ -42,14 +43,35 @@ READ_MAX_BYTES = 1 << 20
 
 @dataclass(frozen=True)
 class Call:
-    """The sandbox an envd call is for, and the user it names (``None``: the default)."""
+    """The sandbox an envd call is for, the user it names (``None``: the default), and
+    whether its client hung up (``gone``: set when the server reads ``http.disconnect``)."""
 
     ctx: ServerContext
     ws: Workspace
     user: str | None
+    gone: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 CALL: ContextVar[Call] = ContextVar("bunshin_e2b_envd_call")
+
+
+class Live:
+    """How many streams of one kind are being served now (a stream whose client hung up is
+    not: the tests hold the server to it)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __enter__(self) -> Live:
+        self.count += 1  # the event loop's thread only
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.count -= 1
+
+
+#: Commands being followed (Start, Connect) and folders being watched (WatchDir).
+FOLLOWING, WATCHING = Live(), Live()
 
 Unary = Callable[[Any, Call, RequestContext], Awaitable[Message]]
 Stream = Callable[[Any, Call, RequestContext], AsyncIterator[Message]]
