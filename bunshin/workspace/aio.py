@@ -63,6 +63,7 @@ class ThreadBridge:
 
     @property
     def max_threads(self) -> int:
+        """Threads the pool may run at once."""
         return self._max_threads
 
     def resize(self, max_threads: int) -> None:
@@ -77,6 +78,7 @@ class ThreadBridge:
             old.shutdown(wait=False)
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kw: Any) -> Future[T]:
+        """Run ``fn(*args, **kw)`` in the pool; its future."""
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self._max_threads, thread_name_prefix=self._name)
@@ -196,10 +198,12 @@ class AsyncWorkspace:
 
     @property
     def id(self) -> str:
+        """The workspace's id."""
         return self._ws.id
 
     @property
     def bridge(self) -> ThreadBridge:
+        """The thread bridge its calls run through."""
         return self._bridge
 
     def __repr__(self) -> str:
@@ -241,10 +245,12 @@ class AsyncWorkspace:
     async def exec(self, command: Command, *, timeout: float | None = None, cwd: str | None = None,
                    env: dict[str, str] | None = None, stdin: str | None = None,
                    text: bool = True) -> ExecResult[str] | ExecResult[bytes]:
+        """Run one command and wait (:meth:`bunshin.Workspace.exec`; ``timeout`` default 600 s)."""
         return await self.call(self._ws.exec, command, timeout=timeout, cwd=cwd, env=env,
                                stdin=stdin, text=text)
 
     async def processes(self) -> list[ProcessInfo]:
+        """The processes inside."""
         return await self.call(self._ws.processes)
 
     async def stats(self) -> WorkspaceStats:
@@ -252,12 +258,15 @@ class AsyncWorkspace:
         return await self._bridge.run_sync(self._ws.stats)
 
     async def set_cpu_priority(self, nice: int) -> None:
+        """The whole workspace's CPU priority as a nice value 0..19."""
         await self.call(self._ws.set_cpu_priority, nice)
 
     async def is_alive(self) -> bool:
+        """Whether its processes still run (read on the host: does not wait for a running call)."""
         return await self._bridge.run_sync(self._ws.is_alive)
 
     async def snapshot(self, *, mode: SnapshotMode | str = SnapshotMode.COW) -> AsyncSnapshot:
+        """Capture it while it keeps running; kept until removed."""
         snap = await self.call(self._ws.snapshot, mode=mode, undo=_remove_one)
         return AsyncSnapshot(snap, bridge=self._bridge)
 
@@ -291,24 +300,29 @@ class AsyncSnapshot:
 
     @property
     def sync(self) -> SnapshotAPI:
+        """The blocking snapshot underneath."""
         return self._snap
 
     @property
     def id(self) -> str:
+        """The snapshot's id."""
         return self._snap.id
 
     @property
     def size_bytes(self) -> int:
+        """What it holds: memory files, images and its file layer."""
         return self._snap.size_bytes
 
     def __repr__(self) -> str:
         return f"AsyncSnapshot({self._snap!r})"
 
     async def restore(self, n: int = 1) -> list[AsyncWorkspace]:
+        """``n`` new running workspaces in this state; all of them or none."""
         clones = await self._bridge.run_sync(self._snap.restore, n, undo=_remove_all)
         return [AsyncWorkspace(c, bridge=self._bridge) for c in clones]
 
     async def remove(self) -> None:
+        """Drop it; its files go once no restored workspace stacks on them."""
         await self._bridge.run_sync(self._snap.remove)
 
 
@@ -334,11 +348,13 @@ class AsyncCommands:
     async def run(self, command: Command, *, timeout: float | None = None, cwd: str | None = None,
                   env: dict[str, str] | None = None, stdin: str | None = None,
                   max_output: int | None = None, text: bool = True) -> ExecResult[str] | ExecResult[bytes]:
+        """Run and wait (``timeout``: default 600 s; ``text=False``: exact bytes)."""
         return await self._aws.call(self._aws.sync.commands.run, command, timeout=timeout, cwd=cwd,
                                     env=env, stdin=stdin, max_output=max_output, text=text)
 
     async def spawn(self, command: Command, *, cwd: str | None = None,
                     env: dict[str, str] | None = None) -> int:
+        """Start a command in the background; its pid inside."""
         return await self._aws.call(self._aws.sync.commands.spawn, command, cwd=cwd, env=env)
 
 
@@ -347,18 +363,23 @@ class AsyncFiles:
         self._aws = aws
 
     async def read(self, path: str, *, offset: int = 0, length: int | None = None) -> bytes:
+        """Bytes of the file at ``path`` (from ``offset``, ``length`` of them or to the end)."""
         return await self._aws.call(self._aws.sync.files.read, path, offset=offset, length=length)
 
     async def read_text(self, path: str) -> str:
+        """The whole file at ``path`` as UTF-8 text."""
         return await self._aws.call(self._aws.sync.files.read_text, path)
 
     async def write(self, path: str, data: bytes | str, *, mode: int | None = None) -> int:
+        """Write ``data`` to ``path`` (parent folders made); the bytes written."""
         return await self._aws.call(self._aws.sync.files.write, path, data, mode=mode)
 
     async def list(self, path: str = "/") -> list[FileEntry]:
+        """The entries of the folder ``path``."""
         return await self._aws.call(self._aws.sync.files.list, path)
 
     async def remove(self, path: str, *, recursive: bool = False) -> None:
+        """Remove the file (or, ``recursive``, the folder) at ``path``."""
         await self._aws.call(self._aws.sync.files.remove, path, recursive=recursive)
 
 
@@ -367,16 +388,20 @@ class AsyncSessions:
         self._aws = aws
 
     async def list(self) -> list[SessionInfo]:
+        """The open sessions."""
         return await self._aws.call(self._aws.sync.sessions.list)
 
     async def open(self, kind: str = "bash", *, cwd: str | None = None,
                    env: dict[str, str] | None = None) -> str:
+        """Open a persistent shell session (``bash`` or ``sh``); its id."""
         return await self._aws.call(self._aws.sync.sessions.open, kind, cwd=cwd, env=env)
 
     async def run(self, session_id: str, command: str, *, timeout: float | None = None,
                   max_output: int | None = None) -> SessionResult:
+        """Run ``command`` in the session; a timeout interrupts the command, not the session."""
         return await self._aws.call(self._aws.sync.sessions.run, session_id, command,
                                     timeout=timeout, max_output=max_output)
 
     async def close(self, session_id: str) -> None:
+        """End the session ``session_id``."""
         await self._aws.call(self._aws.sync.sessions.close, session_id)

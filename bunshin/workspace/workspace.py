@@ -61,6 +61,7 @@ class WorkspaceInfo:
 
     @classmethod
     def of(cls, rec: WorkspaceRecord) -> WorkspaceInfo:
+        """What ``ls`` shows of ``rec`` (a running record whose processes are gone reads ``dead``)."""
         state = rec.state
         if state == WorkspaceState.RUNNING and not container.is_alive(rec):
             state = WorkspaceState.DEAD
@@ -139,6 +140,7 @@ class Workspace:
 
     @classmethod
     def list(cls, *, config: Config | None = None) -> builtins.list[WorkspaceInfo]:
+        """Every workspace of this home (``config``: the environment's), as :class:`WorkspaceInfo`."""
         cfg = config or Config.from_env()
         with Store.open(cfg.db_path) as store:
             return [WorkspaceInfo.of(r) for r in store.list_workspaces()]
@@ -207,24 +209,30 @@ class Workspace:
 
     @property
     def id(self) -> str:
+        """The workspace's id (``ws-`` and 12 hex digits)."""
         return self._record.id
 
     @property
     def name(self) -> str | None:
+        """The name given at create, if any."""
         return self._record.name
 
     @property
     def record(self) -> WorkspaceRecord:
+        """The stored record: mounts, cgroups, pids, parent, limits."""
         return self._record
 
     @property
     def config(self) -> Config:
+        """The home and settings this workspace lives under."""
         return self._config
 
     def info(self) -> WorkspaceInfo:
+        """What ``bunshin ls`` shows of it."""
         return WorkspaceInfo.of(self._record)
 
     def is_alive(self) -> bool:
+        """Whether its init process still runs (the same process, not a reused pid)."""
         return container.is_alive(self._record)
 
     # using it --------------------------------------------------------------------
@@ -300,6 +308,7 @@ class Workspace:
         return Session(self, self.sessions.open("bash", cwd=cwd, env=env))
 
     def processes(self) -> builtins.list[ProcessInfo]:
+        """The processes inside, as the workspace's own pid namespace numbers them."""
         return self.agent().processes()
 
     def connect_port(self, port: int, *, timeout: float = 5.0) -> socket.socket:
@@ -312,6 +321,7 @@ class Workspace:
         return port_socket.connect_port(pid, port, timeout=timeout)
 
     def stats(self) -> WorkspaceStats:
+        """Memory (cgroup, PSS, USS, anonymous) and processes, read on the host."""
         return rstats.collect(self._record)
 
     # ports in --------------------------------------------------------------------
@@ -349,10 +359,12 @@ class Snapshot:
 
     @property
     def id(self) -> str:
+        """The snapshot's id (``snap-`` and hex digits)."""
         return self._record.id
 
     @property
     def record(self) -> rsnap.SnapshotRecord:
+        """The stored record: source, mode, pause and dump times, sizes."""
         return self._record
 
     @property
@@ -370,6 +382,7 @@ class Snapshot:
 
     @classmethod
     def list(cls, *, config: Config | None = None) -> builtins.list[Snapshot]:
+        """Every snapshot of this home (forks' and kept ones)."""
         cfg = config or Config.from_env()
         with Store.open(cfg.db_path) as store:
             return [cls(cfg, r) for r in rsnap.list_all(store)]
@@ -497,9 +510,11 @@ class Files:
         return self._ws.agent().iter_file(path, offset=offset, length=length, chunk=chunk)
 
     def read_text(self, path: str) -> str:
+        """The whole file at ``path`` as UTF-8 text."""
         return self.read(path).decode()
 
     def write(self, path: str, data: bytes | str, *, mode: int | None = None) -> int:
+        """Write ``data`` to ``path`` (parent folders made; ``mode``: its permission bits); the bytes written."""
         raw = data.encode() if isinstance(data, str) else data
         return self._ws.agent().write_file(path, raw, mode=mode, mkdirs=True)
 
@@ -509,9 +524,11 @@ class Files:
         return self._ws.agent().write_stream(path, pieces, mode=mode, mkdirs=True)
 
     def list(self, path: str = "/") -> builtins.list[FileEntry]:
+        """The entries of the folder ``path``."""
         return self._ws.agent().list_dir(path)
 
     def remove(self, path: str, *, recursive: bool = False) -> None:
+        """Remove the file (or, ``recursive``, the folder) at ``path``."""
         self._ws.agent().remove(path, recursive=recursive)
 
 
@@ -525,10 +542,12 @@ class Sessions:
         self._ws = ws
 
     def list(self) -> builtins.list[SessionInfo]:
+        """The open sessions (shells and interpreters) of the workspace."""
         return self._ws.agent().session_list()
 
     def open(self, kind: str = "bash", *, cwd: str | None = None,
              env: dict[str, str] | None = None) -> str:
+        """Open a persistent shell session (``bash`` or ``sh``) and return its id."""
         return self._ws.agent().session_open(kind=kind, cwd=cwd, env=env)
 
     def run(self, session_id: str, command: str, *, timeout: float | None = None,
@@ -538,6 +557,7 @@ class Sessions:
                                             max_output=max_output)
 
     def close(self, session_id: str) -> None:
+        """End the session ``session_id`` (its processes are killed)."""
         self._ws.agent().session_close(session_id)
 
     def attach(self, kind: str = "bash", *, rows: int | None = None, cols: int | None = None,
@@ -561,6 +581,7 @@ class Session:
         return self._ws.sessions.run(self.id, command, timeout=timeout)
 
     def close(self) -> None:
+        """End this session."""
         self._ws.sessions.close(self.id)
 
     def __enter__(self) -> Session:
