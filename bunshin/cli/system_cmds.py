@@ -128,8 +128,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.set_defaults(func=cmd_bench_rollout, release_tmpfs=True)
 
     from .cluster_cmds import register_bench as register_bench_cluster
+    from .e2b_cmds import register_bench as register_bench_e2b
 
     register_bench_cluster(bsub)
+    register_bench_e2b(bsub)
 
     p = sub.add_parser("demo", help="the main job: rollouts in baseline, copy and bunshin mode, side by side")
     p.add_argument("--json", action="store_true")

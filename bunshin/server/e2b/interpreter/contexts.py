@@ -135,11 +135,13 @@ def interrupt(ws: WorkspaceAPI, context_id: str) -> None:
     _sh(ws, _INTERRUPT, folder(context_id), "INT")
 
 
-# The default context is made on first use; any other must exist. Then the call replaces sh.
+# The default context is made on first use; any other must exist. Then the call replaces sh
+# (``-S``: the call needs no site packages, and starts in about half the time; the interpreter
+# it starts has them).
 _RUN = ('d="$1"; if ! test -f "$d/context.json"; then test "$2" = 1 || exit 3; '
         'cwd="$3"; test -d "$cwd" || cwd=/; mkdir -p "$d" && printf "%s" "$cwd" > "$d/cwd" && '
         'printf \'{"id": "%s", "language": "python", "cwd": "%s"}\\n\' "${d##*/}" "$cwd" > "$d/context.json"; fi; '
-        'exec python3 "$4" call "$d" "$(cat "$d/cwd" 2>/dev/null || echo /)"')
+        'exec python3 -S "$4" call "$d" "$(cat "$d/cwd" 2>/dev/null || echo /)"')
 
 
 def run_argv(context_id: str) -> list[str]:
