@@ -36,8 +36,11 @@ restored and gets a reset.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
+import socket
+import struct
 import threading
 from pathlib import Path
 from typing import Any
@@ -77,6 +80,60 @@ def expected(net: int, run_id: str, groups: int) -> dict[str, Any]:
             {"ipv4_sysctl": [{"type": "CTL_STR", "sarg": f"0\t{groups - 1}"}]}]},
         f"nftables-{net}.img": lock_table(run_id),
     }
+
+
+IPADD_DUMP_MAGIC = 0x47361222  # what ``ip addr save`` writes first (iproute2), CRIU's ifaddr image
+ROUTE_DUMP_MAGIC = 0x45311224  # the same of ``ip route save`` (CRIU's route image)
+RTM_NEWROUTE, RTA_OIF, RT_TABLE_MAIN, RTPROT_BOOT, RT_SCOPE_LINK, RTN_UNICAST = 24, 4, 254, 3, 253, 1
+RTM_NEWADDR, IFA_ADDRESS, IFA_LOCAL, IFA_F_PERMANENT, RT_SCOPE_HOST = 20, 1, 2, 0x80, 254
+
+
+def outside_addresses(images: Path) -> list[str]:
+    """The local IPv4 addresses of the dump's TCP connections to a peer that is not
+    loopback (connections out of a workspace with egress: ``runtime.net``)."""
+    out: list[str] = []
+    for e in load(images / "files.img")["entries"]:
+        isk = e.get("isk") or {}
+        if isk.get("proto") != IPPROTO_TCP or isk.get("state") in (TCP_CLOSE, TCP_LISTEN):
+            continue
+        src, dst = (_address(isk.get(k) or [0]) for k in ("src_addr", "dst_addr"))
+        if isinstance(src, ipaddress.IPv6Address) and src.ipv4_mapped is not None:
+            src, dst = src.ipv4_mapped, getattr(dst, "ipv4_mapped", None) or dst
+        if not dst.is_loopback and isinstance(src, ipaddress.IPv4Address) and str(src) not in out:
+            out.append(str(src))
+    return out
+
+
+def _address(words: list[Any]) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An address of an image's socket: its 32-bit words as read off the wire (a string
+    where pycriu decoded them)."""
+    if isinstance(words[0], str):
+        return ipaddress.ip_address(words[0])
+    return ipaddress.ip_address(b"".join(struct.pack("<I", w) for w in words))
+
+
+def ifaddr_image(addresses: list[str]) -> bytes:
+    """``addresses`` as /32s on ``lo`` (ifindex 1), as ``ip addr save`` writes them: CRIU
+    restores the clone's namespace with them (``ip addr restore``) before its sockets,
+    so a connection bound to the parent's address can be repaired; ``runtime.net``
+    resets those connections and removes the addresses after the restore."""
+    out = struct.pack("=I", IPADD_DUMP_MAGIC)
+    for addr in addresses:
+        packed = ipaddress.IPv4Address(addr).packed
+        attrs = struct.pack("=HH", 8, IFA_LOCAL) + packed + struct.pack("=HH", 8, IFA_ADDRESS) + packed
+        body = struct.pack("=BBBBI", socket.AF_INET, 32, IFA_F_PERMANENT, RT_SCOPE_HOST, 1) + attrs
+        out += struct.pack("=LHHLL", 16 + len(body), RTM_NEWADDR, 0, 0, 0) + body
+    return out
+
+
+def route_image() -> bytes:
+    """A default route through ``lo``, as ``ip route save`` writes it: a repaired
+    connection is connected again (``connect`` in repair mode), which needs a route to
+    its peer; ``runtime.net`` replaces it with the clone's own once the connections to
+    the outside are reset."""
+    body = struct.pack("=BBBBBBBBI", socket.AF_INET, 0, 0, 0, RT_TABLE_MAIN, RTPROT_BOOT, RT_SCOPE_LINK,
+                       RTN_UNICAST, 0) + struct.pack("=HHI", 8, RTA_OIF, 1)
+    return struct.pack("=I", ROUTE_DUMP_MAGIC) + struct.pack("=LHHLL", 16 + len(body), RTM_NEWROUTE, 0, 0, 0) + body
 
 
 def has_connections(images: Path) -> bool:
@@ -121,6 +178,10 @@ def add(images: Path, groups: int) -> int:
             (images / name).write_text(content)
         else:
             save(content, images / name)
+    outside = outside_addresses(images)
+    if outside:
+        (images / f"ifaddr-{net}.img").write_bytes(ifaddr_image(outside))
+        (images / f"route-{net}.img").write_bytes(route_image())
     save(inv, images / "inventory.img")  # last: a dump left half-way keeps criu's namespace
     return net
 

@@ -8,11 +8,14 @@ holds for the workspace) or by gc (``sweep``: links and tables of slots no one h
 from __future__ import annotations
 
 import errno
+import os
 
 from ...config import Config
 from ..state.store import Store
 from . import egress, slots
 from .policy import Policy
+from .reset import reset_outside
+from .rtnl import in_netns
 from .slots import Slot
 
 _EEXIST_TRIES = 8
@@ -36,6 +39,19 @@ def connect(cfg: Config, store: Store, ws_id: str, pid: int, policy: Policy) -> 
             slots.free(store, slot.index)
             raise
     raise OSError(errno.EEXIST, f"{_EEXIST_TRIES} slots in a row are held by other homes")
+
+
+def connect_clone(cfg: Config, store: Store, ws_id: str, pid: int, policy: Policy, *, reset: bool) -> Slot:
+    """``connect`` for a clone just restored (its tasks stopped by nothing: CRIU has
+    unlocked its network); ``reset``: its images held TCP connections, and those to the
+    outside are destroyed first (``reset``), before the clone has a route."""
+    if reset:
+        fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            in_netns(fd, reset_outside)
+        finally:
+            os.close(fd)
+    return connect(cfg, store, ws_id, pid, policy)
 
 
 def disconnect(cfg: Config, store: Store, ws_id: str) -> None:

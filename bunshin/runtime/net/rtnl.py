@@ -24,9 +24,9 @@ from typing import TypeVar
 from ..kernel import syscalls as sc
 
 NETLINK_ROUTE = 0
-RTM_NEWLINK, RTM_DELLINK, RTM_NEWADDR, RTM_NEWROUTE = 16, 17, 20, 24
+RTM_NEWLINK, RTM_DELLINK, RTM_NEWADDR, RTM_DELADDR, RTM_NEWROUTE = 16, 17, 20, 21, 24
 NLMSG_ERROR = 2
-NLM_F_REQUEST, NLM_F_ACK, NLM_F_EXCL, NLM_F_CREATE = 0x1, 0x4, 0x200, 0x400
+NLM_F_REQUEST, NLM_F_ACK, NLM_F_REPLACE, NLM_F_EXCL, NLM_F_CREATE = 0x1, 0x4, 0x100, 0x200, 0x400
 IFLA_IFNAME, IFLA_LINKINFO, IFLA_NET_NS_FD = 3, 18, 28
 IFLA_INFO_KIND, IFLA_INFO_DATA, VETH_INFO_PEER = 1, 2, 1
 IFA_ADDRESS, IFA_LOCAL = 1, 2
@@ -107,11 +107,18 @@ class Rtnl:
             + _attr(IFA_LOCAL, packed) + _attr(IFA_ADDRESS, packed)
         self._request(RTM_NEWADDR, NLM_F_CREATE | NLM_F_EXCL, body)
 
+    def delete_address(self, index: int, iface: ipaddress.IPv4Interface) -> None:
+        """EADDRNOTAVAIL if the link has no such address."""
+        packed = iface.ip.packed
+        body = struct.pack("=BBBBI", socket.AF_INET, iface.network.prefixlen, 0, 0, index) \
+            + _attr(IFA_LOCAL, packed) + _attr(IFA_ADDRESS, packed)
+        self._request(RTM_DELADDR, 0, body)
+
     def add_default_route(self, index: int, gateway: ipaddress.IPv4Address) -> None:
         body = struct.pack("=BBBBBBBBI", socket.AF_INET, 0, 0, 0, RT_TABLE_MAIN, RTPROT_STATIC,
                            RT_SCOPE_UNIVERSE, RTN_UNICAST, 0) + _attr(RTA_GATEWAY, gateway.packed) \
             + _attr(RTA_OIF, struct.pack("=I", index))
-        self._request(RTM_NEWROUTE, NLM_F_CREATE | NLM_F_EXCL, body)
+        self._request(RTM_NEWROUTE, NLM_F_CREATE | NLM_F_REPLACE, body)  # a restore's through lo replaced
 
 
 def in_netns(netns_fd: int, work: Callable[[], _T]) -> _T:

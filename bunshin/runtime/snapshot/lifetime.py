@@ -57,6 +57,8 @@ class SnapshotRecord:
     layer_bytes: int
     owner_pid: int | None = None  # the process taking, forking or loading it; sweep leaves it alone
     mounts: tuple[Mount, ...] = ()  # the source's shared host folders, for its clones
+    network: str = "none"  # the source's network mode, for its clones (``runtime.net``)
+    net_policy: dict[str, Any] | None = None  # its egress policy at the dump (``Policy.to_dict``)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -38,6 +38,8 @@ from ..criu import (
 )
 from ..criu import run as criu
 from ..kernel import host_limits
+from ..net import attach as net
+from ..net.policy import NetworkMode, Policy
 from ..state import budget, idranges
 from ..state.records import SnapshotMode, WorkspaceRecord, WorkspaceState
 from ..state.store import Store
@@ -226,6 +228,7 @@ def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout
         lowers=(snap.layer, *snap.lowers), cgroup_version=layout.version, cgroups=cg.dirs_as_str(),
         memory_limit=snap.memory_limit, pids_limit=snap.pids_limit, hostname=snap.hostname,
         owner_pid=os.getpid(), parent=snap.source, snapshot=snap.id, mounts=snap.mounts, ids=ids,
+        network=snap.network,
     )
     try:
         budget.add_within(store, rec)
@@ -271,6 +274,9 @@ def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout
         t2 = time.perf_counter()
         if into.hold_netns:  # CRIU made the clone's namespace; criu's own had the setting already (``new_netns``)
             netns_image.restored(run.pid)
+        if snap.network == NetworkMode.EGRESS:  # its own address and NAT; the parent's connections out reset
+            net.connect_clone(cfg, store, ws_id, run.pid, Policy.from_dict(snap.net_policy or {}),
+                              reset=into.hold_netns)
         pid_start = psutil.Process(run.pid).create_time()
         # what this clone's restore cost, step by step (``bench fork``): its record, folder,
         # overlay, identity and cgroups; the criu run (spawn to exit, ``restore_ms``); the

@@ -18,6 +18,7 @@ import stat
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -46,6 +47,7 @@ from ..criu import (
 from ..criu import dump_conf as criu_dump_conf
 from ..criu import run as criu
 from ..memfile import criu_images
+from ..net import attach as net
 from ..state.records import Mount, SnapshotMode, WorkspaceRecord, WorkspaceState
 from ..state.store import Store
 from . import precopy, unforkable, upper_copy
@@ -110,7 +112,8 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
         images=str(images), layer=str(layer), lowers=rec.lowers, memfiles=(), mounts=rec.mounts,
         memory_limit=rec.memory_limit, pids_limit=rec.pids_limit, hostname=rec.hostname,
         depth=(parent.depth + 1) if parent else 1, dump_ms=0, pause_ms=0, rewrite_ms=0,
-        memfile_bytes=0, image_bytes=0, layer_bytes=0, owner_pid=os.getpid(),
+        memfile_bytes=0, image_bytes=0, layer_bytes=0, owner_pid=os.getpid(), network=rec.network,
+        net_policy=_net_policy(cfg, store, rec),
     )
     claim(snap_id)
     store.put_object(KIND, snap_id, snap.to_json())  # recorded first: a crash leaves it to gc
@@ -340,3 +343,9 @@ def _du(path: Path) -> int:
             with contextlib.suppress(OSError):
                 total += os.stat(f, dir_fd=dir_fd, follow_symlinks=False).st_blocks * 512
     return total
+
+
+def _net_policy(cfg: Config, store: Store, rec: WorkspaceRecord) -> dict[str, Any] | None:
+    """The egress policy of ``rec`` now (its clones start with it), or None without egress."""
+    policy = net.policy_of(cfg, store, rec.id) if rec.network != "none" else None
+    return None if policy is None else policy.to_dict()

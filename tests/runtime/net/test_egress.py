@@ -246,3 +246,79 @@ def _dead_pid() -> int:
     p.wait()
     return p.pid
 
+
+
+DOWNLOAD = textwrap.dedent("""
+    import socket, sys, time
+    host, path, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    def log(text):
+        with open(out, "a") as f:
+            f.write(text + "\\n")
+    s = socket.create_connection((host, 80), timeout=30)
+    s.sendall(f"GET {path} HTTP/1.0\\r\\nHost: {host}\\r\\n\\r\\n".encode())
+    got, started = 0, False
+    try:
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            got += len(chunk)
+            if got > 100000 and not started:
+                started = True
+                log("started")
+        log(f"done {got}")
+    except OSError as e:
+        log(f"error {type(e).__name__}")
+        for _ in range(40):  # the clone's own link comes right after the reset
+            try:
+                again = socket.create_connection((host, 80), timeout=2)
+                break
+            except OSError:
+                time.sleep(0.25)
+        again.sendall(f"GET /files/hello.txt HTTP/1.0\\r\\nHost: {host}\\r\\n\\r\\n".encode())
+        reply = b""
+        while chunk := again.recv(65536):
+            reply += chunk
+        log("reconnected " + reply.decode().split("\\r\\n\\r\\n", 1)[-1].strip())
+""")
+
+
+def _lines(ws: Workspace, path: str) -> list[str]:
+    r = ws.exec(["cat", path])
+    return r.stdout.splitlines() if r.exit_code == 0 else []
+
+
+def test_fork_mid_download_resets_the_clones_and_they_get_their_own_address(cfg, internet):
+    """The parent finishes its download; each clone's copy of the connection is reset (the
+    server sees one client) and it connects again from its own address."""
+    size, path = 3_000_000, "/slow/3000000?rate=524288"
+    with Workspace.create("host", memory="256M", pids=64, config=cfg, network="egress",
+                          allow=[internet.subnet]) as parent:
+        parent.files.write("/tmp/dl.py", DOWNLOAD.encode())
+        parent.commands.spawn(["python3", "/tmp/dl.py", internet.web, path, "/tmp/log"])
+        assert _eventually(lambda: "started" in _lines(parent, "/tmp/log"), tries=100)
+        clones = parent.fork(2)
+        try:
+            addrs = {parent.network_address(), *(c.network_address() for c in clones)}
+            assert len(addrs) == 3 and None not in addrs
+            for c in clones:
+                assert c.network_policy() == parent.network_policy()
+                assert _eventually(lambda c=c: any(ln.startswith("reconnected") for ln in _lines(c, "/tmp/log")),
+                                   tries=100), _lines(c, "/tmp/log")
+                log = _lines(c, "/tmp/log")
+                # the kernel's abort of the socket (SOCK_DESTROY): ECONNABORTED
+                assert log[1] == "error ConnectionAbortedError" and log[2] == "reconnected hello from the test internet"
+            assert _eventually(lambda: any(ln.startswith("done") for ln in _lines(parent, "/tmp/log")), tries=150)
+            assert _lines(parent, "/tmp/log") == ["started", _lines(parent, "/tmp/log")[-1]]
+            assert int(_lines(parent, "/tmp/log")[-1].split()[1]) > size  # the body and its headers
+            # a clone's policy changes alone
+            clones[0].set_network_policy(allow=["192.0.2.0/24"])
+            assert probe(clones[0], f"{internet.web}:80")[f"{internet.web}:80"] != "ok"
+            assert probe(clones[1], f"{internet.web}:80")[f"{internet.web}:80"] == "ok"
+            assert parent.network_policy().allow_cidrs == (internet.subnet,)
+        finally:
+            for c in clones:
+                c.remove()
+    served = [e for e in internet.requests() if e["path"] == path]
+    assert served[-1]["sent"] == size and served[-1]["error"] is None  # the parent's, whole
+
