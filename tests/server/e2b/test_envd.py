@@ -244,3 +244,73 @@ def _until(cond, timeout: float = 5.0) -> None:  # noqa: ANN001
     while not cond():
         assert time.monotonic() < deadline, "not within the time"
         time.sleep(0.02)
+
+
+def _read_until(handle, text: str) -> str:  # noqa: ANN001
+    seen = ""
+    for stdout, _, _ in handle:
+        seen += stdout or ""
+        if text in seen:
+            return seen
+    raise AssertionError(f"{text!r} never came; saw {seen!r}")
+
+
+def test_fork_carries_a_running_command_each_fork_alone(env: Env) -> None:
+    opts = {"api_url": env.url, "sandbox_url": env.url, "api_key": TOKEN}
+    src = Sandbox.create(timeout=300, **opts)
+    forks: list = []
+    try:
+        src.files.write("/tmp/who", "src")
+        h = src.commands.run("while read l; do echo $l:$(cat /tmp/who); done", background=True, stdin=True)
+        src.commands.send_stdin(h.pid, "a\n")
+        _read_until(h, "a:src")
+        h.disconnect()
+        forks = src.fork(count=2)
+        assert all(isinstance(f, Sandbox) for f in forks), forks
+        for i, f in enumerate(forks):
+            f.files.write("/tmp/who", f"fork{i}")
+        for i, f in enumerate(forks):  # the command runs on in each fork, reading its own stdin
+            assert h.pid in {p.pid for p in f.commands.list()}
+            c = f.commands.connect(h.pid)
+            f.commands.send_stdin(h.pid, "b\n")
+            assert _read_until(c, f"b:fork{i}") == f"b:fork{i}\n"
+            f.commands.close_stdin(h.pid)
+            assert c.wait().exit_code == 0
+        c = src.commands.connect(h.pid)  # and in the source, untouched by its forks
+        src.commands.send_stdin(h.pid, "c\n")
+        assert _read_until(c, "c:src") == "c:src\n"
+        src.commands.kill(h.pid)
+    finally:
+        for s in [src, *[f for f in forks if isinstance(f, Sandbox)]]:
+            s.kill()
+
+
+def test_bounds_and_another_sandboxs_watcher(env: Env) -> None:
+    h = {"E2b-Sandbox-Id": env.ws.id, "X-Access-Token": env.access_token, "Content-Type": "application/json"}
+
+    def rpc(path: str, body: dict, headers: dict = h) -> httpx.Response:
+        return httpx.post(f"{env.url}/{path}", json=body, headers=headers, timeout=30)
+
+    for path, body in (("filesystem.Filesystem/Stat", {"path": "/x" * 3000}),
+                       ("filesystem.Filesystem/ListDir", {"path": "/", "depth": 1000}),
+                       ("filesystem.Filesystem/Stat", {"path": "a\u0000b"})):
+        r = rpc(path, body)
+        assert (r.status_code, r.json()["code"]) == (400, "invalid_argument"), r.text
+    r = httpx.post(f"{env.url}/process.Process/SendInput", headers=h, timeout=30,
+                   content=b'{"process":{"pid":1},"input":{"stdin":"' + b"A" * (6 << 20) + b'"}}')
+    assert r.json()["code"] == "resource_exhausted"  # over the message bound, refused before it is held
+    assert rpc("process.Process/SendSignal", {"process": {"pid": 1}, "signal": "SIGNAL_SIGKILL"}).json()["code"] \
+        == "not_found"  # only processes envd started: not the agent (pid 1)
+
+    other = Sandbox.create(api_url=env.url, sandbox_url=env.url, api_key=TOKEN, timeout=120)
+    try:
+        made = rpc("filesystem.Filesystem/CreateWatcher", {"path": "/tmp"})
+        wid = made.json()["watcherId"]
+        theirs = {**h, "E2b-Sandbox-Id": other.sandbox_id, "X-Access-Token": envd_access_token(TOKEN, other.sandbox_id)}
+        stolen = rpc("filesystem.Filesystem/GetWatcherEvents", {"watcherId": wid}, theirs)
+        assert (stolen.status_code, stolen.json()["code"]) == (404, "not_found")
+        assert rpc("filesystem.Filesystem/GetWatcherEvents", {"watcherId": wid}).status_code == 200
+        assert rpc("filesystem.Filesystem/RemoveWatcher", {"watcherId": wid}).status_code == 200
+        assert rpc("filesystem.Filesystem/GetWatcherEvents", {"watcherId": wid}).status_code == 404
+    finally:
+        other.kill()
