@@ -1069,6 +1069,30 @@ def test_forks_of_forks_replace_the_trap(lab: Lab, semprog: tuple[Path, Path]) -
     assert len(handlers) == 1, handlers
 
 
+@pytest.mark.criu
+def test_a_clone_whose_trap_is_another_versions_keeps_it(lab: Lab, semprog: tuple[Path, Path], tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A clone made by another bunshin (its handler's code differs: the filter traps what that
+    handler handles) keeps its handler and filter as they are; memory written since is copied."""
+    prog, data = semprog
+    images = lab.dump(lab.start([str(prog), str(lab.ctl), str(data)]))
+    source = trapcode._source()
+    other = source.replace(b"g[R_RAX] = ret;", b'g[R_RAX] = ret;\n    __asm__ volatile("nop");')
+    assert other != source
+    monkeypatch.setattr(trapcode, "_source", lambda: other)
+    memfile.rewrite_images(images, lab.mem, trap_cache=tmp_path / "other")
+    theirs = _filter_chain(images, 1)
+    monkeypatch.undo()
+    clone = lab.restore(images)
+    lab.cmd(clone, "dontneed")  # new anonymous memory
+    images = lab.dump(clone)
+    res = lab.rewrite(images)
+    assert [u.pid for u in res.left_anonymous] == [1]
+    assert "another bunshin version's" in res.left_anonymous[0].reason
+    assert _filter_chain(images, 1) == theirs  # not replaced, not stacked
+    assert _semantics(lab, lab.restore(images), SEM_CHECKS) == _want(SEM_CHECKS)
+
+
 def _filter_chain(images: Path, tid: int) -> list[bytes]:
     filters = image_io.load(images / "seccomp.img")["entries"][0]["seccomp_filters"]
     core = image_io.load(images / f"core-{tid}.img")["entries"][0]["thread_core"]

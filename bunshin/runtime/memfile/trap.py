@@ -75,27 +75,42 @@ def _sigsys(core: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _find_existing(proc: Proc, core: dict[str, Any], blob: Blob) -> tuple[int, list[FileEntry]] | None:
-    """(base, file entries) of the handler a clone's dump already holds, if any."""
+    """(base, file entries) of the handler a clone's dump already holds, if any; TrapUnavailable
+    if it is another version's (its code is not this blob's: its filter traps what it handles,
+    both stay as they are)."""
     sa = _sigsys(core)
     if not sa or not sa.get("sigaction"):
         return None
-    base = int(sa["sigaction"]) - blob.handler
-    table_at = base + len(blob.code)
-    starts = {v["start"]: i for i, v in enumerate(proc.vmas)}
-    i = starts.get(table_at)
-    if i is None or base not in starts or proc.vmas[i]["end"] != table_at + TABLE_SIZE:
+    at = int(sa["sigaction"])
+    code = next((i for i, v in enumerate(proc.vmas) if v["start"] <= at < v["end"]), None)
+    if code is None:
         return None
-    path = proc.base_paths.get(proc.vmas[i]["shmid"])
+    table_at = proc.vmas[code]["end"]
+    i = next((j for j, v in enumerate(proc.vmas) if v["start"] == table_at), None)
+    if i is None or proc.vmas[i]["end"] != table_at + TABLE_SIZE:
+        return None
+    raw = _area_bytes(proc, i, TABLE_SIZE)
+    entries = parse_table(raw) if raw is not None else None
+    if entries is None:
+        return None
+    base = proc.vmas[code]["start"]
+    if at - base != blob.handler or _area_bytes(proc, code, len(blob.code) + 1) != blob.code:
+        raise TrapUnavailable("its trap is another bunshin version's (kept as it is)")
+    return base, entries
+
+
+def _area_bytes(proc: Proc, i: int, n: int) -> bytes | None:
+    """Up to ``n`` bytes of area ``i`` as its memory file holds them (None if unreadable)."""
+    v = proc.vmas[i]
+    path = proc.base_paths.get(v["shmid"])
     if path is None:
         return None
     try:
         with open(path, "rb") as f:
-            f.seek(proc.vmas[i]["pgoff"])
-            raw = f.read(TABLE_SIZE)
+            f.seek(v["pgoff"])
+            return f.read(min(n, v["end"] - v["start"]))
     except OSError:
         return None
-    entries = parse_table(raw)
-    return None if entries is None else (base, entries)
 
 
 def _free_base(vmas: list[dict[str, Any]], size: int) -> int:
