@@ -228,6 +228,7 @@ def measure(parent: Workspace, n: int, mode: str, progress: Progress, heap_mib: 
         steps = restore_steps([c.record.extra.get("restore_steps_ms") or {} for c in clones])
         check_ms = [float(c.record.extra.get("restore_check_ms", 0.0)) for c in clones]  # per batch
         check_us = [float(c.record.extra.get("restore_check_us_per_task", 0.0)) for c in clones]
+        watch_ms = [float(c.record.extra.get("restore_check_watch_cpu_ms", 0.0)) for c in clones]
         stats0 = _each(clones, lambda c: c.stats().memory)
         anon0 = [m.anon_bytes for m in stats0]
         used1 = system_used_bytes()
@@ -258,6 +259,7 @@ def measure(parent: Workspace, n: int, mode: str, progress: Progress, heap_mib: 
         # the restore check (every restored task alive, not stopped or hung) of each batch, and per task
         "restore_check_ms_p50": round(percentile(check_ms, 50), 2),
         "restore_check_us_per_task_p50": round(percentile(check_us, 50), 1),
+        "restore_check_watch_cpu_ms_p50": round(percentile(watch_ms, 50), 2),  # the event watch's CPU, per batch
         "fork_wall_ms": round(take_ms + restore_wall, 2),
         **phases,
         "parent_pause_ms": round(snapshot.record.pause_ms, 2),

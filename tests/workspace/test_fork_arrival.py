@@ -65,6 +65,7 @@ def test_a_process_that_exits_normally_on_arrival_is_no_failure(family, arrival)
     assert ws.exec(["kill", "-0", str(pid)]).exit_code == 0
     assert c.record.extra["restore_check_ms"] >= 0
     assert c.record.extra["restore_check_tasks"] >= 2  # the agent and its threads, the shell...
+    assert c.record.extra["restore_check_us_per_task"] > 0 and c.record.extra["restore_check_watch_cpu_ms"] > 0
 
 
 def test_a_process_that_stops_on_arrival_fails_the_fork_one_stopped_before_does_not(family, arrival):

@@ -75,8 +75,9 @@ class Dead:
 class Checked:
     """What one check cost."""
 
-    ms: float
+    ms: float  # the check after the restores (wall)
     tasks: int  # restored threads whose state was read
+    watch_cpu_ms: float = 0.0  # the event watch's thread during the restores and the check (CPU)
 
     @property
     def us_per_task(self) -> float:
@@ -101,6 +102,7 @@ class Watch:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._recv_lock = threading.Lock()
+        self.cpu_s = 0.0
 
     def start(self) -> Watch:
         """Subscribe; without the connector (no permission, no kernel support) nothing is collected."""
@@ -131,6 +133,7 @@ class Watch:
                     self._drain()
             except OSError:
                 pass
+            self.cpu_s = time.thread_time()  # this thread's CPU time so far: the watch's cost
 
     def _drain(self) -> None:
         """Take every event waiting on the socket (the thread's, and the check's before it reads)."""
@@ -351,7 +354,7 @@ def check(images: Path, clones: Sequence[tuple[str, int]], watch: Watch) -> Chec
             dead=[{"clone": x.clone, "pid": x.pid, "command": x.command, "signal": x.signal, "stopped": x.stopped,
                    "hung": x.hung} for x in found],
         )
-    return Checked((time.perf_counter() - t0) * 1000, tasks)
+    return Checked((time.perf_counter() - t0) * 1000, tasks, watch.cpu_s * 1000)
 
 
 __all__ = ["Checked", "Dead", "Watch", "check", "command", "dead"]

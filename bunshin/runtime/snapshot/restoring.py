@@ -95,7 +95,8 @@ def restore(cfg: Config, store: Store, snap: SnapshotRecord, n: int, *, keep_log
 def _committed(checked: restore_check.Checked) -> Callable[[WorkspaceRecord], WorkspaceRecord]:
     """A clone of a batch that is in: no owner, the batch's check cost in its ``extra``."""
     cost = {"restore_check_ms": round(checked.ms, 2), "restore_check_tasks": checked.tasks,
-            "restore_check_us_per_task": round(checked.us_per_task, 1)}
+            "restore_check_us_per_task": round(checked.us_per_task, 1),
+            "restore_check_watch_cpu_ms": round(checked.watch_cpu_ms, 2)}
     return lambda rec: rec.replace(owner_pid=None, extra={**rec.extra, **cost})
 
 
