@@ -2,7 +2,7 @@
 
 A workspace runs ``trapcost.c`` (built here with gcc) holding written anonymous
 memory; it is forked once, and the same timings run in the clone (where that
-memory is converted: DONTNEED, rt_sigprocmask are trapped) and in the parent
+memory is converted: DONTNEED, every rt_sigprocmask are trapped) and in the parent
 (nothing trapped), ``rounds`` times alternately. Result (``--json``): per side the
 median of each timing in ns per call (``trapcost.c`` names them), and
 ``trap_overhead_ns`` = clone minus parent for each.
@@ -23,7 +23,8 @@ from ..config import Config
 from ..errors import HostUnsupported, InvalidArgument, RuntimeFailure
 from ..workspace import Workspace
 
-KEYS = ("dontneed_converted_ns", "dontneed_again_ns", "dontneed_fresh_anon_ns", "sigprocmask_ns", "getpid_ns")
+KEYS = ("dontneed_converted_ns", "dontneed_again_ns", "dontneed_fresh_anon_ns", "sigprocmask_ns", "sigprocmask_read_ns",
+        "getpid_ns")
 _WAIT = 'while [ ! -e "$1" ]; do sleep 0.01; done; cat "$1"'
 
 
