@@ -30,9 +30,10 @@ from . import procs
 from .gen.process import process_pb2 as pb
 from .rpc import FOLLOWING, Call, service_app
 
-#: Seconds between two looks at a command's files while it is quiet (it starts at POLL_MIN_S
-#: after output and doubles).
-POLL_MIN_S, POLL_MAX_S = 0.005, 0.1
+#: Seconds between two looks at a command's files: a tenth of how long it has been quiet,
+#: within these bounds (a quick command is seen ending within a few ms, an idle one costs
+#: about ten agent calls a second).
+POLL_MIN_S, POLL_MAX_S, POLL_QUIET_SHARE = 0.002, 0.1, 0.1
 #: Keepalive interval when the client names none, and bounds on the one it names.
 KEEPALIVE_S, KEEPALIVE_MIN_S = 30.0, 1.0
 #: Most arguments, environment variables and bytes of them a command takes.
@@ -85,8 +86,12 @@ def _pid_of(selector: Any) -> int:
     return int(selector.pid)
 
 
+def _delay(quiet_s: float) -> float:
+    return min(POLL_MAX_S, max(POLL_MIN_S, quiet_s * POLL_QUIET_SHARE))
+
+
 async def _wait_pid(call: Call, folder: str, deadline: float | None) -> int:
-    delay = POLL_MIN_S
+    t0 = time.monotonic()
     while True:
         with contextlib.suppress(PathNotFound):
             text = (await procs.run(call, call.ws.files.read, f"{folder}/pid", length=32)).decode().strip()
@@ -94,8 +99,7 @@ async def _wait_pid(call: Call, folder: str, deadline: float | None) -> int:
                 return int(text)
         if deadline is not None and time.monotonic() > deadline:
             raise ConnectError(Code.DEADLINE_EXCEEDED, "the command did not start before the deadline")
-        await anyio.sleep(delay)
-        delay = min(delay * 2, POLL_MAX_S)
+        await anyio.sleep(_delay(time.monotonic() - t0))
 
 
 async def follow(call: Call, folder: str, pid: int, ctx: RequestContext, event: type,
@@ -113,12 +117,11 @@ async def _follow(call: Call, folder: str, pid: int, ctx: RequestContext, event:
     ms = ctx.timeout_ms
     deadline = None if ms is None else time.monotonic() + ms / 1000
     keepalive, last = _keepalive_s(ctx), time.monotonic()
-    delay = POLL_MIN_S
+    heard = last  # when output last came
     while not call.gone.is_set():  # a client that hung up is followed no more (the command goes on)
         sizes = {f.name: f.size for f in await procs.run(call, procs.entries, call, folder)}
         if not sizes:
             raise ConnectError(Code.NOT_FOUND, f"process with pid {pid} not found")
-        got = False
         for name, field in (("out", "pty" if pty else "stdout"), ("err", "stderr")):
             while sizes.get(name, 0) > offsets[name]:
                 data = await procs.run(call, call.ws.files.read, f"{folder}/{name}", offset=offsets[name],
@@ -126,10 +129,9 @@ async def _follow(call: Call, folder: str, pid: int, ctx: RequestContext, event:
                 if not data:
                     break
                 offsets[name] += len(data)
-                got = True
                 yield event(event=pb.ProcessEvent(data=pb.ProcessEvent.DataEvent(**{field: data})))
-                last = time.monotonic()
-        if "rc" in sizes:
+                last = heard = time.monotonic()
+        if sizes.get("rc", 0) > 0:  # the status written (one write: no half of it is seen)
             yield event(event=pb.ProcessEvent(end=await _end(call, folder)))
             if owned:
                 with contextlib.suppress(BunshinError):
@@ -146,8 +148,7 @@ async def _follow(call: Call, folder: str, pid: int, ctx: RequestContext, event:
         if now - last >= keepalive:
             last = now
             yield event(event=pb.ProcessEvent(keepalive=pb.ProcessEvent.KeepAlive()))
-        delay = POLL_MIN_S if got else min(delay * 2, POLL_MAX_S)
-        await anyio.sleep(delay)
+        await anyio.sleep(_delay(time.monotonic() - heard))
     if owned and deadline is not None and time.monotonic() > deadline - DEADLINE_SLACK_S:
         # the client hung up at its timeout (it keeps the same deadline): the command goes as it would here
         with contextlib.suppress(BunshinError):

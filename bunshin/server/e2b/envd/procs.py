@@ -17,6 +17,7 @@ is told of its own commands.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import shlex
 import signal
@@ -62,12 +63,12 @@ unset BUNSHIN_E2B_STDIN
 if command -v setsid >/dev/null 2>&1; then set -- setsid "$@"; fi
 "$@" <"$i" >"$d/out" 2>"$d/err" 3<&- &
 c=$!
-ln -sfn "$d" "${d%/*}/by-pid/$c"; echo "$c" > "$d/pid.tmp"; mv "$d/pid.tmp" "$d/pid"
+ln -sfn "$d" "${d%/*}/by-pid/$c"; echo "$c" > "$d/pid"
 wait "$c"; rc=$?
 while [ "$u" = 1 ] && [ "$rc" = 138 ]; do  # 128 + SIGUSR1: the wait was cut by CloseStdin's signal
   u=0; wait "$c"; r=$?; [ "$r" = 127 ] && break; rc=$r
 done
-echo "$rc" > "$d/rc.tmp"; mv "$d/rc.tmp" "$d/rc"
+echo "$rc" > "$d/rc"
 """
 
 
@@ -222,5 +223,11 @@ def resize(call: Call, folder: str, pid: int, rows: int, cols: int) -> None:
 
 def remove(call: Call, folder: str, pid: int) -> None:
     """Forget an ended command's files (blocking)."""
-    link = shlex.quote(f"{BY_PID}/{pid}")
-    call.ws.exec(["/bin/sh", "-c", f'rm -rf "$(readlink {link})" {link} {shlex.quote(folder)}'], timeout=30)
+    link = f"{BY_PID}/{pid}"
+    real = folder if not folder.startswith(BY_PID + "/") else None
+    if real is None:  # the folder named through its link: the run's own folder is where it points
+        real = next((e.link_target for e in call.ws.files.list(BY_PID) if e.name == str(pid) and e.link_target), None)
+    for path, recursive in ((link, False), (real, True)):
+        if path and path.startswith(BASE + "/"):  # never anything else, whatever the link says
+            with contextlib.suppress(PathNotFound):
+                call.ws.files.remove(path, recursive=recursive)
