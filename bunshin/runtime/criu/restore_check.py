@@ -208,27 +208,52 @@ def _request(op: int) -> bytes:
 
 def _inside(root: int) -> dict[int, dict[int, str]] | None:
     """Processes of the clone whose pid 1 is ``root`` (host pid): pid inside -> {tid: state
-    letter} of its threads (the leader's under its pid); None if the clone is gone."""
-    proc = Path(f"/proc/{root}/root/proc")
+    letter} of its threads (the leader's under its pid); None if the clone is gone. Read
+    relative to descriptors of the clone's procfs: a path through ``/proc/ROOT/root`` walks
+    that link again for each file (5x the time)."""
     try:
-        names = [n for n in os.listdir(proc) if n.isdigit()]
+        proc = os.open(f"/proc/{root}/root/proc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return None
     out: dict[int, dict[int, str]] = {}
-    for n in names:
-        states: dict[int, str] = {}
-        with contextlib.suppress(OSError, IndexError):
-            states[int(n)] = _state((proc / n / "stat").read_text())
-            for t in os.listdir(proc / n / "task"):
-                if t != n:
-                    with contextlib.suppress(OSError, IndexError):
-                        states[int(t)] = _state((proc / n / "task" / t / "stat").read_text())
-        if states:
-            out[int(n)] = states
+    try:
+        for n in os.listdir(proc):
+            if n.isdigit():
+                states = _states(proc, n)
+                if states:
+                    out[int(n)] = states
+    finally:
+        os.close(proc)
     return out
 
 
-def _state(stat: str) -> str:
+def _states(proc: int, pid: str) -> dict[int, str]:
+    """{tid: state letter} of process ``pid``'s threads (what could be read of them)."""
+    states: dict[int, str] = {}
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        states[int(pid)] = _state(_read_at(proc, f"{pid}/stat"))
+        task = os.open(f"{pid}/task", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=proc)
+        try:
+            for t in os.listdir(task):
+                if t != pid:
+                    with contextlib.suppress(OSError, ValueError, IndexError):
+                        states[int(t)] = _state(_read_at(task, f"{t}/stat"))
+        finally:
+            os.close(task)
+    return states
+
+
+def _read_at(folder: int, name: str) -> bytes:
+    fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=folder)
+    try:
+        return os.read(fd, 4096)
+    finally:
+        os.close(fd)
+
+
+def _state(stat: str | bytes) -> str:
+    if isinstance(stat, bytes):
+        stat = stat.decode(errors="replace")
     return stat[stat.rindex(")") + 2]
 
 
