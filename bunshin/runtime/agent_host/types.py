@@ -22,8 +22,11 @@ class AgentInfo:
 class ExecResult(Generic[AnyStr]):
     """A finished command. On timeout the whole process group was SIGKILLed.
 
-    ``exit_code`` is the exit status, or minus the signal number that killed it
-    (``signal`` then holds that number). Truncated streams end with a note
+    ``exit_code`` is the exit status (0-255), or minus the signal number that killed it
+    (``signal`` then holds that number; as ``subprocess.Popen.returncode``): a command
+    killed at its timeout has ``-9`` and ``timed_out``. This is the one meaning of
+    ``exit_code`` across bunshin (``SessionResult``, ``Observation``: ``None`` where
+    there is no status; the CLI exits ``128 + N`` for signal N, as a shell does). Truncated streams end with a note
     saying how many bytes were dropped. With ``text=False`` the streams are the
     exact bytes (no note: the ``*_truncated`` flags say it): ``ExecResult[bytes]``.
     """
