@@ -170,8 +170,7 @@ def run_mode(cfg: Config, label: str, task: TaskSpec, traces: list[Trace]) -> di
 
 def run(cfg: Config, *, framework: str = "miniswe", group: int = 8, think_scale: float = 0.5,
         workload: str = "coding", modes: tuple[str, ...] = MODES, settle_s: float = 2.0) -> dict[str, Any]:
-    """Every mode in turn on one task of ``workload`` (``coding`` falls back to
-    ``coding-lite`` when its sdist cannot be had)."""
+    """Every mode in turn on one task of ``workload``."""
     if framework == "skyrl":
         from . import adapters_skyrl
 

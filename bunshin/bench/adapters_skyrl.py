@@ -4,7 +4,7 @@ without the group fork.
 The group is what SkyRL's generator makes for one prompt: ``n`` envs from
 ``skyrl_gym.make("bunshin", extras=row)`` with the same ``instance_id``, each driven in
 its own thread (SkyRL runs ``env.init``/``env.step`` in an executor), each replaying one
-of the rollout benchmark's coding traces (more-itertools: list, read, ``pip install -e .``,
+of the rollout benchmark's coding traces (recipekit: list, read, ``pip install -e .``,
 tests, diverging edits, re-test) as the model's text, with its think times. Side by
 side, one after another, memory sampled as in ``bunshin bench rollout``:
 
@@ -129,8 +129,7 @@ def _host(cfg: Config, served: bool) -> Iterator[dict[str, Any]]:
 
 def run(cfg: Config, *, group: int = 8, think_scale: float = 0.5, workload: str = "coding",
         modes: tuple[str, ...] = tuple(MODES), settle_s: float = 2.0) -> dict[str, Any]:
-    """Every mode in turn on one task of ``workload`` (``coding`` falls back to coding-lite
-    without its sdist)."""
+    """Every mode in turn on one task of ``workload``."""
     work, task, traces = group_task(cfg, modes=modes, known=tuple(MODES), group=group, workload=workload,
                                     think_scale=think_scale, settle_s=settle_s)
     rows = []

@@ -1,8 +1,9 @@
 """``bunshin bench cache``: the tool prefix cache and speculation on a real coding task.
 
-The task is a real open-source project (``more-itertools`` from its PyPI sdist,
-with its own unittest suite) unpacked into a workspace and snapshotted as the
-task root. A group of trajectories makes the calls agents make: list, read the
+The task is a small Python project with its own unittest suite (``recipekit``,
+iterator recipes: :mod:`bunshin.bench.task_project`, shipped with bunshin, so nothing
+is downloaded and every machine runs the same task) written into a workspace and
+snapshotted as the task root. A group of trajectories makes the calls agents make: list, read the
 README, install, test, look around (a shared prefix), then read, edit and test
 with diverging edits (some trajectories pick the same one), with a think time
 before every call. Side by side, on the same traces and think times:
@@ -22,13 +23,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
-import shutil
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from rich.progress import Progress
@@ -36,19 +32,19 @@ from rich.progress import Progress
 from .. import console as output
 from ..cache import CachePolicy, PrefixCache
 from ..config import Config
-from ..errors import BunshinError
 from ..speculate import SpeculationPolicy
 from ..tools import Observation, ToolSet
 from ..workspace import Snapshot, Workspace
 from ..workspace.aio import AsyncSnapshot, AsyncWorkspace
 from ..workspace.protocol import WorkspaceAPI
+from . import task_project
 from .stats import percentile, summary
 
-PACKAGE, VERSION = "more-itertools", "8.8.0"
+PACKAGE, VERSION = task_project.PACKAGE, task_project.VERSION
 TASK = "/task"
 TEST = "python3 -m unittest -q 2>&1 | tail -4 | sed -E 's/ in [0-9.]+s$//'"
 INSTALL = "pip install --break-system-packages -e . --no-deps --no-build-isolation -q 2>&1 | tail -3"
-RECIPES = "more_itertools/recipes.py"
+RECIPES = "recipekit/recipes.py"
 Call = tuple[str, dict[str, Any]]
 
 
@@ -64,16 +60,16 @@ PREFIX: list[Call] = [
     bash(f"grep -n '^def ' {RECIPES} | head -30"),
 ]
 
-# name: (lines to read, old text, new text) in more_itertools/recipes.py
+# name: (lines to read, old text, new text) in recipekit/recipes.py (tests/bench pins them to the file)
 EDITS: dict[str, tuple[int, int, str, str]] = {
-    "take": (60, 73, "    return list(islice(iterable, n))", "    return list(islice(iterable, max(n, 0)))"),
-    "tail": (94, 102, "    return iter(deque(iterable, maxlen=n))", "    return iter(list(iterable)[-n:] if n else [])"),
-    "quantify": (172, 179, "    return sum(map(pred, iterable))", "    return sum(1 for x in iterable if pred(x))"),
-    "dotproduct": (209, 216, "    return sum(map(operator.mul, vec1, vec2))",
+    "take": (31, 44, "    return list(islice(iterable, n))", "    return list(islice(iterable, max(n, 0)))"),
+    "tail": (59, 67, "    return iter(deque(iterable, maxlen=n))", "    return iter(list(iterable)[-n:] if n else [])"),
+    "quantify": (113, 120, "    return sum(map(pred, iterable))", "    return sum(1 for x in iterable if pred(x))"),
+    "dotproduct": (133, 140, "    return sum(map(operator.mul, vec1, vec2))",
                    "    return sum(a * b for a, b in zip(vec1, vec2))"),
-    "flatten": (219, 228, "    return chain.from_iterable(listOfLists)",
+    "flatten": (143, 150, "    return chain.from_iterable(listOfLists)",
                 "    return (x for xs in listOfLists for x in xs)"),
-    "all_equal": (158, 169, "    g = groupby(iterable)\n    return next(g, True) and not next(g, False)",
+    "all_equal": (99, 110, "    g = groupby(iterable)\n    return next(g, True) and not next(g, False)",
                   "    items = list(iterable)\n    return all(x == items[0] for x in items)"),
 }
 WEIGHTS = [4, 3, 2, 2, 1, 1]  # agents of one group often converge on the same edit
@@ -81,7 +77,7 @@ FOLLOW_UP: list[Call] = [
     ("edit", {"path": RECIPES, "old_str": "Return first *n* items", "new_str": "Return the first *n* items"}),
     bash(TEST),
 ]
-FINAL = bash("cd / && python3 -c 'import more_itertools as m; print(m.take(2, m.tail(3, range(9))))'")
+FINAL = bash("cd / && python3 -c 'import recipekit as m; print(m.take(2, m.tail(3, range(9))))'")
 
 
 def traces(group: int, iterations: int, seed: int) -> list[list[list[Call]]]:
@@ -110,33 +106,11 @@ def think_times(plan: list[list[list[Call]]], scale: float, seed: int) -> list[l
 # --- the task ------------------------------------------------------------------------
 
 
-def fetch_sdist(cfg: Config) -> Path:
-    """The project's sdist, downloaded once with pip into bunshin's home."""
-    dest = cfg.paths.bench / f"{PACKAGE}-{VERSION}.tar.gz"
-    if dest.is_file():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               "--no-build-isolation", "-q", f"{PACKAGE}=={VERSION}", "-d", tmp]
-        r = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=300)
-        got = list(Path(tmp).glob("*.tar.gz"))
-        if r.returncode != 0 or not got:
-            raise BunshinError(f"could not download the {PACKAGE} {VERSION} sdist: {r.stderr.strip()[-500:]}",
-                               hint="the benchmark needs PyPI once (and setuptools + wheel in this Python: "
-                                    "pip install -e '.[dev]'); the sdist is kept in BUNSHIN_HOME/bench")
-        shutil.move(str(got[0]), dest)
-    return dest
-
-
-def make_root(cfg: Config, sdist: Path) -> Snapshot:
+def make_root(cfg: Config) -> Snapshot:
+    """The task root: the project written into ``/task`` of a fresh workspace, a shell open there."""
     ws = Workspace.create("host", memory="2G", config=cfg)
     try:
-        ws.files.write("/tmp/src.tgz", sdist.read_bytes())
-        r = ws.exec(f"mkdir -p {TASK} && tar xzf /tmp/src.tgz -C {TASK} --strip-components=1 && rm /tmp/src.tgz",
-                    timeout=120)
-        if not r.ok:
-            raise BunshinError(f"could not unpack the task: {r.stderr}")
+        task_project.write(ws, TASK)
         ws.shell(cwd=TASK)
         return ws.snapshot()
     finally:
@@ -253,8 +227,7 @@ def run(cfg: Config, *, quick: bool = False, group: int = 8, iterations: int | N
     scale = 0.6 if quick else 1.0
     plan = traces(group, iterations, seed)
     thinks = think_times(plan, scale, seed)
-    sdist = fetch_sdist(cfg)
-    root = make_root(cfg, sdist)
+    root = make_root(cfg)
     runs: dict[str, ModeRun] = {}
     try:
         with Progress(console=output.err, transient=True) as progress:

@@ -19,8 +19,7 @@ from .rollout import reduction, settle, warm_up
 def group_task(cfg: Config, *, modes: Sequence[str], known: Sequence[str], group: int, workload: str,
                think_scale: float, settle_s: float) -> tuple[wl.Workload, TaskSpec, list[Trace]]:
     """Check a framework benchmark's arguments, then build its one task of ``workload`` and
-    ``group`` traces (``coding`` falls back to ``coding-lite`` when its sdist cannot be had),
-    warm the machine up and let it settle."""
+    ``group`` traces, warm the machine up and let it settle."""
     for m in modes:
         if m not in known:
             raise InvalidArgument(f"unknown mode {m!r}", hint=f"one of {', '.join(known)}")

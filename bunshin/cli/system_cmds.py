@@ -111,7 +111,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--framework", default="miniswe", help="miniswe (default) or skyrl")
     b.add_argument("--group", type=int, default=8, help="runs of one task (default 8)")
     b.add_argument("--think-scale", type=float, default=0.5, help="multiply recorded think times (default 0.5)")
-    b.add_argument("--workload", default="coding", help="coding (default; coding-lite without its sdist) or coding-lite")
+    b.add_argument("--workload", default="coding", help="coding (default) or coding-lite")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_adapters, release_tmpfs=True)
 

@@ -92,7 +92,7 @@ def test_coding_workload_uses_the_cache_benchmark_calls():
     from bunshin.bench import cache as cache_bench
     from bunshin.bench.workloads import coding
 
-    t = coding.task(1, sdist_b64="eA==")
+    t = coding.task(1)
     trs = coding.traces(t, 8, seed=0, think_scale=1.0)
     assert len(trs) == 8 and all(tr.task == "code-1" for tr in trs)
     assert [(s.name, s.arguments) for s in trs[0].steps[:len(cache_bench.PREFIX)]] == \

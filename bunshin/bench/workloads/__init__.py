@@ -20,7 +20,7 @@ def build(name: str, *, tasks: int, traces: int, seed: int = 0, think_scale: flo
     elif name == "coding":
         ts = coding.tasks(config or Config.from_env(), tasks)
         trs = [tr for t in ts for tr in coding.traces(t, traces, seed=seed, think_scale=think_scale)]
-        desc = ("the cache benchmark's coding agent: more-itertools (PyPI sdist) — list, read, pip install -e ., "
+        desc = ("the cache benchmark's coding agent: recipekit (shipped with bunshin) — list, read, pip install -e ., "
                 "unit tests, diverging edits, re-test")
     elif name == "coding-lite":
         ts = [coding_lite.task(i, seed=seed) for i in range(tasks)]

@@ -1,7 +1,7 @@
 """Workload (b): the coding agent of the cache benchmark (``bunshin bench cache``), as rollout tasks.
 
-The project is ``more-itertools`` from its PyPI sdist (downloaded once into
-``BUNSHIN_HOME/bench``), unpacked into ``/task`` by the setup. Trajectories make the
+The project is ``recipekit`` (:mod:`bunshin.bench.task_project`, shipped with bunshin:
+nothing is downloaded), written into ``/task`` before the setup. Trajectories make the
 cache benchmark's calls: list, read the README, ``pip install -e .``, run the tests,
 look around (the shared prefix), then read, edit and re-test with diverging edits,
 some with a follow-up edit, and a final import check. The reward is the fraction of
@@ -11,7 +11,6 @@ group's edits with its own seed.
 
 from __future__ import annotations
 
-import base64
 import random
 
 from ...config import Config
@@ -19,6 +18,7 @@ from ...rollout.policies import Trace
 from ...rollout.task import TaskSpec, parse_task
 from ...tools import Step, ToolCall
 from .. import cache as cache_bench
+from .. import task_project
 from .common import think
 
 SCORE = r'''
@@ -34,14 +34,14 @@ print(round((n - bad) / n, 4))
 '''
 
 
-def task(i: int, *, sdist_b64: str) -> TaskSpec:
+def task(i: int) -> TaskSpec:
     root = cache_bench.TASK
+    project = {f"{root}/{path}": text for path, text in task_project.FILES.items()}
     return parse_task({
         "id": f"code-{i}",
         "memory": "2G",
-        "files": {"/tmp/src.tgz.b64": sdist_b64, "/opt/grader/score.py": SCORE},
-        "setup": [f"mkdir -p {root} && base64 -d /tmp/src.tgz.b64 | tar xz -C {root} --strip-components=1"
-                  " && rm /tmp/src.tgz.b64"],
+        "files": {**project, "/opt/grader/score.py": SCORE},
+        "setup": [f"test -f {root}/setup.py"],
         "tools": ["bash", "read_file", "edit"],
         "workdir": root,
         "prompt": f"Improve the recipes in {cache_bench.RECIPES} without breaking the tests (issue #{200 + i}).",
@@ -54,9 +54,8 @@ def task(i: int, *, sdist_b64: str) -> TaskSpec:
 
 
 def tasks(cfg: Config, n: int) -> list[TaskSpec]:
-    sdist = cache_bench.fetch_sdist(cfg)
-    b64 = base64.b64encode(sdist.read_bytes()).decode()
-    return [task(i, sdist_b64=b64) for i in range(n)]
+    """``n`` tasks of the workload (``cfg``: unused, nothing is fetched)."""
+    return [task(i) for i in range(n)]
 
 
 def traces(t: TaskSpec, n: int, *, seed: int, think_scale: float) -> list[Trace]:
