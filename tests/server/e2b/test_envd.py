@@ -285,6 +285,17 @@ def test_fork_carries_a_running_command_each_fork_alone(env: Env) -> None:
             s.kill()
 
 
+def test_a_multipart_upload_is_bounded_whole(sbx: Sandbox, monkeypatch) -> None:  # noqa: ANN001
+    from bunshin.server.e2b.envd import files
+
+    monkeypatch.setattr(files, "MAX_MULTIPART", 1000)  # the server runs in this process
+    with pytest.raises(InvalidArgumentException, match="upload over 1000 bytes"):
+        sbx.files.write_files([{"path": "/up/one", "data": b"1" * 800}, {"path": "/up/two", "data": b"2" * 800}])
+    assert not sbx.files.exists("/up/one") and not sbx.files.exists("/up/two")  # nothing half-written
+    sbx.files.write_files([{"path": "/up/one", "data": b"1" * 100}, {"path": "/up/two", "data": b"2" * 100}])
+    assert sbx.files.read("/up/two") == "2" * 100
+
+
 def test_bounds_and_another_sandboxs_watcher(env: Env) -> None:
     h = {"E2b-Sandbox-Id": env.ws.id, "X-Access-Token": env.access_token, "Content-Type": "application/json"}
 

@@ -6,7 +6,7 @@
 Errors are envd's ``{"code": <status>, "message"}``. A download streams in pieces of
 ``STREAM_CHUNK`` (one held at a time); an upload is written as it arrives, each file at
 most ``MAX_FILE_BYTES`` (gzip bodies bounded after decompression), at most ``MAX_FILES``
-files a request.
+files a request, a multipart body at most ``MAX_MULTIPART`` bytes whole.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import anyio.from_thread
 import anyio.to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Message
 
 from ....errors import BunshinError, InvalidArgument, PayloadTooLarge
 from ...context import MAX_FILE_BYTES, STREAM_CHUNK
@@ -31,6 +32,8 @@ from .filesystem import resolve
 from .rpc import Call, user_of
 
 MAX_FILES = 1000
+#: A multipart upload's whole body (its parts are spooled on the host before they are written).
+MAX_MULTIPART = MAX_FILE_BYTES
 
 
 def error(status: int, message: str) -> JSONResponse:
@@ -124,8 +127,27 @@ async def upload(call: Call, request: Request) -> Response:
     return JSONResponse([_info(path)])
 
 
+def _capped(request: Request, cap: int) -> Request:
+    """``request`` whose body is refused (``PayloadTooLarge``) past ``cap`` bytes: a multipart
+    form is spooled on the host before its files are written, so it is bounded whole."""
+    seen = 0
+    receive = request.receive
+
+    async def counted() -> Message:
+        nonlocal seen
+        message = await receive()
+        seen += len(message.get("body", b""))
+        if seen > cap:
+            raise PayloadTooLarge(f"upload over {cap} bytes", hint="upload large files one at a time as "
+                                                                   "application/octet-stream (write them in parts)")
+        return message
+
+    return Request(request.scope, counted)
+
+
 async def _multipart(call: Call, request: Request) -> Response:
     default = request.query_params.get("path")
+    request = _capped(request, MAX_MULTIPART)
     form = await request.form(max_files=MAX_FILES, max_fields=MAX_FILES)
     written = []
     try:
