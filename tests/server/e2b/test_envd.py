@@ -56,6 +56,10 @@ def test_run_as_user_and_a_user_that_is_not_there(sbx: Sandbox) -> None:
     assert r.stdout == "e2buser\n/home/e2buser\n/tmp\n"
     with pytest.raises(InvalidArgumentException, match="does not exist"):
         sbx.commands.run("true", user="nosuchuser")
+    sbx.files.write("mine.txt", "x", user="e2buser")  # relative: that user's home, and theirs
+    sbx.files.make_dir("/tmp/theirs", user="e2buser")
+    owners = sbx.commands.run("stat -c %U /home/e2buser/mine.txt /tmp/theirs").stdout
+    assert owners == "e2buser\ne2buser\n"
 
 
 def test_timeout_kills_the_command(sbx: Sandbox) -> None:

@@ -122,6 +122,7 @@ async def upload(call: Call, request: Request) -> Response:
     def write() -> None:
         with call.ctx.locks.held(call.ws):
             call.ws.files.write_stream(path, _bounded(pieces(), gz))
+            procs.give_to_user(call, path)
 
     await anyio.to_thread.run_sync(write)
     return JSONResponse([_info(path)])
@@ -164,6 +165,7 @@ async def _multipart(call: Call, request: Request) -> Response:
             def write(path: str = path, chunks: Any = chunks) -> None:
                 with call.ctx.locks.held(call.ws):
                     call.ws.files.write_stream(path, _bounded(chunks(), False))
+                    procs.give_to_user(call, path)
 
             await anyio.to_thread.run_sync(write)
             written.append(_info(path))

@@ -107,6 +107,7 @@ def _make_dir(call: Call, path: str) -> Any:
     r = call.ws.exec(["mkdir", "-p", "--", path], timeout=30)
     if r.exit_code != 0:
         raise InvalidArgument(f"cannot make {path}: {r.stderr.strip()[:200]}")
+    procs.give_to_user(call, path)
     return _stat(call, path)
 
 

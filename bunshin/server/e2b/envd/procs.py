@@ -117,6 +117,16 @@ def passwd_entry(call: Call, user: str) -> tuple[int, int, str]:
                           hint="run as root (the default) or create the user first (useradd)")
 
 
+def give_to_user(call: Call, path: str) -> None:
+    """Make ``path`` the call's user's (blocking); root's stays as it is."""
+    if call.user in (None, "root"):
+        return
+    uid, gid, _ = passwd_entry(call, call.user)
+    r = call.ws.exec(["chown", "-h", f"{uid}:{gid}", "--", path], timeout=30)
+    if r.exit_code != 0:
+        raise InvalidArgument(f"cannot give {path} to {call.user}: {r.stderr.strip()[:200]}")
+
+
 def start(call: Call, spec: Spec) -> str:
     """Spawn ``spec`` under the wrapper (blocking); the run's folder."""
     folder = f"{BASE}/{uuid.uuid4().hex}"
