@@ -4,6 +4,7 @@ sandbox found, then the Connect services or the HTTP routes."""
 from __future__ import annotations
 
 import json
+import threading
 
 import anyio.to_thread
 from connectrpc.code import Code
@@ -12,6 +13,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ....errors import NotFound, StateConflict
+from ....workspace import Workspace
 from ...context import ServerContext
 from .. import hosts
 from . import files, filesystem, process
@@ -19,12 +21,34 @@ from .rpc import CALL, Call, user_of
 
 #: Connect services by the first segment of their paths.
 SERVICES = ("/process.Process/", "/filesystem.Filesystem/")
+#: Workspaces remembered between calls (looking one up reads the store).
+KNOWN = 4096
 
 
 class EnvdApp:
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
         self.rpc: dict[str, ASGIApp] = {SERVICES[0]: process.app(), SERVICES[1]: filesystem.app()}
+        self._known: dict[str, Workspace] = {}  # by sandbox id, the oldest first
+        self._lock = threading.Lock()
+
+    def _workspace(self, sandbox_id: str) -> Workspace:
+        """The running workspace of ``sandbox_id``: the one looked up before while its pid 1
+        lives (a pause, resume or restart under the same id makes a new one), else from
+        the store."""
+        with self._lock:
+            ws = self._known.get(sandbox_id)
+        if ws is not None and ws.is_alive():
+            return ws
+        ws = self.ctx.ws_of(sandbox_id)
+        if not ws.is_alive():
+            raise StateConflict(f"sandbox {sandbox_id} is not running")
+        with self._lock:
+            self._known.pop(sandbox_id, None)
+            if len(self._known) >= KNOWN:
+                self._known.pop(next(iter(self._known)))
+            self._known[sandbox_id] = ws
+        return ws
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -42,9 +66,7 @@ class EnvdApp:
             await _refuse(scope, send, 401, message, service is not None, "unauthenticated")
             return
         try:
-            ws = await anyio.to_thread.run_sync(self.ctx.ws_of, t.sandbox_id)
-            if not ws.is_alive():
-                raise StateConflict(f"sandbox {t.sandbox_id} is not running")
+            ws = await anyio.to_thread.run_sync(self._workspace, t.sandbox_id)
         except (NotFound, StateConflict):
             await hosts.refuse(scope, send, 502, f"The sandbox {t.sandbox_id} was not found")
             return

@@ -14,10 +14,12 @@ stdin. Processes are selected by pid (selecting by tag is refused by name).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import anyio
@@ -38,9 +40,26 @@ POLL_MIN_S, POLL_MAX_S, POLL_QUIET_SHARE = 0.002, 0.1, 0.1
 KEEPALIVE_S, KEEPALIVE_MIN_S = 30.0, 1.0
 #: Most arguments, environment variables and bytes of them a command takes.
 MAX_ARGS, MAX_ENVS, MAX_SPEC_BYTES = 4096, 1024, 1 << 20
+log = logging.getLogger("bunshin.server")
 MAX_TERM = 1000
 #: A Start client hanging up this close to its deadline is taken for its timeout.
 DEADLINE_SLACK_S = 1.0
+_BACKGROUND: set[asyncio.Task[Any]] = set()  # held until done (the loop keeps weak references)
+
+
+def _later(job: Coroutine[Any, Any, Any]) -> None:
+    """Run ``job`` on its own; its failure is only logged."""
+    async def run() -> None:
+        try:
+            await job
+        except Exception as e:
+            log.info("envd: a run's files were not removed: %s", e)
+
+    task = asyncio.get_running_loop().create_task(run())
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+
+
 _SIGNALS = {pb.SIGNAL_SIGKILL: signal.SIGKILL, pb.SIGNAL_SIGTERM: signal.SIGTERM}
 
 
@@ -131,11 +150,11 @@ async def _follow(call: Call, folder: str, pid: int, ctx: RequestContext, event:
                 offsets[name] += len(data)
                 yield event(event=pb.ProcessEvent(data=pb.ProcessEvent.DataEvent(**{field: data})))
                 last = heard = time.monotonic()
-        if sizes.get("rc", 0) > 0:  # the status written (one write: no half of it is seen)
-            yield event(event=pb.ProcessEvent(end=await _end(call, folder)))
-            if owned:
-                with contextlib.suppress(BunshinError):
-                    await procs.run(call, procs.remove, call, folder, pid)
+        status = procs.status_of(sizes)
+        if status is not None:
+            yield event(event=pb.ProcessEvent(end=_end(status)))
+            if owned:  # after the answer: nobody waits for it
+                _later(procs.run(call, procs.remove, call, folder, pid))
             return
         now = time.monotonic()
         if deadline is not None and now > deadline:
@@ -156,9 +175,7 @@ async def _follow(call: Call, folder: str, pid: int, ctx: RequestContext, event:
             await procs.run(call, procs.remove, call, folder, pid)
 
 
-async def _end(call: Call, folder: str) -> Any:
-    text = (await procs.run(call, call.ws.files.read, f"{folder}/rc", length=32)).decode().strip()
-    code = int(text) if text.lstrip("-").isdigit() else -1
+def _end(code: int) -> Any:
     if code > 128:  # sh's status of a command a signal ended
         sig = code - 128
         with contextlib.suppress(ValueError):

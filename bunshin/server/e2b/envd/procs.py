@@ -4,7 +4,8 @@ The host holds no connection into a workspace across calls (CRIU could not check
 it), so a command started by ``Process/Start`` runs under a small ``sh`` wrapper spawned by
 the agent: the command's stdout and stderr go to files in
 ``/tmp/.bunshin-e2b/procs/<run>/``, its stdin comes from a FIFO there (or ``/dev/null``),
-and its exit status is written there when it ends. The command leads a session of its own
+and its exit status is written there when it ends (as the name of an empty file,
+``rc=<status>``: a listing sees it whole). The command leads a session of its own
 (``setsid``), so a signal to its process group reaches all it started, and the wrapper
 outlives it to record the status. ``by-pid/<pid>`` links to the run's folder: the pid
 is the command's, as E2B's SDK knows it. The server follows the files with short agent
@@ -22,7 +23,7 @@ import json
 import shlex
 import signal
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -68,7 +69,7 @@ wait "$c"; rc=$?
 while [ "$u" = 1 ] && [ "$rc" = 138 ]; do  # 128 + SIGUSR1: the wait was cut by CloseStdin's signal
   u=0; wait "$c"; r=$?; [ "$r" = 127 ] && break; rc=$r
 done
-echo "$rc" > "$d/rc"
+: > "$d/rc=$rc"
 """
 
 
@@ -156,6 +157,15 @@ def folder_of(call: Call, pid: int) -> str:
     return folder
 
 
+def status_of(names: Iterable[str]) -> int | None:
+    """The exit status a run's folder holds (the file ``rc=<status>``: one name, never half
+    written), or ``None`` while it runs."""
+    for name in names:
+        if name.startswith("rc=") and name[3:].isdigit():
+            return int(name[3:])
+    return None
+
+
 def meta_of(call: Call, folder: str) -> dict[str, Any]:
     """What started the command in ``folder`` (blocking)."""
     try:
@@ -177,7 +187,7 @@ def listing(call: Call) -> list[tuple[int, dict[str, Any]]]:
             continue
         folder = f"{BY_PID}/{e.name}"
         names = {f.name for f in entries(call, folder)}
-        if "rc" in names or "meta" not in names:
+        if status_of(names) is not None or "meta" not in names:
             continue
         try:
             meta = json.loads(call.ws.files.read(f"{folder}/meta", length=1 << 20))
@@ -203,7 +213,7 @@ def write_stdin(call: Call, folder: str, data: bytes) -> None:
     if "in" not in names:
         raise InvalidArgument("the process was started without stdin",
                               hint="pass stdin=True to commands.run (background) to write to it")
-    if "rc" in names:
+    if status_of(names) is not None:
         raise NotFound("the process has ended", hint="start it again")
     fifo = shlex.quote(f"{folder}/in")
     # O_NONBLOCK write end: the wrapper holds the FIFO open both ways, so it never blocks on open
