@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ...runtime.container.lifecycle import ID_RE
 from .auth import envd_token_ok, traffic_token_ok
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ SANDBOX_PORT_HEADER = b"e2b-sandbox-port"
 ENVD_TOKEN_HEADER = b"x-access-token"
 TRAFFIC_TOKEN_HEADER = b"e2b-traffic-access-token"
 #: A workspace id (``runtime.container.lifecycle.new_id``).
-SANDBOX_ID = re.compile(r"ws-[0-9a-f]{12}")
+SANDBOX_ID = ID_RE
 _HOST_LABEL = re.compile(rb"([0-9]{1,5})-(ws-[0-9a-f]{12})")
 #: Where the router puts the :class:`Target` in an ASGI scope.
 SCOPE_KEY = "bunshin.e2b.target"

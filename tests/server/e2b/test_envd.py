@@ -212,6 +212,8 @@ def test_a_sandbox_that_is_not_there(env: Env) -> None:
         sbx.commands.run("echo no")
     with pytest.raises(SandboxNotRunningException):
         sbx.files.write("/x", "no")
+    assert sbx.is_running() is False  # envd's /health: 502 for it
+    assert env.sandbox(Sandbox).is_running() is True
 
 
 def test_raw_connect_codecs_and_unimplemented(env: Env) -> None:
@@ -229,6 +231,11 @@ def test_raw_connect_codecs_and_unimplemented(env: Env) -> None:
     assert tag.status_code == 501 and tag.json()["code"] == "unimplemented" and "tag" in tag.json()["message"]
     nope = httpx.post(f"{env.url}/process.Process/Nope", json={}, headers={**h, "Content-Type": "application/json"})
     assert nope.status_code == 404
+    for sid, port, status in (("../../etc", "49983", 502), (env.ws.id.upper(), "49983", 502),
+                              (env.ws.id, "99999", 400), (env.ws.id, "x", 400)):
+        r = httpx.get(f"{env.url}/health", headers={**h, "E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": port})
+        assert r.status_code == status, (sid, port, r.text)
+    assert httpx.get(f"{env.url}/health", headers=h).status_code == 204  # envd's own health
 
 
 def test_a_client_that_hangs_up_leaves_no_stream_running(env: Env, sbx: Sandbox) -> None:

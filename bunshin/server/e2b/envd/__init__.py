@@ -6,7 +6,8 @@ Connect RPC services ``process.Process`` (:mod:`.process`) and ``filesystem.File
 (:mod:`.files`). Every call but ``/health`` must carry the sandbox's access token
 (``X-Access-Token``: ``auth.envd_access_token`` of the sandbox id); one sandbox's token
 opens no other. A sandbox that is not there is answered as E2B's proxy does (502, "...
-was not found"), which the SDK raises as ``SandboxNotRunningException``.
+was not found"), which the SDK raises as ``SandboxNotRunningException`` (and
+``is_running()`` reads as False).
 
 :data:`ENVD_VERSION` is the envd version whose features this implements (the control
 plane reports it as ``envdVersion``; the SDK picks its wire forms by it).

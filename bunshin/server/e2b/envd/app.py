@@ -55,13 +55,10 @@ class EnvdApp:
             await hosts.refuse(scope, send, 400, "envd takes no websockets")
             return
         path: str = scope["path"]
-        if path == "/health":
-            await send({"type": "http.response.start", "status": 204, "headers": []})
-            await send({"type": "http.response.body", "body": b""})
-            return
         service = next((s for s in SERVICES if path.startswith(s)), None)
         t = hosts.target(scope)
-        if not hosts.token_ok(self.ctx.token, scope):
+        health = path == "/health"  # envd's own answers without a token; a sandbox not there is a 502
+        if not health and not hosts.token_ok(self.ctx.token, scope):
             message = f"missing or wrong access token for sandbox {t.sandbox_id}: send its envdAccessToken as X-Access-Token"
             await _refuse(scope, send, 401, message, service is not None, "unauthenticated")
             return
@@ -69,6 +66,10 @@ class EnvdApp:
             ws = await anyio.to_thread.run_sync(self._workspace, t.sandbox_id)
         except (NotFound, StateConflict):
             await hosts.refuse(scope, send, 502, f"The sandbox {t.sandbox_id} was not found")
+            return
+        if health:
+            await send({"type": "http.response.start", "status": 204, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
             return
         request = Request(scope, receive)
         try:
