@@ -186,3 +186,16 @@ def test_each_fork_continues_the_session_and_diverges_alone(rig: Rig) -> None:
     for i, f in enumerate(forks):
         assert f.run_code("trail").text == f"['parent', 'fork{i}']"
         f.kill()
+
+
+def test_pause_and_connect_keep_the_session(rig: Rig) -> None:
+    """``pause`` (a snapshot; the workspace goes) and ``connect`` (restored under the same id):
+    the interpreter comes back with its globals."""
+    sbx = e2b_ci.Sandbox.create(api_url=rig.url, sandbox_url=rig.url, api_key=TOKEN)
+    sbx.run_code("paused_with = [1, 2, 3]")
+    sbx.pause()
+    with pytest.raises(NotFoundException):
+        sbx.run_code("paused_with")  # the workspace is gone while paused
+    back = e2b_ci.Sandbox.connect(sbx.sandbox_id, api_url=rig.url, sandbox_url=rig.url, api_key=TOKEN)
+    assert back.run_code("paused_with + [4]").text == "[1, 2, 3, 4]"
+    back.kill()
