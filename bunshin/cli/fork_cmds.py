@@ -110,11 +110,12 @@ def cmd_fork(args: argparse.Namespace) -> int:
 
 def cmd_snapshot_create(args: argparse.Namespace) -> int:
     with output.progress(f"snapshot of {args.workspace}", quiet=args.json):
-        snap = Workspace.get(args.workspace).snapshot(mode=args.mode).record
-    if args.json:
-        output.print_json({"id": snap.id, "source": snap.source, "mode": snap.mode, "created_at": snap.created_at,
-                           "depth": snap.depth, "pause_ms": snap.pause_ms, "dump_ms": snap.dump_ms,
-                           "rewrite_ms": snap.rewrite_ms, "memfile_bytes": snap.memfile_bytes})
+        snap = Workspace.get(args.workspace).snapshot(mode=args.mode)
+    if args.json:  # the HTTP API's SnapshotOut, and the dump's times
+        r = snap.record
+        output.print_json({"id": snap.id, "source": r.source, "mode": r.mode, "created_at": r.created_at,
+                           "depth": r.depth, "pause_ms": r.pause_ms, "size_bytes": snap.size_bytes,
+                           "dump_ms": r.dump_ms, "rewrite_ms": r.rewrite_ms, "memfile_bytes": r.memfile_bytes})
     else:
         print(snap.id)
     return 0
@@ -141,9 +142,10 @@ def cmd_snapshot_load(args: argparse.Namespace) -> int:
 
 
 def cmd_snapshot_ls(args: argparse.Namespace) -> int:
-    snaps = [s.record for s in Snapshot.list()]
-    if args.json:
-        output.print_json(snaps)
+    listed = Snapshot.list()
+    snaps = [s.record for s in listed]
+    if args.json:  # each record with the HTTP API's size_bytes
+        output.print_json([{**output.to_jsonable(s.record), "size_bytes": s.size_bytes} for s in listed])
     elif args.quiet:
         for s in snaps:
             print(s.id)

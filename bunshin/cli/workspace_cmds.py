@@ -15,6 +15,7 @@ from typing import Any
 
 from .. import console as output
 from ..agent.execs import DEFAULT_MAX_OUTPUT
+from ..api.models import StatsOut
 from ..errors import InvalidArgument, PathNotFound, WorkspaceNotFound
 from ..runtime.agent_host.types import ExecResult
 from ..runtime.container.publish import parse as parse_publish
@@ -262,8 +263,8 @@ def filtered(infos: list[WorkspaceInfo], filters: list[str]) -> list[WorkspaceIn
 def cmd_stats(args: argparse.Namespace) -> int:
     ws = Workspace.get(args.workspace)
     st = ws.stats()
-    if args.json:
-        output.print_json(st)
+    if args.json:  # the HTTP API's keys (flat)
+        output.print_json(StatsOut.of(st).model_dump(mode="json"))
         return 0
     m = st.memory
     output.print_table(

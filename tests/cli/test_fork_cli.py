@@ -45,12 +45,14 @@ def test_fork_snapshot_restore_tree_rm(no_leaks, tmp_path):
         saved = tmp_path / "saved"
         assert bunshin(cfg, "snapshot", "save", snap, str(saved)).stdout.strip() == str(saved)
         listed = json.loads(bunshin(cfg, "snapshot", "ls", "--json").stdout)
-        assert {s["id"] for s in listed} == {fork["snapshot"], snap}
+        assert {s["id"] for s in listed} == {fork["snapshot"], snap} and all(s["size_bytes"] > 0 for s in listed)
         assert set(bunshin(cfg, "snapshot", "ls", "-q").stdout.split()) == {fork["snapshot"], snap}
 
         bunshin(cfg, "rm", *made[1:])  # the fork's snapshot goes with its last clone
         assert {s["id"] for s in json.loads(bunshin(cfg, "snapshot", "ls", "--json").stdout)} == {snap}
-        kept = json.loads(bunshin(cfg, "snapshot", "create", ws, "--json").stdout)["id"]
+        kept_out = json.loads(bunshin(cfg, "snapshot", "create", ws, "--json").stdout)
+        assert {"id", "source", "mode", "created_at", "depth", "pause_ms", "size_bytes"} <= kept_out.keys()
+        kept = kept_out["id"]
         r = bunshin(cfg, "snapshot-rm", kept)  # the old spelling: still works, says which is the way
         assert r.stdout == kept + "\n" and "deprecated" in r.stderr and "bunshin snapshot rm" in r.stderr
         assert bunshin(cfg, "snapshot", "rm", snap).stdout == snap + "\n"
