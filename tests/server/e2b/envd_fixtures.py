@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import httpx
 from packaging.version import Version
 
 from bunshin.config import Config
@@ -41,11 +42,26 @@ class Env:
                    envd_access_token=at, connection_config=cc)
 
 
+def drop_everything(url: str, token: str = TOKEN, verify: str | bool = True) -> None:
+    """Remove every sandbox and template (a snapshot the first create from an image keeps)
+    through E2B's API."""
+    with httpx.Client(base_url=url, headers={"X-API-Key": token}, timeout=60, verify=verify) as c:
+        for sb in c.get("/v2/sandboxes").json():
+            c.delete(f"/sandboxes/{sb['sandboxID']}")
+        for t in c.get("/templates").json():
+            assert c.delete(f"/templates/{t['templateID']}").status_code == 204
+
+
 @contextmanager
 def served(cfg: Config) -> Iterator[Env]:
     ws = Workspace.create("host", config=cfg, memory="1G")
     try:
         with serve_in_thread(cfg, TOKEN) as url:
-            yield Env(url, ws)
+            try:
+                yield Env(url, ws)
+            finally:
+                ws.remove()
+                drop_everything(url)
     finally:
-        ws.remove()
+        if ws.is_alive():
+            ws.remove()

@@ -24,6 +24,7 @@ from e2b import (  # noqa: E402
 )
 
 from bunshin.server.e2b.auth import envd_access_token  # noqa: E402
+from tests.conftest import leftovers  # noqa: E402
 
 from .envd_fixtures import TOKEN, Env, served  # noqa: E402
 
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.integration
 def env(cfg) -> Env:
     with served(cfg) as e:
         yield e
+    assert leftovers(cfg) == {}
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,9 @@ from e2b import AsyncSandbox, CommandExitException, PtySize, TimeoutException  #
 
 from bunshin.server.e2b.envd.rpc import FOLLOWING, WATCHING  # noqa: E402
 from bunshin.server.thread import serve_in_thread  # noqa: E402
+from tests.conftest import leftovers  # noqa: E402
 
-from .envd_fixtures import TOKEN  # noqa: E402
+from .envd_fixtures import TOKEN, drop_everything  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -26,6 +27,8 @@ pytestmark = pytest.mark.integration
 def url(cfg) -> str:
     with serve_in_thread(cfg, TOKEN) as u:
         yield u
+        drop_everything(u)
+    assert leftovers(cfg) == {}
 
 
 async def _settled(deadline_s: float = 5.0) -> None:

@@ -6,6 +6,7 @@ client's process: the host's /etc/hosts and DNS are never touched. All on loopba
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -19,6 +20,10 @@ import httpx
 import pytest
 
 pytest.importorskip("e2b")
+
+from tests.conftest import leftovers  # noqa: E402
+
+from .envd_fixtures import drop_everything  # noqa: E402
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(not shutil.which("openssl") or not shutil.which("unshare"),
@@ -66,7 +71,7 @@ def test_hostname_mode_over_tls(cfg, tmp_path: Path) -> None:
         deadline = time.monotonic() + 30
         while True:
             try:
-                if httpx.get(f"https://127.0.0.1:{port}/v1/health", verify=False).status_code == 200:
+                if httpx.get(f"https://127.0.0.1:{port}/v1/health", verify=str(ca)).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
@@ -88,11 +93,11 @@ def test_hostname_mode_over_tls(cfg, tmp_path: Path) -> None:
         assert run.returncode == 0, run.stderr[-3000:]
         out = json.loads(run.stdout.strip().splitlines()[-1])
     finally:
-        if "sid" in locals():  # gone already when the client got to its end
-            httpx.delete(f"https://127.0.0.1:{port}/sandboxes/{sid}", headers={"X-API-Key": token},
-                         verify=str(ca), timeout=60)
+        with contextlib.suppress(httpx.HTTPError):
+            drop_everything(f"https://127.0.0.1:{port}", token, verify=str(ca))
         serve.terminate()
         serve.wait(60)
+    assert leftovers(cfg) == {}
     assert out["envd_url"].startswith("https://49983-ws-") and out["envd_url"].endswith(f".{DOMAIN}:{port}")
     assert out["run"].startswith("over-tls\n")
     assert out["read"] == "port inside"
