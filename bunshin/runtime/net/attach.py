@@ -41,17 +41,35 @@ def connect(cfg: Config, store: Store, ws_id: str, pid: int, policy: Policy) -> 
     raise OSError(errno.EEXIST, f"{_EEXIST_TRIES} slots in a row are held by other homes")
 
 
-def connect_clone(cfg: Config, store: Store, ws_id: str, pid: int, policy: Policy, *, reset: bool) -> Slot:
-    """``connect`` for a clone just restored (its tasks stopped by nothing: CRIU has
-    unlocked its network); ``reset``: its images held TCP connections, and those to the
-    outside are destroyed first (``reset``), before the clone has a route."""
-    if reset:
-        fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-        try:
+def prepare_clones(cfg: Config, store: Store, ws_ids: list[str], policy: Policy) -> dict[str, Slot]:
+    """Slots reserved for the clones ``ws_ids`` of one restore and their tables added in
+    one nftables transaction, ahead of the restores (``finish_clone`` then only makes
+    each clone's link); all or none."""
+    made: dict[str, Slot] = {}
+    try:
+        for ws_id in ws_ids:
+            made[ws_id] = slots.reserve(cfg, store, ws_id, policy)
+        egress.add_tables(cfg, [(slot, policy) for slot in made.values()])
+    except BaseException:
+        for slot in made.values():
+            egress.detach(slot)
+            slots.free(store, slot.index)
+        raise
+    return made
+
+
+def finish_clone(slot: Slot, pid: int, *, reset: bool) -> None:
+    """The link of a clone just restored (``prepare_clones`` made its slot and table);
+    ``reset``: its images held TCP connections, and those to the outside are destroyed
+    first (``reset``), before the clone has a route out. On failure the caller destroys
+    the clone (``disconnect`` removes the table and any link)."""
+    fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if reset:
             in_netns(fd, reset_outside)
-        finally:
-            os.close(fd)
-    return connect(cfg, store, ws_id, pid, policy)
+        egress.add_link(slot, fd)
+    finally:
+        os.close(fd)
 
 
 def disconnect(cfg: Config, store: Store, ws_id: str) -> None:

@@ -30,7 +30,7 @@ import socket
 from ...config import Config
 from . import nft
 from .policy import ALWAYS_DENIED, Policy, networks
-from .rtnl import Rtnl, in_netns
+from .rtnl import Rtnl, address_request, default_route_request, open_in, up_request
 from .slots import LINK_PREFIX, PEER_NAME, TABLE_PREFIX, Slot, pool, tag
 
 DNS_PORT = 53
@@ -109,8 +109,13 @@ def _guard() -> None:
 
 
 def add_table(cfg: Config, slot: Slot, policy: Policy) -> None:
+    add_tables(cfg, [(slot, policy)])
+
+
+def add_tables(cfg: Config, tables: list[tuple[Slot, Policy]]) -> None:
+    """Add the tables of several slots in one transaction (~2 ms for one, little more for many)."""
     _guard()
-    nft.run(table_text(cfg, slot, policy))
+    nft.run("".join(table_text(cfg, slot, policy) for slot, policy in tables))
 
 
 def set_policy(cfg: Config, slot: Slot, policy: Policy) -> None:
@@ -120,30 +125,19 @@ def set_policy(cfg: Config, slot: Slot, policy: Policy) -> None:
             f"flush set inet {slot.table} deny4\n" + table_text(cfg, slot, policy))
 
 
-def _inside(slot: Slot) -> None:
-    """In the workspace's namespace: ``eth0`` addressed and up, the default route, no IPv6 on it."""
-    with contextlib.suppress(OSError):  # a kernel without IPv6
-        with open(f"/proc/sys/net/ipv6/conf/{PEER_NAME}/disable_ipv6", "w") as f:
-            f.write("1")
-    with Rtnl.open() as rt:
-        index = socket.if_nametoindex(PEER_NAME)
-        rt.add_address(index, slot.address)
-        rt.set_up(index)
-        rt.add_default_route(index, slot.gateway.ip)
-
-
 def add_link(slot: Slot, netns_fd: int) -> None:
-    """The veth pair, its host end addressed and up, the workspace's end configured
-    (``_inside``). OSError(EEXIST) if the link exists (another home's slot)."""
+    """The veth pair, its host end addressed and up; the workspace's end (``eth0``)
+    addressed and up with the default route through the gateway: two batches of
+    rtnetlink requests, one on each side. OSError(EEXIST) if the link exists (another
+    home's slot)."""
     with Rtnl.open() as rt:
         rt.add_veth(slot.link, PEER_NAME, netns_fd)
         index = socket.if_nametoindex(slot.link)
-        with contextlib.suppress(OSError):
-            with open(f"/proc/sys/net/ipv6/conf/{slot.link}/disable_ipv6", "w") as f:
-                f.write("1")
-        rt.add_address(index, slot.gateway)
-        rt.set_up(index)
-    in_netns(netns_fd, lambda: _inside(slot))
+        rt.batch([address_request(index, slot.gateway), up_request(index)])
+    inside, peer = open_in(netns_fd, PEER_NAME)
+    with inside:
+        inside.batch([address_request(peer, slot.address), up_request(peer),
+                      default_route_request(peer, slot.gateway.ip)])
 
 
 def attach(cfg: Config, slot: Slot, pid: int, policy: Policy) -> None:

@@ -70,19 +70,29 @@ class Rtnl:
 
     def _request(self, kind: int, flags: int, body: bytes) -> None:
         """Send one request and wait for its ack; OSError with the kernel's errno."""
-        self._seq += 1
-        msg = struct.pack("=LHHLL", 16 + len(body), kind, NLM_F_REQUEST | NLM_F_ACK | flags, self._seq, 0) + body
+        self.batch([(kind, flags, body)])
+
+    def batch(self, requests: list[tuple[int, int, bytes]]) -> None:
+        """Send ``requests`` (type, flags, body) in one ``send`` and wait for every ack: the
+        kernel runs them in order; the first refusal raises (OSError with its errno).
+        One send and one wait instead of one each: every socket call lets another thread
+        take the GIL, and getting it back can wait a switch interval (5 ms)."""
+        msg, first = b"", self._seq + 1
+        for kind, flags, body in requests:
+            self._seq += 1
+            msg += struct.pack("=LHHLL", 16 + len(body), kind, NLM_F_REQUEST | NLM_F_ACK | flags, self._seq, 0) + body
         self._sock.send(msg)
-        while True:
+        pending = set(range(first, self._seq + 1))
+        while pending:
             data = self._sock.recv(65536)
             off = 0
             while off + 16 <= len(data):
                 size, mtype, _, seq, _ = struct.unpack_from("=LHHLL", data, off)
-                if mtype == NLMSG_ERROR and seq == self._seq:
+                if mtype == NLMSG_ERROR and seq in pending:
                     err = struct.unpack_from("=i", data, off + 16)[0]
                     if err:
                         raise OSError(-err, os.strerror(-err))
-                    return
+                    pending.discard(seq)
                 off += max((size + 3) & ~3, 16)
 
     def add_veth(self, name: str, peer: str, peer_netns_fd: int) -> None:
@@ -99,13 +109,10 @@ class Rtnl:
         self._request(RTM_DELLINK, 0, _IFINFO.pack(0, 0, 0, 0, 0) + _attr(IFLA_IFNAME, _name(name)))
 
     def set_up(self, index: int) -> None:
-        self._request(RTM_NEWLINK, 0, _IFINFO.pack(socket.AF_UNSPEC, 0, index, IFF_UP, IFF_UP))
+        self.batch([up_request(index)])
 
     def add_address(self, index: int, iface: ipaddress.IPv4Interface) -> None:
-        packed = iface.ip.packed
-        body = struct.pack("=BBBBI", socket.AF_INET, iface.network.prefixlen, 0, RT_SCOPE_UNIVERSE, index) \
-            + _attr(IFA_LOCAL, packed) + _attr(IFA_ADDRESS, packed)
-        self._request(RTM_NEWADDR, NLM_F_CREATE | NLM_F_EXCL, body)
+        self.batch([address_request(index, iface)])
 
     def delete_address(self, index: int, iface: ipaddress.IPv4Interface) -> None:
         """EADDRNOTAVAIL if the link has no such address."""
@@ -115,10 +122,46 @@ class Rtnl:
         self._request(RTM_DELADDR, 0, body)
 
     def add_default_route(self, index: int, gateway: ipaddress.IPv4Address) -> None:
-        body = struct.pack("=BBBBBBBBI", socket.AF_INET, 0, 0, 0, RT_TABLE_MAIN, RTPROT_STATIC,
-                           RT_SCOPE_UNIVERSE, RTN_UNICAST, 0) + _attr(RTA_GATEWAY, gateway.packed) \
-            + _attr(RTA_OIF, struct.pack("=I", index))
-        self._request(RTM_NEWROUTE, NLM_F_CREATE | NLM_F_REPLACE, body)  # a restore's through lo replaced
+        self.batch([default_route_request(index, gateway)])
+
+
+def up_request(index: int) -> tuple[int, int, bytes]:
+    return RTM_NEWLINK, 0, _IFINFO.pack(socket.AF_UNSPEC, 0, index, IFF_UP, IFF_UP)
+
+
+def address_request(index: int, iface: ipaddress.IPv4Interface) -> tuple[int, int, bytes]:
+    packed = iface.ip.packed
+    body = struct.pack("=BBBBI", socket.AF_INET, iface.network.prefixlen, 0, RT_SCOPE_UNIVERSE, index) \
+        + _attr(IFA_LOCAL, packed) + _attr(IFA_ADDRESS, packed)
+    return RTM_NEWADDR, NLM_F_CREATE | NLM_F_EXCL, body
+
+
+def default_route_request(index: int, gateway: ipaddress.IPv4Address) -> tuple[int, int, bytes]:
+    body = struct.pack("=BBBBBBBBI", socket.AF_INET, 0, 0, 0, RT_TABLE_MAIN, RTPROT_STATIC,
+                       RT_SCOPE_UNIVERSE, RTN_UNICAST, 0) + _attr(RTA_GATEWAY, gateway.packed) \
+        + _attr(RTA_OIF, struct.pack("=I", index))
+    return RTM_NEWROUTE, NLM_F_CREATE | NLM_F_REPLACE, body  # a restore's route through lo replaced
+
+
+def open_in(netns_fd: int, peer: str) -> tuple[Rtnl, int]:
+    """An rtnetlink socket of the network namespace ``netns_fd`` and the index of its link
+    ``peer``, made by the calling thread after it joined that namespace and before it
+    went back to its own (no thread of its own: ``in_netns`` costs a thread start and
+    its GIL hand-offs)."""
+    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        sc.setns(netns_fd, sc.CLONE_NEWNET)
+        try:
+            rt = Rtnl.open()
+            try:
+                return rt, socket.if_nametoindex(peer)
+            except BaseException:
+                rt.close()
+                raise
+        finally:
+            sc.setns(home, sc.CLONE_NEWNET)
+    finally:
+        os.close(home)
 
 
 def in_netns(netns_fd: int, work: Callable[[], _T]) -> _T:

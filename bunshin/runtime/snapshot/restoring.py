@@ -40,6 +40,7 @@ from ..criu import run as criu
 from ..kernel import host_limits
 from ..net import attach as net
 from ..net.policy import NetworkMode, Policy
+from ..net.slots import Slot
 from ..state import budget, idranges
 from ..state.records import SnapshotMode, WorkspaceRecord, WorkspaceState
 from ..state.store import Store
@@ -69,13 +70,17 @@ def restore(cfg: Config, store: Store, snap: SnapshotRecord, n: int, *, keep_log
     budget.check_room(store, snap.pids_limit, n)  # each clone's record is checked again as it is added
     cgroup_moves.ensure()  # criu's moves into the clone's cgroups: 0.03 ms instead of 3-17 (busy host)
     layout = Layout.discover()
+    net_slots: dict[str, Slot] = {}
+    if snap.network == NetworkMode.EGRESS:  # every clone's slot and table made ahead, in one transaction
+        given = given or [container.new_id() for _ in range(n)]
+        net_slots = net.prepare_clones(cfg, store, given, Policy.from_dict(snap.net_policy or {}))
     pool = ThreadPoolExecutor(max_workers=min(n, RESTORE_CONCURRENCY))
     futures: list[Future[WorkspaceRecord]] = []
     watch = restore_check.Watch().start()  # every restored process alive at the end, or the batch fails
     try:
         for i in range(n):  # one by one: an interrupt mid-way still sees every submitted future
             futures.append(pool.submit(restore_boost.in_thread, _restore_one, cfg, store, snap, layout, keep_logs,
-                                       given[i] if given else None))
+                                       given[i] if given else None, net_slots.get(given[i]) if given else None))
         done = [fut.result() for fut in futures]
         checked = restore_check.check(Path(snap.images), [(r.id, r.pid or 0) for r in done], watch)
         with store.transaction():  # the batch is in: the clones are the caller's now
@@ -84,6 +89,8 @@ def restore(cfg: Config, store: Store, snap: SnapshotRecord, n: int, *, keep_log
         return done
     except BaseException as exc:
         _roll_back(cfg, store, pool, futures)
+        for ws_id in net_slots:  # those of clones never started
+            net.disconnect(cfg, store, ws_id)
         limit = host_limits.explain_restore_failure(exc, n) if isinstance(exc, CriuError) else None
         if limit is not None:
             raise limit from exc
@@ -217,7 +224,7 @@ def _free_ids(store: Store, ids: Sequence[str] | None, n: int) -> list[str] | No
 
 
 def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout, keep_log: bool = False,
-                 ws_id: str | None = None) -> WorkspaceRecord:
+                 ws_id: str | None = None, net_slot: Slot | None = None) -> WorkspaceRecord:
     ws_id = ws_id or container.new_id()
     wdir = cfg.paths.workspace(ws_id)
     cg = WorkspaceCgroup.of(layout, cfg.cgroup_prefix + ws_id)
@@ -275,14 +282,18 @@ def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout
         t2 = time.perf_counter()
         if into.hold_netns:  # CRIU made the clone's namespace; criu's own had the setting already (``new_netns``)
             netns_image.restored(run.pid)
-        if snap.network == NetworkMode.EGRESS:  # its own address and NAT; the parent's connections out reset
-            net.connect_clone(cfg, store, ws_id, run.pid, Policy.from_dict(snap.net_policy or {}),
-                              reset=into.hold_netns)
+        net_ms = 0.0
+        if net_slot is not None:  # its own address and NAT; the parent's connections out reset
+            t_net = time.perf_counter()
+            net.finish_clone(net_slot, run.pid, reset=into.hold_netns)
+            net_ms = (time.perf_counter() - t_net) * 1000
         pid_start = psutil.Process(run.pid).create_time()
         # what this clone's restore cost, step by step (``bench fork``): its record, folder,
         # overlay, identity and cgroups; the criu run (spawn to exit, ``restore_ms``); the
         # pidfile and network lock after it
         steps = {"prepare": (t1 - t0) * 1000, "criu_call": (t2 - t1) * 1000, "after": (time.perf_counter() - t2) * 1000}
+        if net_slot is not None:
+            steps["net"] = net_ms  # of "after": the clone's link (``net.finish_clone``)
         # owner_pid stays set until ``restore`` commits the whole batch
         started = {"state": WorkspaceState.RUNNING, "pid": run.pid, "pid_start": pid_start,
                    "extra": {"restore_ms": round(run.duration_ms, 2),

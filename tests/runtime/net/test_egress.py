@@ -211,6 +211,8 @@ def test_bad_input_is_refused_and_leaks_nothing(cfg, pair):
         Workspace.create("host", config=cfg, allow=["203.0.113.0/24"])  # rules without egress
     with pytest.raises(InvalidArgument):
         Workspace.create("host", config=cfg, network="egress", allow=["not a name!"])
+    with pytest.raises(InvalidArgument, match="not enforced"):  # refused, never silently ignored
+        Workspace.create("host", config=cfg, network="egress", deny=["evil.example.com"])
     with pytest.raises(StateConflict):
         closed.set_network_policy(allow=["203.0.113.0/24"])
     with Store.open(cfg.db_path) as store:
