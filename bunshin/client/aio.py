@@ -61,6 +61,7 @@ class AsyncClient:
 
     @property
     def url(self) -> str:
+        """The server's base URL."""
         return self._sync.url
 
     async def _run(self, fn: Callable[..., T], /, *args: Any, undo: Callable[[T], object] | None = None,
@@ -71,32 +72,40 @@ class AsyncClient:
         return AsyncWorkspace(ws, bridge=self._bridge)
 
     async def health(self) -> m.Health:
+        """The server's health: version, workspaces, limits."""
         return await self._run(self._sync.health)
 
     async def create(self, image: str = "host", *, name: str | None = None, memory: str | int | None = "2G",
                      pids: int | None = 512) -> AsyncWorkspace:
+        """A new workspace on the server (``memory``, ``pids``: its limits)."""
         (ws,) = await self.create_many(1, image=image, name=name, memory=memory, pids=pids)
         return ws
 
     async def create_many(self, count: int, *, image: str = "host", name: str | None = None,
                           memory: str | int | None = "2G", pids: int | None = 512) -> builtins.list[AsyncWorkspace]:
+        """``count`` new workspaces in one call; all of them or none."""
         made = await self._run(self._sync.create_many, count, image=image, name=name, memory=memory, pids=pids,
                                undo=_remove_all)
         return [self._wrap(ws) for ws in made]
 
     async def get(self, ref: str) -> AsyncWorkspace:
+        """The server's workspace ``ref`` (an id or a name)."""
         return self._wrap(await self._run(self._sync.get, ref))
 
     async def list(self) -> builtins.list[m.WorkspaceOut]:
+        """The server's workspaces."""
         return await self._run(self._sync.list)
 
     async def snapshot(self, ref: str) -> AsyncSnapshot:
+        """The server's snapshot ``ref``."""
         return AsyncSnapshot(await self._run(self._sync.snapshot, ref), bridge=self._bridge)
 
     async def snapshots(self) -> builtins.list[AsyncSnapshot]:
+        """The server's snapshots."""
         return [AsyncSnapshot(s, bridge=self._bridge) for s in await self._run(self._sync.snapshots)]
 
     async def aclose(self) -> None:
+        """Close the connections (the server's workspaces stay)."""
         await self._run(self._sync.close)
 
     async def __aenter__(self) -> AsyncClient:

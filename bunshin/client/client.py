@@ -165,6 +165,7 @@ class Client:
             raise _unreachable(method, f"{self.url}{path}", wait_s, exc) from None
 
     def health(self) -> m.Health:
+        """The server's health: version, workspaces, limits."""
         return m.Health.model_validate(self.request("GET", "/v1/health").json())
 
     # --- workspaces and snapshots ---------------------------------------------------------
@@ -186,16 +187,20 @@ class Client:
         return [RemoteWorkspace(self, m.WorkspaceOut.model_validate(w)) for w in r.json()]
 
     def get(self, ref: str) -> RemoteWorkspace:
+        """The server's workspace ``ref`` (an id or a name)."""
         return RemoteWorkspace(self, m.WorkspaceOut.model_validate(self.request("GET", f"/v1/workspaces/{ref}").json()))
 
     def list(self) -> list[m.WorkspaceOut]:
+        """The server's workspaces."""
         return [m.WorkspaceOut.model_validate(w) for w in self.request("GET", "/v1/workspaces").json()]
 
     def snapshot(self, ref: str) -> RemoteSnapshot:
+        """The server's snapshot ``ref``."""
         out = m.SnapshotOut.model_validate(self.request("GET", f"/v1/snapshots/{ref}").json())
         return RemoteSnapshot(self, out)
 
     def snapshots(self) -> builtins.list[RemoteSnapshot]:
+        """The server's snapshots."""
         return [RemoteSnapshot(self, m.SnapshotOut.model_validate(s))
                 for s in self.request("GET", "/v1/snapshots").json()]
 
@@ -239,6 +244,7 @@ class Client:
     # --- lifecycle ------------------------------------------------------------------------
 
     def close(self) -> None:
+        """Close the connections (the server's workspaces stay)."""
         self._http.close()
 
     def __enter__(self) -> Client:

@@ -69,6 +69,7 @@ class RemoteWorkspace:
 
     @property
     def id(self) -> str:
+        """The workspace's id."""
         return self._out.id
 
     @property
@@ -78,10 +79,12 @@ class RemoteWorkspace:
 
     @property
     def client(self) -> Client:
+        """The client it was made through."""
         return self._client
 
     @property
     def path(self) -> str:
+        """Its URL path on the server (``/v1/workspaces/ID``)."""
         return self._path
 
     def __repr__(self) -> str:
@@ -111,23 +114,29 @@ class RemoteWorkspace:
     def exec(self, command: str | Sequence[str], *, timeout: float | None = None, cwd: str | None = None,
              env: dict[str, str] | None = None, stdin: str | None = None,
              text: bool = True) -> ExecResult[str] | ExecResult[bytes]:
+        """Run one command and wait (:meth:`bunshin.Workspace.exec`; ``timeout`` default 600 s)."""
         return self.commands.run(command, timeout=timeout, cwd=cwd, env=env, stdin=stdin, text=text)
 
     def processes(self) -> builtins.list[ProcessInfo]:
+        """The processes inside."""
         r = self._client.request("GET", f"{self._path}/processes")
         return [m.ProcessOut.model_validate(p).record() for p in r.json()]
 
     def stats(self) -> WorkspaceStats:
+        """Memory and processes, as the server reads them."""
         return m.StatsOut.model_validate(self._client.request("GET", f"{self._path}/stats").json()).record()
 
     def set_cpu_priority(self, nice: int) -> None:
+        """The whole workspace's CPU priority as a nice value 0..19."""
         self._client.request("PUT", f"{self._path}/cpu-priority", json=m.build(m.Priority, nice=nice).model_dump())
 
     def is_alive(self) -> bool:
+        """Whether the server reports it running."""
         out = m.WorkspaceOut.model_validate(self._client.request("GET", self._path).json())
         return out.state == "running"
 
     def snapshot(self, *, mode: SnapshotMode | str = SnapshotMode.COW) -> RemoteSnapshot:
+        """Capture it while it keeps running; kept until removed."""
         r = self._client.request("POST", f"{self._path}/snapshots", default_wait=False, idempotent=True,
                                  json=m.build(m.TakeSnapshot, mode=mode).model_dump(mode="json"))
         return RemoteSnapshot(self._client, m.SnapshotOut.model_validate(r.json()))
@@ -141,6 +150,7 @@ class RemoteWorkspace:
         return [RemoteWorkspace(self._client, w) for w in out.forks]
 
     def remove(self) -> None:
+        """Remove it on the server."""
         self._client.request("DELETE", self._path)
 
     def set_ttl(self, ttl: float | None) -> float | None:
@@ -167,14 +177,17 @@ class RemoteSnapshot:
 
     @property
     def id(self) -> str:
+        """The snapshot's id."""
         return self._out.id
 
     @property
     def size_bytes(self) -> int:
+        """What it holds: memory files, images and its file layer."""
         return self._out.size_bytes
 
     @property
     def info(self) -> m.SnapshotOut:
+        """The server's description of it."""
         return self._out
 
     def __repr__(self) -> str:
@@ -187,6 +200,7 @@ class RemoteSnapshot:
         return [RemoteWorkspace(self._client, m.WorkspaceOut.model_validate(w)) for w in r.json()]
 
     def remove(self) -> None:
+        """Remove it on the server."""
         self._client.request("DELETE", f"/v1/snapshots/{self.id}")
 
     def set_ttl(self, ttl: float | None) -> None:
@@ -260,6 +274,7 @@ class RemoteCommands:
 
     def spawn(self, command: str | Sequence[str], *, cwd: str | None = None,
               env: dict[str, str] | None = None) -> int:
+        """Start a command in the background; its pid inside."""
         req = m.build(m.SpawnRequest, command=command if isinstance(command, str) else list(command),
                       cwd=cwd, env=env)
         r = self._ws.client.request("POST", f"{self._ws.path}/spawn", json=req.model_dump())
@@ -271,25 +286,30 @@ class RemoteFiles:
         self._ws = ws
 
     def read(self, path: str, *, offset: int = 0, length: int | None = None) -> bytes:
+        """Bytes of the file at ``path`` (from ``offset``, ``length`` of them or to the end)."""
         params: dict[str, str | int] = {"path": path, "offset": offset}
         if length is not None:
             params["length"] = length
         return self._ws.client.request("GET", f"{self._ws.path}/files/content", params=params).content
 
     def read_text(self, path: str) -> str:
+        """The whole file at ``path`` as UTF-8 text."""
         return self.read(path).decode()
 
     def write(self, path: str, data: bytes | str, *, mode: int | None = None) -> int:
+        """Write ``data`` to ``path`` (parent folders made); the bytes written."""
         raw = data.encode() if isinstance(data, str) else data
         r = self._ws.client.request("PUT", f"{self._ws.path}/files/content", content=raw,
                                     params={"path": path, "mode": mode})
         return m.Written.model_validate(r.json()).bytes
 
     def list(self, path: str = "/") -> builtins.list[FileEntry]:
+        """The entries of the folder ``path``."""
         r = self._ws.client.request("GET", f"{self._ws.path}/files", params={"path": path})
         return [m.FileOut.model_validate(e).record() for e in r.json()]
 
     def remove(self, path: str, *, recursive: bool = False) -> None:
+        """Remove the file (or, ``recursive``, the folder) at ``path``."""
         self._ws.client.request("DELETE", f"{self._ws.path}/files",
                                 params={"path": path, "recursive": str(recursive).lower()})
 
@@ -299,16 +319,19 @@ class RemoteSessions:
         self._ws = ws
 
     def list(self) -> builtins.list[SessionInfo]:
+        """The open sessions."""
         r = self._ws.client.request("GET", f"{self._ws.path}/sessions")
         return [m.SessionOut.model_validate(s).record() for s in r.json()]
 
     def open(self, kind: str = "bash", *, cwd: str | None = None, env: dict[str, str] | None = None) -> str:
+        """Open a persistent shell session (``bash`` or ``sh``); its id."""
         r = self._ws.client.request("POST", f"{self._ws.path}/sessions",
                                     json=m.build(m.OpenSession, kind=kind, cwd=cwd, env=env).model_dump())
         return m.OpenedSession.model_validate(r.json()).session_id
 
     def run(self, session_id: str, command: str, *, timeout: float | None = None,
             max_output: int | None = None) -> SessionResult:
+        """Run ``command`` in the session; a timeout interrupts the command, not the session."""
         timeout = check_timeout(timeout)
         req = m.build(m.RunInSession, command=command, timeout=timeout, max_output=max_output)
         r = self._ws.client.request("POST", f"{self._ws.path}/sessions/{session_id}/run", json=req.model_dump(),
@@ -316,6 +339,7 @@ class RemoteSessions:
         return m.SessionRunOut.model_validate(r.json()).record()
 
     def close(self, session_id: str) -> None:
+        """End the session ``session_id``."""
         self._ws.client.request("DELETE", f"{self._ws.path}/sessions/{session_id}")
 
 
