@@ -5,6 +5,7 @@ loopback HTTP against ``bunshin serve``'s code interpreter (port 49999 of a sand
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -92,6 +93,21 @@ def test_output_streams_while_the_code_runs(rig: Rig) -> None:
     assert ended - seen[0][1] > 0.7  # the first line came long before the run ended
 
 
+def test_other_calls_go_on_while_code_runs(rig: Rig) -> None:
+    """A long run holds no lock on the sandbox: envd's commands and files answer meanwhile."""
+    sbx = rig.sbx
+    runner = threading.Thread(target=sbx.run_code, args=("import time\ntime.sleep(4)",))
+    runner.start()
+    try:
+        time.sleep(0.5)
+        started = time.monotonic()
+        assert sbx.commands.run("echo meanwhile").stdout == "meanwhile\n"
+        assert time.monotonic() - started < 2.5 and runner.is_alive()
+    finally:
+        runner.join()
+    assert rig.ws.exec(["sh", "-c", "ls /run/bunshin-e2b/runs | wc -l"]).stdout.strip() == "0"  # no run's files left
+
+
 def test_contexts_are_separate_interpreters(rig: Rig) -> None:
     sbx = rig.sandbox()
     rig.ws.exec(["mkdir", "-p", "/srv/ctx"])
@@ -160,6 +176,7 @@ def test_a_timed_out_run_is_interrupted_and_the_state_stays(rig: Rig) -> None:
     assert time.monotonic() - started < 15  # the sleep was interrupted, not waited out
     procs = [p.cmdline for p in rig.ws.processes()]
     assert not any("pyrepl.py call" in " ".join(c) for c in procs), procs  # no call left behind
+    assert rig.ws.exec(["sh", "-c", "ls /run/bunshin-e2b/runs | wc -l"]).stdout.strip() == "0"  # nor its files
 
 
 def test_async_client(rig: Rig) -> None:

@@ -37,14 +37,13 @@ from .. import hosts
 from ..auth import envd_token_ok, traffic_token_ok
 from ..sandboxes import sandbox_envs
 from . import contexts
-from .run import POLL_S, CodeRun
+from .run import FIRST_POLL_S, POLL_S, CodeRun
 
 #: The port E2B's SDK reaches the code interpreter on.
 PORT = 49999
 MAX_CODE_CHARS = 8 << 20
 MAX_ENV_VARS = 1000
-#: How long a run interrupted because its caller hung up may take to stop before the
-#: workspace's lock is left to the call's own thread.
+#: How long a run interrupted because its caller hung up is waited for (its files then go).
 STOP_GRACE_S = 10.0
 _SANDBOX_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 _HOST = re.compile(rf"{PORT}-([A-Za-z0-9_-]{{1,128}})\.")
@@ -173,22 +172,27 @@ def _must_exist(ws: WorkspaceAPI, context_id: str) -> None:
 
 
 async def _stream(run: CodeRun) -> AsyncIterator[bytes]:
-    """The run's lines as they come; a caller that hangs up (the stream cancelled) interrupts it."""
+    """The run's lines as they come; a caller that hangs up (the stream cancelled) interrupts it
+    and, within :data:`STOP_GRACE_S`, waits for its answer so its files go too."""
     try:
         await anyio.to_thread.run_sync(run.start)
-        while not await anyio.to_thread.run_sync(run.done.wait, POLL_S, abandon_on_cancel=True):
+        wait = FIRST_POLL_S
+        while True:
             for piece in await anyio.to_thread.run_sync(run.poll):
                 yield piece
+            if run.done:
+                break
+            await anyio.sleep(wait)
+            wait = min(wait * 2, POLL_S)
         for piece in run.answer():
             yield piece
     finally:
-        with anyio.CancelScope(shield=True):
-            if not run.done.is_set():
+        if not run.done:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(STOP_GRACE_S):
                 await anyio.to_thread.run_sync(run.interrupt)
-                with anyio.move_on_after(STOP_GRACE_S):
-                    while not run.done.is_set():
-                        await anyio.sleep(0.05)
-            run.stop()
+                while not run.done:
+                    await anyio.sleep(POLL_S)
+                    await anyio.to_thread.run_sync(run.poll)
 
 
 def _served(ctx: ServerContext) -> FastAPI:

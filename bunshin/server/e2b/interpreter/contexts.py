@@ -135,17 +135,26 @@ def interrupt(ws: WorkspaceAPI, context_id: str) -> None:
     _sh(ws, _INTERRUPT, folder(context_id), "INT")
 
 
-# The default context is made on first use; any other must exist. Then the call replaces sh
-# (``-S``: the call needs no site packages, and starts in about half the time; the interpreter
-# it starts has them).
-_RUN = ('d="$1"; if ! test -f "$d/context.json"; then test "$2" = 1 || exit 3; '
+#: Where a run's request, answer and the call's own errors wait (``<run id>.req`` / ``.reply`` / ``.log``).
+RUNS_DIR = "/run/bunshin-e2b/runs"
+
+# $1 the context's folder, $2 1 if it is the default one (made on first use; any other must
+# exist), $3 the default's folder, $4 pyrepl.py, $5 the run's files without their suffix.
+# The call reads the request and writes the answer; whatever it ends with, .reply appears
+# whole (renamed into place): the answer, or {"exit_status": N} (3: no such context,
+# 127: no python3; then .log has the call's stderr). ``-S``: the call needs no site packages
+# and starts in about half the time (the interpreter it starts has them).
+_RUN = ('d="$1"; r="$5"; '
+        'ended() { printf \'{"exit_status": %d}\\n\' "$1" > "$r.tmp"; rm -f "$r.req"; mv "$r.tmp" "$r.reply"; exit 0; }; '
+        'if ! test -f "$d/context.json"; then test "$2" = 1 || ended 3; '
         'cwd="$3"; test -d "$cwd" || cwd=/; mkdir -p "$d" && printf "%s" "$cwd" > "$d/cwd" && '
         'printf \'{"id": "%s", "language": "python", "cwd": "%s"}\\n\' "${d##*/}" "$cwd" > "$d/context.json"; fi; '
-        'exec python3 -S "$4" call "$d" "$(cat "$d/cwd" 2>/dev/null || echo /)"')
+        'python3 -S "$4" call "$d" "$(cat "$d/cwd" 2>/dev/null || echo /)" < "$r.req" > "$r.tmp" 2> "$r.log"; '
+        'st=$?; test "$st" = 0 || ended "$st"; rm -f "$r.req"; mv "$r.tmp" "$r.reply"')
 
 
-def run_argv(context_id: str) -> list[str]:
-    """The exec that runs one request (JSON on its stdin) in the context's interpreter; its
-    exit status is 3 if the context is not there, 127 if the image has no python3."""
+def run_argv(context_id: str, run_base: str) -> list[str]:
+    """The background command that runs one request (``run_base.req``) in the context's
+    interpreter and leaves its answer in ``run_base.reply`` (see ``_RUN``)."""
     default = "1" if context_id == DEFAULT_ID else "0"
-    return ["/bin/sh", "-c", _RUN, "sh", folder(context_id), default, DEFAULT_CWD, REPL]
+    return ["/bin/sh", "-c", _RUN, "sh", folder(context_id), default, DEFAULT_CWD, REPL, run_base]

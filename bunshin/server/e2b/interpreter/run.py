@@ -1,13 +1,15 @@
 """One ``run_code``: the request to the context's interpreter, its output read while it
 grows, and the answer as E2B's JSON lines.
 
-The call is one exec (``contexts.run_argv``) in a thread of its own, holding the
-workspace's lock from before it starts until the last read of its output is done (so a fork
-never meets it in flight). While it runs, the interpreter writes the run's stdout and
-stderr to two files of the context's folder; they are read from where the last read ended
-every :data:`POLL_S` and sent as ``stdout`` / ``stderr`` lines. The answer's own copy of
-both gives whatever the last read missed. A caller that hangs up interrupts the code
-(SIGINT: ``KeyboardInterrupt``, as Jupyter's interrupt does).
+The call runs in the background inside the workspace (``contexts.run_argv``): the request is
+written to a file, the call started, and from then on only short agent calls are made, each
+holding the workspace's lock on its own (as envd's do), so other calls into the sandbox,
+and a fork, go on while code runs. A fork taken meanwhile has the run in its own copy, which
+ends there unread. While it runs, the interpreter writes the run's stdout and stderr to two
+files of the context's folder; they are read from where the last read ended, at first every
+few milliseconds and then every :data:`POLL_S`, and sent as ``stdout`` / ``stderr`` lines
+until the answer appears; its own copy of both gives whatever the reads missed. A caller
+that hangs up interrupts the code (SIGINT: ``KeyboardInterrupt``, as Jupyter's interrupt does).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from . import contexts
 
 #: Longest a run may take (the SDK's own default is 300 s; a caller that hangs up ends it sooner).
 MAX_RUN_S = 3600.0
+#: Polls of a run's output and answer: the first after this, each wait twice the last, up to POLL_S.
+FIRST_POLL_S = 0.005
 POLL_S = 0.1
 _READ = 1 << 20
 #: A result's displays by MIME type, as E2B's ``Result`` fields.
@@ -70,67 +74,68 @@ class _Stream:
 
 
 class CodeRun:
-    """A run in flight (see the module's docstring); ``stop`` before dropping it."""
+    """A run in flight (see the module's docstring); every method blocks (call it in a thread)."""
 
     def __init__(self, ws: WorkspaceAPI, context_id: str, code: str, env: dict[str, str],
                  lock: threading.Lock) -> None:
         self.ws, self.context_id, self.lock = ws, context_id, lock
-        exec_id = uuid.uuid4().hex
+        run_id = uuid.uuid4().hex
         self.request = json.dumps({"code": code, "timeout": MAX_RUN_S, "split": True, "env": env,
-                                   "exec_id": exec_id})
-        base = f"{contexts.folder(context_id)}/{exec_id}"
+                                   "exec_id": run_id})
+        self.run_base = f"{contexts.RUNS_DIR}/{run_id}"
+        base = f"{contexts.folder(context_id)}/{run_id}"
         self.streams = (_Stream("stdout", base + ".out"), _Stream("stderr", base + ".err"))
-        self.done = threading.Event()
-        self.result: Any = None
-        self._guard = threading.Lock()
-        self._sides = 2  # the call and the reader: the last one to end gives the lock back
-        self._started = False
-        self._thread = threading.Thread(target=self._call, name=f"e2b-run-{context_id}", daemon=True)
+        self.reply: dict[str, Any] | None = None  # the call's answer, once it ended
+
+    @property
+    def done(self) -> bool:
+        return self.reply is not None
 
     def start(self) -> None:
-        """Take the workspace's lock (blocking) and start the call."""
-        self.lock.acquire()
-        self._started = True
-        self._thread.start()
-
-    def _call(self) -> None:
-        try:
-            self.result = self.ws.exec(contexts.run_argv(self.context_id), stdin=self.request,
-                                       timeout=MAX_RUN_S + 30)
-        except BaseException as e:  # handed to the streaming side
-            self.result = e
-        finally:
-            self.done.set()
-            self._side_done()
-
-    def stop(self) -> None:
-        """The reader is done: the lock goes back once the call has ended too."""
-        if self._started:
-            self._side_done()
-
-    def _side_done(self) -> None:
-        with self._guard:
-            self._sides -= 1
-            last = self._sides == 0
-        if last:
-            self.lock.release()
+        with self.lock:
+            self.ws.files.write(self.run_base + ".req", self.request)
+            self.ws.commands.spawn(contexts.run_argv(self.context_id, self.run_base))
 
     def poll(self) -> list[bytes]:
-        """New output since the last poll (nothing yet if the run has not made its files)."""
+        """New output since the last poll (nothing yet if the run has not made its files);
+        the answer, once it is there, in :attr:`reply`."""
         out: list[bytes] = []
-        for s in self.streams:
+        with self.lock:
             try:
-                data = self.ws.files.read(s.path, offset=s.offset, length=_READ)
+                raw = self.ws.files.read(self.run_base + ".reply")
             except PathNotFound:
-                continue
-            except BunshinError:
-                continue  # the workspace is busy dying: the answer (or its error) says so
-            out += s.feed(data)
+                raw = None
+            for s in self.streams:
+                try:
+                    out += s.feed(self.ws.files.read(s.path, offset=s.offset, length=_READ))
+                except PathNotFound:
+                    continue
+            if raw is not None:
+                self.reply = self._parse(raw)
+                self.ws.exec(["rm", "-f", self.run_base + ".reply", self.run_base + ".log"], timeout=30)
         return out
+
+    def _parse(self, raw: bytes) -> dict[str, Any]:
+        try:
+            reply = json.loads(raw)
+            if not isinstance(reply, dict):
+                raise ValueError(reply)
+        except ValueError:
+            return {"failure": _failure("InterpreterFailed", f"the interpreter answered {raw[:200]!r}")}
+        if "exit_status" in reply:
+            reply["log"] = self._log()
+        return reply
+
+    def _log(self) -> str:
+        try:
+            return self.ws.files.read(self.run_base + ".log", length=4096).decode("utf-8", "replace")
+        except PathNotFound:
+            return ""
 
     def interrupt(self) -> None:
         try:
-            contexts.interrupt(self.ws, self.context_id)
+            with self.lock:
+                contexts.interrupt(self.ws, self.context_id)
         except BunshinError:
             pass  # gone with its workspace
 
@@ -154,21 +159,18 @@ class CodeRun:
         yield line("end_of_execution")
 
     def _reply(self) -> tuple[dict[str, Any], dict[str, str] | None]:
-        r = self.result
-        if isinstance(r, BaseException):
-            return {}, _failure(type(r).__name__, str(r))
-        if r.exit_code == contexts.MISSING:
+        reply = self.reply or {}
+        if "failure" in reply:
+            return {}, reply["failure"]
+        status = reply.get("exit_status")
+        if status == contexts.MISSING:
             return {}, _failure("ContextNotFound", f"context {self.context_id!r} was removed")
-        if r.exit_code == 127:
+        if status == 127:
             return {}, _failure("InterpreterUnavailable", "python3 is not installed in this sandbox's image "
                                 "(the code interpreter runs the image's own python3)")
-        try:
-            reply = json.loads(r.stdout)
-            if not isinstance(reply, dict):
-                raise ValueError(reply)
-        except ValueError:
-            return {}, _failure("InterpreterFailed", f"the interpreter call failed ({r.exit_code}): "
-                                f"{(r.stderr or r.stdout).strip()[-2000:]}")
+        if status is not None:
+            return {}, _failure("InterpreterFailed", f"the interpreter call failed ({status}): "
+                                f"{str(reply.get('log', '')).strip()[-2000:]}")
         if "stdout" not in reply:  # the interpreter ignored the interrupt and was killed
             return {}, _failure("KeyboardInterrupt", str(reply.get("output", "")).strip())
         return reply, None
