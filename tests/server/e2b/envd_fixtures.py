@@ -4,6 +4,7 @@ shared by a test module."""
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ class Env:
                    envd_access_token=at, connection_config=cc)
 
 
-def drop_everything(url: str, token: str = TOKEN, verify: str | bool = True) -> None:
+def drop_everything(url: str, token: str = TOKEN, verify: ssl.SSLContext | bool = True) -> None:
     """Remove every sandbox and template (a snapshot the first create from an image keeps)
     through E2B's API."""
     with httpx.Client(base_url=url, headers={"X-API-Key": token}, timeout=60, verify=verify) as c:

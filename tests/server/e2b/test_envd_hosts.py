@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -36,17 +37,17 @@ CLIENT = Path(__file__).with_name("hostname_client.py")
 
 def _certs(d: Path) -> tuple[Path, Path, Path]:
     """A CA, and a certificate it signed for *.DOMAIN, api.DOMAIN and 127.0.0.1."""
-    def ssl(*args: str) -> None:
+    def openssl(*args: str) -> None:
         subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d)
-    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-        "-subj", "/CN=bunshin test CA", "-addext", "basicConstraints=critical,CA:TRUE",
-        "-addext", "keyUsage=critical,keyCertSign")
-    ssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
-        "-subj", f"/CN=*.{DOMAIN}")
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1")  # quick to make, unlike RSA
+    openssl("req", "-x509", *ec, "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+            "-subj", "/CN=bunshin test CA", "-addext", "basicConstraints=critical,CA:TRUE",
+            "-addext", "keyUsage=critical,keyCertSign")
+    openssl("req", *ec, "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", f"/CN=*.{DOMAIN}")
     (d / "ext.cnf").write_text(f"subjectAltName=DNS:*.{DOMAIN},DNS:api.{DOMAIN},IP:127.0.0.1\n"
                                "extendedKeyUsage=serverAuth\n")
-    ssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-        "-out", "server.pem", "-days", "2", "-extfile", "ext.cnf")
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", "server.pem", "-days", "2", "-extfile", "ext.cnf")
     return d / "ca.pem", d / "server.pem", d / "server.key"
 
 
@@ -58,6 +59,7 @@ def _free_port() -> int:
 
 def test_hostname_mode_over_tls(cfg, tmp_path: Path) -> None:
     ca, cert, key = _certs(tmp_path)
+    trust = ssl.create_default_context(cafile=str(ca))
     port = _free_port()
     token = "test-token-hostname-mode-0123456789"
     (tmp_path / "token").write_text(token)
@@ -71,17 +73,18 @@ def test_hostname_mode_over_tls(cfg, tmp_path: Path) -> None:
         deadline = time.monotonic() + 30
         while True:
             try:
-                if httpx.get(f"https://127.0.0.1:{port}/v1/health", verify=str(ca)).status_code == 200:
+                if httpx.get(f"https://127.0.0.1:{port}/v1/health", verify=trust).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
             assert serve.poll() is None and time.monotonic() < deadline, serve.stderr.read() if serve.stderr else ""
             time.sleep(0.1)
         api = f"https://api.{DOMAIN}:{port}"
-        made = httpx.post(f"https://127.0.0.1:{port}/sandboxes", json={"templateID": "base", "timeout": 300},
-                          headers={"X-API-Key": token, "Host": f"api.{DOMAIN}:{port}"}, verify=str(ca), timeout=60)
+        # a workspace made by bunshin's own API is a sandbox to the SDK too (no template boot)
+        made = httpx.post(f"https://127.0.0.1:{port}/v1/workspaces", json={"image": "host", "memory": "1G"},
+                          headers={"Authorization": f"Bearer {token}"}, verify=trust, timeout=60)
         assert made.status_code == 201, made.text
-        sid = made.json()["sandboxID"]
+        sid = made.json()[0]["id"]
         hosts = tmp_path / "hosts"
         hosts.write_text(f"127.0.0.1 localhost\n127.0.0.1 api.{DOMAIN} 49983-{sid}.{DOMAIN} 8123-{sid}.{DOMAIN}\n")
         script = 'mount --bind "$1" /etc/hosts && shift && exec "$@"'
@@ -94,7 +97,7 @@ def test_hostname_mode_over_tls(cfg, tmp_path: Path) -> None:
         out = json.loads(run.stdout.strip().splitlines()[-1])
     finally:
         with contextlib.suppress(httpx.HTTPError):
-            drop_everything(f"https://127.0.0.1:{port}", token, verify=str(ca))
+            drop_everything(f"https://127.0.0.1:{port}", token, verify=trust)
         serve.terminate()
         serve.wait(60)
     assert leftovers(cfg) == {}
