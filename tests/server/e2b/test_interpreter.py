@@ -108,6 +108,20 @@ def test_other_calls_go_on_while_code_runs(rig: Rig) -> None:
     assert rig.ws.exec(["sh", "-c", "ls /run/bunshin-e2b/runs | wc -l"]).stdout.strip() == "0"  # no run's files left
 
 
+def test_a_fork_taken_while_code_runs_finishes_the_run_in_its_copy(rig: Rig) -> None:
+    sbx = rig.sbx
+    results: list = []
+    runner = threading.Thread(target=lambda: results.append(
+        sbx.run_code("import time\ntime.sleep(2)\nmid_run = 'done'\nmid_run")))
+    runner.start()
+    time.sleep(0.5)
+    (fork,) = sbx.fork(count=1)
+    runner.join()
+    assert results[0].text == "'done'"  # the source's run ended as if nothing happened
+    assert fork.run_code("mid_run").text == "'done'"  # the fork's copy of the run ended too
+    fork.kill()
+
+
 def test_contexts_are_separate_interpreters(rig: Rig) -> None:
     sbx = rig.sandbox()
     rig.ws.exec(["mkdir", "-p", "/srv/ctx"])
