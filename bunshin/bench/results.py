@@ -193,6 +193,16 @@ HEADLINES: tuple[Headline, ...] = (
     Headline("fork", "pause of a fork of a running fork (depth 2)", _ms("depth.1.parent_pause_ms")),
     Headline("fork", "the same state without a fork: a new workspace, its heap built again, p50",
              _ms("cold.start_ms_p50")),
+    Headline("cache", "tool call time with the prefix cache, mean (without it in brackets)",
+             lambda r: f"{float(dig(r, 'cache.tool_s_mean')) * 1000:.0f} ms "
+                       f"({float(dig(r, 'nocache.tool_s_mean')) * 1000:.0f} ms), hit rate "
+                       f"{float(dig(r, 'cache.hit_rate')):.0%}, results the same: "
+                       f"{'yes' if dig(r, 'correct') else 'no'}"),
+    Headline("e2b", "E2B SDK `Sandbox.create` against `bunshin serve` (a template restore), p50",
+             _ms("create_ms.e2b_template.p50")),
+    Headline("e2b", "E2B SDK `commands.run` (bunshin's own HTTP exec in brackets), p50",
+             _versus("commands_run_ms.e2b_commands_run.p50", "commands_run_ms.bunshin_exec_http.p50",
+                     "bunshin HTTP")),
     Headline("rollout", "rollouts, bunshin against a fresh workspace per trajectory: peak memory of the "
              "workspaces", lambda r: _against_baseline("ws_peak_bytes", "GiB", 2**30)(r) + f"; {_rollout_plan(r)}"),
     Headline("rollout", "... memory-time of the workspaces", _against_baseline("ws_gb_s", "GB·s", 1.0)),
