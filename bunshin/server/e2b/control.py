@@ -24,7 +24,6 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
 from ...errors import BunshinError, NotFound
-from ...runtime.container.cgroups import parse_size
 from ...workspace import Snapshot, Workspace
 from ..context import ServerContext
 from ..idempotency import IdemKey
@@ -45,7 +44,7 @@ from .shapes import (
     egress,
     refused,
 )
-from .templates import SANDBOX_MEMORY, SANDBOX_PIDS, Templates
+from .templates import Templates
 
 __all__ = ["ENVD_VERSION", "router"]
 
@@ -112,28 +111,25 @@ def router(ctx: ServerContext) -> APIRouter:
         rules = egress(req)
 
         def go() -> dict[str, Any]:
-            made, template_id = boot(req.template_id, rules) if rules is not None else restore(req.template_id)
+            snap, template_id = templates.snapshot_of(req.template_id, egress=rules is not None)
+            with ctx.admission.admit(1, snap.record.memory_limit, snap.record.pids_limit):
+                made = snap.restore(1)
+            try:
+                if rules is not None and (rules[0] or rules[1]):
+                    made[0].set_network_policy(*rules)
+                elif req.allow_internet_access is False and snap.record.network == "egress":
+                    made[0].set_network_policy(deny=["0.0.0.0/0"])  # E2B: false is denyOut 0.0.0.0/0
+            except BaseException:  # a rule the policy refuses: nothing made
+                made[0].remove()
+                raise
             timeout = req.timeout or default_timeout
             ctx.made(request, made, timeout)
+            internet = snap.record.network == "egress" and req.allow_internet_access is not False
             rec = SandboxRecord(made[0].id, template_id, time.time(), timeout, req.metadata or {},
-                                req.env_vars or {}, True if rules is not None else req.allow_internet_access)
+                                req.env_vars or {}, True if internet else req.allow_internet_access)
             sandboxes.put(rec)
             return out.created(ctx, request, rec)
         return once(key, "POST", request.url.path, req, 201, go)
-
-    def restore(template_id: str) -> tuple[list[Workspace], str]:
-        """A sandbox of the template: its snapshot restored."""
-        snap, template_id = templates.snapshot_of(template_id)
-        with ctx.admission.admit(1, snap.record.memory_limit, snap.record.pids_limit):
-            return snap.restore(1), template_id
-
-    def boot(template_id: str, rules: tuple[list[str], list[str]]) -> tuple[list[Workspace], str]:
-        """A sandbox with internet access: its template's image booted with egress (a snapshot
-        holds no network), under the allow and deny rules."""
-        image = templates.image_of(template_id)
-        with ctx.admission.admit(1, parse_size(SANDBOX_MEMORY), SANDBOX_PIDS):
-            return [Workspace.create(image, memory=SANDBOX_MEMORY, pids=SANDBOX_PIDS, network="egress",
-                                     allow=rules[0], deny=rules[1], config=ctx.config)], template_id
 
     @r.post("/v2/sandboxes", status_code=201)
     def create_v2(req: NewSandbox, key: IdemKey, request: Request) -> Response:

@@ -39,6 +39,8 @@ BUILTIN = {BASE: BASE_IMAGE, "code-interpreter-v1": BASE_IMAGE, "desktop": BASE_
 #: Memory and pids limits of a template's sandboxes (E2B's default sandbox has 512 MiB).
 SANDBOX_MEMORY = "512M"
 SANDBOX_PIDS = 512
+#: The id of an image template's snapshot with internet access: ``<template id>@egress``.
+EGRESS_SUFFIX = "@egress"
 _SNAP_ID = re.compile(r"snap-[0-9a-f]{12}")
 
 
@@ -97,34 +99,36 @@ class Templates:
         with Store.open(self._config.db_path) as store:
             store.put_object(KIND, rec.id, rec.to_json())
 
-    def snapshot_of(self, template_id: str) -> tuple[Snapshot, str]:
-        """The snapshot a sandbox of ``template_id`` restores, and the template's id;
-        made from its image the first time. :class:`NotFound` if it names neither a
-        template, nor a snapshot, nor an image."""
-        with self._lock(template_id):
-            rec = self.find(template_id)
-            if rec is not None:
+    def snapshot_of(self, template_id: str, *, egress: bool = False) -> tuple[Snapshot, str]:
+        """The snapshot a sandbox of ``template_id`` restores, and the template's id; made
+        from its image the first time. ``egress``: one whose workspace has internet access
+        (an image's template then has a second snapshot, booted with egress, under
+        ``<id>@egress``; a snapshot's template must have been taken with it).
+        :class:`NotFound` if it names neither a template, nor a snapshot, nor an image."""
+        rec = self.find(template_id)
+        if (rec is not None and rec.kind == "snapshot") or (rec is None and _SNAP_ID.fullmatch(template_id)):
+            snap = Snapshot.get(rec.snapshot if rec else template_id, config=self._config)
+            if egress and snap.record.network != "egress":
+                raise InvalidArgument(f"template {template_id!r} is a snapshot of a sandbox without internet access: "
+                                      "it restores without network",
+                                      hint="use an image template ('base' or an image reference), or a snapshot "
+                                           "of a sandbox created with allow_internet_access=True")
+            return snap, rec.id if rec else template_id
+        base_id = rec.id if rec is not None else template_id
+        key = f"{base_id}{EGRESS_SUFFIX}" if egress else base_id
+        with self._lock(key):
+            made = self.find(key)
+            if made is not None:
                 try:
-                    return Snapshot.get(rec.snapshot, config=self._config), rec.id
+                    return Snapshot.get(made.snapshot, config=self._config), base_id
                 except SnapshotNotFound:  # removed by bunshin's own API: made anew from its image
-                    self.remove(rec)
-                    if rec.kind != "image":
-                        raise NotFound(f"template {template_id!r}: its snapshot {rec.snapshot} is gone",
-                                       hint="take a new snapshot of a sandbox") from None
-            if _SNAP_ID.fullmatch(template_id):
-                return Snapshot.get(template_id, config=self._config), template_id
-            return self._from_image(template_id, self.image_of(template_id)), template_id
+                    self.remove(made)
+            image = rec.image if rec is not None and rec.image else self.image_of(template_id)
+            return self._from_image(key, image, egress), base_id
 
     def image_of(self, template_id: str) -> str:
-        """The image a template is made from: :class:`NotFound` for a snapshot's template
-        (it has no image to boot) or a name that is not an image held here."""
-        rec = self.find(template_id)
-        if rec is not None and rec.kind == "image" and rec.image:
-            return rec.image
-        if rec is not None or _SNAP_ID.fullmatch(template_id):
-            raise InvalidArgument(f"template {template_id!r} is a snapshot: it restores as it was taken, without "
-                                  "network, and has no image to boot with it",
-                                  hint="use an image template ('base' or an image reference) for internet access")
+        """The image a template name that no record holds names (``base`` and E2B's other
+        defaults: :data:`BUILTIN`); :class:`NotFound` if it is not an image held here."""
         try:
             return image_id(self._config, BUILTIN.get(template_id, template_id), field="templateID")
         except Exception as e:  # not an image reference, or none held here: not a template
@@ -132,9 +136,11 @@ class Templates:
                            "server", hint="use 'base', a snapshot id, or an image `bunshin image ls` shows"
                            ) from e
 
-    def _from_image(self, template_id: str, image: str) -> Snapshot:
-        """Boot ``image`` once, snapshot it, remove the workspace: the template's snapshot."""
-        ws = Workspace.create(image, memory=SANDBOX_MEMORY, pids=SANDBOX_PIDS, config=self._config)
+    def _from_image(self, template_id: str, image: str, egress: bool) -> Snapshot:
+        """Boot ``image`` once (with internet access if ``egress``), snapshot it, remove the
+        workspace: the template's snapshot."""
+        ws = Workspace.create(image, memory=SANDBOX_MEMORY, pids=SANDBOX_PIDS, config=self._config,
+                              network="egress" if egress else "none")
         try:
             snap = ws.snapshot()
         finally:

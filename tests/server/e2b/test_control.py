@@ -270,14 +270,16 @@ def test_not_there(server, opts, api) -> None:
 
 
 def test_internet_access_is_egress(server, opts, api) -> None:
-    """``allow_internet_access`` boots the template's image with egress (a snapshot holds no
-    network) under allowOut/denyOut; by default a sandbox has none. No traffic leaves."""
+    """``allow_internet_access`` restores the template's snapshot booted with egress (made
+    once, like the plain one) under allowOut/denyOut; by default a sandbox has none; a
+    snapshot keeps what its sandbox had. No traffic leaves."""
     cfg = server[1]
     sb = Sandbox.create(allow_internet_access=True, network={"deny_out": ["198.51.100.0/24"]}, **opts)
     plain = Sandbox.create(**opts)
     try:
         ws = _ws(cfg, sb.sandbox_id)
         assert ws.network_address() is not None and sb.get_info().allow_internet_access is True
+        assert ws.record.snapshot is not None  # a restore, not a boot
         policy = ws.network_policy()
         assert policy is not None and policy.deny_cidrs == ("198.51.100.0/24",)
         r = api.put(f"/sandboxes/{sb.sandbox_id}/network", json={"allowOut": ["203.0.113.0/24"]})
@@ -285,13 +287,23 @@ def test_internet_access_is_egress(server, opts, api) -> None:
         policy = ws.network_policy()
         assert policy is not None and (policy.allow_cidrs, policy.deny_cidrs) == (("203.0.113.0/24",), ())
 
+        online = sb.create_snapshot()
+        child = Sandbox.create(online.snapshot_id, allow_internet_access=False, **opts)
+        try:  # false on a snapshot with network: E2B's denyOut 0.0.0.0/0
+            policy = _ws(cfg, child.sandbox_id).network_policy()
+            assert policy is not None and policy.deny_cidrs == ("0.0.0.0/0",)
+            assert child.get_info().allow_internet_access is False
+        finally:
+            child.kill()
+        assert Sandbox.delete_snapshot(online.snapshot_id, **opts)
+
         assert _ws(cfg, plain.sandbox_id).network_address() is None  # the default: no network
         r = api.put(f"/sandboxes/{plain.sandbox_id}/network", json={"allowOut": ["203.0.113.0/24"]})
         assert r.status_code == 409 and r.json()["code"] == 409
-        snap = plain.create_snapshot()
-        r = api.post("/v2/sandboxes", json={"templateID": snap.snapshot_id, "allow_internet_access": True})
-        assert r.status_code == 400 and "is a snapshot" in r.json()["message"]
-        assert Sandbox.delete_snapshot(snap.snapshot_id, **opts)
+        offline = plain.create_snapshot()
+        r = api.post("/v2/sandboxes", json={"templateID": offline.snapshot_id, "allow_internet_access": True})
+        assert r.status_code == 400 and "without internet access" in r.json()["message"]
+        assert Sandbox.delete_snapshot(offline.snapshot_id, **opts)
     finally:
         sb.kill()
         plain.kill()
