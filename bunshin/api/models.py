@@ -25,6 +25,7 @@ from ..runtime.agent_host.types import (
 )
 from ..runtime.container.stats import MemoryStats, WorkspaceStats
 from ..runtime.kernel.limits import MAX_OUTPUT, MAX_TIMEOUT_S
+from ..runtime.net.policy import NetworkMode, Policy
 from ..runtime.oci.refs import looks_like_ref
 from ..runtime.state.budget import MIN_PIDS, PID_MAX_LIMIT
 from ..runtime.state.records import SnapshotMode
@@ -100,6 +101,38 @@ class PortOut(Model):
     host_port: int
 
 
+#: Most allow (and deny) rules one request may carry.
+MAX_RULES = 256
+
+
+def _rules_ok(allow: list[str], deny: list[str]) -> None:
+    """Each rule a CIDR, an address, a name or ``*.domain`` (``runtime.net.policy``)."""
+    try:
+        Policy.of(allow, deny)
+    except InvalidArgument as e:
+        raise ValueError(e.message) from None
+
+
+class NetworkPolicyIn(Model):
+    """A workspace's whole egress policy: ``allow`` and ``deny`` rules (CIDRs, addresses,
+    domain names, ``*.domain``)."""
+
+    allow: list[str] = Field(default_factory=list, max_length=MAX_RULES)
+    deny: list[str] = Field(default_factory=list, max_length=MAX_RULES)
+
+    @model_validator(mode="after")
+    def _rules(self) -> NetworkPolicyIn:
+        _rules_ok(self.allow, self.deny)
+        return self
+
+
+class NetworkOut(Model):
+    network: str  # none | egress
+    address: str | None = None  # its IPv4 address on its link out (egress)
+    allow: list[str] = []
+    deny: list[str] = []
+
+
 class CreateWorkspace(Model):
     """``image``: ``host`` or an image reference the host holds or can pull (over HTTP a host
     folder is never an image: that is a local choice). ``publish``: ports published on
@@ -112,11 +145,18 @@ class CreateWorkspace(Model):
     count: int = Field(default=1, ge=1, le=MAX_COUNT)
     ttl: TTL = None
     publish: list[PublishPort] = Field(default_factory=list, max_length=16)
+    # none: loopback only; egress: NAT out under allow/deny; None: the server's default
+    network: NetworkMode | None = None
+    allow: list[str] = Field(default_factory=list, max_length=MAX_RULES)
+    deny: list[str] = Field(default_factory=list, max_length=MAX_RULES)
 
     @model_validator(mode="after")
     def _one_host_port_each(self) -> CreateWorkspace:
         if self.count > 1 and any(p.host_port is not None for p in self.publish):
             raise ValueError("publish: with count > 1 leave host_port out (each workspace gets a free one)")
+        if (self.allow or self.deny) and self.network == NetworkMode.NONE:
+            raise ValueError("allow/deny rules need network 'egress'")
+        _rules_ok(self.allow, self.deny)
         return self
 
 

@@ -46,6 +46,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="bytes of all uploads in flight together (snapshots, image layers, file bodies; "
                         f"413 for one over it, 429 while others hold it; default {DEFAULT_MAX_UPLOAD}, 'off' "
                         "for none); the disk's free space bounds them too")
+    p.add_argument("--network", choices=("none", "egress"), default="none",
+                   help="the most network a workspace may ask for: none (loopback only, the default) or egress")
+    p.add_argument("--network-default", choices=("none", "egress"), default="none",
+                   help="the network of a workspace whose request does not say (at most --network; default none)")
     p.add_argument("--e2b-domain", default=None, metavar="DOMAIN",
                    help="the sandbox domain E2B's API answers: the SDK reaches a sandbox's port P at "
                         "<P>-<sandbox id>.DOMAIN (wildcard DNS to this server; default localhost:<port>)")
@@ -81,7 +85,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     output.err.print(f"bunshin serve: {scheme}://{args.host}:{args.port}  (token: {token_file}; docs: /docs)")
     sock = listening_socket(args.host, args.port)
     try:
-        app = create_app(cfg, token, limits=limits, default_ttl=args.ttl, e2b_domain=args.e2b_domain)
+        app = create_app(cfg, token, limits=limits, default_ttl=args.ttl, e2b_domain=args.e2b_domain,
+                         network=args.network, network_default=args.network_default)
         uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.shutdown_grace,
                                       ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key)).run(sockets=[sock])
     finally:

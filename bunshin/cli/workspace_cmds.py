@@ -105,11 +105,12 @@ def cmd_create(args: argparse.Namespace) -> int:
         desktop = dataclasses.replace(desktop, vnc=True)
     for spec in args.publish:  # a bad one before anything is made
         parse_publish(spec)
+    network = network_cmds.network_kwargs(args)
     t0 = time.perf_counter()
     what = "creating a workspace" + ("" if args.image == "host" else f" of {args.image} (pulled first if need be)")
     with output.progress(what, quiet=args.json):
         ws = Workspace.create(args.image, name=args.name, memory=args.memory, pids=args.pids, command=command,
-                              mounts=args.mount, desktop=desktop)
+                              mounts=args.mount, desktop=desktop, **network)
     try:
         ports = network_cmds.publish_all(ws, args.publish)
     except BaseException:

@@ -196,10 +196,14 @@ class TaskEnv:
         if task.mounts and not isinstance(host, LocalHost):
             raise InvalidArgument(f"task {task.id}: host folder mounts need workspaces on this machine",
                                   hint="drop 'mounts' from the task, or run it with the local host")
+        if task.network_kwargs() and not isinstance(host, LocalHost):
+            raise InvalidArgument(f"task {task.id}: network (egress) in a task needs workspaces on this machine",
+                                  hint="run it with the local host (or on `bunshin serve`'s own rollouts)")
 
         def create() -> WorkspaceAPI:
             if isinstance(host, LocalHost):
-                return host.create(task.image, memory=task.memory, pids=task.pids, mounts=task.mounts)
+                return host.create(task.image, memory=task.memory, pids=task.pids, mounts=task.mounts,
+                                   **task.network_kwargs())
             return host.create(task.image, memory=task.memory, pids=task.pids)
 
         ws = AsyncWorkspace(await in_thread(create, undo=lambda w: w.remove()))

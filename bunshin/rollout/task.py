@@ -21,6 +21,9 @@ A task file (YAML or JSON) looks like::
     trajectory_timeout: 600     # seconds per trajectory, setup included
     desktop: true               # a desktop (Xvfb + jwm) started before setup: true, "1280x800x24" or
                                 # a mapping of DesktopSpec fields (bunshin.workspace.desktop)
+    network: egress             # none (loopback only, the default) or egress: NAT out under
+    allow: [pypi.org, "*.pythonhosted.org"]   # allow/deny: CIDRs, addresses, names, *.domain
+    deny: [203.0.113.0/24]
 
 A bad spec raises :class:`~bunshin.errors.InvalidArgument` naming the field.
 """
@@ -40,6 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..config import Config
 from ..errors import InvalidArgument
 from ..runtime.kernel.limits import MAX_TIMEOUT_S
+from ..runtime.net.policy import NetworkMode, Policy
 from ..runtime.state.budget import MIN_PIDS, PID_MAX_LIMIT
 from ..runtime.state.records import check_mounts
 from ..workspace.desktop import DesktopSpec
@@ -109,6 +113,9 @@ class TaskSpec(BaseModel):
     trajectory_timeout: TimeoutSeconds = 600.0
     metadata: dict[str, Any] = Field(default_factory=dict)
     desktop: dict[str, Any] | None = None  # a DesktopSpec's fields (true and "WxH[xD]" accepted)
+    network: NetworkMode = NetworkMode.NONE
+    allow: tuple[str, ...] = ()
+    deny: tuple[str, ...] = ()
 
     @field_validator("setup", mode="before")
     @classmethod
@@ -157,6 +164,22 @@ class TaskSpec(BaseModel):
             raise ValueError("tools: a tool is named twice")
         return self
 
+    @model_validator(mode="after")
+    def _network_rules(self) -> TaskSpec:
+        if (self.allow or self.deny) and self.network != NetworkMode.EGRESS:
+            raise ValueError("allow/deny rules need network: egress")
+        try:
+            Policy.of(self.allow, self.deny)
+        except InvalidArgument as e:
+            raise ValueError(e.message) from None
+        return self
+
+    def network_kwargs(self) -> dict[str, Any]:
+        """The workspace's network as ``create`` arguments; empty for ``none``."""
+        if self.network == NetworkMode.NONE:
+            return {}
+        return {"network": self.network.value, "allow": list(self.allow), "deny": list(self.deny)}
+
     def root_key(self, image_id: str) -> str:
         """The key of this task's root snapshot: the image by digest (``image_id``, from
         ``resolve_image``) and everything that builds the root (files, mounts, setup,
@@ -166,6 +189,8 @@ class TaskSpec(BaseModel):
                  "setup": [s.model_dump(mode="json") for s in self.setup], "memory": self.memory, "pids": self.pids}
         if self.desktop is not None:  # only then: the keys of tasks without one stay as they were
             parts["desktop"] = self.desktop
+        if net := self.network_kwargs():  # the same
+            parts["network"] = net
         return "root-" + hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
     def initial_messages(self) -> list[dict[str, Any]]:

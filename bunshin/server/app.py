@@ -30,11 +30,11 @@ from .. import __version__
 from ..api import models as m
 from ..config import Config
 from ..errors import BunshinError, InvalidArgument, PayloadTooLarge, Unauthorized
+from ..runtime.net.policy import NetworkMode
 from ..runtime.state.store import Store
 from . import (
     groups,
     images,
-    network,
     rollouts,
     snapshots,
     streaming,
@@ -43,6 +43,7 @@ from . import (
     transfer,
     workspaces,
 )
+from . import network as network_routes
 from .admission import Limits
 from .context import CallerGone, ServerContext
 from .e2b import control as e2b_control
@@ -80,12 +81,17 @@ async def _sweep_leases(ctx: ServerContext) -> None:
 
 
 def create_app(config: Config, token: str, *, limits: Limits | None = None,
-               default_ttl: float | None = None, e2b_domain: str | None = None) -> FastAPI:
+               default_ttl: float | None = None, e2b_domain: str | None = None,
+               network: NetworkMode | str = NetworkMode.NONE,
+               network_default: NetworkMode | str = NetworkMode.NONE) -> FastAPI:
     """The app serving ``config``'s workspaces to callers holding ``token``, within
     ``limits`` (admission control: caps and the create/fork rate; none by default);
     ``default_ttl``: the lease of workspaces made without one (none by default);
-    ``e2b_domain``: the sandbox domain E2B's API answers (default ``localhost:<port>``)."""
-    ctx = ServerContext(config, token, limits or Limits(), default_ttl=default_ttl, e2b_domain=e2b_domain)
+    ``e2b_domain``: the sandbox domain E2B's API answers (default ``localhost:<port>``);
+    ``network``: the most network a workspace may get (``egress`` or ``none``), and
+    ``network_default`` what one gets when its request does not say."""
+    ctx = ServerContext(config, token, limits or Limits(), default_ttl=default_ttl, e2b_domain=e2b_domain,
+                        network=NetworkMode.of(network), network_default=NetworkMode.of(network_default))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -143,7 +149,7 @@ def create_app(config: Config, token: str, *, limits: Limits | None = None,
     # JSON bodies are parsed whole (held several times over): bounded per route (inside the
     # error handling); routes taking raw bodies set their own and stream them within budgets
     auth, most = [Depends(authorized)], MAX_JSON_BODY
-    for r in (workspaces, snapshots, transfer, images, groups, rollouts, tools, streaming, network):
+    for r in (workspaces, snapshots, transfer, images, groups, rollouts, tools, streaming, network_routes):
         app.include_router(r.router(ctx), dependencies=auth, max_body_size=most)
     app.include_router(swerex.router(ctx), max_body_size=most)  # SWE-ReX's runtime API: its own X-API-Key check
     app.include_router(e2b_control.router(ctx), max_body_size=most)  # E2B's control plane: its own X-API-Key check

@@ -13,9 +13,11 @@ from fastapi import Query, Request
 
 from ..api import models as m
 from ..config import Config
+from ..errors import InvalidArgument
 from ..runtime.kernel.limits import (
     MAX_FILE_BYTES as MAX_FILE_BYTES,  # the server's file bodies, both ways
 )
+from ..runtime.net.policy import NetworkMode
 from ..workspace import Snapshot, Workspace, WorkspaceInfo
 from ..workspace.locks import WorkspaceLocks, workspace_locks
 from .admission import Admission, Limits
@@ -44,6 +46,10 @@ class ServerContext:
     default_ttl: float | None = None  # the lease of workspaces made without one
     # E2B's sandbox domain (``<port>-<sandbox id>.<domain>``); None: ``localhost:<port called>``
     e2b_domain: str | None = None
+    # the most network a caller may ask for (``serve --network``) and what it gets when it
+    # does not say (``serve --network-default``)
+    network: NetworkMode = NetworkMode.NONE
+    network_default: NetworkMode = NetworkMode.NONE
     locks: WorkspaceLocks = field(default_factory=workspace_locks)  # shared with the groups' caches
     admission: Admission = field(init=False)
     idempotency: Idempotency = field(init=False)
@@ -51,7 +57,20 @@ class ServerContext:
     snapshot_leases: Leases = field(init=False)  # of snapshots loaded with a ttl
     uploads: Uploads = field(init=False)  # one budget for every upload in flight
 
+    def network_mode(self, asked: NetworkMode | str | None) -> NetworkMode:
+        """The network a new workspace gets: ``asked``, else the server's default; within
+        the server's ceiling, else InvalidArgument (400)."""
+        mode = self.network_default if asked is None else NetworkMode.of(asked)
+        if mode == NetworkMode.EGRESS and self.network != NetworkMode.EGRESS:
+            raise InvalidArgument("this server gives workspaces no egress (network 'none' only)",
+                              hint="create without network 'egress', or start the server with "
+                                   "`bunshin serve --network egress`")
+        return mode
+
     def __post_init__(self) -> None:
+        if self.network_default == NetworkMode.EGRESS and self.network != NetworkMode.EGRESS:
+            raise InvalidArgument("--network-default egress needs --network egress (the ceiling)",
+                                  hint="bunshin serve --network egress [--network-default egress]")
         self.admission = Admission(self.config, self.limits)
         self.idempotency = Idempotency(self.config)
         self.leases = Leases(self.config)

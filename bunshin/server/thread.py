@@ -31,12 +31,14 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 @contextmanager
 def serve_in_thread(config: Config, token: str, *, start_timeout: float = 10.0,
-                    limits: Limits | None = None, default_ttl: float | None = None) -> Iterator[str]:
+                    limits: Limits | None = None, default_ttl: float | None = None,
+                    network: str = "none", network_default: str = "none") -> Iterator[str]:
     """Serve ``config`` (within ``limits``) until the block ends; yields the base URL
     (``http://127.0.0.1:PORT``)."""
     sock = listening_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
-    app = create_app(config, token, limits=limits, default_ttl=default_ttl)
+    app = create_app(config, token, limits=limits, default_ttl=default_ttl, network=network,
+                     network_default=network_default)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="bunshin-serve", daemon=True)
     thread.start()

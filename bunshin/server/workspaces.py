@@ -45,6 +45,7 @@ def router(ctx: ServerContext) -> APIRouter:
     def create(req: m.CreateWorkspace, key: IdemKey, request: Request) -> Response:
         def go() -> list[m.WorkspaceOut]:
             image = image_id(config, req.image)  # never a host folder; pulled here if need be
+            network = ctx.network_mode(req.network)
             made: list[Workspace] = []
             ports: list[list[m.PortOut]] = []
             with admission.admit(req.count, parse_size(req.memory), req.pids):
@@ -52,7 +53,7 @@ def router(ctx: ServerContext) -> APIRouter:
                     for i in range(req.count):
                         name = req.name if req.count == 1 or req.name is None else f"{req.name}-{i}"
                         made.append(Workspace.create(image, name=name, memory=req.memory, pids=req.pids,
-                                                     config=config))
+                                                     config=config, network=network, allow=req.allow, deny=req.deny))
                         ports.append(publish_all(made[-1], req.publish))
                 except BaseException:
                     for ws in made:  # all or none

@@ -19,9 +19,11 @@ class LocalHost:
     config: Config = field(default_factory=Config.from_env)
 
     def create(self, image: str = "host", *, name: str | None = None, memory: str | int | None = "2G",
-               pids: int | None = 512, mounts: Sequence[Mount | str] = ()) -> Workspace:
+               pids: int | None = 512, mounts: Sequence[Mount | str] = (), network: str = "none",
+               allow: Sequence[str] = (), deny: Sequence[str] = ()) -> Workspace:
         """:meth:`Workspace.create` here; ``mounts`` (host folders) only exist on a local host."""
-        return Workspace.create(image, name=name, memory=memory, pids=pids, config=self.config, mounts=mounts)
+        return Workspace.create(image, name=name, memory=memory, pids=pids, config=self.config, mounts=mounts,
+                                network=network, allow=allow, deny=deny)
 
 
 def _conforms(host: LocalHost) -> HostAPI:

@@ -9,6 +9,7 @@ import httpx
 import psutil
 import pytest
 
+from bunshin.workspace import Workspace
 from tests.cli.test_cli import bunshin
 
 pytestmark = pytest.mark.integration
@@ -43,3 +44,41 @@ def test_publish_from_the_cli(no_leaks):
     finally:
         bunshin(cfg, "rm", made["id"])
     assert psutil.wait_procs(forwarders, timeout=10)[1] == []  # it ends with the workspace
+
+
+def test_network_from_the_cli(no_leaks, internet, monkeypatch, capsys):
+    """In-process (the same parser and commands as `bunshin`): create --network egress
+    --allow/--deny, network show and set, and their errors."""
+    from bunshin.cli import exits
+    from bunshin.cli.main import main
+
+    monkeypatch.setenv("BUNSHIN_HOME", str(no_leaks.home))
+    monkeypatch.setenv("BUNSHIN_CRIU", str(no_leaks.criu))
+    monkeypatch.setenv("BUNSHIN_TMPFS", str(no_leaks.tmpfs))
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        code = main(list(argv))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    code, _, err = run("create", "--allow", "pypi.org")
+    assert code == exits.FAILED and "--network egress" in err
+    code, _, err = run("create", "--network", "egress", "--deny", "not a rule")
+    assert code == exits.FAILED and "not a CIDR" in err
+    code, out, _ = run("ls", "--json")
+    assert json.loads(out) == []  # nothing was made
+    code, out, err = run("create", "--memory", "256M", "--network", "egress", "--allow", internet.subnet,
+                         "--deny", "*.bad.test", "--json")
+    assert code == 0, err
+    ws = json.loads(out)["id"]
+    try:
+        code, out, _ = run("network", "show", ws, "--json")
+        shown = json.loads(out)
+        assert shown["network"] == "egress" and shown["allow"] == [internet.subnet] and shown["deny"] == ["*.bad.test"]
+        code, out, _ = run("network", "set", ws, "--deny", internet.other)
+        assert code == 0 and f"deny: {internet.other}/32" in out and "allow" not in out
+        code, _, err = run("network", "set", ws, "--allow", "x..y")
+        assert code == exits.FAILED
+        assert json.loads(run("network", "show", ws, "--json")[1])["deny"] == [f"{internet.other}/32"]
+    finally:
+        Workspace.get(ws, config=no_leaks).remove()

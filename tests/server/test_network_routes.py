@@ -37,3 +37,61 @@ def test_ports_over_http(served):
             assert http.delete(f"/v1/workspaces/{ws['id']}/ports/{other['host_port']}").status_code == 404
         finally:
             http.delete(f"/v1/workspaces/{ws['id']}")
+
+
+def test_network_fields_are_checked():
+    from pydantic import ValidationError
+
+    from bunshin.api import models as m
+
+    assert m.CreateWorkspace(network="egress", allow=["203.0.113.0/24", "*.example.com"]).network == "egress"
+    for bad, says in (({"network": "bridge"}, "network"), ({"network": "egress", "allow": ["no such thing!"]}, "not a CIDR"),
+                      ({"network": "none", "deny": ["10.0.0.0/8"]}, "need network 'egress'")):
+        with pytest.raises(ValidationError) as err:
+            m.CreateWorkspace(**bad)
+        assert says in str(err.value)
+    with pytest.raises(ValidationError):
+        m.NetworkPolicyIn(allow=["-bad-.com"])
+
+
+def test_the_servers_ceiling_and_default(no_leaks):
+    from bunshin.errors import InvalidArgument
+    from bunshin.server.context import ServerContext
+
+    closed = ServerContext(no_leaks, "t")
+    assert closed.network_mode(None) == "none" and closed.network_mode("none") == "none"
+    with pytest.raises(InvalidArgument) as err:
+        closed.network_mode("egress")
+    assert "--network egress" in err.value.hint
+    opened = ServerContext(no_leaks, "t", network="egress", network_default="egress")
+    assert opened.network_mode(None) == "egress" and opened.network_mode("none") == "none"
+    with pytest.raises(InvalidArgument):
+        ServerContext(no_leaks, "t", network_default="egress")
+
+
+def test_network_over_http(no_leaks, internet):
+    from bunshin.server.thread import serve_in_thread
+
+    h = {"Authorization": "Bearer tok-0123456789abcdef"}
+    with serve_in_thread(no_leaks, "tok-0123456789abcdef") as url, httpx.Client(base_url=url, headers=h, timeout=120) as http:
+        refused = http.post("/v1/workspaces", json={"network": "egress"})
+        assert refused.status_code == 400 and "no egress" in refused.json()["message"]
+    with serve_in_thread(no_leaks, "tok-0123456789abcdef", network="egress") as url, \
+            httpx.Client(base_url=url, headers=h, timeout=120) as http:
+        (ws,) = http.post("/v1/workspaces", json={"memory": "256M", "network": "egress",
+                                                  "deny": [internet.other]}).json()
+        (plain,) = http.post("/v1/workspaces", json={"memory": "256M"}).json()  # the default: none
+        try:
+            net = http.get(f"/v1/workspaces/{ws['id']}/network").json()
+            assert net["network"] == "egress" and net["address"] and net["deny"] == [f"{internet.other}/32"]
+            assert http.get(f"/v1/workspaces/{plain['id']}/network").json()["network"] == "none"
+            put = http.put(f"/v1/workspaces/{ws['id']}/network", json={"allow": [internet.subnet]})
+            assert put.status_code == 200 and put.json()["allow"] == [internet.subnet] and put.json()["deny"] == []
+            bad = http.put(f"/v1/workspaces/{ws['id']}/network", json={"allow": ["a..b"]})
+            assert bad.status_code == 422
+            assert http.get(f"/v1/workspaces/{ws['id']}/network").json()["allow"] == [internet.subnet]
+            none = http.put(f"/v1/workspaces/{plain['id']}/network", json={"allow": [internet.subnet]})
+            assert none.status_code == 409 and none.json()["hint"]
+        finally:
+            for w in (ws, plain):
+                http.delete(f"/v1/workspaces/{w['id']}")
