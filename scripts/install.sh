@@ -88,6 +88,7 @@ if has_extra test; then
         xterm tk dillo mousepad gnumeric  # the desktop tests' apps: terminal, editors (xedit, in x11-apps;
         firefox-esr chromium              # mousepad), Tk, browsers (dillo, Firefox, Chromium), a spreadsheet
         libglib2.0-bin   # gio monitor: GLib's file monitor (inotify), forked in test_fork_inotify
+        passt            # pasta: `bunshin bench network` compares it with veth + nftables
     )
 fi
 # The python needs a working venv module (Debian's python3 splits it out).

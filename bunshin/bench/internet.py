@@ -100,6 +100,25 @@ class Internet:
     def url(self, path: str, host: str | None = None) -> str:
         return f"http://{host or self.web}/{path.lstrip('/')}"
 
+    @property
+    def netns(self) -> str:
+        """The servers' network namespace, as a path ``nsenter --net=`` takes."""
+        assert self._proc is not None, "the test internet is closed"
+        return f"/proc/{self._proc.pid}/ns/net"
+
+    def add_address(self, addr: str) -> None:
+        """Hold ``addr`` in the namespace too, routed from the host through the link (a
+        canary: e.g. 169.254.169.254 or a private address, to show a policy refuses
+        what the host itself reaches). The route goes with the link."""
+        _ip(batch=[f"addr replace {addr}/32 dev lo"], netns=self.netns)
+        _ip("route", "replace", f"{addr}/32", "via", self.peer_addr, "dev", self.link)
+
+    def remove_address(self, addr: str) -> None:
+        """Undo ``add_address``."""
+        subprocess.run(["ip", "route", "del", f"{addr}/32", "via", self.peer_addr], capture_output=True, check=False)
+        subprocess.run(["nsenter", f"--net={self.netns}", "ip", "addr", "del", f"{addr}/32", "dev", "lo"],
+                       capture_output=True, check=False)
+
     def names(self) -> dict[str, list[str]]:
         return dict(json.loads((self.root / "names.json").read_text()))
 
@@ -174,10 +193,10 @@ def _take_slot() -> tuple[int, IO[str]]:
     raise InternetError(f"all {SLOTS} test-internet slots are taken ({LOCKS}): too many test runs at once")
 
 
-def _ip(*args: str, netns_pid: int | None = None, batch: list[str] | None = None) -> None:
+def _ip(*args: str, netns: str | None = None, batch: list[str] | None = None) -> None:
     cmd = ["ip", *args] if batch is None else ["ip", "-batch", "-"]
-    if netns_pid is not None:
-        cmd = ["nsenter", f"--net=/proc/{netns_pid}/ns/net", *cmd]
+    if netns is not None:
+        cmd = ["nsenter", f"--net={netns}", *cmd]
     run = subprocess.run(cmd, input="\n".join(batch or []), capture_output=True, text=True, check=False)
     if run.returncode:
         raise InternetError(f"{' '.join(cmd)} {batch or ''} failed: {run.stderr.strip()}")
@@ -203,7 +222,7 @@ def _setup(root: Path, *, dns: bool) -> Internet:
         inside = ["link set lo up", f"addr add {inet.peer_addr}/30 dev {inet.link}p", f"link set {inet.link}p up",
                   f"route add default via {inet.host_addr}"]
         inside += [f"addr add {a}/32 dev lo" for a in (inet.web, inet.other, inet.index, inet.dns) if a]
-        _ip(netns_pid=pid, batch=inside)
+        _ip(netns=f"/proc/{pid}/ns/net", batch=inside)
         _wait_ready(proc, root)
     except BaseException:
         inet.close()

@@ -95,6 +95,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_image, release_tmpfs=True)
 
+    b = bsub.add_parser("network", help="egress and ports in: fork/restore cost off and on, throughput, N clones "
+                                        "fetching at once, pasta against veth + nftables")
+    b.add_argument("--quick", action="store_true", help="3 rounds, 64 MiB, 8 clones (default: 10, 256 MiB, 64)")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_network, release_tmpfs=True)
+
     b = bsub.add_parser("serve", help="the HTTP API against in-process calls: latency, exec throughput")
     b.add_argument("--rounds", type=int, default=30, help="calls per kind (default 30)")
     b.add_argument("--forks", type=int, default=8, help="forks per side (default 8)")
@@ -224,6 +230,17 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         output.print_json(r)
     else:
         bench_serve.print_report(r)
+    return 0
+
+
+def cmd_bench_network(args: argparse.Namespace) -> int:
+    from ..bench import network as bench_network
+
+    r = bench_network.run(Config.from_env(), quick=args.quick)
+    if args.json:
+        output.print_json(r)
+    else:
+        bench_network.print_report(r)
     return 0
 
 
