@@ -22,7 +22,7 @@ A task file (YAML or JSON) looks like::
     desktop: true               # a desktop (Xvfb + jwm) started before setup: true, "1280x800x24" or
                                 # a mapping of DesktopSpec fields (bunshin.workspace.desktop)
     network: egress             # none (loopback only, the default) or egress: NAT out under
-    allow: [pypi.org, "*.pythonhosted.org"]   # allow/deny: CIDRs, addresses, names, *.domain
+    allow: [198.51.100.0/24]    # allow/deny: CIDRs and addresses (names: docs/guides/network.md)
     deny: [203.0.113.0/24]
 
 A bad spec raises :class:`~bunshin.errors.InvalidArgument` naming the field.
