@@ -29,6 +29,7 @@ from ..runtime.net.policy import NetworkMode, Policy
 from ..runtime.oci.refs import looks_like_ref
 from ..runtime.state.budget import MIN_PIDS, PID_MAX_LIMIT
 from ..runtime.state.records import SnapshotMode
+from ..workspace.forks import ForkTimings
 
 API_VERSION = "v1"
 #: Most workspaces one create or restore call makes (the runtime's own batch cap).
@@ -189,12 +190,30 @@ class SetTTL(Model):
 
 
 class ForkOut(Model):
-    """One entry per fork: all of them or none (a failed fork is an error, nothing made)."""
+    """One entry per fork: all of them or none (a failed fork is an error, nothing made).
+    The fork's timings (as ``ForkTimings``): the parent's pause, the dump, the memory-file
+    rewrite, the memory files written, each fork's restore (in ``forks``' order)."""
 
     parent: str
     snapshot: str | None
     pause_ms: float | None
     forks: list[WorkspaceOut]
+    mode: SnapshotMode | None = None
+    dump_ms: float | None = None
+    rewrite_ms: float | None = None
+    memfile_bytes: int | None = None
+    restore_ms: list[float | None] | None = None
+
+    def timings(self) -> ForkTimings | None:
+        """The timings as :class:`~bunshin.workspace.forks.ForkTimings` (``None`` from a
+        server too old to send them)."""
+        if None in (self.snapshot, self.mode, self.pause_ms, self.dump_ms, self.rewrite_ms, self.memfile_bytes,
+                    self.restore_ms):
+            return None
+        assert self.snapshot is not None and self.mode is not None and self.pause_ms is not None
+        assert self.dump_ms is not None and self.rewrite_ms is not None and self.memfile_bytes is not None
+        return ForkTimings(self.snapshot, self.mode, self.pause_ms, self.dump_ms, self.rewrite_ms,
+                           self.memfile_bytes, tuple(self.restore_ms or ()))
 
 
 class Priority(Model):

@@ -30,6 +30,7 @@ from ..runtime.container.stats import WorkspaceStats
 from ..runtime.kernel.limits import check_timeout, exec_timeout
 from ..runtime.state.records import SnapshotMode
 from ..tools.spec import Observation
+from ..workspace.forks import ForkResult
 from ..workspace.protocol import SnapshotAPI, WorkspaceAPI
 
 
@@ -143,11 +144,14 @@ class RemoteWorkspace:
 
     def fork(self, n: int = 1, *, mode: SnapshotMode | str = SnapshotMode.COW,
              ttl: float | None = None) -> builtins.list[RemoteWorkspace]:
-        """``n`` clones; ``ttl``: their lease (default their parent's, if it has one)."""
+        """``n`` clones; ``ttl``: their lease (default their parent's, if it has one). The list has
+        the fork's ``timings`` (:class:`~bunshin.workspace.forks.ForkTimings`), as a local fork's."""
         r = self._client.request("POST", f"{self._path}/fork", default_wait=False, idempotent=True,
                                  json=m.build(m.ForkRequest, count=n, mode=mode, ttl=ttl).model_dump(mode="json"))
         out = m.ForkOut.model_validate(r.json())
-        return [RemoteWorkspace(self._client, w) for w in out.forks]
+        forks = [RemoteWorkspace(self._client, w) for w in out.forks]
+        timings = out.timings()
+        return forks if timings is None else ForkResult(forks, timings)
 
     def remove(self) -> None:
         """Remove it on the server."""

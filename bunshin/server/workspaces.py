@@ -93,8 +93,11 @@ def router(ctx: ServerContext) -> APIRouter:
             snap = ws.last_fork
             lease = ctx.leases.get(ws.id)
             ttl = req.ttl if req.ttl is not None else lease.ttl if lease is not None else None
+            t = clones.timings
             return m.ForkOut(parent=ws.id, snapshot=snap.id if snap else None,
-                             pause_ms=snap.pause_ms if snap else None, forks=ctx.made(request, clones, ttl))
+                             pause_ms=snap.pause_ms if snap else None, forks=ctx.made(request, clones, ttl),
+                             mode=t.mode, dump_ms=t.dump_ms, rewrite_ms=t.rewrite_ms,
+                             memfile_bytes=t.memfile_bytes, restore_ms=list(t.restore_ms))
         return once(key, "POST", f"/v1/workspaces/{ws_id}/fork", req, 200, lambda: locked(ws_id, go))
 
     @r.post("/workspaces/{ws_id}/snapshots", status_code=201, response_model=m.SnapshotOut)

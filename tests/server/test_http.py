@@ -77,6 +77,8 @@ def test_fork_and_snapshots_over_http(served):
             ws.sessions.run(sid, "export N=7; echo 1 > n")
             clones = ws.fork(2)
             assert len({cl.id for cl in clones}) == 2
+            t = clones.timings  # returned as by a local fork
+            assert t.pause_ms > 0 and t.dump_ms > 0 and len(t.restore_ms) == 2 and all(x > 0 for x in t.restore_ms)
             for cl in clones:
                 assert cl.sessions.run(sid, "echo $N $(cat n)", timeout=30).output.strip() == "7 1"
                 cl.remove()
