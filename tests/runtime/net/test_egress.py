@@ -324,3 +324,31 @@ def test_fork_mid_download_resets_the_clones_and_they_get_their_own_address(cfg,
     served = [e for e in internet.requests() if e["path"] == path]
     assert served[-1]["sent"] == size and served[-1]["error"] is None  # the parent's, whole
 
+
+
+HOLD = textwrap.dedent("""
+    import socket, sys
+    held, out = [], []
+    for _ in range(int(sys.argv[2])):
+        try:
+            held.append(socket.create_connection((sys.argv[1], 80), timeout=3))
+            out.append("ok")
+        except OSError as e:
+            out.append(type(e).__name__)
+    print(" ".join(out))
+""")
+
+
+def test_connection_cap_holds(pair, internet):
+    """``Limits.max_connections``: the connections beyond the cap are refused while the
+    others are open, and the cap is set on a running workspace."""
+    from bunshin.runtime.net.policy import Limits
+
+    _, restricted, _ = pair
+    restricted.set_network_policy(allow=[internet.subnet], limits=Limits(max_connections=2))
+    try:
+        r = restricted.exec(["python3", "-c", HOLD, internet.web, "3"], timeout=30)
+        assert r.stdout.split() == ["ok", "ok", r.stdout.split()[2]] and r.stdout.split()[2] != "ok", r.stdout
+    finally:
+        restricted.set_network_policy(allow=[internet.subnet])
+    assert restricted.exec(["python3", "-c", HOLD, internet.web, "3"], timeout=30).stdout.split() == ["ok"] * 3
