@@ -3,6 +3,8 @@ commands, PTYs, files, watches, a sandbox's port, and the access token."""
 
 from __future__ import annotations
 
+import json
+import struct
 import threading
 import time
 
@@ -228,9 +230,24 @@ def test_raw_connect_codecs_and_unimplemented(env: Env) -> None:
     b = httpx.post(f"{env.url}/filesystem.Filesystem/Stat", content=fpb.StatRequest(path="/etc").SerializeToString(),
                    headers={**h, "Content-Type": "application/proto"})
     assert b.status_code == 200 and fpb.StatResponse.FromString(b.content).entry.path == "/etc"
-    tag = httpx.post(f"{env.url}/process.Process/SendSignal", json={"process": {"tag": "x"}, "signal": 9},
-                     headers={**h, "Content-Type": "application/json"})
-    assert tag.status_code == 501 and tag.json()["code"] == "unimplemented" and "tag" in tag.json()["message"]
+    # a server stream in Connect's JSON envelope: a command started with a tag, then signalled by it
+    start = json.dumps({"process": {"cmd": "/bin/sleep", "args": ["30"]}, "tag": "sleeper"}).encode()
+    with httpx.stream("POST", f"{env.url}/process.Process/Start", content=struct.pack(">BI", 0, len(start)) + start,
+                      headers={**h, "Content-Type": "application/connect+json"}) as stream:
+        head = b""
+        for piece in stream.iter_bytes():
+            head += piece
+            if len(head) >= 5 and len(head) >= 5 + struct.unpack(">I", head[1:5])[0]:
+                break
+        first = json.loads(head[5:5 + struct.unpack(">I", head[1:5])[0]])
+        pid = first["event"]["start"]["pid"]
+        listed = httpx.post(f"{env.url}/process.Process/List", json={}, headers={**h, "Content-Type": "application/json"})
+        assert {"pid": pid, "tag": "sleeper"}.items() <= next(
+            p for p in listed.json()["processes"] if p["pid"] == pid).items()
+        for tag, status in (("nobody", 404), ("sleeper", 200)):
+            r = httpx.post(f"{env.url}/process.Process/SendSignal", json={"process": {"tag": tag}, "signal": 9},
+                           headers={**h, "Content-Type": "application/json"})
+            assert r.status_code == status, r.text
     nope = httpx.post(f"{env.url}/process.Process/Nope", json={}, headers={**h, "Content-Type": "application/json"})
     assert nope.status_code == 404
     for sid, port, status in (("../../etc", "49983", 502), (env.ws.id.upper(), "49983", 502),
@@ -338,3 +355,21 @@ def test_bounds_and_another_sandboxs_watcher(env: Env) -> None:
         assert rpc("filesystem.Filesystem/GetWatcherEvents", {"watcherId": wid}).status_code == 404
     finally:
         other.kill()
+
+
+def test_an_rpc_bunshin_does_not_serve_is_refused_by_name() -> None:
+    import asyncio
+
+    from bunshin.server.e2b.envd import ENVD_VERSION
+    from bunshin.server.e2b.envd.gen.process import process_pb2
+    from bunshin.server.e2b.envd.rpc import service_app
+
+    app = service_app(process_pb2.DESCRIPTOR.services_by_name["Process"], unary={}, streams={})
+
+    async def call() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://envd") as c:
+            return await c.post("/process.Process/List", json={}, headers={"Content-Type": "application/json"})
+
+    r = asyncio.run(call())
+    assert (r.status_code, r.json()["code"]) == (501, "unimplemented")
+    assert r.json()["message"] == f"process.Process/List is not implemented by bunshin's envd (it serves envd {ENVD_VERSION})"

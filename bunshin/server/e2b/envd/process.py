@@ -9,7 +9,7 @@ hangs up otherwise stops being followed; the command goes on (as E2B's:
 ``commands.connect(pid)`` finds it again) and nothing on the host is left behind. A PTY command (``Start`` with ``pty``) runs on a terminal of its own
 (``ptyrelay``), its screen as ``pty`` data events; ``Update`` resizes it; ``SendInput``
 and ``StreamInput`` type into it or write a command's stdin; ``CloseStdin`` ends that
-stdin. Processes are selected by pid (selecting by tag is refused by name).
+stdin. Processes are selected by pid or by the tag they were started with.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ KEEPALIVE_S, KEEPALIVE_MIN_S = 30.0, 1.0
 MAX_ARGS, MAX_ENVS, MAX_SPEC_BYTES = 4096, 1024, 1 << 20
 log = logging.getLogger("bunshin.server")
 MAX_TERM = 1000
+MAX_TAG = 256
 #: A Start client hanging up this close to its deadline is taken for its timeout.
 DEADLINE_SLACK_S = 1.0
 _BACKGROUND: set[asyncio.Task[Any]] = set()  # held until done (the loop keeps weak references)
@@ -82,6 +83,8 @@ def _spec(req: Any) -> procs.Spec:
     if cwd is not None and (not cwd.startswith("/") or "\0" in cwd):
         raise ConnectError(Code.INVALID_ARGUMENT, f"cwd {cwd[:100]!r} must be an absolute path")
     tag = req.tag if req.HasField("tag") else None
+    if tag is not None and len(tag) > MAX_TAG:
+        raise ConnectError(Code.INVALID_ARGUMENT, f"a tag is at most {MAX_TAG} characters")
     stdin = req.stdin if req.HasField("stdin") else True
     return procs.Spec(p.cmd, args, envs, cwd, tag, stdin, pty)
 
@@ -99,9 +102,14 @@ def _keepalive_s(ctx: RequestContext) -> float:
         return KEEPALIVE_S
 
 
-def _pid_of(selector: Any) -> int:
-    if selector.WhichOneof("selector") != "pid":
-        raise ConnectError(Code.UNIMPLEMENTED, "selecting a process by tag is not implemented by bunshin's envd")
+async def _pid_of(call: Call, selector: Any) -> int:
+    """The pid a selector names: its pid, or the running command started with its tag."""
+    if selector.WhichOneof("selector") == "tag":
+        tag = selector.tag
+        found = [pid for pid, meta in await procs.run(call, procs.listing, call) if meta.get("tag") == tag]
+        if not found:
+            raise ConnectError(Code.NOT_FOUND, f"no running process has tag {tag[:100]!r}")
+        return min(found)
     return int(selector.pid)
 
 
@@ -197,7 +205,7 @@ async def start(req: Any, call: Call, ctx: RequestContext) -> AsyncIterator[Any]
 
 
 async def connect(req: Any, call: Call, ctx: RequestContext) -> AsyncIterator[Any]:
-    pid = _pid_of(req.process)
+    pid = await _pid_of(call, req.process)
     folder = await procs.run(call, procs.folder_of, call, pid)
     pty = bool((await procs.run(call, procs.meta_of, call, folder)).get("pty"))
     # what comes from now on: the sizes before the start event, which the client waits for
@@ -224,7 +232,7 @@ async def list_(req: Any, call: Call, ctx: RequestContext) -> Any:
 
 
 async def send_signal(req: Any, call: Call, ctx: RequestContext) -> Any:
-    pid = _pid_of(req.process)
+    pid = await _pid_of(call, req.process)
     sig = _SIGNALS.get(req.signal)
     if sig is None:
         raise ConnectError(Code.INVALID_ARGUMENT, "signal must be SIGTERM or SIGKILL")
@@ -239,7 +247,7 @@ def _input(msg: Any) -> bytes:
 
 
 async def send_input(req: Any, call: Call, ctx: RequestContext) -> Any:
-    folder = await procs.run(call, procs.folder_of, call, _pid_of(req.process))
+    folder = await procs.run(call, procs.folder_of, call, await _pid_of(call, req.process))
     await procs.run(call, procs.write_stdin, call, folder, _input(req.input))
     return pb.SendInputResponse()
 
@@ -249,7 +257,7 @@ async def stream_input(reqs: AsyncIterator[Any], call: Call, ctx: RequestContext
     async for req in reqs:
         kind = req.WhichOneof("event")
         if kind == "start":
-            folder = await procs.run(call, procs.folder_of, call, _pid_of(req.start.process))
+            folder = await procs.run(call, procs.folder_of, call, await _pid_of(call, req.start.process))
         elif kind == "data":
             if folder is None:
                 raise ConnectError(Code.INVALID_ARGUMENT, "the input stream must start with a start event")
@@ -258,13 +266,13 @@ async def stream_input(reqs: AsyncIterator[Any], call: Call, ctx: RequestContext
 
 
 async def close_stdin(req: Any, call: Call, ctx: RequestContext) -> Any:
-    folder = await procs.run(call, procs.folder_of, call, _pid_of(req.process))
+    folder = await procs.run(call, procs.folder_of, call, await _pid_of(call, req.process))
     await procs.run(call, procs.close_stdin, call, folder)
     return pb.CloseStdinResponse()
 
 
 async def update(req: Any, call: Call, ctx: RequestContext) -> Any:
-    pid = _pid_of(req.process)
+    pid = await _pid_of(call, req.process)
     folder = await procs.run(call, procs.folder_of, call, pid)
     if req.HasField("pty"):
         rows, cols = req.pty.size.rows, req.pty.size.cols

@@ -114,8 +114,8 @@ def connect_error(e: BunshinError) -> ConnectError:
     return ConnectError(_CODES.get(e.code, Code.INTERNAL), message)
 
 
-def _unimplemented(full_name: str) -> Unary:
-    async def refuse(_req: Any, _call: Call, _ctx: RequestContext) -> Message:
+def _unimplemented(full_name: str) -> Callable[[Any, RequestContext], Awaitable[Message]]:
+    async def refuse(_req: Any, _ctx: RequestContext) -> Message:
         raise ConnectError(Code.UNIMPLEMENTED,
                            f"{full_name} is not implemented by bunshin's envd (it serves envd {ENVD_VERSION})")
     return refuse
@@ -166,7 +166,7 @@ def service_app(service: ServiceDescriptor, unary: Mapping[str, Unary], streams:
         elif m.name in unary:
             endpoints[path] = Endpoint.unary(info, _unary(unary[m.name]))
         else:
-            refuse = _unary(_unimplemented(f"{service.full_name}/{m.name}"))
+            refuse = _unimplemented(f"{service.full_name}/{m.name}")
             if m.server_streaming and not m.client_streaming:
                 endpoints[path] = Endpoint.server_stream(info, _refuse_stream(refuse))
             elif m.client_streaming:
