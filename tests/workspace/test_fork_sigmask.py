@@ -99,6 +99,7 @@ LATE = {  # what the program reads after the fork, converted or not (the kernel'
     "forkmask": f"child {FULL:x} SigBlk:\t{FULL:016x} status 0",  # a fork() child and what it execs
     "timer": "timer ok 1 bad 0",  # glibc's SIGEV_THREAD thread drops pre-fork memory
     "errors": f"errors 22 14 14 14 blocked {1 << 30:x}",  # EINVAL, EFAULT (a bad old set: after blocking)
+    "churn": f"churn {FULL:x}",  # after 1,000 threads exited blocking SIGSYS (their slots are reused)
 }
 
 

@@ -500,10 +500,13 @@ static uint32_t flags_of(int32_t tid) {
     return t ? t->flags : 0;
 }
 
-/* free the slots of tids that are no thread of this process (exited, or a vfork child's) */
+/* free the slots of tids that are no thread of this process (exited, or a vfork child's; in a
+   vfork child: of its parent's, whose STATE it is) */
 static void purge(void) {
     struct state *st = STATE;
-    long pid = sys(NR_GETPID, 0, 0, 0);
+    long pid;
+    if (vfork_child(&pid))
+        pid = st->owner;
     for (int i = 0; i < NTHREAD; i++) {
         int32_t tid = __atomic_load_n(&st->threads[i].tid, __ATOMIC_ACQUIRE);
         if (tid && sys(NR_TGKILL, pid, tid, 0) == -ESRCH)

@@ -21,6 +21,8 @@
  *             it ran, whether sigpending shows it; unblocked: how often it ran
  *   forkmask  the main thread blocks every signal and forks: the child's mask
  *             (sigprocmask) and its SigBlk after exec (grep); the mask restored
+ *   churn     1,000 threads started and joined (glibc blocks every signal in a thread
+ *             that exits), then the main thread blocks every signal: its mask read back
  *   errors    errno of rt_sigprocmask given a bad how, a bad set, a bad old set (the
  *             mask must not change), and of rt_sigpending given a bad set
  *   timer     a SIGEV_THREAD timer started now whose function (in glibc's thread)
@@ -245,6 +247,27 @@ static void errors(FILE *f) {
     fprintf(f, "errors %ld %ld %ld %ld blocked %llx", a, b, c, d, bits(&after) & ~bits(&before));
 }
 
+static void *nothing(void *arg) {
+    return arg;
+}
+
+static void churn(FILE *f) {
+    sigset_t all, got, old;
+    for (int i = 0; i < 1000; i++) {
+        pthread_t t;
+        if (pthread_create(&t, NULL, nothing, NULL)) {
+            fprintf(f, "churn failed at %d", i);
+            return;
+        }
+        pthread_join(t, NULL);
+    }
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    pthread_sigmask(SIG_SETMASK, NULL, &got);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    fprintf(f, "churn %llx", bits(&got));
+}
+
 static void timer(FILE *f) {
     struct sigevent ev = {.sigev_notify = SIGEV_THREAD, .sigev_notify_function = drop_page};
     struct itimerspec every = {{0, 2000000}, {0, 2000000}}, stop = {{0, 0}, {0, 0}};
@@ -281,6 +304,8 @@ static void answer(const char *req) {
         held(f);
     } else if (!strcmp(req, "forkmask")) {
         forkmask(f);
+    } else if (!strcmp(req, "churn")) {
+        churn(f);
     } else if (!strcmp(req, "errors")) {
         errors(f);
     } else if (!strcmp(req, "timer")) {
