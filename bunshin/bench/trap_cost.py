@@ -4,7 +4,8 @@ A workspace runs ``trapcost.c`` (built here with gcc) holding written anonymous
 memory; it is forked once, and the same timings run in the clone (where that
 memory is converted: DONTNEED, every rt_sigprocmask are trapped) and in the parent
 (nothing trapped), ``rounds`` times alternately. Result (``--json``): per side the
-median of each timing in ns per call (``trapcost.c`` names them), and
+median of each timing in ns per call (``trapcost.c`` names them; each the fastest of its
+batches, so that another task's preemption on a loaded host does not count), and
 ``trap_overhead_ns`` = clone minus parent for each.
 """
 
