@@ -100,6 +100,21 @@ def test_create_info_list_kill(server, opts) -> None:
         _ws(cfg, sb.sandbox_id)
 
 
+def test_the_environment_is_all_a_user_changes(server, api, monkeypatch) -> None:
+    """E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY, and nothing in the program; the v1 list
+    (running sandboxes, metadata filter) agrees."""
+    monkeypatch.setenv("E2B_API_URL", server[0])
+    monkeypatch.setenv("E2B_SANDBOX_URL", server[0])
+    monkeypatch.setenv("E2B_API_KEY", TOKEN)
+    sb = Sandbox.create(metadata={"via": "env vars"})
+    try:
+        assert Sandbox.get_info(sb.sandbox_id).metadata == {"via": "env vars"}
+        shown = api.get("/sandboxes", params={"metadata": "via=env%20vars"}).json()
+        assert [s["sandboxID"] for s in shown] == [sb.sandbox_id]
+    finally:
+        assert sb.kill()
+
+
 def test_list_pages(server, opts, api) -> None:
     made = [Sandbox.create(metadata={"page": "yes"}, **opts) for _ in range(3)]
     try:
