@@ -20,7 +20,8 @@ is not a failure: it may simply have finished; nor is a zombie of the dump
 (restored as one). A process that dies after the check, or one that hangs in an
 interruptible sleep or running, is not seen. The check reads each restored
 thread's ``stat`` once (its cost per task is in ``check``'s result); only a thread
-seen in ``D`` is read again, every 10 ms, until it runs or ``HUNG_S`` passes.
+seen in ``D`` is read again (after 0.5 ms, then twice as long each time up to 10 ms) until it
+runs or ``HUNG_S`` passes.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ _RCVBUF = 8 << 20
 NLMSG_DONE = 3
 TASK_ALIVE, TASK_DEAD, TASK_STOPPED, TASK_ZOMBIE = 1, 2, 3, 6  # CRIU's core tc.task_state (compel)
 HUNG_S = 1.0  # a thread in D that has not run for this long after the check first saw it: hung
-_POLL_S = 0.01
+_POLL_S, _FIRST_POLL_S = 0.01, 0.0005
 
 
 @dataclass(frozen=True)
@@ -274,8 +275,10 @@ def _hung(root: int, waiting: list[tuple[int, int]]) -> dict[int, str]:
     first = {w: _ran(t) for w, t in task.items()}
     end = time.monotonic() + HUNG_S
     left = set(waiting)
+    nap = _FIRST_POLL_S  # most D sleeps right after a restore (a page read) end within it
     while left and time.monotonic() < end:
-        time.sleep(_POLL_S)
+        time.sleep(nap)
+        nap = min(nap * 2, _POLL_S)
         for w in list(left):
             try:
                 still = _state((task[w] / "stat").read_text()) == "D"
@@ -318,17 +321,17 @@ def _clone_dead(images: Path, entries: list[dict[str, Any]], clone: str, root: i
     signals: list[int] | None = None
     waiting: list[tuple[int, int]] = []
     for pid in odd:
+        states = live.get(pid) if live is not None else None
+        state = states.get(pid) if states else None
+        if states and state != "Z" and not any(c in "Tt" for c in states.values()):
+            waiting += [(pid, tid) for tid, c in states.items() if c == "D"]  # alive; in D: hung?
+            continue
         dumped = _dumped_state(images, pid)  # (read only for what looks wrong)
         if dumped in (TASK_DEAD, TASK_ZOMBIE):
             continue  # a zombie in the dump is one in the clone
-        states = live.get(pid) if live is not None else None
-        state = states.get(pid) if states else None
-        if states and state != "Z" and any(c in "Tt" for c in states.values()):
+        if states and state != "Z":
             if dumped != TASK_STOPPED:
                 out.append(Dead(clone, pid, command(images, pid), None, stopped=True))
-            continue
-        if states and state != "Z":
-            waiting += [(pid, tid) for tid, c in states.items() if c == "D"]
             continue
         sig = _zombie_signal(root, pid) if state == "Z" else None
         if sig is None:
