@@ -31,7 +31,7 @@ from bunshin.server.e2b.control import ENVD_VERSION  # noqa: E402
 from bunshin.server.e2b.sandboxes import Sandboxes, sandbox_envs  # noqa: E402
 from bunshin.server.leases import Leases  # noqa: E402
 from bunshin.server.thread import serve_in_thread  # noqa: E402
-from bunshin.workspace import Workspace  # noqa: E402
+from bunshin.workspace import Snapshot, Workspace  # noqa: E402
 from tests.conftest import leftovers  # noqa: E402
 
 TOKEN = "test-token-0123456789abcdef"
@@ -173,6 +173,34 @@ def test_pause_and_connect_keep_the_id_files_and_processes(server, opts) -> None
         assert Sandbox.connect(sb.sandbox_id, **opts).sandbox_id == sb.sandbox_id  # running: 200, same id
     finally:
         sb.kill()
+
+
+def test_a_paused_sandbox_killed_takes_its_snapshot(server, opts, api) -> None:
+    cfg = server[1]
+    sb = Sandbox.create(**opts)
+    before = {s.id for s in Snapshot.list(config=cfg)}  # the template's among them
+    sb.pause()
+    assert len({s.id for s in Snapshot.list(config=cfg)} - before) == 1
+    r = api.post(f"/sandboxes/{sb.sandbox_id}/fork", json={})
+    assert r.status_code == 409 and "paused" in r.json()["message"]
+    assert sb.kill()
+    assert {s.id for s in Snapshot.list(config=cfg)} == before
+    with pytest.raises(NotFoundException):
+        sb.get_info()
+
+
+def test_a_retried_create_makes_one_sandbox(server, api) -> None:
+    key = {"Idempotency-Key": "create-once-0001"}
+    first = api.post("/v2/sandboxes", json={"templateID": "base"}, headers=key)
+    again = api.post("/v2/sandboxes", json={"templateID": "base"}, headers=key)
+    try:
+        assert first.status_code == again.status_code == 201
+        assert again.headers["Idempotent-Replayed"] == "true"
+        assert again.json()["sandboxID"] == first.json()["sandboxID"]
+        other = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 60}, headers=key)
+        assert other.status_code == 422 and other.json()["code"] == 422  # the key, another request
+    finally:
+        assert api.delete(f"/sandboxes/{first.json()['sandboxID']}").status_code == 204
 
 
 def test_fork_of_a_sandbox_holding_state(server, opts) -> None:
