@@ -13,6 +13,7 @@ nothing made behind (``ServerContext.made``).
 from __future__ import annotations
 
 import hmac
+import logging
 import time
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
@@ -22,10 +23,11 @@ from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...errors import BunshinError, NotFound
 from ...workspace import Snapshot, Workspace
-from ..context import ServerContext
+from ..context import CallerGone, ServerContext
 from ..idempotency import IdemKey
 from . import control_out as out
 from . import control_templates
@@ -47,6 +49,7 @@ from .shapes import (
 from .templates import Templates
 
 __all__ = ["ENVD_VERSION", "router"]
+log = logging.getLogger("bunshin.server")
 
 #: A create by the v1 route without a timeout lives this long (E2B's spec); v2's is 300 s.
 V1_DEFAULT_TIMEOUT_S = 15
@@ -69,6 +72,11 @@ class E2BRoute(APIRoute):
             except RequestValidationError as e:
                 problems = [f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
                 return E2BError(400, "invalid request: " + "; ".join(problems)).response()
+            except (CallerGone, StarletteHTTPException):  # the app's: 499, and a body over its limit
+                raise
+            except Exception as e:  # a failure bunshin did not name: still E2B's shape (500)
+                log.exception("%s %s failed", request.method, request.url.path)
+                return E2BError(500, f"internal error: {type(e).__name__}: {e}").response()
 
         return route
 

@@ -412,3 +412,16 @@ def test_a_caller_that_hangs_up_leaves_nothing(server, opts, api) -> None:
         time.sleep(0.02)
     assert not {s["sandboxID"] for s in api.get("/v2/sandboxes").json()} & seen
     assert not set(Sandboxes(cfg).records()) & seen
+
+
+def test_an_unnamed_failure_is_e2b_shaped(server, opts, monkeypatch) -> None:
+    """A failure bunshin does not name (here: the store's disk gone, injected) answers 500 in
+    E2B's shape, which the SDK raises as its SandboxException with the message."""
+    from bunshin.server.e2b import sandboxes
+
+    def broken(self: Any, sandbox_id: str) -> Any:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(sandboxes.Sandboxes, "get", broken)
+    with pytest.raises(SandboxException, match="500.*OSError.*Input/output error"):
+        Sandbox.get_info(NOT_THERE, **opts)
