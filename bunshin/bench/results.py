@@ -7,7 +7,7 @@ A record is one JSON object in ``docs/results/<bench>.json``::
      "load": [1.2, 0.9, 0.8], "results": {...what the bench printed with --json...}}
 
 ``record`` runs a bench command and writes its record (the machine, load and commit read when
-it starts); ``render_page`` is the docs' results page and ``readme_table`` the README's table of
+it starts; a record written into docs/results/ also regenerates the README's table); ``render_page`` is the docs' results page and ``readme_table`` the README's table of
 headline numbers, which ``python -m bunshin.bench.results readme`` writes between the README's
 markers (``--check``: fail if the README's table is not what the records make).
 """
@@ -332,8 +332,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error("give the command after --")
         if cmd[0] == "bunshin":  # this checkout's CLI, whatever is on PATH
             cmd = [sys.executable, "-m", "bunshin.cli.main", *cmd[1:]]
-        rec = record(a.bench, cmd, a.out or RESULTS / f"{a.bench}.json")
+        out = a.out or RESULTS / f"{a.bench}.json"
+        rec = record(a.bench, cmd, out)
         print(json.dumps(rec.to_json()["machine"]), rec.command)
+        if out.resolve().parent == RESULTS.resolve():  # a committed record: the README's table follows
+            print("README:", "updated" if update_readme(ROOT / "README.md", load_all()) else "unchanged")
         return 0
     records = load_all()
     if a.check:
