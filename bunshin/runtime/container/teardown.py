@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from ...config import Config
 from ...errors import RuntimeFailure
 from ..kernel import syscalls as sc
+from ..net import attach as net
+from ..net.policy import NetworkMode
 from ..state import idranges
 from ..state.records import WorkspaceRecord, WorkspaceState
 from ..state.store import Store
@@ -93,6 +95,8 @@ def destroy_many(cfg: Config, store: Store, recs: Sequence[WorkspaceRecord]) -> 
     for rec, cg in zip(recs, cgroups, strict=True):
         shutil.rmtree(cfg.paths.workspace(rec.id), ignore_errors=True)
         cg.destroy()
+        if rec.network != NetworkMode.NONE:  # its link, table and slot (as ``lifecycle.destroy``)
+            net.disconnect(cfg, store, rec.id)
         if rec.ids is not None:
             range_views.release(cfg, rec.ids)
     with store.transaction():
