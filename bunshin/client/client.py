@@ -9,7 +9,7 @@ import json as _json
 import os
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -171,17 +171,23 @@ class Client:
     # --- workspaces and snapshots ---------------------------------------------------------
 
     def create(self, image: str = "host", *, name: str | None = None, memory: str | int | None = "2G",
-               pids: int | None = 512, ttl: float | None = None) -> RemoteWorkspace:
+               pids: int | None = 512, ttl: float | None = None, network: str | None = None,
+               allow: Sequence[str] = (), deny: Sequence[str] = ()) -> RemoteWorkspace:
         """A new workspace on the host (``image``: ``host``). ``ttl``: its lease in seconds:
-        the server removes it then unless renewed (:meth:`RemoteWorkspace.set_ttl`)."""
-        (ws,) = self.create_many(1, image=image, name=name, memory=memory, pids=pids, ttl=ttl)
+        the server removes it then unless renewed (:meth:`RemoteWorkspace.set_ttl`).
+        ``network``: ``none`` or ``egress`` (None: the server's default), under ``allow``
+        and ``deny`` (CIDRs, addresses)."""
+        (ws,) = self.create_many(1, image=image, name=name, memory=memory, pids=pids, ttl=ttl, network=network,
+                                 allow=allow, deny=deny)
         return ws
 
     def create_many(self, count: int, *, image: str = "host", name: str | None = None,
                     memory: str | int | None = "2G", pids: int | None = 512,
-                    ttl: float | None = None) -> builtins.list[RemoteWorkspace]:
+                    ttl: float | None = None, network: str | None = None, allow: Sequence[str] = (),
+                    deny: Sequence[str] = ()) -> builtins.list[RemoteWorkspace]:
         """``count`` new workspaces: all of them or none."""
-        req = m.build(m.CreateWorkspace, image=image, name=name, memory=memory, pids=pids, count=count, ttl=ttl)
+        req = m.build(m.CreateWorkspace, image=image, name=name, memory=memory, pids=pids, count=count, ttl=ttl,
+                      network=network, allow=list(allow), deny=list(deny))
         r = self.request("POST", "/v1/workspaces", json=req.model_dump(mode="json"), default_wait=False,
                          idempotent=True)
         return [RemoteWorkspace(self, m.WorkspaceOut.model_validate(w)) for w in r.json()]

@@ -127,6 +127,28 @@ class RemoteWorkspace:
         """Memory and processes, as the server reads them."""
         return m.StatsOut.model_validate(self._client.request("GET", f"{self._path}/stats").json()).record()
 
+    def network(self) -> m.NetworkOut:
+        """Its network: mode (``none``/``egress``), address, allow and deny rules."""
+        return m.NetworkOut.model_validate(self._client.request("GET", f"{self._path}/network").json())
+
+    def set_network_policy(self, allow: Sequence[str] = (), deny: Sequence[str] = ()) -> m.NetworkOut:
+        """Replace its egress policy (its clones keep theirs)."""
+        body = m.build(m.NetworkPolicyIn, allow=list(allow), deny=list(deny)).model_dump()
+        return m.NetworkOut.model_validate(self._client.request("PUT", f"{self._path}/network", json=body).json())
+
+    def publish(self, port: int, host_port: int | None = None) -> m.PortOut:
+        """Publish ``port`` on the server host's loopback (``host_port`` None: a free one)."""
+        body = m.build(m.PublishPort, port=port, host_port=host_port).model_dump()
+        return m.PortOut.model_validate(self._client.request("POST", f"{self._path}/ports", json=body).json())
+
+    def published(self) -> builtins.list[m.PortOut]:
+        """Its published ports."""
+        return [m.PortOut.model_validate(p) for p in self._client.request("GET", f"{self._path}/ports").json()]
+
+    def unpublish(self, host_port: int) -> None:
+        """Stop publishing ``host_port``."""
+        self._client.request("DELETE", f"{self._path}/ports/{host_port}")
+
     def set_cpu_priority(self, nice: int) -> None:
         """The whole workspace's CPU priority as a nice value 0..19."""
         self._client.request("PUT", f"{self._path}/cpu-priority", json=m.build(m.Priority, nice=nice).model_dump())

@@ -95,3 +95,20 @@ def test_network_over_http(no_leaks, internet):
         finally:
             for w in (ws, plain):
                 http.delete(f"/v1/workspaces/{w['id']}")
+        # the same through the Python client
+        from bunshin.client import Client
+        from bunshin.errors import InvalidArgument
+
+        client = Client(url, token="tok-0123456789abcdef")
+        with pytest.raises(InvalidArgument):
+            client.create(network="egress", allow=["x..y"])  # refused before anything is sent
+        rw = client.create(memory="256M", network="egress", deny=[internet.other])
+        try:
+            assert rw.network().deny == [f"{internet.other}/32"]
+            assert rw.set_network_policy(allow=[internet.subnet]).allow == [internet.subnet]
+            p = rw.publish(9)
+            assert rw.published() == [p] and p.host == "127.0.0.1"
+            rw.unpublish(p.host_port)
+            assert rw.published() == []
+        finally:
+            rw.remove()
