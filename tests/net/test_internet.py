@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-import os
+import hashlib
+import io
+import re
 import subprocess
 import sys
 import textwrap
+import zipfile
 
 import dns.resolver
 import httpx
@@ -55,15 +58,20 @@ def test_dns_answers_configured_names_only(internet):
     assert {"pypi.inet.test", "elsewhere.test"} <= {q["name"] for q in internet.dns_queries()}
 
 
-def test_pip_installs_from_the_index(internet, tmp_path):
-    """pip resolves bunshin-netprobe and its dependency from the index and installs both."""
-    run = subprocess.run([sys.executable, "-m", "pip", "install", "-q", *internet.pip_args,
-                          "--target", str(tmp_path / "site"), "bunshin-netprobe"],
-                         env={**os.environ, "PIP_CONFIG_FILE": "/dev/null"}, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
-    probe = subprocess.run([sys.executable, "-c", "import netprobe; print(netprobe.ANSWER)"],
-                           env={"PYTHONPATH": str(tmp_path / "site")}, capture_output=True, text=True)
-    assert probe.stdout.strip() == "42", probe.stderr
+def test_the_index_serves_the_wheels_as_pep_503_says(internet):
+    """Project pages link each wheel with its sha256 (pip installs from it: the headline
+    test, tests/runtime/net/test_pip_install.py, does so inside a workspace)."""
+    with httpx.Client(timeout=10) as http:
+        assert "bunshin-netprobe-dep" in http.get(internet.index_url).text
+        page = http.get(internet.index_url + "Bunshin_NetProbe/").text  # names are normalized
+        href = re.search(r'href="([^"#]+)#sha256=([0-9a-f]{64})"', page)
+        assert href is not None, page
+        wheel = http.get(internet.url(href[1], internet.index)).content
+        assert hashlib.sha256(wheel).hexdigest() == href[2]
+        with zipfile.ZipFile(io.BytesIO(wheel)) as whl:
+            meta = whl.read("bunshin_netprobe-1.0.dist-info/METADATA").decode()
+        assert "Requires-Dist: bunshin-netprobe-dep" in meta
+        assert http.get(internet.index_url + "no-such-project/").status_code == 404
 
 
 def test_a_dead_owner_leaves_nothing(tmp_path):
