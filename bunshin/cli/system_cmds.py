@@ -265,6 +265,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
         for kind in ("workspaces", "snapshots", "mounts", "cgroups", "processes", "files", "image_layers"):
             for item in getattr(report, kind):
                 print(f"removed {kind[:-1]} {item}")
+        for item in report.network:  # a workspace link (veth) or nftables table no slot holds
+            print(f"removed network {item}")
         print(f"gc: {report.total} removed")
     return 0
 
