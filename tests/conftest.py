@@ -111,6 +111,7 @@ def leftovers(config: Config) -> dict[str, list]:
 
     with Store.open(config.db_path) as store:
         out["net_slots"] = sorted(slots.held(store))
+        out["net_resolver"] = [d for _, d in store.list_objects("netresolver")]  # stopped with the last slot
     out["veths"], out["nft_tables"] = egress.leftovers(config, set())  # this home's links and tables
     criu = subprocess.run(["pgrep", "-af", "criu"], capture_output=True, text=True).stdout.splitlines()
     out["criu"] = [ln for ln in criu if str(config.tmpfs) in ln or str(config.home) in ln]

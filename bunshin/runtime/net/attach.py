@@ -12,7 +12,7 @@ import os
 
 from ...config import Config
 from ..state.store import Store
-from . import egress, slots
+from . import egress, resolver, slots
 from .policy import Policy
 from .reset import reset_outside
 from .rtnl import in_netns
@@ -25,6 +25,7 @@ def connect(cfg: Config, store: Store, ws_id: str, pid: int, policy: Policy) -> 
     """Give the workspace ``ws_id`` (its pid 1 or any task of its network namespace:
     ``pid``) an address, a route and NAT under ``policy``; its slot."""
     taken: set[int] = set()
+    resolver.ensure(cfg, store)
     for _ in range(_EEXIST_TRIES):
         slot = slots.reserve(cfg, store, ws_id, policy, skip=frozenset(taken))
         try:
@@ -46,6 +47,7 @@ def prepare_clones(cfg: Config, store: Store, ws_ids: list[str], policy: Policy)
     one nftables transaction, ahead of the restores (``finish_clone`` then only makes
     each clone's link); all or none."""
     made: dict[str, Slot] = {}
+    resolver.ensure(cfg, store)
     try:
         for ws_id in ws_ids:
             made[ws_id] = slots.reserve(cfg, store, ws_id, policy)
@@ -78,6 +80,7 @@ def disconnect(cfg: Config, store: Store, ws_id: str) -> None:
         if owner == ws_id:
             egress.detach(Slot.of(cfg, index))
             slots.free(store, index)
+    resolver.stop_if_idle(store)
 
 
 def slot_of(cfg: Config, store: Store, ws_id: str) -> Slot | None:
@@ -108,4 +111,6 @@ def sweep(cfg: Config, store: Store) -> list[str]:
     """Free slots of workspaces that are gone, then remove the links and tables of this
     home that no slot holds; what was removed."""
     slots.sweep(store)
-    return egress.sweep(cfg, set(slots.held(store)))
+    removed = egress.sweep(cfg, set(slots.held(store)))
+    resolver.stop_if_idle(store)
+    return removed

@@ -6,8 +6,10 @@ forwards and masquerades (NAT) what comes from it to whatever interface routes t
 destination. The workspace's table (``table``) is the only place its traffic is
 decided, in the kernel (nothing inside keeps CAP_NET_ADMIN over its namespace):
 
-- input from its link: DNS to its gateway (``DNS_PORT``), replies of what it opened;
-  nothing else reaches the host (every address of the host's interfaces is local);
+- prerouting: its DNS (UDP 53, whatever address it asks) goes to the home's resolver
+  at its gateway (``resolver``: only allowed names, admitting the addresses answered);
+- input from its link: that resolver, replies of what it opened; nothing else reaches
+  the host (every address of the host's interfaces is local);
 - forward from its link: its own source address only, IPv4 only, at most
   ``Limits.max_connections`` connections and ``Limits.bandwidth_bytes`` per second,
   then the policy (``policy``: named set, deny, always denied, allow);
@@ -28,7 +30,7 @@ import os
 import socket
 
 from ...config import Config
-from . import nft
+from . import nft, resolver
 from .policy import ALWAYS_DENIED, Policy, networks
 from .rtnl import Rtnl, address_request, default_route_request, open_in, up_request
 from .slots import LINK_PREFIX, PEER_NAME, TABLE_PREFIX, Slot, pool, tag
@@ -49,6 +51,7 @@ def table_text(cfg: Config, slot: Slot, policy: Policy) -> str:
     link, addr, gw = slot.link, slot.address.ip, slot.gateway.ip
     always = networks([*ALWAYS_DENIED, str(pool(cfg))], 4)
     lim = policy.limits
+    resolver_port = resolver.port(cfg)
     rate = f"limit rate over {lim.bandwidth_bytes} bytes/second"
     restricted = f'\n    iifname "{link}" ip daddr != @allow4 drop' if policy.restricted else ""
     return f"""table inet {slot.table} {{
@@ -59,8 +62,7 @@ def table_text(cfg: Config, slot: Slot, policy: Policy) -> str:
   chain input {{
     type filter hook input priority 0; policy accept;
     iifname "{link}" ct state established,related accept
-    iifname "{link}" ip saddr {addr} ip daddr {gw} udp dport {DNS_PORT} accept
-    iifname "{link}" ip saddr {addr} ip daddr {gw} tcp dport {DNS_PORT} accept
+    iifname "{link}" ip saddr {addr} ip daddr {gw} udp dport {resolver_port} accept
     iifname "{link}" reject with icmpx admin-prohibited
   }}
   chain forward {{
@@ -81,6 +83,10 @@ def table_text(cfg: Config, slot: Slot, policy: Policy) -> str:
   chain admit {{
     ct count over {lim.max_connections} reject with icmpx admin-prohibited
     accept
+  }}
+  chain prerouting {{
+    type nat hook prerouting priority -100; policy accept;
+    iifname "{link}" udp dport {DNS_PORT} dnat ip to {gw}:{resolver_port}
   }}
   chain postrouting {{
     type nat hook postrouting priority 100; policy accept;

@@ -126,13 +126,7 @@ class Policy:
 
     @classmethod
     def of(cls, allow: Iterable[str] = (), deny: Iterable[str] = (), limits: Limits | None = None) -> Policy:
-        """A policy from rules; a domain name is refused while the host's resolver that
-        enforces names is not there (a name rule would be silently ignored otherwise)."""
         (a_cidrs, a_names), (d_cidrs, d_names) = _split(allow), _split(deny)
-        if a_names or d_names:
-            raise InvalidArgument(f"domain name rules ({', '.join((*a_names, *d_names))}) are not enforced yet",
-                                  hint="give CIDRs or addresses; names need the host's resolver "
-                                       "(docs/guides/network.md, 'Names')")
         return cls(a_cidrs, a_names, d_cidrs, d_names, limits or Limits())
 
     @property

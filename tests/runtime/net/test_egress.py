@@ -6,6 +6,7 @@ servers behind a host link; canary addresses added to its namespace for the run)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -13,6 +14,7 @@ import subprocess
 import textwrap
 
 import httpx
+import psutil
 import pytest
 
 from bunshin.errors import InvalidArgument, StateConflict
@@ -97,24 +99,36 @@ def _get_ok(http: httpx.Client, url: str) -> bool:
 def own_leftovers(cfg) -> dict[str, list]:
     with Store.open(cfg.db_path) as store:
         held = slots.held(store)
+        resolver = store.list_objects("netresolver")
     links, tables = egress.leftovers(cfg, set())
-    return {k: v for k, v in (("slots", list(held)), ("links", links), ("tables", tables)) if v}
+    procs = [p.pid for p in psutil.process_iter(["cmdline"])
+             if "bunshin.runtime.net.resolver" in " ".join(p.info["cmdline"] or []) and str(cfg.home) in
+             " ".join(p.info["cmdline"] or [])]
+    return {k: v for k, v in (("slots", list(held)), ("links", links), ("tables", tables),
+                              ("resolver_records", resolver), ("resolvers", procs)) if v}
 
 
 @pytest.fixture(scope="module")
-def pair(cfg, internet):
+def ncfg(cfg, internet):
+    """The session's config with the test internet's DNS as the resolver's upstream (no
+    query leaves the test's namespaces)."""
+    return dataclasses.replace(cfg, dns_upstream=(internet.dns,))
+
+
+@pytest.fixture(scope="module")
+def pair(ncfg, internet):
     """Two workspaces with egress (the second restricted to the internet's subnet) and one without."""
     made: list[Workspace] = []
     try:
-        made.append(Workspace.create("host", memory="256M", pids=64, config=cfg, network="egress"))
-        made.append(Workspace.create("host", memory="256M", pids=64, config=cfg, network="egress",
+        made.append(Workspace.create("host", memory="256M", pids=64, config=ncfg, network="egress"))
+        made.append(Workspace.create("host", memory="256M", pids=64, config=ncfg, network="egress",
                                      allow=[internet.subnet]))
-        made.append(Workspace.create("host", memory="256M", pids=64, config=cfg))
+        made.append(Workspace.create("host", memory="256M", pids=64, config=ncfg))
         yield made
     finally:
         for w in made:
             w.remove()
-        assert own_leftovers(cfg) == {}
+        assert own_leftovers(ncfg) == {}
 
 
 def test_egress_reaches_the_internet_through_nat(pair, internet):
@@ -211,8 +225,6 @@ def test_bad_input_is_refused_and_leaks_nothing(cfg, pair):
         Workspace.create("host", config=cfg, allow=["203.0.113.0/24"])  # rules without egress
     with pytest.raises(InvalidArgument):
         Workspace.create("host", config=cfg, network="egress", allow=["not a name!"])
-    with pytest.raises(InvalidArgument, match="not enforced"):  # refused, never silently ignored
-        Workspace.create("host", config=cfg, network="egress", deny=["evil.example.com"])
     with pytest.raises(StateConflict):
         closed.set_network_policy(allow=["203.0.113.0/24"])
     with Store.open(cfg.db_path) as store:
@@ -290,11 +302,11 @@ def _lines(ws: Workspace, path: str) -> list[str]:
     return r.stdout.splitlines() if r.exit_code == 0 else []
 
 
-def test_fork_mid_download_resets_the_clones_and_they_get_their_own_address(cfg, internet):
+def test_fork_mid_download_resets_the_clones_and_they_get_their_own_address(ncfg, internet):
     """The parent finishes its download; each clone's copy of the connection is reset (the
     server sees one client) and it connects again from its own address."""
     size, path = 3_000_000, "/slow/3000000?rate=524288"
-    with Workspace.create("host", memory="256M", pids=64, config=cfg, network="egress",
+    with Workspace.create("host", memory="256M", pids=64, config=ncfg, network="egress",
                           allow=[internet.subnet]) as parent:
         parent.files.write("/tmp/dl.py", DOWNLOAD.encode())
         parent.commands.spawn(["python3", "/tmp/dl.py", internet.web, path, "/tmp/log"])
@@ -352,3 +364,22 @@ def test_connection_cap_holds(pair, internet):
     finally:
         restricted.set_network_policy(allow=[internet.subnet])
     assert restricted.exec(["python3", "-c", HOLD, internet.web, "3"], timeout=30).stdout.split() == ["ok"] * 3
+
+
+RESOLVE = "import socket, sys\ntry:\n    print(socket.gethostbyname(sys.argv[1]))\nexcept OSError as e:\n    print(type(e).__name__)"
+
+
+def test_names_allowed_answered_and_admitted_denied_refused(pair, internet):
+    """allow by name: the name resolves (through the host's resolver) and its address is
+    let through; another name is refused in DNS, and its address is refused too."""
+    _, restricted, _ = pair
+    restricted.set_network_policy(allow=["web.inet.test"])
+    try:
+        assert restricted.exec(["python3", "-c", RESOLVE, "web.inet.test"]).stdout.strip() == internet.web
+        assert fetch(restricted, "http://web.inet.test/files/hello.txt") == "hello from the test internet"
+        assert restricted.exec(["python3", "-c", RESOLVE, "other.inet.test"]).stdout.strip() == "gaierror"
+        assert probe(restricted, f"{internet.other}:80")[f"{internet.other}:80"] != "ok"
+        assert {"web.inet.test"} <= {q["name"].rstrip(".") for q in internet.dns_queries()}
+        assert "other.inet.test" not in {q["name"].rstrip(".") for q in internet.dns_queries()}  # never asked
+    finally:
+        restricted.set_network_policy(allow=[internet.subnet])

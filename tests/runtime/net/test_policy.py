@@ -19,16 +19,19 @@ def test_modes():
         NetworkMode.of("bridge")
 
 
-def test_rules_are_normalised_and_names_refused_for_now():
+def test_rules_are_normalised():
     p = Policy.of(allow=["203.0.113.7", "203.0.113.0/24", "203.0.113.0/24"], deny=["198.51.100.9/24"])
     assert p.allow_cidrs == ("203.0.113.7/32", "203.0.113.0/24") and p.deny_cidrs == ("198.51.100.0/24",)
     assert p.restricted and not Policy.of(deny=["198.51.100.0/24"]).restricted
     for bad in ("", "not a name!", "-x.com", "1.2.3.4.5"):
         with pytest.raises(InvalidArgument):
             Policy.of(allow=[bad])
-    with pytest.raises(InvalidArgument, match="not enforced yet"):
-        Policy.of(deny=["evil.example.com"])
     assert Policy.from_dict(p.to_dict()) == p
+    named = Policy.of(allow=["*.example.com", "Example.org."], deny=["bad.example.com"])
+    assert named.allow_names == ("*.example.com", "example.org") and named.restricted
+    assert named.allows_name("a.example.com") and named.allows_name("example.org")
+    assert not named.allows_name("bad.example.com") and not named.allows_name("example.net")
+    assert Policy.of(deny=["bad.example.com"]).allows_name("anything.else")
 
 
 def test_names_and_wildcards():

@@ -1,0 +1,156 @@
+"""The host's resolver for workspaces with egress: answers only the names a policy allows,
+and admits exactly the addresses it answered.
+
+One process per home (``python -m bunshin.runtime.net.resolver SPEC``), started by the
+first workspace with egress and stopped with the last (``ensure`` / ``stop_if_idle``);
+recorded in the store (kind ``netresolver``) so gc finds it. It listens on UDP
+``port(cfg)`` of every address; each workspace's table redirects the workspace's DNS
+(UDP 53 to any address) to its gateway at that port (``egress.table_text``). A query is
+taken by its source address to the workspace's slot, and so to its policy (read from
+the store per query: a change applies to the next query). A name the policy does not
+allow is answered REFUSED; an allowed one is asked of the upstream servers, and the A
+records of the answer are added to the workspace's ``named4`` set for the answer's TTL
+before the answer is sent back (the kernel then lets exactly those addresses through).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import ipaddress
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import dns.message
+import dns.query
+import dns.rcode
+import dns.rdatatype
+import psutil
+
+from ...config import Config
+from ..state.store import Store
+
+KIND = "netresolver"
+MIN_TTL_S = 5  # an admitted address stays at least this long (a TTL of 0 would admit nothing)
+IDLE_CHECK_S = 2.0
+
+
+def port(cfg: Config) -> int:
+    """The resolver's UDP port for this home (fixed: tables name it before it starts)."""
+    from .slots import tag  # noqa: PLC0415
+
+    return 20000 + int(tag(cfg), 16) % 20000
+
+
+def upstreams(cfg: Config) -> list[str]:
+    if cfg.dns_upstream:
+        return list(cfg.dns_upstream)
+    with contextlib.suppress(OSError):
+        with open("/etc/resolv.conf") as f:
+            return [ln.split()[1] for ln in f if ln.startswith("nameserver") and len(ln.split()) > 1]
+    return []
+
+
+def _alive(store: Store) -> int | None:
+    data = store.get_object(KIND, "0")
+    if data is None:
+        return None
+    pid = int(json.loads(data)["pid"])
+    try:
+        if "bunshin.runtime.net.resolver" in " ".join(psutil.Process(pid).cmdline()):
+            return pid
+    except psutil.Error:
+        pass
+    return None
+
+
+def ensure(cfg: Config, store: Store) -> int:
+    """The home's resolver, started if it is not running; its pid."""
+    with store.transaction():
+        pid = _alive(store)
+        if pid is not None:
+            return pid
+        spec = {"home": str(cfg.home), "pool": cfg.net_pool, "port": port(cfg), "upstream": upstreams(cfg)}
+        proc = subprocess.Popen([sys.executable, "-m", "bunshin.runtime.net.resolver", json.dumps(spec)],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True, close_fds=True,
+                                env={"PATH": os.environ.get("PATH", ""),
+                                     "PYTHONPATH": str(Path(__file__).resolve().parents[3])})
+        store.put_object(KIND, "0", json.dumps({"pid": proc.pid}))
+        return proc.pid
+
+
+def stop_if_idle(store: Store) -> None:
+    """Stop the home's resolver if no slot is held."""
+    if store.list_objects("netslot"):
+        return
+    pid = _alive(store)
+    store.delete_object(KIND, "0")
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(pid).wait(5)
+
+
+# ----------------------------------------------------------------- the process
+
+
+def _answer(cfg: Config, store: Store, spec: dict[str, Any], wire: bytes, source: str) -> bytes | None:
+    from . import nft  # noqa: PLC0415
+    from .slots import Slot, policy_of  # noqa: PLC0415
+
+    try:
+        query = dns.message.from_wire(wire)
+    except Exception:  # noqa: BLE001 - not DNS: no answer
+        return None
+    net = ipaddress.IPv4Network(spec["pool"])
+    offset = int(ipaddress.IPv4Address(source)) - int(net.network_address)
+    policy = policy_of(store, offset // 4) if 0 <= offset < net.num_addresses and offset % 4 == 2 else None
+    name = query.question[0].name.to_text().rstrip(".") if query.question else ""
+    if policy is None or not name or not policy.allows_name(name) or not spec["upstream"]:
+        reply = dns.message.make_response(query)
+        reply.set_rcode(dns.rcode.REFUSED)
+        return reply.to_wire()
+    try:
+        reply = dns.query.udp(query, spec["upstream"][0], timeout=3)
+    except Exception:  # noqa: BLE001 - the upstream failed: SERVFAIL
+        reply = dns.message.make_response(query)
+        reply.set_rcode(dns.rcode.SERVFAIL)
+        return reply.to_wire()
+    elements = [f"{rd.address} timeout {max(rrset.ttl, MIN_TTL_S)}s"
+                for rrset in reply.answer if rrset.rdtype == dns.rdatatype.A for rd in rrset]
+    if elements:
+        table = Slot.of(cfg, offset // 4).table
+        nft.run(f"add element inet {table} named4 {{ {', '.join(elements)} }}")
+    return reply.to_wire()
+
+
+def serve(spec: dict[str, Any]) -> None:
+    cfg = dataclasses.replace(Config.for_home(Path(spec["home"])), net_pool=spec["pool"])
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("0.0.0.0", spec["port"]))
+    sock.settimeout(IDLE_CHECK_S)
+    with Store.open(cfg.db_path) as store:
+        while True:
+            try:
+                wire, (source, sport) = sock.recvfrom(4096)
+            except TimeoutError:
+                if not store.list_objects("netslot"):
+                    return  # no workspace with egress left
+                continue
+            with contextlib.suppress(Exception):  # one bad query never ends the resolver
+                out = _answer(cfg, store, spec, wire, source)
+                if out is not None:
+                    sock.sendto(out, (source, sport))
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    serve(json.loads(sys.argv[1]))
