@@ -26,6 +26,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...errors import BunshinError, NotFound
+from ...runtime.net.policy import NetworkMode
 from ...workspace import Snapshot, Workspace
 from ..context import CallerGone, ServerContext
 from ..idempotency import IdemKey
@@ -117,6 +118,9 @@ def router(ctx: ServerContext) -> APIRouter:
             raise E2BError(400, why)
 
         rules = egress(req)
+        if rules is not None and ctx.network != NetworkMode.EGRESS:  # the server's ceiling holds here too
+            raise E2BError(400, "allow_internet_access (or network rules): this server gives sandboxes no internet; "
+                                "leave it out, or start the server with `bunshin serve --network egress`")
 
         def go() -> dict[str, Any]:
             snap, template_id = templates.snapshot_of(req.template_id, egress=rules is not None)

@@ -44,7 +44,7 @@ NOT_THERE = "ws-000000000000"
 def server(cfg: Config) -> Iterator[tuple[str, Config]]:
     """One server for the module; at its end every sandbox and template goes (through the
     API) and nothing of them is left on the host."""
-    with serve_in_thread(cfg, TOKEN, limits=Limits(max_workspaces=MAX_WORKSPACES)) as url:
+    with serve_in_thread(cfg, TOKEN, limits=Limits(max_workspaces=MAX_WORKSPACES), network="egress") as url:
         yield url, cfg
         with httpx.Client(base_url=url, headers={"X-API-Key": TOKEN}, timeout=60) as c:
             for sb in c.get("/v2/sandboxes").json():
@@ -350,6 +350,15 @@ def test_internet_access_is_egress(server, opts, api) -> None:
     finally:
         sb.kill()
         plain.kill()
+
+
+def test_a_server_without_egress_refuses_internet_access(cfg) -> None:
+    """`bunshin serve`'s --network is the ceiling of E2B's routes too (none by default)."""
+    with serve_in_thread(cfg, TOKEN) as url, httpx.Client(base_url=url, headers={"X-API-Key": TOKEN}, timeout=60) as c:
+        for body in ({"templateID": "base", "allow_internet_access": True},
+                     {"templateID": "base", "network": {"allowOut": ["203.0.113.0/24"]}}):
+            r = c.post("/v2/sandboxes", json=body)
+            assert r.status_code == 400 and "bunshin serve --network egress" in r.json()["message"], r.text
 
 
 def test_bad_input(server, opts, api) -> None:
