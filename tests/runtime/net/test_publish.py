@@ -58,8 +58,13 @@ def test_publish_per_workspace_and_per_clone(family):
     assert p.host == "127.0.0.1" and p.host_port > 0 and _get(p) == "parent"
     assert ws.published() == [p]
 
-    # the clone has the same server (forked) but no host port of its own until it asks
+    # the clone has the same server (forked) but no host port of its own until it asks;
+    # a connection open through the published port at the fork stays the parent's
+    held = socket.create_connection(("127.0.0.1", p.host_port), timeout=10)
     (clone,) = family.fork(ws, 1)
+    with held:
+        held.sendall(b"GET /who HTTP/1.0\r\n\r\n")
+        assert held.makefile("rb").read().endswith(b"\r\n\r\nparent")
     assert clone.exec(["sh", "-c", "printf clone > /srv/who"]).ok
     assert clone.published() == []
     assert _get(p) == "parent"  # the parent's port still reaches the parent
