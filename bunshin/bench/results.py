@@ -203,6 +203,8 @@ HEADLINES: tuple[Headline, ...] = (
     Headline("e2b", "E2B SDK `commands.run` (bunshin's own HTTP exec in brackets), p50",
              _versus("commands_run_ms.e2b_commands_run.p50", "commands_run_ms.bunshin_exec_http.p50",
                      "bunshin HTTP")),
+    Headline("network", "restore of a clone with egress on (off in brackets), p50",
+             _versus("fork.on.restore_ms", "fork.off.restore_ms", "off")),
     Headline("rollout", "rollouts, bunshin against a fresh workspace per trajectory: peak memory of the "
              "workspaces", lambda r: _against_baseline("ws_peak_bytes", "GiB", 2**30)(r) + f"; {_rollout_plan(r)}"),
     Headline("rollout", "... memory-time of the workspaces", _against_baseline("ws_gb_s", "GB·s", 1.0)),
