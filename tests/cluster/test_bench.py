@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from bunshin.cli import exits
 from bunshin.cli.main import main
 from bunshin.config import Config
 
@@ -58,7 +59,7 @@ def test_bench_cluster_small_plan(tmp_path):
 
 
 def test_bench_cluster_bad_sizes(capsys):
-    assert main(["bench", "cluster", "--hosts", "two"]) == 1
+    assert main(["bench", "cluster", "--hosts", "two"]) == exits.FAILED
     assert "--hosts 'two'" in capsys.readouterr().err
-    assert main(["bench", "cluster", "--hosts", "0"]) == 1
+    assert main(["bench", "cluster", "--hosts", "0"]) == exits.FAILED
     assert "hosts, tasks and group must be >= 1" in capsys.readouterr().err
