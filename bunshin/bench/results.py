@@ -329,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     m.add_argument("--readme", type=Path, default=ROOT / "README.md")
     a = p.parse_args(argv)
     if a.what == "record":
-        cmd = [c for c in a.cmd if c != "--"] if a.cmd[:1] == ["--"] else list(a.cmd)
+        cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else list(a.cmd)  # the separator only: a "--" of the command stays
         if not cmd:
             p.error("give the command after --")
         if cmd[0] == "bunshin":  # this checkout's CLI, whatever is on PATH

@@ -68,6 +68,13 @@ def test_record_refuses_a_failing_or_silent_command(tmp_path):
     assert not out.exists()
 
 
+def test_record_main_keeps_a_separator_of_the_command(tmp_path):
+    out = tmp_path / "toy.json"
+    code = "import json, sys; print(json.dumps({'argv': sys.argv[1:]}))"
+    assert results.main(["record", "--bench", "toy", "--out", str(out), "--", sys.executable, "-c", code, "--", "x"]) == 0
+    assert json.loads(out.read_text())["results"] == {"argv": ["--", "x"]}
+
+
 def test_readme_update_writes_between_the_markers_only(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text(f"before\n{results.START}\nhand edit\n{results.END}\nafter\n")
