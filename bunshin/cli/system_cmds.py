@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Any
 
 from .. import console as output
 from ..config import Config
@@ -153,6 +155,15 @@ def dev_bench(bsub: argparse._SubParsersAction, dev: argparse._SubParsersAction,
             bsub.add_parser(name, description=help_text))
 
 
+def _report(args: argparse.Namespace, result: dict[str, Any], print_report: Callable[[dict[str, Any]], None]) -> int:
+    """A bench's result: JSON with ``--json``, else its report; exit 0."""
+    if args.json:
+        output.print_json(result)
+    else:
+        print_report(result)
+    return 0
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     checks = doctor.run_checks(Config.from_env())
     fatal = any(c.required and not c.ok for c in checks)
@@ -168,11 +179,7 @@ def cmd_bench_image(args: argparse.Namespace) -> int:
     from ..bench import image as bench_image
 
     r = bench_image.run(Config.from_env(), clones=args.clones, heap_mib=args.heap_mib)
-    if args.json:
-        output.print_json(r)
-    else:
-        bench_image.print_report(r)
-    return 0
+    return _report(args, r, bench_image.print_report)
 
 
 def cmd_bench_clone_memory(args: argparse.Namespace) -> int:
@@ -191,22 +198,14 @@ def cmd_bench_delta_pause(args: argparse.Namespace) -> int:
     from ..bench import dump_phases
 
     r = dump_phases.run(Config.from_env(), forks=args.forks)
-    if args.json:
-        output.print_json(r)
-    else:
-        dump_phases.print_report(r)
-    return 0
+    return _report(args, r, dump_phases.print_report)
 
 
 def cmd_bench_restore_phases(args: argparse.Namespace) -> int:
     from ..bench import restore_phases
 
     r = restore_phases.run(Config.from_env(), clones=args.clones, heap_mib=args.heap_mib)
-    if args.json:
-        output.print_json(r)
-    else:
-        restore_phases.print_report(r)
-    return 0
+    return _report(args, r, restore_phases.print_report)
 
 
 def cmd_bench_memfile_copy(args: argparse.Namespace) -> int:
@@ -215,44 +214,28 @@ def cmd_bench_memfile_copy(args: argparse.Namespace) -> int:
     methods = tuple(args.methods.split(",")) if args.methods else tuple(memfile_copy.METHODS)
     r = memfile_copy.run(Config.from_env(), mib=args.mib, rounds=args.rounds, zero_share=args.zero_share,
                          methods=methods)
-    if args.json:
-        output.print_json(r)
-    else:
-        memfile_copy.print_report(r)
-    return 0
+    return _report(args, r, memfile_copy.print_report)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     from ..bench import serve as bench_serve
 
     r = bench_serve.run(Config.from_env(), rounds=args.rounds, forks=args.forks, seconds=args.seconds)
-    if args.json:
-        output.print_json(r)
-    else:
-        bench_serve.print_report(r)
-    return 0
+    return _report(args, r, bench_serve.print_report)
 
 
 def cmd_bench_network(args: argparse.Namespace) -> int:
     from ..bench import network as bench_network
 
     r = bench_network.run(Config.from_env(), quick=args.quick)
-    if args.json:
-        output.print_json(r)
-    else:
-        bench_network.print_report(r)
-    return 0
+    return _report(args, r, bench_network.print_report)
 
 
 def cmd_bench_read_bounds(args: argparse.Namespace) -> int:
     from ..bench import read_bounds
 
     r = read_bounds.run(Config.from_env(), mib=args.mib)
-    if args.json:
-        output.print_json(r)
-    else:
-        read_bounds.print_report(r)
-    return 0
+    return _report(args, r, read_bounds.print_report)
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -275,11 +258,7 @@ def cmd_bench_runtime(args: argparse.Namespace) -> int:
     from ..bench import runtime as bench_runtime
 
     result = bench_runtime.run(Config.from_env(), n=args.n)
-    if args.json:
-        output.print_json(result)
-    else:
-        bench_runtime.print_report(result)
-    return 0
+    return _report(args, result, bench_runtime.print_report)
 
 
 def cmd_bench_fork(args: argparse.Namespace) -> int:
@@ -306,11 +285,7 @@ def cmd_bench_fork(args: argparse.Namespace) -> int:
                             cold=cold if args.cold is None else args.cold, depth=args.depth, modes=modes)
     if args.report:
         fork_report.write(result, args.report)
-    if args.json:
-        output.print_json(result)
-    else:
-        fork_report.print_report(result)
-    return 0
+    return _report(args, result, fork_report.print_report)
 
 
 def cmd_bench_trap(args: argparse.Namespace) -> int:
@@ -335,11 +310,7 @@ def cmd_bench_desktop(args: argparse.Namespace) -> int:
                                      rollout=not args.no_rollout)
     say = (lambda _m: None) if args.json else (lambda m: output.err.print(f"[dim]{m}[/dim]"))
     result = bench_desktop.run(Config.from_env(), plan, out=Path(args.report) if args.report else None, say=say)
-    if args.json:
-        output.print_json(result)
-    else:
-        bench_desktop.print_report(result)
-    return 0
+    return _report(args, result, bench_desktop.print_report)
 
 
 def cmd_bench_rollout(args: argparse.Namespace) -> int:
@@ -360,11 +331,7 @@ def cmd_bench_rollout(args: argparse.Namespace) -> int:
 
         rollout_report.write(result, args.report)
         output.err.print(f"report written to {args.report}/report.md")
-    if args.json:
-        output.print_json(result)
-    else:
-        bench_rollout.print_report(result)
-    return 0
+    return _report(args, result, bench_rollout.print_report)
 
 
 def cmd_bench_adapters(args: argparse.Namespace) -> int:
@@ -372,11 +339,7 @@ def cmd_bench_adapters(args: argparse.Namespace) -> int:
 
     result = bench_adapters.run(Config.from_env(), framework=args.framework, group=args.group,
                                 think_scale=args.think_scale, workload=args.workload)
-    if args.json:
-        output.print_json(result)
-    else:
-        bench_adapters.print_report(result)
-    return 0
+    return _report(args, result, bench_adapters.print_report)
 
 
 def cmd_bench_cache(args: argparse.Namespace) -> int:

@@ -65,3 +65,20 @@ def test_developer_benches_are_grouped_and_old_names_still_parse():
         new = parser.parse_args(["bench", "dev", name, "--json"])
         old = parser.parse_args(["bench", name, "--json"])
         assert new.func is old.func and new.json and old.json
+
+
+@pytest.mark.parametrize("argv, module", [(["bench", "dev", "read-bounds"], "read_bounds"),
+                                          (["bench", "dev", "restore-phases"], "restore_phases"),
+                                          (["bench", "runtime"], "runtime")])
+def test_a_bench_prints_json_or_its_report(argv, module, monkeypatch, capsys):
+    import importlib
+    import json
+
+    bench = importlib.import_module(f"bunshin.bench.{module}")
+    shown = []
+    monkeypatch.setattr(bench, "run", lambda *a, **kw: {"p50_ms": 1.5})
+    monkeypatch.setattr(bench, "print_report", shown.append)
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"p50_ms": 1.5} and not shown
+    assert main(argv) == 0
+    assert shown == [{"p50_ms": 1.5}]
