@@ -32,7 +32,7 @@ from pathlib import Path
 import psutil
 
 from ...config import Config
-from ...errors import InvalidArgument, NotFound, StateConflict
+from ...errors import InvalidArgument, NotFound, ResourceExhausted, StateConflict
 from ..state.records import WorkspaceRecord
 from . import lifecycle
 from .port_socket import MAX_PORT
@@ -40,6 +40,8 @@ from .port_socket import MAX_PORT
 LOCALHOST = "127.0.0.1"
 #: Seconds for a forwarder to report its pid.
 START_TIMEOUT_S = 10.0
+#: Ports one workspace may have published at once: each is a host process (a forwarder).
+MAX_PUBLISHED = 64
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,9 @@ def publish(cfg: Config, rec: WorkspaceRecord, port: int, *, host_port: int | No
             host: str = LOCALHOST) -> Published:
     """Forward ``host:host_port`` on the host to ``port`` inside the workspace ``rec``."""
     _check(port, host_port, host)
+    if len(published(cfg, rec.id)) >= MAX_PUBLISHED:  # each a host process, outside the workspace's budgets
+        raise ResourceExhausted(f"workspace {rec.id} has {MAX_PUBLISHED} ports published already",
+                                hint="unpublish one first")
     if rec.pid is None or not lifecycle.is_alive(rec):
         raise StateConflict(f"workspace {rec.id} is not running: there is nothing to publish",
                             hint="publish ports of a running workspace")

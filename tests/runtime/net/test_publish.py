@@ -9,7 +9,7 @@ import httpx
 import psutil
 import pytest
 
-from bunshin.errors import InvalidArgument, NotFound, StateConflict
+from bunshin.errors import InvalidArgument, NotFound, ResourceExhausted, StateConflict
 from bunshin.runtime.container import publish
 
 # a server inside on 127.0.0.1 only: a forward from the host must arrive as a loopback client
@@ -49,6 +49,15 @@ def test_parse_docker_forms():
         with pytest.raises(InvalidArgument) as err:
             publish.parse(bad)
         assert "HOST_PORT:PORT" in err.value.hint
+
+
+def test_a_workspace_publishes_at_most_max_published_ports(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    held = [publish.Published(port=80, host="127.0.0.1", host_port=1000 + i, pid=1) for i in range(publish.MAX_PUBLISHED)]
+    monkeypatch.setattr(publish, "published", lambda cfg, ws_id: held)
+    with pytest.raises(ResourceExhausted, match=f"{publish.MAX_PUBLISHED} ports published already"):
+        publish.publish(SimpleNamespace(), SimpleNamespace(id="ws-0123456789ab", pid=None), 80)
 
 
 def test_publish_per_workspace_and_per_clone(family):
