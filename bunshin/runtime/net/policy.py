@@ -3,8 +3,9 @@
 ``none`` (the default): loopback only. ``egress``: an address, a default route and NAT to
 the host's uplink, filtered in the kernel by the workspace's own nftables table:
 
-1. addresses the host's resolver answered for an allowed name (``named`` set, each for
-   its answer's TTL) are let through;
+1. addresses the host's resolver answered for a name the allow rules name (``named``
+   set, each for its answer's TTL) are let through (with no allow rule, names admit nothing:
+   their addresses go through the steps below);
 2. then the ``deny`` CIDRs are dropped;
 3. then what is always denied (``ALWAYS_DENIED``: link-local and cloud metadata,
    private ranges, the pool of workspace addresses) is dropped; the host itself and

@@ -112,7 +112,9 @@ def _answer(cfg: Config, store: Store, spec: dict[str, Any], wire: bytes, source
         return None
     net = ipaddress.IPv4Network(spec["pool"])
     offset = int(ipaddress.IPv4Address(source)) - int(net.network_address)
-    policy = policy_of(store, offset // 4) if 0 <= offset < net.num_addresses and offset % 4 == 2 else None
+    if not (0 <= offset < net.num_addresses and offset % 4 == 2):
+        return None  # not a workspace's address: no answer (the socket is on every address)
+    policy = policy_of(store, offset // 4)
     name = query.question[0].name.to_text().rstrip(".") if query.question else ""
     if policy is None or not name or not policy.allows_name(name) or not spec["upstream"]:
         reply = dns.message.make_response(query)
@@ -124,8 +126,12 @@ def _answer(cfg: Config, store: Store, spec: dict[str, Any], wire: bytes, source
         reply = dns.message.make_response(query)
         reply.set_rcode(dns.rcode.SERVFAIL)
         return reply.to_wire()
+    # Only a name the policy allows by name admits its addresses past deny and always
+    # denied: with no allow rule every name is answered, and a name the workload chose
+    # (rebinding to metadata, a private range, the pool) must not open those.
     elements = [f"{rd.address} timeout {max(rrset.ttl, MIN_TTL_S)}s"
-                for rrset in reply.answer if rrset.rdtype == dns.rdatatype.A for rd in rrset]
+                for rrset in reply.answer if rrset.rdtype == dns.rdatatype.A for rd in rrset] \
+        if policy.restricted else []
     if elements:
         table = Slot.of(cfg, offset // 4).table
         nft.run(f"add element inet {table} named4 {{ {', '.join(elements)} }}")

@@ -383,3 +383,16 @@ def test_names_allowed_answered_and_admitted_denied_refused(pair, internet):
         assert "other.inet.test" not in {q["name"].rstrip(".") for q in internet.dns_queries()}  # never asked
     finally:
         restricted.set_network_policy(allow=[internet.subnet])
+
+
+def test_a_name_does_not_open_always_denied_addresses_without_an_allow_rule(pair, internet, canaries):
+    """With no allow rule every name is answered, but a name the workload picked that
+    answers metadata or a private address (DNS rebinding) does not admit them."""
+    ws, _, _ = pair
+    internet.add_name("rebind.evil.test", *canaries)
+    try:
+        assert ws.exec(["python3", "-c", RESOLVE, "rebind.evil.test"]).stdout.strip() in canaries
+        got = probe(ws, *(f"{a}:{CANARY_PORT}" for a in canaries))
+        assert all(v != "ok" for v in got.values()), got
+    finally:
+        internet.add_name("rebind.evil.test")
