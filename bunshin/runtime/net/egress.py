@@ -9,7 +9,8 @@ decided, in the kernel (nothing inside keeps CAP_NET_ADMIN over its namespace):
 - prerouting: its DNS (UDP 53, whatever address it asks) goes to the home's resolver
   at its gateway (``resolver``: only allowed names, admitting the addresses answered);
 - input from its link: that resolver, replies of what it opened; nothing else reaches
-  the host (every address of the host's interfaces is local);
+  the host (every address of the host's interfaces is local); the resolver's port (its
+  socket is on every address) is dropped from any interface but a workspace's;
 - forward from its link: its own source address only, IPv4 only, at most
   ``Limits.max_connections`` connections and ``Limits.bandwidth_bytes`` per second,
   then the policy (``policy``: named set, deny, always denied, allow);
@@ -63,6 +64,7 @@ def table_text(cfg: Config, slot: Slot, policy: Policy) -> str:
     type filter hook input priority 0; policy accept;
     iifname "{link}" ct state established,related accept
     iifname "{link}" ip saddr {addr} ip daddr {gw} udp dport {resolver_port} accept
+    iifname != "{LINK_PREFIX}*" udp dport {resolver_port} drop
     iifname "{link}" reject with icmpx admin-prohibited
   }}
   chain forward {{

@@ -9,7 +9,7 @@ import pytest
 
 from bunshin.config import Config
 from bunshin.errors import InvalidArgument
-from bunshin.runtime.net import egress, slots
+from bunshin.runtime.net import egress, resolver, slots
 from bunshin.runtime.net.policy import Limits, NetworkMode, Policy, check_name, name_matches
 
 
@@ -69,3 +69,10 @@ def test_table_text_orders_the_policy(tmp_path: Path):
     # the pool is merged into 10/8 (an interval set refuses overlaps); metadata is in it
     assert "10.0.0.0/8" in text and "169.254.0.0/16" in text and "10.200.0.0/16" not in text
     assert f"ip saddr != {slot.address.ip} drop" in text and "ct count over 512" in text
+
+
+def test_table_closes_the_resolvers_port_to_other_interfaces(tmp_path: Path):
+    """The resolver's socket is on every address of the host: only workspaces' links reach it."""
+    cfg = Config.for_home(tmp_path)
+    text = egress.table_text(cfg, slots.Slot.of(cfg, 5), Policy.of())
+    assert f'iifname != "bsn*" udp dport {resolver.port(cfg)} drop' in text
