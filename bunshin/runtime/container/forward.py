@@ -12,6 +12,7 @@ Each accepted connection gets a connection into the workspace's namespace to
 ``127.0.0.1:PORT`` (``port_socket``: the workspace sees a loopback client, so servers bound
 to 127.0.0.1 are reached too) and two threads copying bytes, each passing on the end of
 its stream with ``shutdown(SHUT_WR)``. A connection nothing answers inside is closed.
+At most ``MAX_CONNECTIONS`` are served at once: one beyond is closed as it is accepted.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from ...errors import BunshinError
 from . import port_socket
 
 PIECE = 1 << 16
+#: Connections one forwarder serves at once (two host threads each); more are closed at once.
+MAX_CONNECTIONS = 128
 
 
 def _pump(src: socket.socket, dst: socket.socket, done: threading.Barrier) -> None:
@@ -46,19 +49,22 @@ def _pump(src: socket.socket, dst: socket.socket, done: threading.Barrier) -> No
         pass
 
 
-def _serve(client: socket.socket, pid: int, port: int) -> None:
+def _serve(client: socket.socket, pid: int, port: int, held: threading.BoundedSemaphore) -> None:
     try:
-        inside = port_socket.connect_port(pid, port)
-    except (BunshinError, OSError):
-        client.close()
-        return
-    def close_both() -> None:
-        client.close()
-        inside.close()
+        try:
+            inside = port_socket.connect_port(pid, port)
+        except (BunshinError, OSError):
+            client.close()
+            return
+        def close_both() -> None:
+            client.close()
+            inside.close()
 
-    done = threading.Barrier(2, action=close_both)
-    threading.Thread(target=_pump, args=(inside, client, done), daemon=True).start()
-    _pump(client, inside, done)
+        done = threading.Barrier(2, action=close_both)
+        threading.Thread(target=_pump, args=(inside, client, done), daemon=True).start()
+        _pump(client, inside, done)
+    finally:
+        held.release()
 
 
 def serve(listener: socket.socket, pidfd: int, pid: int, port: int) -> None:
@@ -66,13 +72,17 @@ def serve(listener: socket.socket, pidfd: int, pid: int, port: int) -> None:
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ)
     sel.register(pidfd, selectors.EVENT_READ)
+    held = threading.BoundedSemaphore(MAX_CONNECTIONS)
     while True:
         for key, _ in sel.select():
             if key.fileobj == pidfd:
                 return
             client, _addr = listener.accept()
+            if not held.acquire(blocking=False):
+                client.close()
+                continue
             client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=_serve, args=(client, pid, port), daemon=True).start()
+            threading.Thread(target=_serve, args=(client, pid, port, held), daemon=True).start()
 
 
 def main() -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import threading
 import time
 
 import httpx
@@ -117,3 +119,30 @@ def test_a_stopped_workspace_cannot_publish(family):
     with pytest.raises(StateConflict) as err:
         publish.publish(family.cfg, rec, 8000)
     assert "not running" in err.value.message
+
+
+def test_a_forwarder_serves_at_most_max_connections(family, monkeypatch):
+    """Each connection is two host threads of the forwarder: one beyond the cap is closed."""
+    from bunshin.runtime.container import forward
+
+    ws = family.create()
+    _serve(ws, "parent")
+    listener = socket.create_server(("127.0.0.1", 0))
+    pidfd = os.pidfd_open(ws.record.pid)
+    monkeypatch.setattr(forward, "MAX_CONNECTIONS", 2)
+    t = threading.Thread(target=forward.serve, args=(listener, pidfd, ws.record.pid, 8000), daemon=True)
+    t.start()
+    held = [socket.create_connection(listener.getsockname(), timeout=5) for _ in range(2)]
+    try:
+        time.sleep(0.5)  # both served (connected inside)
+        with socket.create_connection(listener.getsockname(), timeout=5) as extra:
+            extra.settimeout(5)
+            assert extra.recv(1) == b""  # closed at once
+    finally:
+        for s in held:
+            s.close()
+    time.sleep(0.5)
+    with socket.create_connection(listener.getsockname(), timeout=5) as again:  # a slot is free again
+        again.sendall(b"GET /who HTTP/1.0\r\n\r\n")
+        again.settimeout(5)
+        assert b"parent" in b"".join(iter(lambda: again.recv(4096), b""))
