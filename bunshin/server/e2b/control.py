@@ -223,7 +223,6 @@ def router(ctx: ServerContext) -> APIRouter:
                 _remove_snapshot(sb.record.snapshot)
             sandboxes.drop(sandbox_id)
             metrics.forget(sandbox_id)
-        sandboxes.forget_lock(sandbox_id)
         return Response(status_code=204)
 
     @r.post("/sandboxes/{sandbox_id}/timeout", status_code=204)

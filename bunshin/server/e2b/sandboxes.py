@@ -88,18 +88,25 @@ class Sandboxes:
     def __init__(self, config: Config) -> None:
         self._config = config
         self._guard = threading.Lock()
-        self._locks: dict[str, threading.Lock] = {}
+        self._locks: dict[str, tuple[threading.Lock, int]] = {}  # id -> its lock, the callers holding or awaiting it
 
     @contextmanager
     def held(self, sandbox_id: str) -> Iterator[None]:
+        """The sandbox's lock, held; kept only while some caller holds or awaits it (the id
+        is the client's: any string, so none stays behind)."""
         with self._guard:
-            lock = self._locks.setdefault(sandbox_id, threading.Lock())
-        with lock:
-            yield
-
-    def forget_lock(self, sandbox_id: str) -> None:
-        with self._guard:
-            self._locks.pop(sandbox_id, None)
+            lock, users = self._locks.get(sandbox_id) or (threading.Lock(), 0)
+            self._locks[sandbox_id] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._guard:
+                users = self._locks[sandbox_id][1] - 1
+                if users:
+                    self._locks[sandbox_id] = (lock, users)
+                else:
+                    del self._locks[sandbox_id]
 
     # records -----------------------------------------------------------------------
 
