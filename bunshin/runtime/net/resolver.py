@@ -38,6 +38,7 @@ from ..state.store import Store
 
 KIND = "netresolver"
 MIN_TTL_S = 5  # an admitted address stays at least this long (a TTL of 0 would admit nothing)
+MAX_TTL_S = 3600  # and at most this long (an upstream's TTL is up to 68 years: it outlives a policy change)
 IDLE_CHECK_S = 2.0
 
 
@@ -129,7 +130,7 @@ def _answer(cfg: Config, store: Store, spec: dict[str, Any], wire: bytes, source
     # Only a name the policy allows by name admits its addresses past deny and always
     # denied: with no allow rule every name is answered, and a name the workload chose
     # (rebinding to metadata, a private range, the pool) must not open those.
-    elements = [f"{rd.address} timeout {max(rrset.ttl, MIN_TTL_S)}s"
+    elements = [f"{rd.address} timeout {min(max(rrset.ttl, MIN_TTL_S), MAX_TTL_S)}s"
                 for rrset in reply.answer if rrset.rdtype == dns.rdatatype.A for rd in rrset] \
         if policy.restricted else []
     if elements:
