@@ -24,10 +24,9 @@ import secrets
 import sqlite3
 from dataclasses import dataclass
 
-import psutil
-
 from ...config import Config
 from ...errors import InvalidArgument, ResourceExhausted
+from ..state.idranges import sweep_reservations
 from ..state.store import Store
 from .policy import Policy
 
@@ -124,12 +123,4 @@ def held(store: Store) -> dict[int, str]:
 
 def sweep(store: Store) -> list[int]:
     """Free reservations whose workspace has no record and whose maker is gone."""
-    live = {r.id for r in store.list_workspaces()}
-    out = []
-    for k, data in store.list_objects(KIND):
-        d = json.loads(data)
-        if d["workspace"] in live or psutil.pid_exists(d["pid"]):
-            continue
-        store.delete_object(KIND, k)
-        out.append(int(k))
-    return out
+    return [int(k) for k in sweep_reservations(store, KIND)]

@@ -79,12 +79,18 @@ def held(cfg: Config, store: Store) -> dict[int, str]:
 
 def sweep(cfg: Config, store: Store) -> list[int]:
     """Free reservations whose workspace has no record and whose maker is gone; their bases."""
+    return [base(cfg, int(k)) for k in sweep_reservations(store, KIND)]
+
+
+def sweep_reservations(store: Store, kind: str) -> list[str]:
+    """Delete the records of ``kind`` (each ``{"workspace", "pid", ...}``: a reservation)
+    whose workspace has no record and whose maker is gone; their ids."""
     live = {r.id for r in store.list_workspaces()}
     out = []
-    for k, data in store.list_objects(KIND):
+    for k, data in store.list_objects(kind):
         d = json.loads(data)
         if d["workspace"] in live or psutil.pid_exists(d["pid"]):
             continue
-        store.delete_object(KIND, k)
-        out.append(base(cfg, int(k)))
+        store.delete_object(kind, k)
+        out.append(k)
     return out
