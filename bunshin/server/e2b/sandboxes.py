@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
@@ -27,6 +25,7 @@ from ...runtime.container.lifecycle import ID_RE
 from ...runtime.state.records import WorkspaceState
 from ...runtime.state.store import Store
 from ...workspace import Workspace, WorkspaceInfo
+from .keylocks import KeyLocks
 
 KIND = "e2b-sandbox"
 #: How long a sandbox made without a timeout lives (the SDK's default too).
@@ -87,26 +86,11 @@ class Sandboxes:
 
     def __init__(self, config: Config) -> None:
         self._config = config
-        self._guard = threading.Lock()
-        self._locks: dict[str, tuple[threading.Lock, int]] = {}  # id -> its lock, the callers holding or awaiting it
+        self._locks = KeyLocks()
 
-    @contextmanager
-    def held(self, sandbox_id: str) -> Iterator[None]:
-        """The sandbox's lock, held; kept only while some caller holds or awaits it (the id
-        is the client's: any string, so none stays behind)."""
-        with self._guard:
-            lock, users = self._locks.get(sandbox_id) or (threading.Lock(), 0)
-            self._locks[sandbox_id] = (lock, users + 1)
-        try:
-            with lock:
-                yield
-        finally:
-            with self._guard:
-                users = self._locks[sandbox_id][1] - 1
-                if users:
-                    self._locks[sandbox_id] = (lock, users)
-                else:
-                    del self._locks[sandbox_id]
+    def held(self, sandbox_id: str) -> AbstractContextManager[None]:
+        """The sandbox's lock, held (kept only while some caller holds or awaits it)."""
+        return self._locks.held(sandbox_id)
 
     # records -----------------------------------------------------------------------
 

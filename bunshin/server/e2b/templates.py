@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Literal
@@ -29,6 +28,7 @@ from ...errors import InvalidArgument, NotFound, SnapshotNotFound
 from ...runtime.state.store import Store
 from ...workspace import Snapshot, Workspace
 from ..images import image_id
+from .keylocks import KeyLocks
 
 KIND = "e2b-template"
 #: The image the ``base`` template is made from.
@@ -71,12 +71,7 @@ class Templates:
 
     def __init__(self, config: Config) -> None:
         self._config = config
-        self._guard = threading.Lock()
-        self._locks: dict[str, threading.Lock] = {}
-
-    def _lock(self, key: str) -> threading.Lock:
-        with self._guard:
-            return self._locks.setdefault(key, threading.Lock())
+        self._locks = KeyLocks()  # the key is the client's templateID: none may stay behind
 
     def all(self) -> list[TemplateRecord]:
         with Store.open(self._config.db_path) as store:
@@ -116,7 +111,7 @@ class Templates:
             return snap, rec.id if rec else template_id
         base_id = rec.id if rec is not None else template_id
         key = f"{base_id}{EGRESS_SUFFIX}" if egress else base_id
-        with self._lock(key):
+        with self._locks.held(key):
             made = self.find(key)
             if made is not None:
                 try:

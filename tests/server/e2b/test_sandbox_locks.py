@@ -1,4 +1,4 @@
-"""The E2B sandboxes' per-id locks: one holder at a time, and none kept for an id nobody holds."""
+"""The E2B per-id locks (sandboxes, templates): one holder at a time, none kept for an id nobody holds."""
 
 from __future__ import annotations
 
@@ -34,4 +34,17 @@ def test_a_lock_serializes_its_holders_and_goes_with_the_last(tmp_path):
             raise KeyError("a failed call")
     except KeyError:
         pass
-    assert sb._locks == {}
+    assert len(sb._locks) == 0
+
+
+def test_a_made_up_template_leaves_no_lock(tmp_path):
+    import pytest
+
+    from bunshin.errors import NotFound
+    from bunshin.server.e2b.templates import Templates
+
+    t = Templates(Config.for_home(tmp_path))
+    for i in range(3):
+        with pytest.raises(NotFound):
+            t.snapshot_of(f"no-such-template-{i}")
+    assert len(t._locks) == 0
