@@ -168,7 +168,7 @@ async def _start_watch(call: Call, path_in: str, recursive: bool) -> tuple[str, 
 
 
 async def watch_dir(req: Any, call: Call, ctx: RequestContext) -> AsyncIterator[Any]:
-    with WATCHING:
+    with WATCHING.held(call.ws.id):
         async for e in _watch(req, call):
             yield e
 

@@ -133,10 +133,9 @@ async def follow(call: Call, folder: str, pid: int, ctx: RequestContext, event: 
                  *, offsets: dict[str, int], owned: bool, pty: bool) -> AsyncIterator[Any]:
     """The data, keepalive and end events of the command in ``folder`` from ``offsets`` on;
     ``owned``: the call started it (its deadline kills it, and its files go when it is
-    reported ended)."""
-    with FOLLOWING:
-        async for e in _follow(call, folder, pid, ctx, event, offsets, owned, pty):
-            yield e
+    reported ended). The caller holds ``FOLLOWING`` for the sandbox."""
+    async for e in _follow(call, folder, pid, ctx, event, offsets, owned, pty):
+        yield e
 
 
 async def _follow(call: Call, folder: str, pid: int, ctx: RequestContext, event: type,
@@ -196,24 +195,27 @@ async def start(req: Any, call: Call, ctx: RequestContext) -> AsyncIterator[Any]
     spec = _spec(req)
     ms = ctx.timeout_ms
     deadline = None if ms is None else time.monotonic() + ms / 1000
-    folder = await procs.run(call, procs.start, call, spec)
-    pid = await _wait_pid(call, folder, deadline)
-    yield pb.StartResponse(event=pb.ProcessEvent(start=pb.ProcessEvent.StartEvent(pid=pid)))
-    async for e in follow(call, folder, pid, ctx, pb.StartResponse, offsets={"out": 0, "err": 0}, owned=True,
-                          pty=spec.pty is not None):
-        yield e
+    with FOLLOWING.held(call.ws.id):  # refused before the command starts
+        folder = await procs.run(call, procs.start, call, spec)
+        pid = await _wait_pid(call, folder, deadline)
+        yield pb.StartResponse(event=pb.ProcessEvent(start=pb.ProcessEvent.StartEvent(pid=pid)))
+        async for e in follow(call, folder, pid, ctx, pb.StartResponse, offsets={"out": 0, "err": 0}, owned=True,
+                              pty=spec.pty is not None):
+            yield e
 
 
 async def connect(req: Any, call: Call, ctx: RequestContext) -> AsyncIterator[Any]:
-    pid = await _pid_of(call, req.process)
-    folder = await procs.run(call, procs.folder_of, call, pid)
-    pty = bool((await procs.run(call, procs.meta_of, call, folder)).get("pty"))
-    # what comes from now on: the sizes before the start event, which the client waits for
-    offsets = {f.name: f.size for f in await procs.run(call, procs.entries, call, folder) if f.name in ("out", "err")}
-    yield pb.ConnectResponse(event=pb.ProcessEvent(start=pb.ProcessEvent.StartEvent(pid=pid)))
-    async for e in follow(call, folder, pid, ctx, pb.ConnectResponse, offsets={"out": 0, "err": 0, **offsets},
-                          owned=False, pty=pty):
-        yield e
+    with FOLLOWING.held(call.ws.id):
+        pid = await _pid_of(call, req.process)
+        folder = await procs.run(call, procs.folder_of, call, pid)
+        pty = bool((await procs.run(call, procs.meta_of, call, folder)).get("pty"))
+        # what comes from now on: the sizes before the start event, which the client waits for
+        offsets = {f.name: f.size for f in await procs.run(call, procs.entries, call, folder)
+                   if f.name in ("out", "err")}
+        yield pb.ConnectResponse(event=pb.ProcessEvent(start=pb.ProcessEvent.StartEvent(pid=pid)))
+        async for e in follow(call, folder, pid, ctx, pb.ConnectResponse, offsets={"out": 0, "err": 0, **offsets},
+                              owned=False, pty=pty):
+            yield e
 
 
 async def list_(req: Any, call: Call, ctx: RequestContext) -> Any:

@@ -15,7 +15,8 @@ import asyncio
 import base64
 import binascii
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,23 +56,42 @@ class Call:
 CALL: ContextVar[Call] = ContextVar("bunshin_e2b_envd_call")
 
 
+#: Streams of one kind one sandbox may hold open at once: each polls its sandbox through
+#: the agent in a thread of the server's shared pool, under the sandbox's lock.
+MAX_STREAMS = 32
+
+
 class Live:
-    """How many streams of one kind are being served now (a stream whose client hung up is
-    not: the tests hold the server to it)."""
+    """How many streams of one kind are being served now, in all and by sandbox (a stream
+    whose client hung up is not: the tests hold the server to it); a sandbox holds at
+    most ``MAX_STREAMS`` of a kind."""
 
-    def __init__(self) -> None:
+    def __init__(self, what: str) -> None:
+        self.what = what
         self.count = 0
+        self._by_sandbox: dict[str, int] = {}  # the event loop's thread only
 
-    def __enter__(self) -> Live:
-        self.count += 1  # the event loop's thread only
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.count -= 1
+    @contextmanager
+    def held(self, sandbox_id: str) -> Iterator[None]:
+        """One more stream of ``sandbox_id``; ``resource_exhausted`` past ``MAX_STREAMS``."""
+        n = self._by_sandbox.get(sandbox_id, 0)
+        if n >= MAX_STREAMS:
+            raise ConnectError(Code.RESOURCE_EXHAUSTED, f"the sandbox has {MAX_STREAMS} {self.what} open: "
+                                                        "end some before opening another")
+        self._by_sandbox[sandbox_id] = n + 1
+        self.count += 1
+        try:
+            yield
+        finally:
+            self.count -= 1
+            if self._by_sandbox[sandbox_id] <= 1:
+                del self._by_sandbox[sandbox_id]
+            else:
+                self._by_sandbox[sandbox_id] -= 1
 
 
 #: Commands being followed (Start, Connect) and folders being watched (WatchDir).
-FOLLOWING, WATCHING = Live(), Live()
+FOLLOWING, WATCHING = Live("commands followed"), Live("folders watched")
 
 Unary = Callable[[Any, Call, RequestContext], Awaitable[Message]]
 Stream = Callable[[Any, Call, RequestContext], AsyncIterator[Message]]
