@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ....errors import (
     BunshinError,
@@ -43,6 +44,8 @@ from .run import FIRST_POLL_S, POLL_S, CodeRun
 PORT = 49999
 MAX_CODE_CHARS = 8 << 20
 MAX_ENV_VARS = 1000
+#: A request body (JSON: the code, up to 6 bytes a character when escaped, and its env vars).
+MAX_BODY = 6 * MAX_CODE_CHARS + (8 << 20)
 #: How long a run interrupted because its caller hung up is waited for (its files then go).
 STOP_GRACE_S = 10.0
 _SANDBOX_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
@@ -93,7 +96,8 @@ def make_interpreter_app(resolve: Resolver, *, server_token: str, locks: Workspa
     derived from ``server_token``; calls take ``locks`` (the process's by default); a run
     has ``envs_of(sandbox id)`` (the sandbox's ``envVars``), then its own ``env_vars``."""
     held = locks or workspace_locks()
-    app = FastAPI(title="bunshin e2b code interpreter", openapi_url=None, docs_url=None, redoc_url=None)
+    app = FastAPI(title="bunshin e2b code interpreter", openapi_url=None, docs_url=None, redoc_url=None,
+                  max_body_size=MAX_BODY)
 
     @app.exception_handler(BunshinError)
     async def _error(_: Request, exc: BunshinError) -> Response:
@@ -104,13 +108,20 @@ def make_interpreter_app(resolve: Resolver, *, server_token: str, locks: Workspa
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
         return PlainTextResponse(f"invalid request: {problems}", status_code=422)
 
-    def sandbox(request: Request) -> WorkspaceAPI:
+    def authorized(request: Request) -> str:
+        """The request's sandbox id, once its token is checked."""
         sid = sandbox_id_of(request)
         if not (envd_token_ok(server_token, sid, request.headers.get("x-access-token"))
                 or traffic_token_ok(server_token, sid, request.headers.get("e2b-traffic-access-token"))):
             raise Unauthorized(f"missing or wrong access token for sandbox {sid}",
                                hint="send the sandbox's envdAccessToken (X-Access-Token) or trafficAccessToken "
                                     "(E2B-Traffic-Access-Token), both in its create and connect answers")
+        return sid
+
+    app.add_middleware(_TokenFirst, check=authorized)
+
+    def sandbox(request: Request) -> WorkspaceAPI:
+        sid = authorized(request)
         try:
             ws = resolve(sid)
             if ws.is_alive():
@@ -162,6 +173,24 @@ def make_interpreter_app(resolve: Resolver, *, server_token: str, locks: Workspa
         return StreamingResponse(_stream(run), media_type="application/x-ndjson")
 
     return app
+
+
+class _TokenFirst:
+    """The sandbox's token checked before a body is read (FastAPI reads a route's body
+    before the route runs): a caller without it has nothing buffered for it."""
+
+    def __init__(self, app: ASGIApp, check: Callable[[Request], str]) -> None:
+        self.app = app
+        self.check = check
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            try:
+                self.check(Request(scope))
+            except BunshinError as e:
+                await PlainTextResponse(str(e), status_code=e.http_status)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _must_exist(ws: WorkspaceAPI, context_id: str) -> None:
