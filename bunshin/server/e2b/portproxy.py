@@ -30,6 +30,9 @@ HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te", b"tra
 READ = 1 << 16
 #: Seconds to wait for the server inside to answer at all.
 CONNECT_TIMEOUT_S = 5.0
+#: Requests one sandbox may have forwarded at once (each holds two of the server's
+#: descriptors, and its connect a thread of the shared pool).
+MAX_OPEN = 128
 
 
 class PortProxy:
@@ -37,6 +40,7 @@ class PortProxy:
 
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
+        self._open: dict[str, int] = {}  # requests being forwarded, by sandbox (the event loop's thread only)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         t = target(scope)
@@ -48,6 +52,22 @@ class PortProxy:
         if scope["type"] == "websocket":
             await refuse(scope, send, 400, "websockets to a sandbox port are not forwarded")
             return
+        n = self._open.get(t.sandbox_id, 0)
+        if n >= MAX_OPEN:
+            await refuse(scope, send, 503, f"the sandbox {t.sandbox_id} has {MAX_OPEN} requests being forwarded: "
+                                           "retry when some have ended")
+            return
+        self._open[t.sandbox_id] = n + 1
+        try:
+            await self._proxy(scope, receive, send)
+        finally:
+            if self._open[t.sandbox_id] <= 1:
+                del self._open[t.sandbox_id]
+            else:
+                self._open[t.sandbox_id] -= 1
+
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
+        t = target(scope)
         try:
             sock = await anyio.to_thread.run_sync(self._connect, t.sandbox_id, t.port)
         except NotFound:
