@@ -4,21 +4,22 @@
 ``/health`` is answered before the access token is checked, as envd's is.
 
 Errors are envd's ``{"code": <status>, "message"}``. A download streams in pieces of
-``STREAM_CHUNK`` (one held at a time); an upload is written as it arrives, each file at
-most ``MAX_FILE_BYTES`` (gzip bodies bounded after decompression), at most ``MAX_FILES``
-files a request, a multipart body at most ``MAX_MULTIPART`` bytes whole.
+``STREAM_CHUNK`` (one held at a time); an upload is spooled within the server's upload
+budget, then written, each file at most ``MAX_FILE_BYTES`` (gzip bodies bounded after
+decompression), at most ``MAX_FILES`` files a request, a multipart body at most
+``MAX_MULTIPART`` bytes whole.
 """
 
 from __future__ import annotations
 
 import base64
 import posixpath
+import tempfile
 import time
 import zlib
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import anyio.from_thread
 import anyio.to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -26,6 +27,7 @@ from starlette.types import Message
 
 from ....errors import BunshinError, InvalidArgument, PayloadTooLarge
 from ...context import MAX_FILE_BYTES, STREAM_CHUNK
+from ...uploads import UploadBudget
 from ..sandboxes import sandbox_envs
 from . import procs
 from .filesystem import resolve
@@ -42,7 +44,7 @@ def error(status: int, message: str) -> JSONResponse:
 
 def _status(e: BunshinError) -> int:
     return {"path_not_found": 404, "not_found": 404, "invalid_argument": 400, "payload_too_large": 400,
-            "resource_exhausted": 507}.get(e.code, 500)
+            "resource_exhausted": 507, "rate_limited": 429}.get(e.code, 500)
 
 
 def _call(call: Call, request: Request) -> Call:
@@ -106,26 +108,35 @@ async def upload(call: Call, request: Request) -> Response:
         return await _multipart(call, request)
     path = resolve(call, request.query_params.get("path", ""))
     gz = request.headers.get("content-encoding", "").lower() == "gzip"
+    # spooled first (a MiB in memory, the rest on the home's disk, within the server's upload
+    # budget), then written under the sandbox's lock: a slow client holds neither the lock
+    # nor a thread of the server's pool while its body trickles in
+    scratch = call.ctx.config.paths.transfers
+    scratch.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with call.ctx.uploads.open(scratch, what="file") as budget, \
+            tempfile.SpooledTemporaryFile(STREAM_CHUNK, "w+b", dir=str(scratch)) as spool:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit():
+            _check_body(int(declared), budget)  # refused before a byte is read
+        async for chunk in request.stream():
+            _check_body(spool.tell() + len(chunk), budget)
+            await anyio.to_thread.run_sync(spool.write, chunk)
 
-    def pieces() -> Iterator[bytes]:
-        stream = request.stream().__aiter__()
+        def write() -> None:
+            spool.seek(0)
+            with call.ctx.locks.held(call.ws):
+                call.ws.files.write_stream(path, _bounded(iter(lambda: spool.read(STREAM_CHUNK), b""), gz))
+                procs.give_to_user(call, path)
 
-        async def next_piece() -> bytes | None:
-            try:
-                return await stream.__anext__()
-            except StopAsyncIteration:
-                return None
-
-        while (piece := anyio.from_thread.run(next_piece)) is not None:
-            yield piece
-
-    def write() -> None:
-        with call.ctx.locks.held(call.ws):
-            call.ws.files.write_stream(path, _bounded(pieces(), gz))
-            procs.give_to_user(call, path)
-
-    await anyio.to_thread.run_sync(write)
+        await anyio.to_thread.run_sync(write)
     return JSONResponse([_info(path)])
+
+
+def _check_body(size: int, budget: UploadBudget) -> None:
+    """A body may grow to ``size`` bytes: within ``MAX_FILE_BYTES`` and the upload budget."""
+    if size > MAX_FILE_BYTES:
+        raise PayloadTooLarge(f"file over {MAX_FILE_BYTES} bytes", hint="write it in parts")
+    budget.check(size)
 
 
 def _capped(request: Request, cap: int) -> Request:
