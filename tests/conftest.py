@@ -19,6 +19,10 @@ from bunshin.runtime.container.cgroups import Layout
 from bunshin.runtime.kernel import mountinfo
 from bunshin.runtime.state.store import Store
 
+#: No test's DNS lookup leaves the machine: the host's resolver for egress workspaces asks
+#: loopback (nothing answers: SERVFAIL) unless a test gives the test internet's DNS.
+os.environ["BUNSHIN_DNS_UPSTREAM"] = "127.0.0.1"
+
 #: The ``internet`` fixture (a test internet in a network namespace): tests/net/internet.py
 pytest_plugins = ["tests.net.internet"]
 

@@ -30,6 +30,10 @@ VARS: dict[str, Var] = {
     "BUNSHIN_TMPFS": Var("user", "`/dev/shm/bunshin` (a non-default home gets its own)",
                          "The tmpfs holding workspace uppers, frozen layers, snapshot images and memory "
                          "files; mounted on first use, unmounted by `gc` once nothing is left."),
+    "BUNSHIN_DNS_UPSTREAM": Var("user", "the host's /etc/resolv.conf nameservers",
+                                "Comma-separated DNS servers the host's resolver asks for the names an egress "
+                                "workspace's policy allows (a config's `dns_upstream` wins). The test suite sets "
+                                "it to 127.0.0.1, so no test's lookup leaves the machine."),
     "BUNSHIN_CRIU": Var("user", "`/opt/bunshin/criu/bin/criu`", "The CRIU binary (>= 4.2)."),
     "BUNSHIN_GHOST_LIMIT": Var("user", "`256M`",
                                "The largest deleted-but-open file a fork carries (CRIU's `--ghost-limit`); "

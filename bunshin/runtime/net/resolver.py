@@ -50,8 +50,12 @@ def port(cfg: Config) -> int:
 
 
 def upstreams(cfg: Config) -> list[str]:
+    """The servers allowed names are asked of: the config's, else ``BUNSHIN_DNS_UPSTREAM``
+    (comma-separated addresses), else the nameservers of the host's /etc/resolv.conf."""
     if cfg.dns_upstream:
         return list(cfg.dns_upstream)
+    if os.environ.get("BUNSHIN_DNS_UPSTREAM"):
+        return [a.strip() for a in os.environ["BUNSHIN_DNS_UPSTREAM"].split(",") if a.strip()]
     with contextlib.suppress(OSError):
         with open("/etc/resolv.conf") as f:
             return [ln.split()[1] for ln in f if ln.startswith("nameserver") and len(ln.split()) > 1]
