@@ -318,7 +318,8 @@ class Workspace:
         if pid is None or not container.is_alive(self._record):
             raise StateConflict(f"workspace {self.id} has no process to reach its network through",
                                 hint="it is not running; create a new one")
-        return port_socket.connect_port(pid, port, timeout=timeout)
+        return port_socket.connect_port(pid, port, timeout=timeout,
+                                        still_ours=lambda: container.is_alive(self._record))
 
     def stats(self) -> WorkspaceStats:
         """Memory (cgroup, PSS, USS, anonymous) and processes, read on the host."""

@@ -15,6 +15,7 @@ import errno
 import os
 import socket
 import threading
+from collections.abc import Callable
 
 from ...errors import InvalidArgument, StateConflict, Unreachable
 from ..kernel import syscalls as sc
@@ -23,11 +24,14 @@ from ..kernel import syscalls as sc
 MAX_PORT = 65535
 
 
-def connect_port(pid: int, port: int, *, timeout: float = 5.0) -> socket.socket:
+def connect_port(pid: int, port: int, *, timeout: float = 5.0,
+                 still_ours: Callable[[], bool] | None = None) -> socket.socket:
     """A TCP socket connected to ``127.0.0.1:port`` in the network namespace of host
     process ``pid`` (a workspace's pid 1), blocking, ``TCP_NODELAY`` set; the caller
     closes it. ``Unreachable`` when nothing listens there, ``StateConflict`` when the
-    process is gone."""
+    process is gone. ``still_ours`` is asked once the namespace is open: a pid that died
+    and was reused by another process before the open would otherwise name its network
+    (the host's, say)."""
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= MAX_PORT:
         raise InvalidArgument(f"port {port!r} is not a TCP port", hint=f"give a port in 1..{MAX_PORT}")
     try:
@@ -37,6 +41,9 @@ def connect_port(pid: int, port: int, *, timeout: float = 5.0) -> socket.socket:
                             hint="the workspace stopped; create a new one") from None
     result: list[socket.socket | BaseException] = []
     try:
+        if still_ours is not None and not still_ours():
+            raise StateConflict(f"process {pid} is gone: its network cannot be reached",
+                                hint="the workspace stopped; create a new one")
         t = threading.Thread(target=_connect_in, args=(theirs, port, timeout, result),
                              name="bunshin-port-socket", daemon=True)
         t.start()
