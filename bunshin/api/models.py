@@ -93,7 +93,8 @@ class PublishPort(Model):
     other addresses."""
 
     port: int = Field(ge=1, le=65535)
-    host_port: int | None = Field(default=None, ge=1, le=65535)
+    host_port: int | None = Field(default=None, ge=1024, le=65535,
+                                  description="1024 or above: a client never takes a privileged port of the server host")
 
 
 class PortOut(Model):

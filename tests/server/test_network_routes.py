@@ -31,6 +31,8 @@ def test_ports_over_http(served):
             assert httpx.get(f"http://127.0.0.1:{port['host_port']}/x", timeout=10).text == "hi\n"
             taken = http.post(f"/v1/workspaces/{ws['id']}/ports", json={"port": 8000, "host_port": port["host_port"]})
             assert taken.status_code == 409 and "in use" in taken.json()["message"]
+            privileged = http.post(f"/v1/workspaces/{ws['id']}/ports", json={"port": 8000, "host_port": 80})
+            assert privileged.status_code == 422 and "host_port" in privileged.json()["message"], privileged.text
             other = http.post(f"/v1/workspaces/{ws['id']}/ports", json={"port": 9}).json()
             assert http.delete(f"/v1/workspaces/{ws['id']}/ports/{other['host_port']}").status_code == 204
             assert http.get(f"/v1/workspaces/{ws['id']}/ports").json() == [port]
