@@ -24,6 +24,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,8 @@ KIND = "netresolver"
 MIN_TTL_S = 5  # an admitted address stays at least this long (a TTL of 0 would admit nothing)
 MAX_TTL_S = 3600  # and at most this long (an upstream's TTL is up to 68 years: it outlives a policy change)
 IDLE_CHECK_S = 2.0
+WORKERS = 16  # queries answered at once, for every workspace of the home
+PER_SOURCE = 4  # of which one workspace's at most
 
 
 def port(cfg: Config) -> int:
@@ -144,11 +148,30 @@ def _answer(cfg: Config, store: Store, spec: dict[str, Any], wire: bytes, source
 
 
 def serve(spec: dict[str, Any]) -> None:
+    """Answer queries until no workspace with egress is left. Each query is answered in a
+    worker (``WORKERS``), so an upstream that never answers holds up only that query; a
+    workspace has at most ``PER_SOURCE`` queries in flight, the ones past it are dropped
+    (its resolver library asks again), so one workspace cannot take every worker."""
     cfg = dataclasses.replace(Config.for_home(Path(spec["home"])), net_pool=spec["pool"])
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.bind(("0.0.0.0", spec["port"]))
     sock.settimeout(IDLE_CHECK_S)
-    with Store.open(cfg.db_path) as store:
+    in_flight: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def answer(wire: bytes, source: str, sport: int) -> None:
+        try:
+            with contextlib.suppress(Exception), Store.open(cfg.db_path) as store:  # one bad query ends nothing
+                out = _answer(cfg, store, spec, wire, source)
+                if out is not None:
+                    sock.sendto(out, (source, sport))
+        finally:
+            with lock:
+                in_flight[source] -= 1
+                if not in_flight[source]:
+                    del in_flight[source]
+
+    with Store.open(cfg.db_path) as store, ThreadPoolExecutor(WORKERS, "bunshin-dns") as pool:
         while True:
             try:
                 wire, (source, sport) = sock.recvfrom(4096)
@@ -156,10 +179,11 @@ def serve(spec: dict[str, Any]) -> None:
                 if not store.list_objects("netslot"):
                     return  # no workspace with egress left
                 continue
-            with contextlib.suppress(Exception):  # one bad query never ends the resolver
-                out = _answer(cfg, store, spec, wire, source)
-                if out is not None:
-                    sock.sendto(out, (source, sport))
+            with lock:
+                if in_flight.get(source, 0) >= PER_SOURCE:
+                    continue
+                in_flight[source] = in_flight.get(source, 0) + 1
+            pool.submit(answer, wire, source, sport)
 
 
 if __name__ == "__main__":
