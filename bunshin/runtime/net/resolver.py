@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import dns.message
+import dns.name
 import dns.query
 import dns.rcode
 import dns.rdatatype
@@ -124,7 +125,7 @@ def _answer(cfg: Config, store: Store, spec: dict[str, Any], wire: bytes, source
     if not (0 <= offset < net.num_addresses and offset % 4 == 2):
         return None  # not a workspace's address: no answer (the socket is on every address)
     policy = policy_of(store, offset // 4)
-    name = query.question[0].name.to_text().rstrip(".") if query.question else ""
+    name = query.question[0].name.to_text().rstrip(".") if len(query.question) == 1 else ""
     if policy is None or not name or not policy.allows_name(name) or not spec["upstream"]:
         reply = dns.message.make_response(query)
         reply.set_rcode(dns.rcode.REFUSED)
@@ -138,13 +139,26 @@ def _answer(cfg: Config, store: Store, spec: dict[str, Any], wire: bytes, source
     # Only a name the policy allows by name admits its addresses past deny and always
     # denied: with no allow rule every name is answered, and a name the workload chose
     # (rebinding to metadata, a private range, the pool) must not open those.
+    # Only the asked name's own records (through its CNAME chain) admit: an answer naming
+    # other owners is not what was asked.
     elements = [f"{rd.address} timeout {min(max(rrset.ttl, MIN_TTL_S), MAX_TTL_S)}s"
-                for rrset in reply.answer if rrset.rdtype == dns.rdatatype.A for rd in rrset] \
-        if policy.restricted else []
+                for rrset in _asked(reply, query.question[0].name) for rd in rrset] if policy.restricted else []
     if elements:
         table = Slot.of(cfg, offset // 4).table
         nft.run(f"add element inet {table} named4 {{ {', '.join(elements)} }}")
     return reply.to_wire()
+
+
+def _asked(reply: dns.message.Message, name: dns.name.Name) -> list[Any]:
+    """The A record sets of ``reply`` owned by ``name`` or a name its CNAME chain leads to."""
+    owners = {name}
+    for _ in range(8):  # a chain is short; a loop in one ends here
+        more = {rd.target for rrset in reply.answer if rrset.rdtype == dns.rdatatype.CNAME and rrset.name in owners
+                for rd in rrset} - owners
+        if not more:
+            break
+        owners |= more
+    return [rrset for rrset in reply.answer if rrset.rdtype == dns.rdatatype.A and rrset.name in owners]
 
 
 def serve(spec: dict[str, Any]) -> None:
