@@ -28,6 +28,7 @@ from ....errors import (
     InvalidArgument,
     NotFound,
     PathNotFound,
+    RateLimited,
     Unauthorized,
     WorkspaceNotFound,
 )
@@ -48,6 +49,9 @@ MAX_ENV_VARS = 1000
 MAX_BODY = 6 * MAX_CODE_CHARS + (8 << 20)
 #: How long a run interrupted because its caller hung up is waited for (its files then go).
 STOP_GRACE_S = 10.0
+#: Runs streamed at once for one sandbox: each polls from a thread of the server's one pool.
+MAX_RUNS = 32
+_runs: dict[str, int] = {}  # sandbox id -> runs being streamed (the event loop's thread only)
 _SANDBOX_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 _HOST = re.compile(rf"{PORT}-([A-Za-z0-9_-]{{1,128}})\.")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,255}")
@@ -169,8 +173,10 @@ def make_interpreter_app(resolve: Resolver, *, server_token: str, locks: Workspa
             await anyio.to_thread.run_sync(_must_exist, ws, context_id)
         if envs_of is not None:
             env = {**await anyio.to_thread.run_sync(envs_of, ws.id), **env}
+        if _runs.get(ws.id, 0) >= MAX_RUNS:
+            raise RateLimited(f"the sandbox has {MAX_RUNS} runs streaming", hint="wait for one to end")
         run = CodeRun(ws, context_id, body.code, env, held.lock_of(ws))
-        return StreamingResponse(_stream(run), media_type="application/x-ndjson")
+        return StreamingResponse(_counted(ws.id, _stream(run)), media_type="application/x-ndjson")
 
     return app
 
@@ -198,6 +204,21 @@ def _must_exist(ws: WorkspaceAPI, context_id: str) -> None:
         ws.files.read(f"{contexts.folder(context_id)}/context.json", length=4096)
     except PathNotFound:
         raise NotFound(f"context {context_id!r} not found", hint="list the contexts: GET /contexts") from None
+
+
+async def _counted(sandbox_id: str, lines: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """``lines``, counted in ``_runs`` while they stream (``MAX_RUNS`` checked again at the
+    start: requests let in together count here)."""
+    if _runs.get(sandbox_id, 0) >= MAX_RUNS:
+        return
+    _runs[sandbox_id] = _runs.get(sandbox_id, 0) + 1
+    try:
+        async for line in lines:
+            yield line
+    finally:
+        _runs[sandbox_id] -= 1
+        if not _runs[sandbox_id]:
+            del _runs[sandbox_id]
 
 
 async def _stream(run: CodeRun) -> AsyncIterator[bytes]:
