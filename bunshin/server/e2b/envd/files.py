@@ -139,9 +139,10 @@ def _check_body(size: int, budget: UploadBudget) -> None:
     budget.check(size)
 
 
-def _capped(request: Request, cap: int) -> Request:
-    """``request`` whose body is refused (``PayloadTooLarge``) past ``cap`` bytes: a multipart
-    form is spooled on the host before its files are written, so it is bounded whole."""
+def _capped(request: Request, cap: int, budget: UploadBudget) -> Request:
+    """``request`` whose body is refused (``PayloadTooLarge``) past ``cap`` bytes, and past
+    the server's upload budget: a multipart form is spooled on the host before its files
+    are written, so it is bounded whole and counted with every other upload in flight."""
     seen = 0
     receive = request.receive
 
@@ -152,14 +153,24 @@ def _capped(request: Request, cap: int) -> Request:
         if seen > cap:
             raise PayloadTooLarge(f"upload over {cap} bytes", hint="upload large files one at a time as "
                                                                    "application/octet-stream (write them in parts)")
+        budget.check(seen)
         return message
 
     return Request(request.scope, counted)
 
 
 async def _multipart(call: Call, request: Request) -> Response:
+    scratch = call.ctx.config.paths.transfers
+    scratch.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with call.ctx.uploads.open(scratch, what="file") as budget:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit():
+            _check_body(int(declared), budget)  # refused before a byte is read
+        return await _multipart_within(call, _capped(request, MAX_MULTIPART, budget))
+
+
+async def _multipart_within(call: Call, request: Request) -> Response:
     default = request.query_params.get("path")
-    request = _capped(request, MAX_MULTIPART)
     form = await request.form(max_files=MAX_FILES, max_fields=MAX_FILES)
     written = []
     try:
