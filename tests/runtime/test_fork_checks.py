@@ -120,3 +120,40 @@ def test_a_zombie_waiting_to_be_reaped_passes():
         assert fork_checks.refusals([os.getpid(), child]) == []
     finally:
         os.waitpid(child, 0)
+
+
+def _fake_process(proc, pid: int, links: dict[str, str]) -> None:
+    """A /proc entry of ``pid`` in the workspace's pid namespace (level 0) with these ns links."""
+    base = proc / str(pid)
+    (base / "ns").mkdir(parents=True)
+    (base / "task" / str(pid)).mkdir(parents=True)
+    (base / "status").write_text(f"Name:\tsleep\nNSpid:\t{pid}\nTracerPid:\t0\n")
+    (base / "stat").write_text(f"{pid} (sleep) S 1 1 1\n")
+    (base / "cmdline").write_bytes(b"sleep\x000.05\x00")
+    (base / "fd").mkdir()
+    (base / "maps").write_text("")
+    for ns, target in links.items():
+        (base / "ns" / ns).symlink_to(target)
+
+
+_OWN = {"ipc": "ipc:[1]", "uts": "uts:[2]", "pid": "pid:[3]", "cgroup": "cgroup:[4]", "time": "time:[5]",
+        "user": "user:[6]", "pid_for_children": "pid:[3]", "time_for_children": "time:[5]"}
+
+
+def test_a_process_exiting_past_its_namespaces_is_not_taken_for_a_nested_one(tmp_path):
+    """Between dropping its namespace set and becoming a zombie, an exiting process reads
+    ENOENT for uts, pid_for_children and the rest, but its pid namespace still reads: not
+    a pid namespace made for its children (a CI run refused a fork of a busybox loop's
+    exiting `sleep` so)."""
+    _fake_process(tmp_path, 1, _OWN)
+    _fake_process(tmp_path, 14, {"pid": "pid:[3]", "user": "user:[6]"})
+    assert fork_checks.refusals([1, 14], proc=tmp_path) == []
+
+
+def test_an_unborn_pid_namespace_of_a_live_process_is_still_refused(tmp_path):
+    """The same ENOENT from a process that still holds its namespaces (uts reads) is a pid
+    namespace made for its children that no child entered yet."""
+    _fake_process(tmp_path, 1, _OWN)
+    _fake_process(tmp_path, 14, {k: v for k, v in _OWN.items() if k != "pid_for_children"})
+    found = fork_checks.refusals([1, 14], proc=tmp_path)
+    assert [(r.task.pid, r.what) for r in found] == [(14, "made for its children its own pid namespace")]

@@ -227,7 +227,13 @@ def _zombie(pid: int, proc: Path) -> bool:
 
 def _namespaces(pid: int, proc: Path) -> dict[str, str]:
     """The process's namespaces by kind. A namespace made for its children that no
-    process has entered yet cannot be read (ENOENT): it shows as ``"unborn"``."""
+    process has entered yet cannot be read (ENOENT): it shows as ``"unborn"``.
+
+    A process that is exiting drops its namespace set (``exit_task_namespaces``) before it
+    is a zombie: from then on ``uts`` and ``pid_for_children`` read ENOENT while ``pid``
+    still reads. Such a process has nothing to nest, so none of its namespaces is reported
+    (else ``pid_for_children`` would pass for an unborn one of its own). The set never comes
+    back, so ``uts`` readable *after* an ENOENT means the ENOENT was an unborn namespace."""
     out: dict[str, str] = {}
     for ns in (*NESTED_NS, *FOR_CHILDREN):
         try:
@@ -237,7 +243,18 @@ def _namespaces(pid: int, proc: Path) -> dict[str, str]:
                 out[ns] = "unborn"
         except OSError:
             pass
+    if "unborn" in out.values() and not _has_namespace_set(pid, proc):
+        return {}
     return out
+
+
+def _has_namespace_set(pid: int, proc: Path) -> bool:
+    """Whether ``pid`` still holds its namespaces (it is not past ``exit_task_namespaces``)."""
+    try:
+        os.readlink(proc / str(pid) / "ns" / "uts")
+    except OSError:
+        return False
+    return True
 
 
 def _nested_namespaces(pid: int, level: int, own: dict[str, str], proc: Path) -> list[Refusal]:
