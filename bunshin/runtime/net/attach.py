@@ -102,7 +102,8 @@ def set_policy(cfg: Config, store: Store, ws_id: str, policy: Policy) -> Slot | 
     slot = slot_of(cfg, store, ws_id)
     if slot is None:
         return None
-    egress.set_policy(cfg, slot, policy)
+    old = slots.policy_of(store, slot.index)
+    egress.set_policy(cfg, slot, policy, keep_named=old is not None and policy.keeps_names_of(old))
     slots.save_policy(store, slot.index, policy)
     return slot
 

@@ -126,11 +126,14 @@ def add_tables(cfg: Config, tables: list[tuple[Slot, Policy]]) -> None:
     nft.run("".join(table_text(cfg, slot, policy) for slot, policy in tables))
 
 
-def set_policy(cfg: Config, slot: Slot, policy: Policy) -> None:
-    """Replace the table's rules and CIDR sets in one transaction; the addresses the
-    resolver admitted stay (their TTLs run on), and so do open connections."""
+def set_policy(cfg: Config, slot: Slot, policy: Policy, *, keep_named: bool) -> None:
+    """Replace the table's rules and CIDR sets in one transaction; open connections stay.
+    ``keep_named``: the addresses the resolver admitted for allowed names stay too (their
+    TTLs run on); else they go with the rules, and a name the new policy still allows
+    admits its addresses again when it is next resolved."""
+    named = "" if keep_named else f"flush set inet {slot.table} named4\n"
     nft.run(f"flush table inet {slot.table}\nflush set inet {slot.table} allow4\n"
-            f"flush set inet {slot.table} deny4\n" + table_text(cfg, slot, policy))
+            f"flush set inet {slot.table} deny4\n{named}" + table_text(cfg, slot, policy))
 
 
 def add_link(slot: Slot, netns_fd: int) -> None:

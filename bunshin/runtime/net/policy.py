@@ -143,6 +143,14 @@ class Policy:
             return False
         return not self.restricted or any(name_matches(p, name) for p in self.allow_names)
 
+    def keeps_names_of(self, old: Policy) -> bool:
+        """Whether every name ``old`` let resolve still resolves under this policy (it allows
+        each name pattern ``old`` allowed, and denies none ``old`` did not): only then may
+        the addresses ``old``'s names admitted stay admitted."""
+        if not old.restricted and self.restricted:
+            return False  # every name resolved under ``old``, only some do now
+        return set(old.allow_names) <= set(self.allow_names) and set(self.deny_names) <= set(old.deny_names)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -396,3 +396,20 @@ def test_a_name_does_not_open_always_denied_addresses_without_an_allow_rule(pair
         assert all(v != "ok" for v in got.values()), got
     finally:
         internet.add_name("rebind.evil.test")
+
+
+def test_a_policy_change_that_drops_a_name_drops_the_addresses_it_admitted(pair, internet):
+    """An address the resolver admitted for an allowed name stays reachable while every
+    allowed name still is (a wider policy), and goes when the name is no longer allowed,
+    not an hour later when its admission runs out."""
+    _, restricted, _ = pair
+    web = f"{internet.web}:80"
+    restricted.set_network_policy(allow=["web.inet.test"])
+    try:
+        assert fetch(restricted, "http://web.inet.test/files/hello.txt") == "hello from the test internet"
+        restricted.set_network_policy(allow=["web.inet.test", "other.inet.test"])
+        assert probe(restricted, web)[web] == "ok"  # not resolved again: kept
+        restricted.set_network_policy(allow=["other.inet.test"])
+        assert probe(restricted, web)[web] != "ok"
+    finally:
+        restricted.set_network_policy(allow=[internet.subnet])

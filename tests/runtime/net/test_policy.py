@@ -76,3 +76,15 @@ def test_table_closes_the_resolvers_port_to_other_interfaces(tmp_path: Path):
     cfg = Config.for_home(tmp_path)
     text = egress.table_text(cfg, slots.Slot.of(cfg, 5), Policy.of())
     assert f'iifname != "bsn*" udp dport {resolver.port(cfg)} drop' in text
+
+
+def test_admitted_addresses_are_kept_only_while_every_name_still_resolves() -> None:
+    old = Policy.of(allow=["web.inet.test", "*.pypi.test"], deny=["bad.pypi.test"])
+    assert Policy.of(allow=["web.inet.test", "*.pypi.test", "more.test"], deny=["bad.pypi.test"]).keeps_names_of(old)
+    assert Policy.of(allow=["web.inet.test", "*.pypi.test"]).keeps_names_of(old)  # a deny lifted
+    assert not Policy.of(allow=["*.pypi.test"], deny=["bad.pypi.test"]).keeps_names_of(old)  # a name dropped
+    assert not Policy.of(allow=["web.inet.test", "*.pypi.test"],
+                         deny=["bad.pypi.test", "x.pypi.test"]).keeps_names_of(old)  # a name denied
+    assert not Policy.of(allow=["web.inet.test"]).keeps_names_of(Policy.of())  # from every name to some
+    # with no allow rule a name admits nothing: what names admitted goes
+    assert not Policy.of().keeps_names_of(Policy.of(allow=["web.inet.test"]))
