@@ -37,6 +37,7 @@ import dns.rdatatype
 import psutil
 
 from ...config import Config
+from ...errors import RuntimeFailure
 from ..state.store import Store
 
 KIND = "netresolver"
@@ -86,14 +87,41 @@ def ensure(cfg: Config, store: Store) -> int:
         pid = _alive(store)
         if pid is not None:
             return pid
-        spec = {"home": str(cfg.home), "pool": cfg.net_pool, "port": port(cfg), "upstream": upstreams(cfg)}
-        proc = subprocess.Popen([sys.executable, "-m", "bunshin.runtime.net.resolver", json.dumps(spec)],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True, close_fds=True,
-                                env={"PATH": os.environ.get("PATH", ""),
-                                     "PYTHONPATH": str(Path(__file__).resolve().parents[3])})
+        with _bound(port(cfg)) as sock:  # bound here: a taken port is an error now, not silent DNS failure
+            spec = {"home": str(cfg.home), "pool": cfg.net_pool, "port": port(cfg), "upstream": upstreams(cfg),
+                    "fd": sock.fileno()}
+            proc = subprocess.Popen([sys.executable, "-m", "bunshin.runtime.net.resolver", json.dumps(spec)],
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                    start_new_session=True, close_fds=True, pass_fds=(sock.fileno(),),
+                                    env={"PATH": os.environ.get("PATH", ""),
+                                         "PYTHONPATH": str(Path(__file__).resolve().parents[3])})
         store.put_object(KIND, "0", json.dumps({"pid": proc.pid}))
         return proc.pid
+
+
+def _bound(udp_port: int) -> socket.socket:
+    """A UDP socket bound to ``udp_port`` on every address of the host's network namespace."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        sock.bind(("0.0.0.0", udp_port))
+    except OSError as e:
+        sock.close()
+        holder = _holder(udp_port)
+        raise RuntimeFailure(
+            f"the workspaces' DNS resolver cannot listen on UDP port {udp_port}: {e.strerror}"
+            f"{f' (held by {holder})' if holder else ''}",
+            hint="free the port, or give this bunshin home another BUNSHIN_HOME (the port follows the home)",
+            port=udp_port) from e
+    return sock
+
+
+def _holder(udp_port: int) -> str | None:
+    """Who holds ``udp_port``, as ``pid N (name)``, if it can be told."""
+    with contextlib.suppress(psutil.Error, OSError):
+        for conn in psutil.net_connections("udp4"):
+            if conn.laddr and conn.laddr.port == udp_port and conn.pid:
+                return f"pid {conn.pid} ({psutil.Process(conn.pid).name()})"
+    return None
 
 
 def stop_if_idle(store: Store) -> None:
@@ -167,8 +195,10 @@ def serve(spec: dict[str, Any]) -> None:
     workspace has at most ``PER_SOURCE`` queries in flight, the ones past it are dropped
     (its resolver library asks again), so one workspace cannot take every worker."""
     cfg = dataclasses.replace(Config.for_home(Path(spec["home"])), net_pool=spec["pool"])
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind(("0.0.0.0", spec["port"]))
+    if "fd" in spec:  # bound by ``ensure``
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, fileno=spec["fd"])
+    else:
+        sock = _bound(spec["port"])
     sock.settimeout(IDLE_CHECK_S)
     in_flight: dict[str, int] = {}
     lock = threading.Lock()
