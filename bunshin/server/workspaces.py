@@ -5,7 +5,6 @@ fork pass admission control first (:mod:`.admission`)."""
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,7 +13,6 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from ..api import models as m
-from ..errors import PayloadTooLarge
 from ..runtime.container.cgroups import parse_size
 from ..workspace import Workspace
 from .context import (
@@ -31,7 +29,10 @@ from .context import (
 from .idempotency import IdemKey
 from .images import image_id
 from .network import publish_all
-from .uploads import UploadBudget
+from .uploads import spooled
+
+#: What to do with a file body over ``MAX_FILE_BYTES``.
+PUT_HINT = "write it in parts, or copy it in as a tar and unpack it inside"
 
 
 def router(ctx: ServerContext) -> APIRouter:
@@ -186,20 +187,9 @@ def router(ctx: ServerContext) -> APIRouter:
         """The body is spooled (a MiB in memory, the rest on the home's disk, within the server's
         upload budget), then written a piece at a time under the workspace's lock: the file
         changes only once the whole body is here."""
-        scratch = config.paths.transfers
-        scratch.mkdir(mode=0o700, parents=True, exist_ok=True)
-        with ctx.uploads.open(scratch, what="file") as budget, \
-                tempfile.SpooledTemporaryFile(STREAM_CHUNK, "w+b", dir=str(scratch)) as spool:
-            declared = request.headers.get("content-length", "")
-            if declared.isdigit():
-                _check_body(int(declared), budget)  # refused before a byte is read
-            async for chunk in request.stream():
-                _check_body(spool.tell() + len(chunk), budget)
-                await anyio.to_thread.run_sync(spool.write, chunk)
-
+        async with spooled(ctx.uploads, request, config.paths.transfers, limit=MAX_FILE_BYTES, hint=PUT_HINT) as body:
             def go(ws: Workspace) -> int:
-                spool.seek(0)
-                return ws.files.write_stream(path, iter(lambda: spool.read(STREAM_CHUNK), b""), mode=mode)
+                return ws.files.write_stream(path, iter(lambda: body.read(STREAM_CHUNK), b""), mode=mode)
 
             n = await anyio.to_thread.run_sync(lambda: locked(ws_id, go))
         return m.Written(bytes=n)
@@ -211,10 +201,3 @@ def router(ctx: ServerContext) -> APIRouter:
 
     return r
 
-
-def _check_body(size: int, budget: UploadBudget) -> None:
-    """A file body may grow to ``size`` bytes: within ``MAX_FILE_BYTES`` and the upload budget."""
-    if size > MAX_FILE_BYTES:
-        raise PayloadTooLarge(f"file body of {size} bytes or more: over the {MAX_FILE_BYTES >> 20} MiB one PUT takes",
-                              hint="write it in parts, or copy it in as a tar and unpack it inside")
-    budget.check(size)

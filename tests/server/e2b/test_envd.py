@@ -319,7 +319,7 @@ def test_a_multipart_upload_is_bounded_whole(sbx: Sandbox, monkeypatch) -> None:
     from bunshin.server.e2b.envd import files
 
     monkeypatch.setattr(files, "MAX_MULTIPART", 1000)  # the server runs in this process
-    with pytest.raises(InvalidArgumentException, match="upload over 1000 bytes"):
+    with pytest.raises(InvalidArgumentException, match="over the 1000 bytes one upload takes"):
         sbx.files.write_files([{"path": "/up/one", "data": b"1" * 800}, {"path": "/up/two", "data": b"2" * 800}])
     assert not sbx.files.exists("/up/one") and not sbx.files.exists("/up/two")  # nothing half-written
     sbx.files.write_files([{"path": "/up/one", "data": b"1" * 100}, {"path": "/up/two", "data": b"2" * 100}])

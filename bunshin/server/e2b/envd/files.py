@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import base64
 import posixpath
-import tempfile
 import time
 import zlib
 from collections.abc import AsyncIterator, Iterator
@@ -23,11 +22,10 @@ from typing import Any
 import anyio.to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Message
 
 from ....errors import BunshinError, InvalidArgument, PayloadTooLarge
 from ...context import MAX_FILE_BYTES, STREAM_CHUNK
-from ...uploads import UploadBudget
+from ...uploads import counted, receiving, spooled
 from ..sandboxes import sandbox_envs
 from . import procs
 from .filesystem import resolve
@@ -36,6 +34,8 @@ from .rpc import Call, user_of
 MAX_FILES = 1000
 #: A multipart upload's whole body (its parts are spooled on the host before they are written).
 MAX_MULTIPART = MAX_FILE_BYTES
+PARTS_HINT = "write it in parts"
+MULTIPART_HINT = "upload large files one at a time as application/octet-stream (write them in parts)"
 
 
 def error(status: int, message: str) -> JSONResponse:
@@ -108,65 +108,25 @@ async def upload(call: Call, request: Request) -> Response:
         return await _multipart(call, request)
     path = resolve(call, request.query_params.get("path", ""))
     gz = request.headers.get("content-encoding", "").lower() == "gzip"
-    # spooled first (a MiB in memory, the rest on the home's disk, within the server's upload
-    # budget), then written under the sandbox's lock: a slow client holds neither the lock
-    # nor a thread of the server's pool while its body trickles in
-    scratch = call.ctx.config.paths.transfers
-    scratch.mkdir(mode=0o700, parents=True, exist_ok=True)
-    with call.ctx.uploads.open(scratch, what="file") as budget, \
-            tempfile.SpooledTemporaryFile(STREAM_CHUNK, "w+b", dir=str(scratch)) as spool:
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit():
-            _check_body(int(declared), budget)  # refused before a byte is read
-        async for chunk in request.stream():
-            _check_body(spool.tell() + len(chunk), budget)
-            await anyio.to_thread.run_sync(spool.write, chunk)
-
+    # spooled first, then written under the sandbox's lock: a slow client holds neither the
+    # lock nor a thread of the server's pool while its body trickles in
+    async with spooled(call.ctx.uploads, request, call.ctx.config.paths.transfers,
+                       limit=MAX_FILE_BYTES, hint=PARTS_HINT) as body:
         def write() -> None:
-            spool.seek(0)
             with call.ctx.locks.held(call.ws):
-                call.ws.files.write_stream(path, _bounded(iter(lambda: spool.read(STREAM_CHUNK), b""), gz))
+                call.ws.files.write_stream(path, _bounded(iter(lambda: body.read(STREAM_CHUNK), b""), gz))
                 procs.give_to_user(call, path)
 
         await anyio.to_thread.run_sync(write)
     return JSONResponse([_info(path)])
 
 
-def _check_body(size: int, budget: UploadBudget) -> None:
-    """A body may grow to ``size`` bytes: within ``MAX_FILE_BYTES`` and the upload budget."""
-    if size > MAX_FILE_BYTES:
-        raise PayloadTooLarge(f"file over {MAX_FILE_BYTES} bytes", hint="write it in parts")
-    budget.check(size)
-
-
-def _capped(request: Request, cap: int, budget: UploadBudget) -> Request:
-    """``request`` whose body is refused (``PayloadTooLarge``) past ``cap`` bytes, and past
-    the server's upload budget: a multipart form is spooled on the host before its files
-    are written, so it is bounded whole and counted with every other upload in flight."""
-    seen = 0
-    receive = request.receive
-
-    async def counted() -> Message:
-        nonlocal seen
-        message = await receive()
-        seen += len(message.get("body", b""))
-        if seen > cap:
-            raise PayloadTooLarge(f"upload over {cap} bytes", hint="upload large files one at a time as "
-                                                                   "application/octet-stream (write them in parts)")
-        budget.check(seen)
-        return message
-
-    return Request(request.scope, counted)
-
-
 async def _multipart(call: Call, request: Request) -> Response:
-    scratch = call.ctx.config.paths.transfers
-    scratch.mkdir(mode=0o700, parents=True, exist_ok=True)
-    with call.ctx.uploads.open(scratch, what="file") as budget:
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit():
-            _check_body(int(declared), budget)  # refused before a byte is read
-        return await _multipart_within(call, _capped(request, MAX_MULTIPART, budget))
+    """A multipart form is spooled by Starlette before its files are written: the body is
+    bounded whole (``MAX_MULTIPART``) and counted with every other upload in flight."""
+    with receiving(call.ctx.uploads, request, call.ctx.config.paths.transfers, limit=MAX_MULTIPART,
+                   hint=MULTIPART_HINT) as budget:
+        return await _multipart_within(call, counted(request, budget))
 
 
 async def _multipart_within(call: Call, request: Request) -> Response:
