@@ -170,11 +170,15 @@ async def _no_app(scope: Scope, receive: Receive, send: Send) -> None:
 
 
 async def refuse(scope: Scope, send: Send, status: int, message: str) -> None:
-    """Answer ``status`` with E2B's error body (``{"code", "message"}``); a websocket is closed."""
-    if scope["type"] == "websocket":
+    """Answer ``status`` with E2B's error body (``{"code", "message"}``); a websocket too when
+    the ASGI server can answer its handshake so (``websocket.http.response``), else it is
+    closed (1008, which a client sees as 403)."""
+    http = scope["type"] == "http"
+    if not http and "websocket.http.response" not in (scope.get("extensions") or {}):
         await send({"type": "websocket.close", "code": 1008, "reason": message[:120]})
         return
     body = json.dumps({"code": status, "message": message}).encode()
-    await send({"type": "http.response.start", "status": status,
+    prefix = "http" if http else "websocket.http"
+    await send({"type": f"{prefix}.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
+    await send({"type": f"{prefix}.response.body", "body": body})

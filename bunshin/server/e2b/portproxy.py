@@ -6,7 +6,9 @@ workspace's own network namespace (``Workspace.connect_port``), one connection p
 (``Connection: close``), framed both ways by ``h11``; bodies stream through in pieces.
 The request must carry the sandbox's traffic token (``E2B-Traffic-Access-Token``) or its
 envd access token (``X-Access-Token``): a sandbox's ports are not open to whoever knows its id.
-Websockets are refused (close 1008).
+A websocket (an ASGI ``websocket`` scope: uvicorn took the ``Upgrade: websocket``) is relayed by
+:mod:`.wsproxy` over the same kind of connection, counted as one forwarded request while it is
+open. Other upgrades (``h2c``...) go on as plain HTTP/1.1, the ``Upgrade`` header dropped.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from ...errors import BunshinError, NotFound, Unreachable
 from ..context import ServerContext
+from . import wsproxy
 from .hosts import refuse, register_other_ports, target, traffic_ok
 
 #: Headers that belong to one hop (RFC 9110 7.6.1) and are not sent on either way.
@@ -30,8 +33,8 @@ HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te", b"tra
 READ = 1 << 16
 #: Seconds to wait for the server inside to answer at all.
 CONNECT_TIMEOUT_S = 5.0
-#: Requests one sandbox may have forwarded at once (each holds two of the server's
-#: descriptors, and its connect a thread of the shared pool).
+#: Requests one sandbox may have forwarded at once, an open websocket one of them (each holds
+#: two of the server's descriptors, and its connect a thread of the shared pool).
 MAX_OPEN = 128
 
 
@@ -48,9 +51,6 @@ class PortProxy:
             await refuse(scope, send, 401, f"missing or wrong access token for sandbox {t.sandbox_id}: send its "
                                            "trafficAccessToken as E2B-Traffic-Access-Token (or its "
                                            "envdAccessToken as X-Access-Token)")
-            return
-        if scope["type"] == "websocket":
-            await refuse(scope, send, 400, "websockets to a sandbox port are not forwarded")
             return
         n = self._open.get(t.sandbox_id, 0)
         if n >= MAX_OPEN:
@@ -78,6 +78,9 @@ class PortProxy:
             return
         except BunshinError as e:
             await refuse(scope, send, 502, f"The sandbox {t.sandbox_id} cannot be reached: {e.message}")
+            return
+        if scope["type"] == "websocket":
+            await wsproxy.relay(scope, receive, send, sock, t.port)
             return
         reader, writer = await asyncio.open_connection(sock=sock)
         try:
