@@ -38,7 +38,7 @@ OffsetQ = Annotated[int, Query(ge=0, lt=1 << 62, description="where in the file 
 LengthQ = Annotated[int | None, Query(ge=0, le=MAX_FILE_BYTES, description="bytes at most (default: to the end)")]
 
 
-@dataclass
+@dataclass(eq=False)  # one per server: compared and hashed as itself (keys of per-server state)
 class ServerContext:
     config: Config
     token: str

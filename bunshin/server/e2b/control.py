@@ -30,8 +30,9 @@ from ...runtime.net.policy import NetworkMode
 from ...workspace import Snapshot, Workspace
 from ..context import CallerGone, ServerContext
 from ..idempotency import IdemKey
+from . import control_logs, control_templates
 from . import control_out as out
-from . import control_templates
+from .sandbox_logs import logs_of
 from .sandboxes import DEFAULT_TIMEOUT_S, Sandbox, Sandboxes, SandboxRecord, metadata_matches
 from .shapes import (
     ENVD_VERSION,
@@ -98,6 +99,7 @@ def router(ctx: ServerContext) -> APIRouter:
     r = APIRouter(route_class=E2BRoute, dependencies=[Depends(_authorized(ctx.token))], tags=["e2b"])
     sandboxes, templates, metrics = Sandboxes(ctx.config), Templates(ctx.config), out.Metrics()
     once = ctx.idempotency.run
+    logs = logs_of(ctx)
 
     def _remove_snapshot(snap_id: str) -> None:
         try:
@@ -140,6 +142,8 @@ def router(ctx: ServerContext) -> APIRouter:
             rec = SandboxRecord(made[0].id, template_id, time.time(), timeout, req.metadata or {},
                                 req.env_vars or {}, True if internet else req.allow_internet_access)
             sandboxes.put(rec)
+            logs.info(rec.id, f"sandbox created from template {template_id} (timeout {timeout} s)", event="created",
+                      templateID=template_id)
             return out.created(ctx, request, rec)
         return once(key, "POST", request.url.path, req, 201, go)
 
@@ -223,6 +227,7 @@ def router(ctx: ServerContext) -> APIRouter:
                 _remove_snapshot(sb.record.snapshot)
             sandboxes.drop(sandbox_id)
             metrics.forget(sandbox_id)
+            logs.info(sandbox_id, "sandbox killed", event="killed")
         return Response(status_code=204)
 
     @r.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
@@ -232,6 +237,7 @@ def router(ctx: ServerContext) -> APIRouter:
             if sb.info is not None:
                 ctx.leases.grant([sandbox_id], req.timeout)
             sandboxes.put(_with(sb.record, timeout=req.timeout))
+            logs.info(sandbox_id, f"timeout set to {req.timeout} s", event="timeout", timeout=req.timeout)
         return Response(status_code=204)
 
     @r.post("/sandboxes/{sandbox_id}/refreshes", status_code=204)
@@ -245,6 +251,7 @@ def router(ctx: ServerContext) -> APIRouter:
         lease = ctx.leases.get(sandbox_id)
         if lease is None or lease.expires_at < time.time() + timeout:
             ctx.leases.grant([sandbox_id], timeout)
+            logs.info(sandbox_id, f"timeout extended to {timeout} s from now", event="timeout", timeout=timeout)
 
     # --- pause, connect, resume ---------------------------------------------------------
 
@@ -265,6 +272,7 @@ def router(ctx: ServerContext) -> APIRouter:
             ctx.locks.drop(ws)
             ctx.leases.drop(sandbox_id)
             metrics.forget(sandbox_id)
+            logs.info(sandbox_id, f"sandbox paused (snapshot {snap.id})", event="paused", snapshotID=snap.id)
         return Response(status_code=204)
 
     def resume(sandbox_id: str, timeout: int | None, request: Request) -> tuple[int, dict[str, Any]]:
@@ -282,6 +290,7 @@ def router(ctx: ServerContext) -> APIRouter:
             ctx.made(request, made, ttl)  # a caller gone: removed again, still paused
             rec = sandboxes.resumed(sb.record, ttl)
             snap.remove()  # its files stay while the workspace stacks on them
+            logs.info(sandbox_id, f"sandbox resumed (timeout {ttl} s)", event="resumed")
             return 201, out.created(ctx, request, rec)
 
     def _no_reboot(memory: bool | None) -> None:
@@ -331,10 +340,15 @@ def router(ctx: ServerContext) -> APIRouter:
             now = time.time()
             recs = [_with(sb.record, id=c.id, started_at=now, timeout=ttl) for c in clones]
             sandboxes.put(*recs)
+            for rec in recs:
+                logs.info(rec.id, f"sandbox forked from {sandbox_id}", event="forked", sourceID=sandbox_id)
+            logs.info(sandbox_id, f"sandbox forked into {len(recs)}: {', '.join(r.id for r in recs)}", event="fork",
+                      count=len(recs))
             return [{"sandbox": out.created(ctx, request, rec)} for rec in recs]
         return once(key, "POST", request.url.path, req, 201, go)
 
     control_templates.routes(r, ctx, sandboxes, templates, running)
+    control_logs.routes(r, ctx, sandboxes)
     return r
 
 

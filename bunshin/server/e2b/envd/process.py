@@ -28,6 +28,7 @@ from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
 
 from ....errors import BunshinError, PathNotFound
+from ..sandbox_logs import Level, logs_of
 from . import procs
 from .gen.process import process_pb2 as pb
 from .rpc import FOLLOWING, Call, service_app
@@ -159,13 +160,18 @@ async def _follow(call: Call, folder: str, pid: int, ctx: RequestContext, event:
                 last = heard = time.monotonic()
         status = procs.status_of(sizes)
         if status is not None:
-            yield event(event=pb.ProcessEvent(end=_end(status)))
+            end = _end(status)
+            yield event(event=pb.ProcessEvent(end=end))
             if owned:  # after the answer: nobody waits for it
+                _log(call, Level.INFO if status == 0 else Level.WARN, f"process {pid} ended: {end.status}",
+                     event="process.end", pid=pid, status=end.status)
                 _later(procs.run(call, procs.remove, call, folder, pid))
             return
         now = time.monotonic()
         if deadline is not None and now > deadline:
             if owned:
+                _log(call, Level.WARN, f"process {pid} killed: it ran past its timeout", event="process.timeout",
+                     pid=pid)
                 with contextlib.suppress(BunshinError):
                     await procs.run(call, call.ws.commands.kill, pid, signal.SIGKILL, group=True)
                     await procs.run(call, procs.remove, call, folder, pid)
@@ -180,6 +186,11 @@ async def _follow(call: Call, folder: str, pid: int, ctx: RequestContext, event:
         with contextlib.suppress(BunshinError):
             await procs.run(call, call.ws.commands.kill, pid, signal.SIGKILL, group=True)
             await procs.run(call, procs.remove, call, folder, pid)
+
+
+def _log(call: Call, level: Level, message: str, **fields: object) -> None:
+    """An entry in the sandbox's logs (E2B's ``/sandboxes/{id}/logs``)."""
+    logs_of(call.ctx).record(call.ws.id, level, message, **fields)
 
 
 def _end(code: int) -> Any:
@@ -198,6 +209,8 @@ async def start(req: Any, call: Call, ctx: RequestContext) -> AsyncIterator[Any]
     with FOLLOWING.held(call.ws.id):  # refused before the command starts
         folder = await procs.run(call, procs.start, call, spec)
         pid = await _wait_pid(call, folder, deadline)
+        _log(call, Level.INFO, f"process {pid} started: {' '.join([spec.cmd, *spec.args])}", event="process.start",
+             pid=pid, cmd=spec.cmd, tag=spec.tag or "", pty=spec.pty is not None)
         yield pb.StartResponse(event=pb.ProcessEvent(start=pb.ProcessEvent.StartEvent(pid=pid)))
         async for e in follow(call, folder, pid, ctx, pb.StartResponse, offsets={"out": 0, "err": 0}, owned=True,
                               pty=spec.pty is not None):
@@ -240,6 +253,7 @@ async def send_signal(req: Any, call: Call, ctx: RequestContext) -> Any:
         raise ConnectError(Code.INVALID_ARGUMENT, "signal must be SIGTERM or SIGKILL")
     await procs.run(call, procs.folder_of, call, pid)  # only the commands envd started
     await procs.run(call, call.ws.commands.kill, pid, sig, group=True)
+    _log(call, Level.INFO, f"process {pid} sent {sig.name}", event="process.signal", pid=pid, signal=sig.name)
     return pb.SendSignalResponse()
 
 
