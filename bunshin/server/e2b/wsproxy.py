@@ -70,9 +70,10 @@ async def relay(scope: Scope, receive: Receive, send: Send, sock: socket.socket,
         if inside is None:
             return
         try:
-            await send({"type": "websocket.accept", "subprotocol": inside.subprotocol,
-                        "headers": _back(inside.response.headers.raw_items() if inside.response else [])})
-            await _pump(receive, send, inside)
+            with contextlib.suppress(OSError):  # a client gone meanwhile: nothing to relay
+                await send({"type": "websocket.accept", "subprotocol": inside.subprotocol,
+                            "headers": _back(inside.response.headers.raw_items() if inside.response else [])})
+                await _pump(receive, send, inside)
         finally:
             await inside.close(GOING_AWAY)
             inside.transport.abort()
@@ -121,11 +122,14 @@ def _back(headers: Any) -> list[tuple[bytes, bytes]]:
 
 
 async def _pump(receive: Receive, send: Send, inside: ClientConnection) -> None:
-    """Messages both ways until one side ends; the other is then stopped."""
+    """Messages both ways until one side ends. A client that leaves stops the relay at once;
+    a sandbox side that ends lets its close reach the client first (bounded)."""
     up = asyncio.ensure_future(_up(receive, inside))
     down = asyncio.ensure_future(_down(send, inside))
     try:
         await asyncio.wait((up, down), return_when=asyncio.FIRST_COMPLETED)
+        if up.done() and not up.cancelled() and isinstance(up.exception(), ConnectionClosed):
+            await asyncio.wait((down,), timeout=CLOSE_TIMEOUT_S)  # the inside went while a message went in
     finally:
         for task in (up, down):
             task.cancel()

@@ -122,6 +122,13 @@ def test_messages_both_ways_text_and_binary(rig) -> None:
         with pytest.raises(ConnectionClosed):
             ws.recv(timeout=10)
         assert ws.close_code == 4001 and ws.close_reason == "asked to"
+    with _ws(url, sbx) as ws:  # and the client's goes in
+        ws.close(4002, "client done")
+    with _ws(url, sbx) as ws:  # the close inside follows the client's own: looked for, within a bound
+        deadline = time.monotonic() + 10
+        while _count(ws)["last_close"] != [4002, "client done"]:
+            assert time.monotonic() < deadline, _count(ws)
+            time.sleep(0.05)
 
 
 def test_the_token_is_checked(rig) -> None:

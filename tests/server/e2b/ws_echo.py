@@ -1,6 +1,6 @@
 """A websocket echo server run INSIDE a sandbox by test_wsproxy.py (its ``websockets`` package
 is copied in): echoes text as text and bytes as bytes; ``count?`` answers how many
-connections are open and what the handshake carried; ``close <code>`` closes with that code;
+connections are open, what the handshake carried and how the last one closed; ``close <code>`` closes with that code;
 the path ``/forbidden`` is refused with 403."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from http import HTTPStatus
 from websockets.asyncio.server import ServerConnection, serve
 
 open_now = 0
+last_close: list[object] = []  # the close code and reason of the connection that ended last
 
 
 async def handler(ws: ServerConnection) -> None:
@@ -24,13 +25,15 @@ async def handler(ws: ServerConnection) -> None:
                 h = ws.request.headers if ws.request else {}
                 await ws.send(json.dumps({"open": open_now, "subprotocol": ws.subprotocol,
                                           "path": ws.request.path if ws.request else None,
-                                          "cookie": h.get("Cookie"), "token": h.get("E2B-Traffic-Access-Token")}))
+                                          "cookie": h.get("Cookie"), "token": h.get("E2B-Traffic-Access-Token"),
+                                          "last_close": last_close}))
             elif isinstance(msg, str) and msg.startswith("close "):
                 await ws.close(int(msg.split()[1]), "asked to")
             else:
                 await ws.send(msg)
     finally:
         open_now -= 1
+        last_close[:] = [ws.close_code, ws.close_reason]
 
 
 def refuse(ws: ServerConnection, request):  # noqa: ANN001, ANN201
