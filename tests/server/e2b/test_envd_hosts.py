@@ -1,7 +1,7 @@
 """Host-name mode over TLS: ``bunshin serve --tls-cert/--tls-key --e2b-domain`` and the
 unmodified e2b SDK reaching envd at ``https://49983-<id>.<domain>`` and a port inside at
-``get_host(port)``, with a CA and a wildcard certificate the test makes. The names resolve
-through an /etc/hosts of the test's own, bind-mounted in a private mount namespace of the
+``get_host(port)`` (HTTPS, and a websocket over wss), with a CA and a wildcard certificate
+the test makes. The names resolve through an /etc/hosts of the test's own, bind-mounted in a private mount namespace of the
 client's process: the host's /etc/hosts and DNS are never touched. All on loopback."""
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def test_hostname_mode_over_tls(cfg, tmp_path: Path) -> None:
         assert made.status_code == 201, made.text
         sid = made.json()[0]["id"]
         hosts = tmp_path / "hosts"
-        hosts.write_text(f"127.0.0.1 localhost\n127.0.0.1 api.{DOMAIN} 49983-{sid}.{DOMAIN} 8123-{sid}.{DOMAIN}\n")
+        hosts.write_text(f"127.0.0.1 localhost\n127.0.0.1 api.{DOMAIN} 49983-{sid}.{DOMAIN} 8123-{sid}.{DOMAIN} 8124-{sid}.{DOMAIN}\n")
         script = 'mount --bind "$1" /etc/hosts && shift && exec "$@"'
         client_env = {**env, "E2B_API_KEY": token, "SSL_CERT_FILE": str(ca), "E2B_DEBUG": ""}
         run = subprocess.run(
@@ -107,4 +107,5 @@ def test_hostname_mode_over_tls(cfg, tmp_path: Path) -> None:
     assert out["host"].startswith("8123-ws-")
     assert out["proxied"] == [200, "port inside"]
     assert out["no_token"] == 401
+    assert out["wss"] == ["over wss", [0, 255]]
     assert "e2b.test" not in Path("/etc/hosts").read_text()  # the host's own was never touched

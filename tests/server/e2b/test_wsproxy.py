@@ -7,14 +7,11 @@ frees its slot and closes the connection inside; a sandbox killed mid-stream clo
 
 from __future__ import annotations
 
-import io
 import json
 import socket
-import tarfile
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,28 +29,11 @@ from bunshin.server.thread import serve_in_thread  # noqa: E402
 from tests.conftest import leftovers  # noqa: E402
 
 from .envd_fixtures import drop_everything  # noqa: E402
+from .ws_inside import start_echo  # noqa: E402
 
 pytestmark = pytest.mark.integration
 TOKEN = "test-token-wsproxy-0123456789"
 PORT = 8765
-ECHO = Path(__file__).with_name("ws_echo.py")
-
-
-def _websockets_tar() -> bytes:
-    """The ``websockets`` package of this interpreter, to import inside the sandbox (same
-    CPython, same machine)."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        tar.add(Path(websockets.__file__).parent, arcname="websockets",
-                filter=lambda t: None if "__pycache__" in t.name else t)
-    return buf.getvalue()
-
-
-def _echo_server(sbx: Sandbox) -> Any:
-    sbx.files.write("/opt/wslib/ws.tar", _websockets_tar())
-    sbx.files.write("/opt/ws_echo.py", ECHO.read_text())
-    sbx.commands.run("tar -xf /opt/wslib/ws.tar -C /opt/wslib")
-    return sbx.commands.run(f"PYTHONPATH=/opt/wslib exec python3 /opt/ws_echo.py {PORT}", background=True)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +42,7 @@ def rig(cfg: Config) -> Iterator[tuple[str, Sandbox]]:
     with serve_in_thread(cfg, TOKEN) as url:
         sbx = Sandbox.create(api_url=url, sandbox_url=url, api_key=TOKEN, timeout=300)
         try:
-            _echo_server(sbx)
+            start_echo(sbx, PORT)
             deadline = time.monotonic() + 20
             while True:  # until the server inside listens
                 try:
