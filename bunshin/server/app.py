@@ -51,6 +51,7 @@ from .e2b import hosts
 from .e2b import portproxy as _portproxy  # noqa: F401  # registers get_host's proxy for the other ports
 from .e2b.envd import app as _envd  # noqa: F401  # registers envd on port 49983 of every sandbox
 from .e2b.interpreter import app as _interpreter  # noqa: F401  # registers the code interpreter on port 49999
+from .e2b.sandbox_logs import timed_out
 from .leases import SWEEP_EVERY_S
 
 log = logging.getLogger("bunshin.server")
@@ -73,7 +74,9 @@ async def _sweep_leases(ctx: ServerContext) -> None:
     """Remove workspaces whose lease ran out, about once a second, for the server's life."""
     while True:
         try:
-            await anyio.to_thread.run_sync(ctx.leases.sweep)
+            ended = await anyio.to_thread.run_sync(ctx.leases.sweep)
+            if ended:
+                await anyio.to_thread.run_sync(timed_out, ctx, ended)
             await anyio.to_thread.run_sync(ctx.snapshot_leases.sweep)
         except Exception as e:  # a bad sweep must not end the sweeping
             log.warning("sweeping workspace leases failed: %s", e)

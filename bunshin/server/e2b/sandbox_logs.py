@@ -2,7 +2,7 @@
 show them: what the server did to it and in it.
 
 The server records each sandbox's lifecycle (created from a template, forked from another or
-into others, paused, resumed, timeout set, killed) and envd's processes (started, ended
+into others, paused, resumed, timeout set, killed, removed when its timeout ran out) and envd's processes (started, ended
 with their status or a signal, signalled, killed at their timeout) as structured entries:
 a time, a level (``debug`` < ``info`` < ``warn`` < ``error``), a message and string fields.
 They are kept in the server's memory, a ring per sandbox: at most :data:`MAX_ENTRIES`
@@ -159,3 +159,13 @@ def logs_of(ctx: ServerContext) -> SandboxLogs:
         if logs is None:
             logs = _BY_SERVER[ctx] = SandboxLogs()
         return logs
+
+
+def timed_out(ctx: ServerContext, ws_ids: list[str]) -> None:
+    """Note in their logs that the sandboxes among ``ws_ids`` (workspaces the lease sweep
+    found expired) were removed: those with logs and no lease left (a failed removal keeps
+    its lease and is tried again)."""
+    logs = logs_of(ctx)
+    for ws_id in ws_ids:
+        if logs.has(ws_id) and ctx.leases.get(ws_id) is None:
+            logs.info(ws_id, "sandbox killed: its timeout ran out", event="expired")

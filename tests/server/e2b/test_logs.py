@@ -6,6 +6,7 @@ directions, bad input, a wrong key, a sandbox that is not there; the rings' boun
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -87,6 +88,17 @@ def test_a_sandboxs_life_in_its_logs(lived) -> None:
     forked = _v2(url, fork_id)  # killed: its logs stay readable
     assert _events(forked) == ["forked", "killed"]
     assert forked.logs[0].fields["sourceID"] == sid
+
+
+def test_a_sandbox_whose_timeout_runs_out(lived) -> None:
+    url = lived[0]
+    sb = Sandbox.create(timeout=1, api_url=url, sandbox_url=url, api_key=TOKEN)
+    deadline = time.monotonic() + 15
+    while "expired" not in (events := _events(_v2(url, sb.sandbox_id))):  # the server sweeps once a second
+        assert time.monotonic() < deadline, events
+        time.sleep(0.1)
+    assert events == ["created", "expired"]
+    assert not sb.is_running()
 
 
 def test_filters_and_pages(lived) -> None:
