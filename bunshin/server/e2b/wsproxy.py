@@ -14,8 +14,9 @@ coming down: a sandbox killed mid-stream closes its client with 1014).
 
 Bounds: a message at most :data:`MAX_MESSAGE` bytes each way (uvicorn's ``ws_max_size``
 default going up, the inside client's ``max_size`` coming down; larger closes with 1009);
-each side holds a few messages at most, a reader waits for the other side to take them
-(backpressure); each hop pings its peer every 20 s and drops it after 20 s without an
+the server holds about five messages of a websocket at most (uvicorn's one queued and the
+one being sent in; :data:`MAX_QUEUE` frames queued coming out and the one being sent on),
+and stops reading a side until the other has taken them (backpressure); each hop pings its peer every 20 s and drops it after 20 s without an
 answer, so a vanished client or sandbox ends both within ~40 s; a socket open counts as
 one of the sandbox's forwarded connections (``portproxy.MAX_OPEN``) until both are closed.
 No thread is held while a websocket is open.
@@ -37,7 +38,7 @@ from .hosts import refuse
 #: Largest message either way (bytes; uvicorn's ``ws_max_size`` default, the client's side).
 MAX_MESSAGE = 16 << 20
 #: Messages the inside hop holds before its reader waits for the client to take them.
-MAX_QUEUE = 4
+MAX_QUEUE = 2
 #: Seconds: the handshake inside, and a closing handshake's wait before the socket goes.
 OPEN_TIMEOUT_S = 5.0
 CLOSE_TIMEOUT_S = 2.0
