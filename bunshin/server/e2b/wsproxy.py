@@ -153,14 +153,23 @@ async def _up(receive: Receive, inside: ClientConnection) -> None:
 
 
 async def _down(send: Send, inside: ClientConnection) -> None:
-    """Sandbox to client; the inside's close (its code, or 1014 when it just ended) goes on."""
-    with contextlib.suppress(ConnectionClosed):
+    """Sandbox to client; then the inside's close goes on: the code the server inside sent,
+    else the one this side failed the connection with (1009 for a message too large), else
+    1014 (it just ended)."""
+    closed: ConnectionClosed | None = None
+    try:
         async for data in inside:
             if isinstance(data, str):
                 await send({"type": "websocket.send", "text": data})
             else:
                 await send({"type": "websocket.send", "bytes": data})
-    code, reason = inside.close_code or 1006, inside.close_reason or ""
+    except ConnectionClosed as e:
+        closed = e
+    frame = (closed.rcvd or closed.sent) if closed is not None else None
+    if frame is not None:
+        code, reason = frame.code, frame.reason
+    else:
+        code, reason = inside.close_code or 1006, inside.close_reason or ""
     if not sendable(code):
         code, reason = (1000, "") if code == 1005 else (BAD_GATEWAY, "the connection inside the sandbox ended")
     await send({"type": "websocket.close", "code": code, "reason": reason[:120]})

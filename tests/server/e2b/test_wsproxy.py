@@ -111,6 +111,22 @@ def test_messages_both_ways_text_and_binary(rig) -> None:
             time.sleep(0.05)
 
 
+def test_a_message_too_large_either_way_closes_with_1009(rig) -> None:
+    url, sbx = rig
+    with _ws(url, sbx, max_size=None) as ws:
+        ws.send(f"big {wsproxy.MAX_MESSAGE}")  # the largest passes
+        assert len(ws.recv(timeout=30)) == wsproxy.MAX_MESSAGE
+        ws.send(f"big {wsproxy.MAX_MESSAGE + 1}")
+        with pytest.raises(ConnectionClosed):
+            ws.recv(timeout=30)
+        assert ws.close_code == 1009
+    with _ws(url, sbx) as ws:
+        ws.send(b"\0" * (wsproxy.MAX_MESSAGE + 1))
+        with pytest.raises(ConnectionClosed):
+            ws.recv(timeout=30)
+        assert ws.close_code == 1009
+
+
 def test_the_token_is_checked(rig) -> None:
     url, sbx = rig
     for token in (None, "wrong", traffic_access_token(TOKEN, "ws-000000000000")):

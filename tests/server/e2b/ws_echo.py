@@ -1,6 +1,6 @@
 """A websocket echo server run INSIDE a sandbox by test_wsproxy.py (its ``websockets`` package
 is copied in): echoes text as text and bytes as bytes; ``count?`` answers how many
-connections are open, what the handshake carried and how the last one closed; ``close <code>`` closes with that code;
+connections are open, what the handshake carried and how the last one closed; ``big <n>`` sends n bytes; ``close <code>`` closes with that code;
 the path ``/forbidden`` is refused with 403."""
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ async def handler(ws: ServerConnection) -> None:
                                           "path": ws.request.path if ws.request else None,
                                           "cookie": h.get("Cookie"), "token": h.get("E2B-Traffic-Access-Token"),
                                           "last_close": last_close}))
+            elif isinstance(msg, str) and msg.startswith("big "):
+                await ws.send(b"\0" * int(msg.split()[1]))
             elif isinstance(msg, str) and msg.startswith("close "):
                 await ws.close(int(msg.split()[1]), "asked to")
             else:
