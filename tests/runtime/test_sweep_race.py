@@ -43,3 +43,35 @@ def test_snapshot_created_while_sweeping_survives(tmp_path, monkeypatch):
         rsnap_sweeping._sweep_orphans(cfg, store)
         assert (cfg.tmpfs / "snapshots" / "snap-new" / "images").is_dir(), "a snapshot being taken was deleted"
         assert not stray.exists(), "a folder no record names must go"
+
+
+def test_a_clone_folder_made_while_sweeping_survives(tmp_path, monkeypatch):
+    """A restore records its clone, then makes the clone's images folder (``clone_images``);
+    a sweep that read the live workspaces just before must not take that folder for the
+    leftover of a dead restore (a fork once failed with ".clone-ws-...: No such file")."""
+    from bunshin.runtime.criu import clone_images
+
+    cfg = Config.for_home(tmp_path / "home", tmpfs=tmp_path / "tmpfs")
+    with Store.open(cfg.db_path) as store:
+        snap = _record(cfg, "snap-kept")
+        store.put_object(rsnap_lifetime.KIND, snap.id, snap.to_json())
+        images = cfg.tmpfs / "snapshots" / snap.id / "images"
+        (images / f"{clone_images.CLONE_PREFIX}ws-dead").mkdir(parents=True)
+        restoring = images / f"{clone_images.CLONE_PREFIX}ws-new"
+        real = store.list_workspaces
+        reads: list[int] = []
+
+        def live_then_a_restore_starts():
+            """The sweep's second read is the live workspaces': ws-new is recorded and its
+            folder made right after it (the first is ``held_layers``')."""
+            seen = real()
+            reads.append(1)
+            if len(reads) == 2:
+                restoring.mkdir()
+            return seen
+
+        monkeypatch.setattr(store, "list_workspaces", live_then_a_restore_starts)
+        freed = rsnap_sweeping._sweep_orphans(cfg, store)
+        assert restoring.is_dir(), "the images folder of a restore under way was deleted"
+        assert freed == [str(images / f"{clone_images.CLONE_PREFIX}ws-dead")]
+        assert not (images / f"{clone_images.CLONE_PREFIX}ws-dead").exists()

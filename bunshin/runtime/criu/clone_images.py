@@ -81,12 +81,20 @@ def drop(folder: Path, keep: Path | None = None) -> Path | None:
     return kept
 
 
-def sweep(images: Path, live: set[str]) -> list[str]:
-    """Remove the clone folders in ``images`` of clones not in ``live`` (a restore that died)."""
+def folders(images: Path) -> list[str]:
+    """The clone folders in ``images`` (each named ``CLONE_PREFIX`` + a clone's id)."""
+    with contextlib.suppress(OSError), os.scandir(images) as it:
+        return [e.name for e in it if e.name.startswith(CLONE_PREFIX)]
+    return []
+
+
+def sweep(images: Path, found: list[str], live: set[str]) -> list[str]:
+    """Remove the clone folders ``found`` in ``images`` (``folders``) of clones not in
+    ``live`` (a restore that died). ``found`` is listed before ``live`` is read: a clone's
+    record is written before its folder, so a restore under way is in ``live``."""
     out = []
-    with contextlib.suppress(OSError):
-        for e in os.scandir(images):
-            if e.name.startswith(CLONE_PREFIX) and e.name[len(CLONE_PREFIX):] not in live:
-                shutil.rmtree(e.path, ignore_errors=True)
-                out.append(e.path)
+    for name in found:
+        if name[len(CLONE_PREFIX):] not in live:
+            shutil.rmtree(images / name, ignore_errors=True)
+            out.append(str(images / name))
     return out

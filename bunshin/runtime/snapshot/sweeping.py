@@ -62,6 +62,7 @@ def _sweep_orphans(cfg: Config, store: Store) -> list[str]:
     named = {Path(p).name for p in held_layers(store)}
     named.update(Path(p).name for s in snaps for p in (s.layer, *s.lowers))
     ids = {s.id for s in snaps}
+    clone_dirs = [(Path(s.images), clone_images.folders(Path(s.images))) for s in snaps]  # before ``live``
     freed: list[str] = []
     for d in layer_dirs:
         if d.name not in named and d.name not in ids:
@@ -72,8 +73,8 @@ def _sweep_orphans(cfg: Config, store: Store) -> list[str]:
         if d.name not in ids:
             shutil.rmtree(d, ignore_errors=True)
             freed.append(str(d))
-    for snp in snaps:  # a clone's images folder its restore left (``clone_images``)
-        freed += clone_images.sweep(Path(snp.images), live)
+    for images, found in clone_dirs:  # a clone's images folder its restore left (``clone_images``)
+        freed += clone_images.sweep(images, found, live)
     tags = ids | named | (all_layers - {Path(f).name for f in freed})
     for f in mem_files:
         if memfile_tag(f.name) not in tags and not precopy.sweep_keeps(f, live):
