@@ -22,6 +22,11 @@ interruptible sleep or running, is not seen. The check reads each restored
 thread's ``stat`` once (its cost per task is in ``check``'s result); only a thread
 seen in ``D`` is read again (after 0.5 ms, then twice as long each time up to 10 ms) until it
 runs or ``HUNG_S`` passes.
+
+The clone's procfs is the clone's to arrange were it able to mount: it is read through
+:mod:`..kernel.procfs` (``proc`` opened with ``O_NOFOLLOW`` and kept only if it is procfs,
+every name under it opened beneath it following no symlink and crossing no mount, every read
+bounded); a clone whose ``proc`` is not its procfs fails the batch.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ from typing import Any
 
 from bunshin.errors import RuntimeFailure
 
+from ..kernel import procfs
+from ..kernel.procfs import open_at, read_at
 from ..memfile.criu_images import dumped_command as command
 from ..memfile.criu_images import load
 
@@ -207,49 +214,51 @@ def _request(op: int) -> bytes:
     return _NLMSG.pack(_NLMSG.size + len(cn), NLMSG_DONE, 0, 0, 0) + cn
 
 
-def _inside(root: int) -> dict[int, dict[int, str]] | None:
-    """Processes of the clone whose pid 1 is ``root`` (host pid): pid inside -> {tid: state
-    letter} of its threads (the leader's under its pid); None if the clone is gone. Read
-    relative to descriptors of the clone's procfs: a path through ``/proc/ROOT/root`` walks
-    that link again for each file (5x the time)."""
+def _clone_proc(clone: str, root: int) -> int | None:
+    """A descriptor of the procfs of the clone whose pid 1 is ``root`` (host pid), None if the
+    clone is gone; ``RuntimeFailure`` if its ``proc`` is a symlink or no procfs."""
     try:
-        proc = os.open(f"/proc/{root}/root/proc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        return procfs.open_proc(f"/proc/{root}/root")
+    except procfs.NotProcfs as e:
+        raise RuntimeFailure(f"clone {clone}: its processes cannot be checked after the restore: {e.strerror}",
+                             hint="the fork made no clones; the workspace's /proc was replaced: fork with "
+                                  "mode='copy', or remove the workspace") from None
     except OSError:
         return None
+
+
+def _inside(proc: int) -> dict[int, dict[int, str]]:
+    """Processes of the clone whose procfs is ``proc``: pid inside -> {tid: state letter} of
+    its threads (the leader's under its pid). Read relative to descriptors of the clone's
+    procfs: a path through ``/proc/ROOT/root`` walks that link again for each file (5x the time)."""
     out: dict[int, dict[int, str]] = {}
-    try:
-        for n in os.listdir(proc):
-            if n.isdigit():
-                states = _states(proc, n)
-                if states:
-                    out[int(n)] = states
-    finally:
-        os.close(proc)
+    for n in os.listdir(proc):
+        if n.isdigit():
+            states = _states(proc, n)
+            if states:
+                out[int(n)] = states
     return out
 
 
 def _states(proc: int, pid: str) -> dict[int, str]:
-    """{tid: state letter} of process ``pid``'s threads (what could be read of them)."""
+    """{tid: state letter} of process ``pid``'s threads (what could be read of them; the
+    ``task`` folder only of one with more threads than its leader, ``num_threads``)."""
     states: dict[int, str] = {}
     with contextlib.suppress(OSError, ValueError, IndexError):
-        states[int(pid)] = _state(_read_at(proc, f"{pid}/stat"))
-        task = os.open(f"{pid}/task", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=proc)
+        stat = read_at(proc, f"{pid}/stat")
+        after = stat[stat.rindex(b")") + 2:]
+        states[int(pid)] = chr(after[0])
+        if after.split(maxsplit=18)[17] == b"1":  # num_threads (field 20): the leader alone
+            return states
+        task = open_at(proc, f"{pid}/task", directory=True)
         try:
             for t in os.listdir(task):
                 if t != pid:
                     with contextlib.suppress(OSError, ValueError, IndexError):
-                        states[int(t)] = _state(_read_at(task, f"{t}/stat"))
+                        states[int(t)] = _state(read_at(task, f"{t}/stat"))
         finally:
             os.close(task)
     return states
-
-
-def _read_at(folder: int, name: str) -> bytes:
-    fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=folder)
-    try:
-        return os.read(fd, 4096)
-    finally:
-        os.close(fd)
 
 
 def _state(stat: str | bytes) -> str:
@@ -258,21 +267,25 @@ def _state(stat: str | bytes) -> str:
     return stat[stat.rindex(")") + 2]
 
 
-def _ran(task: Path) -> str | None:
+def _text(proc: int, path: str) -> str:
+    return read_at(proc, path).decode(errors="replace")
+
+
+def _ran(proc: int, task: str) -> str | None:
     """What shows that a thread ran: its run time (``schedstat``), else its context switches."""
     with contextlib.suppress(OSError, IndexError):
-        return (task / "schedstat").read_text().split()[0]
+        return _text(proc, f"{task}/schedstat").split()[0]
     with contextlib.suppress(OSError):
-        return ",".join(line for line in (task / "status").read_text().splitlines() if "ctxt_switches" in line)
+        status = read_at(proc, f"{task}/status", 2 * procfs.MAX_READ).decode(errors="replace")
+        return ",".join(line for line in status.splitlines() if "ctxt_switches" in line)
     return None
 
 
-def _hung(root: int, waiting: list[tuple[int, int]]) -> dict[int, str]:
+def _hung(proc: int, waiting: list[tuple[int, int]]) -> dict[int, str]:
     """Of the threads (pid, tid) seen in D: those still in D that did not run for ``HUNG_S``
     (pid -> "thread TID in WCHAN")."""
-    proc = Path(f"/proc/{root}/root/proc")
-    task = {w: proc / str(w[0]) / "task" / str(w[1]) for w in waiting}
-    first = {w: _ran(t) for w, t in task.items()}
+    task = {w: f"{w[0]}/task/{w[1]}" for w in waiting}
+    first = {w: _ran(proc, t) for w, t in task.items()}
     end = time.monotonic() + HUNG_S
     left = set(waiting)
     nap = _FIRST_POLL_S  # most D sleeps right after a restore (a page read) end within it
@@ -281,23 +294,23 @@ def _hung(root: int, waiting: list[tuple[int, int]]) -> dict[int, str]:
         nap = min(nap * 2, _POLL_S)
         for w in list(left):
             try:
-                still = _state((task[w] / "stat").read_text()) == "D"
+                still = _state(read_at(proc, f"{task[w]}/stat")) == "D"
             except (OSError, IndexError):
                 still = False
-            if not still or _ran(task[w]) != first[w]:
+            if not still or _ran(proc, task[w]) != first[w]:
                 left.discard(w)
     out: dict[int, str] = {}
     for pid, tid in sorted(left):
         wchan = ""
         with contextlib.suppress(OSError):
-            wchan = (task[(pid, tid)] / "wchan").read_text().strip()
+            wchan = _text(proc, f"{task[(pid, tid)]}/wchan").strip()
         out.setdefault(pid, f"thread {tid} in uninterruptible sleep" + (f" ({wchan})" if wchan not in ("", "0") else ""))
     return out
 
 
-def _zombie_signal(root: int, pid: int) -> int | None:
+def _zombie_signal(proc: int, pid: int) -> int | None:
     with contextlib.suppress(OSError, IndexError, ValueError):
-        stat = Path(f"/proc/{root}/root/proc/{pid}/stat").read_text()
+        stat = _text(proc, f"{pid}/stat")
         status = int(stat[stat.rindex(")") + 2:].split()[49])  # exit_code, field 52
         return os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
     return None
@@ -314,8 +327,8 @@ def _odd(states: dict[int, str] | None) -> bool:
     return states is None or any(c in "ZTtD" for c in states.values())
 
 
-def _clone_dead(images: Path, entries: list[dict[str, Any]], clone: str, root: int, watch: Watch,
-                live: dict[int, dict[int, str]] | None) -> list[Dead]:
+def _clone_dead(images: Path, entries: list[dict[str, Any]], clone: str, root: int, proc: int | None,
+                watch: Watch, live: dict[int, dict[int, str]] | None) -> list[Dead]:
     odd = [e["pid"] for e in entries if live is None or _odd(live.get(e["pid"]))]
     out: list[Dead] = []
     signals: list[int] | None = None
@@ -333,14 +346,14 @@ def _clone_dead(images: Path, entries: list[dict[str, Any]], clone: str, root: i
             if dumped != TASK_STOPPED:
                 out.append(Dead(clone, pid, command(images, pid), None, stopped=True))
             continue
-        sig = _zombie_signal(root, pid) if state == "Z" else None
+        sig = _zombie_signal(proc, pid) if state == "Z" and proc is not None else None
         if sig is None:
             signals = watch.signals_under(root) if signals is None else signals
             sig = signals[0] if signals else None  # reaped already: what killed a process of the clone
         if sig is not None or live is None:  # an exit without a signal: the process may have finished
             out.append(Dead(clone, pid, command(images, pid), sig))
-    if waiting:
-        out += [Dead(clone, pid, command(images, pid), None, hung=what) for pid, what in _hung(root, waiting).items()]
+    if waiting and proc is not None:
+        out += [Dead(clone, pid, command(images, pid), None, hung=what) for pid, what in _hung(proc, waiting).items()]
     return out
 
 
@@ -355,9 +368,14 @@ def _dead(images: Path, clones: Sequence[tuple[str, int]], watch: Watch) -> tupl
     out: list[Dead] = []
     tasks = 0
     for clone, root in clones:
-        live = _inside(root)
-        tasks += sum(len(s) for s in live.values()) if live else 0
-        out += _clone_dead(images, entries, clone, root, watch, live)
+        proc = _clone_proc(clone, root)
+        try:
+            live = _inside(proc) if proc is not None else None
+            tasks += sum(len(s) for s in live.values()) if live else 0
+            out += _clone_dead(images, entries, clone, root, proc, watch, live)
+        finally:
+            if proc is not None:
+                os.close(proc)
     return out, tasks
 
 
