@@ -17,8 +17,12 @@ from bunshin.errors import RuntimeFailure
 from bunshin.runtime.criu import restore_check
 
 
-def test_a_descendant_killed_by_a_signal_and_reaped_is_seen_and_a_normal_exit_is_not():
-    watch = restore_check.Watch().start()
+@pytest.mark.parametrize("thread", [True, False], ids=["thread", "socket-buffer"])
+def test_a_descendant_killed_by_a_signal_and_reaped_is_seen_and_a_normal_exit_is_not(thread):
+    """With a thread collecting the events, and without one (one restore): the events wait
+    in the socket until the check reads them."""
+    watch = restore_check.Watch().start(thread=thread)
+    assert (watch._thread is not None) == thread
     try:
         # a child that forks a grandchild, which dies of SIGSEGV and is reaped at once, then exits 0
         code = ("import os, signal\n"
@@ -28,6 +32,7 @@ def test_a_descendant_killed_by_a_signal_and_reaped_is_seen_and_a_normal_exit_is
         child = subprocess.Popen([sys.executable, "-c", code])
         assert child.wait(timeout=30) == 0
         assert watch.signals_under(child.pid) == [signal.SIGSEGV]
+        assert watch.cpu_s > 0  # the thread's CPU, or the check's reading of the socket
         other = subprocess.Popen([sys.executable, "-c", "pass"])
         assert other.wait(timeout=30) == 0
         assert watch.signals_under(other.pid) == []

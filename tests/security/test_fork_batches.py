@@ -8,6 +8,7 @@ runs on.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from bunshin.errors import InvalidArgument, ResourceExhausted
@@ -153,3 +155,33 @@ def test_kill9_mid_restore_then_gc_leaves_nothing(no_leaks):
         assert [r.id for r in recs] == [ws.id], f"gc kept a clone of the killed fork: {recs}"
         assert snaps == []
         assert ws.is_alive() and ws.exec("echo alive").stdout == "alive\n"
+
+
+def test_sigint_during_a_restore_in_the_calling_thread_rolls_it_back_whole(no_leaks, monkeypatch):
+    """``restore(1)`` runs in the caller's thread: a Ctrl-C that lands while criu restores
+    waits for the clone to be whole, then rolls it back (KeyboardInterrupt, nothing left)."""
+    real, made = rsnap_restoring._restore_one, []
+
+    def interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # lands at once: Python's handler would raise here
+        made.append(real(*args, **kwargs))  # the real restore, whole
+        return made[-1]
+
+    handler = signal.getsignal(signal.SIGINT)
+    with Workspace.create("host", memory="256M", pids=64, config=no_leaks) as ws:
+        snap = ws.snapshot()
+        try:
+            monkeypatch.setattr(rsnap_restoring, "_restore_one", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                snap.restore(1)
+            monkeypatch.undo()
+            assert len(made) == 1 and made[0].state == WorkspaceState.RUNNING  # it was made, then rolled back
+            assert [r.id for r in _records(no_leaks)[0]] == [ws.id], "the interrupted restore left its clone"
+            with contextlib.suppress(psutil.NoSuchProcess):  # killed: gone, or a zombie until reaped
+                assert psutil.Process(made[0].pid).status() == psutil.STATUS_ZOMBIE
+            assert signal.getsignal(signal.SIGINT) is handler
+            (clone,) = snap.restore(1)  # the snapshot serves on
+            assert clone.exec("echo ok").stdout == "ok\n"
+            clone.remove()
+        finally:
+            snap.remove()

@@ -100,7 +100,11 @@ class _Events:
 
 
 class Watch:
-    """The host's fork and exit events, collected by a thread from ``start`` to ``close``."""
+    """The host's fork and exit events from ``start`` to ``close``: collected by a thread as
+    they come (a batch of restores takes long enough to fill the socket), or, for one
+    restore (``start(thread=False)``), left in the socket's buffer (``_RCVBUF``: some 10^4
+    events) until the check reads them; a thread all the same where that buffer could not
+    be had (``SO_RCVBUFFORCE`` needs ``CAP_NET_ADMIN``)."""
 
     def __init__(self) -> None:
         self.events = _Events()
@@ -112,21 +116,26 @@ class Watch:
         self._recv_lock = threading.Lock()
         self.cpu_s = 0.0
 
-    def start(self) -> Watch:
-        """Subscribe; without the connector (no permission, no kernel support) nothing is collected."""
+    def start(self, *, thread: bool = True) -> Watch:
+        """Subscribe; without the connector (no permission, no kernel support) nothing is
+        collected. ``thread=False``: no thread, the events wait in the socket (see the class)."""
         try:
             sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_CONNECTOR)
         except OSError:
             return self
         try:
-            with contextlib.suppress(OSError):
+            try:
                 sock.setsockopt(socket.SOL_SOCKET, 33, _RCVBUF)  # SO_RCVBUFFORCE
+            except OSError:
+                thread = True  # the default buffer (rmem_default) holds a few hundred events
             sock.bind((0, CN_IDX_PROC))
             sock.send(_request(PROC_CN_MCAST_LISTEN))
         except OSError:
             sock.close()
             return self
         self._sock = sock
+        if not thread:
+            return self
         self._wake = os.pipe()
         self._thread = threading.Thread(target=self._run, name="restore-check", daemon=True)
         self._thread.start()
@@ -145,6 +154,14 @@ class Watch:
 
     def _drain(self) -> None:
         """Take every event waiting on the socket (the thread's, and the check's before it reads)."""
+        t0 = time.thread_time()
+        try:
+            self._drain_socket()
+        finally:
+            if self._thread is None:  # no thread: the watch's cost is what the check spent here
+                self.cpu_s += time.thread_time() - t0
+
+    def _drain_socket(self) -> None:
         with self._recv_lock:
             while self._sock is not None:
                 try:

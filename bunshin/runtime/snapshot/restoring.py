@@ -9,11 +9,15 @@ all of them; ``check_batch`` refuses one that cannot fit before anything is made
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import signal
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from types import FrameType
 
 import psutil
 
@@ -60,7 +64,8 @@ def restore(cfg: Config, store: Store, snap: SnapshotRecord, n: int, *, keep_log
     caller removes it; ``bench restore-phases``).
 
     All or none also under ``KeyboardInterrupt`` (pending restores are cancelled, the
-    running ones awaited, every clone made is destroyed) and under ``kill -9``: each
+    running ones awaited, every clone made is destroyed; the one restore of ``n == 1``
+    runs in the calling thread, which takes a Ctrl-C when it is done) and under ``kill -9``: each
     clone keeps this process as its ``owner_pid`` until the whole batch is in, so gc
     treats the clones of a dead forker as unfinished.
     """
@@ -74,21 +79,33 @@ def restore(cfg: Config, store: Store, snap: SnapshotRecord, n: int, *, keep_log
     if snap.network == NetworkMode.EGRESS:  # every clone's slot and table made ahead, in one transaction
         given = given or [container.new_id() for _ in range(n)]
         net_slots = net.prepare_clones(cfg, store, given, Policy.from_dict(snap.net_policy or {}))
-    pool = ThreadPoolExecutor(max_workers=min(n, RESTORE_CONCURRENCY))
+    # n == 1 runs in this thread: a thread started per restore costs ~3 ms on a busy host
+    pool = ThreadPoolExecutor(max_workers=min(n, RESTORE_CONCURRENCY)) if n > 1 else None
     futures: list[Future[WorkspaceRecord]] = []
-    watch = restore_check.Watch().start()  # every restored process alive at the end, or the batch fails
+    made: list[WorkspaceRecord] = []  # what this thread restored
+    one = functools.partial(restore_boost.in_thread, _restore_one, cfg, store, snap, layout, keep_logs)
+
+    def into(i: int) -> tuple[str | None, Slot | None]:
+        return (given[i], net_slots.get(given[i])) if given else (None, None)
+
+    # every restored process alive at the end, or the batch fails
+    watch = restore_check.Watch().start(thread=pool is not None)
     try:
-        for i in range(n):  # one by one: an interrupt mid-way still sees every submitted future
-            futures.append(pool.submit(restore_boost.in_thread, _restore_one, cfg, store, snap, layout, keep_logs,
-                                       given[i] if given else None, net_slots.get(given[i]) if given else None))
-        done = [fut.result() for fut in futures]
+        if pool is None:
+            with _sigint_deferred():  # never cut midway: rolled back whole, as a pool's restore is awaited
+                made.append(one(*into(0)))
+        else:
+            for i in range(n):  # one by one: an interrupt mid-way still sees every submitted future
+                futures.append(pool.submit(one, *into(i)))
+        done = made + [fut.result() for fut in futures]
         checked = restore_check.check(Path(snap.images), [(r.id, r.pid or 0) for r in done], watch)
         with store.transaction():  # the batch is in: the clones are the caller's now
             done = [store.update_workspace(rec.id, _committed(checked)) or _committed(checked)(rec) for rec in done]
-        pool.shutdown()
+        if pool is not None:
+            pool.shutdown()
         return done
     except BaseException as exc:
-        _roll_back(cfg, store, pool, futures)
+        _roll_back(cfg, store, pool, futures, made)
         for ws_id in net_slots:  # those of clones never started
             net.disconnect(cfg, store, ws_id)
         limit = host_limits.explain_restore_failure(exc, n) if isinstance(exc, CriuError) else None
@@ -99,6 +116,26 @@ def restore(cfg: Config, store: Store, snap: SnapshotRecord, n: int, *, keep_log
         watch.close()
 
 
+@contextlib.contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """In the main thread: a SIGINT (Ctrl-C) that lands in the block takes effect at its end
+    (Python's handler then runs: ``KeyboardInterrupt``), so what the block makes is whole
+    when ``restore`` rolls it back, as a pool's restore is awaited. In any other thread
+    nothing: Python runs its signal handlers in the main thread only."""
+    handler = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(handler):
+        yield  # SIG_DFL or SIG_IGN: no Python code runs on it (SIG_DFL ends the process: gc's case)
+        return
+    got: list[FrameType | None] = []
+    signal.signal(signal.SIGINT, lambda _signum, frame: got.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        if got:
+            handler(signal.SIGINT, got[-1])
+
+
 def _committed(checked: restore_check.Checked) -> Callable[[WorkspaceRecord], WorkspaceRecord]:
     """A clone of a batch that is in: no owner, the batch's check cost in its ``extra``."""
     cost = {"restore_check_ms": round(checked.ms, 2), "restore_check_tasks": checked.tasks,
@@ -107,23 +144,23 @@ def _committed(checked: restore_check.Checked) -> Callable[[WorkspaceRecord], Wo
     return lambda rec: rec.replace(owner_pid=None, extra={**rec.extra, **cost})
 
 
-def _roll_back(cfg: Config, store: Store, pool: ThreadPoolExecutor, futures: Sequence[Future[WorkspaceRecord]]) -> None:
-    """Cancel what has not started, wait for what runs, destroy every clone made.
+def _roll_back(cfg: Config, store: Store, pool: ThreadPoolExecutor | None,
+               futures: Sequence[Future[WorkspaceRecord]], made: Sequence[WorkspaceRecord]) -> None:
+    """Cancel what has not started, wait for what runs, destroy every clone made (``made``:
+    those restored in the calling thread).
 
     A second Ctrl-C does not cut this short: the clones would be left running.
     """
     for fut in futures:
         fut.cancel()
-    while True:
+    while pool is not None:
         try:
             pool.shutdown(wait=True, cancel_futures=True)
             break
         except KeyboardInterrupt:
             continue
-    for fut in futures:
-        if fut.cancelled() or fut.exception() is not None:
-            continue
-        ws_id = fut.result().id
+    ids = [r.id for r in made] + [f.result().id for f in futures if not f.cancelled() and f.exception() is None]
+    for ws_id in ids:
         while True:
             try:
                 with contextlib.suppress(BunshinError):  # gone already
