@@ -7,6 +7,7 @@ folder in the unified hierarchy. Folders are named ``<prefix><workspace id>`` so
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import signal
@@ -36,7 +37,7 @@ class Hierarchy:
     mountpoint: Path
     own: Path  # path of our own cgroup, relative to the mountpoint, starting with '/'
 
-    @property
+    @functools.cached_property
     def base(self) -> Path:
         return self.mountpoint / self.own.relative_to("/")
 
@@ -50,9 +51,25 @@ class Layout:
 
     @classmethod
     def discover(cls) -> Layout:
-        """Read /proc/self/cgroup and mountinfo; prefer v1 when it holds the memory controller."""
+        """This process's layout, read once and kept (a restore asks each time: parsing
+        mountinfo cost ~1 ms of each). Read again when what it was read from changed:
+        ``/proc/self/cgroup`` (the process was moved) or the filesystem a hierarchy's mount
+        point holds (its ``st_dev``: unmounted, or another mounted over it)."""
+        global _discovered
+        with open("/proc/self/cgroup", "rb") as f:  # 4x faster than Path.read_text
+            own = f.read()
+        found = _discovered
+        if found is not None and found[0] == own and found[1] == _devices(found[2]):
+            return found[2]
+        layout = cls._read(own.decode())
+        _discovered = (own, _devices(layout), layout)
+        return layout
+
+    @classmethod
+    def _read(cls, own_text: str) -> Layout:
+        """Read /proc/self/cgroup (``own_text``) and mountinfo; prefer v1 when it holds the memory controller."""
         own: dict[str, str] = {}
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
+        for line in own_text.splitlines():
             _, ctrls, path = line.split(":", 2)
             own[ctrls] = path
         mounts = _cgroup_mounts()
@@ -88,6 +105,22 @@ class Layout:
                         out.append(Path(dirpath) / d)
                         dirnames.remove(d)
         return sorted(set(out))
+
+
+#: The layout ``Layout.discover`` read last: the /proc/self/cgroup text and the mount
+#: points' devices it was read with.
+_discovered: tuple[bytes, tuple[int | None, ...], Layout] | None = None
+
+
+def _devices(layout: Layout) -> tuple[int | None, ...]:
+    """The device of each hierarchy's mount point now (None: not there)."""
+    out: list[int | None] = []
+    for h in layout.hierarchies:
+        try:
+            out.append(os.stat(h.mountpoint).st_dev)
+        except OSError:
+            out.append(None)
+    return tuple(out)
 
 
 def _cgroup_mounts() -> dict[tuple[str, frozenset[str]], Path]:
