@@ -4,6 +4,10 @@ their own connections (as two bunshin processes have) never lose each other's up
 from __future__ import annotations
 
 import json
+import os
+import sqlite3
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -128,3 +132,62 @@ def test_a_transaction_rolls_back_and_nests(tmp_path):
             with store.transaction():
                 store.put_object("k", "b", "2")
         assert store.list_objects("k") == [("a", "1"), ("b", "2")]
+
+
+# --- connections kept for the next open --------------------------------------------------
+
+
+def test_a_kept_connection_is_reused_and_sees_other_processes_writes(tmp_path):
+    db = tmp_path / "state.db"
+    with Store.open(db) as store:
+        first = store._conn
+        store.put_object("t", "a", "1")
+    with Store.open(db) as store:
+        assert store._conn is first  # kept, not opened anew
+        # another process writes meanwhile: the kept connection reads it
+        code = ("import sys; from pathlib import Path; from bunshin.runtime.state.store import Store\n"
+                "with Store.open(Path(sys.argv[1])) as s: s.put_object('t', 'a', '2')\n")
+        subprocess.run([sys.executable, "-c", code, str(db)], check=True, timeout=60)
+        assert store.get_object("t", "a") == "2"
+    closed = Store.open(db)
+    closed.close()
+    with pytest.raises(sqlite3.ProgrammingError):  # a closed store stays closed, its connection kept elsewhere
+        closed.get_object("t", "a")
+
+
+def test_a_database_made_anew_at_the_path_gets_new_connections(tmp_path):
+    db = tmp_path / "state.db"
+    with Store.open(db) as store:
+        store.put_object("t", "a", "old")
+    for f in tmp_path.iterdir():  # the home removed and made again, as a test or a user does
+        f.unlink()
+    with Store.open(db) as store:
+        assert store.get_object("t", "a") is None  # the new file, not the removed one's kept connection
+        store.put_object("t", "a", "new")
+    with Store.open(db) as store:
+        assert store.get_object("t", "a") == "new"
+
+
+def test_a_forked_child_never_uses_the_parents_kept_connections(tmp_path):
+    db = tmp_path / "state.db"
+    with Store.open(db) as store:
+        store.put_object("t", "a", "1")
+        parents = store._conn
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: plain writes, then _exit
+        ok = 0
+        try:
+            with Store.open(db) as store:
+                ok = int(store._conn is not parents and store.get_object("t", "a") == "1")
+                store.put_object("t", "a", "child")
+        finally:
+            os.write(w, str(ok).encode())
+            os._exit(0)
+    os.close(w)
+    answer = os.read(r, 8)
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert answer == b"1"
+    with Store.open(db) as store:
+        assert store._conn is parents and store.get_object("t", "a") == "child"

@@ -2,6 +2,12 @@
 
 Every CLI invocation opens it anew, so records are the only memory bunshin has
 across processes. WAL mode and a busy timeout let concurrent invocations share it.
+A process keeps the connections it closed (a few per database file) and opens the
+next ``Store`` on one of them: a new connection's first statement maps the WAL index
+and reads the schema (~1 ms; a server's sandbox create opened six). A kept connection
+sees every other process's writes as a new one does (SQLite checks the WAL index at
+each statement); it is kept only for the same file (device and inode: a database
+removed and made anew at the path gets new connections), never in a forked child.
 A record is changed by reading it, changing it and writing it back inside one
 ``transaction`` (``update_workspace``, ``update_object``): ``BEGIN IMMEDIATE`` takes
 the database's write lock before the read, so two processes never interleave and
@@ -10,6 +16,7 @@ neither loses the other's change.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator
@@ -36,11 +43,66 @@ CREATE TABLE IF NOT EXISTS objects (
 """
 
 
+#: Closed connections kept per database file, at most.
+IDLE_PER_FILE = 4
+_FileKey = tuple[str, int, int]  # path, device, inode
+
+
+class _Idle:
+    """The connections this process closed, per database file, ready for the next ``open``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_file: dict[_FileKey, list[sqlite3.Connection]] = {}
+        self._inherited: list[sqlite3.Connection] = []  # a forked child's copies: never used, never closed
+
+    def take(self, key: _FileKey) -> sqlite3.Connection | None:
+        with self._lock:
+            stale = [k for k in self._by_file if k[0] == key[0] and k != key]  # that path's earlier file
+            old = [c for k in stale for c in self._by_file.pop(k)]
+            kept = self._by_file.get(key)
+            conn = kept.pop() if kept else None
+        for c in old:
+            c.close()
+        return conn
+
+    def give(self, key: _FileKey, conn: sqlite3.Connection) -> bool:
+        """Keep ``conn`` for ``key``'s next open; False if there are enough already."""
+        with self._lock:
+            kept = self._by_file.setdefault(key, [])
+            if len(kept) >= IDLE_PER_FILE:
+                return False
+            kept.append(conn)
+            return True
+
+    def forked(self) -> None:
+        """In a forked child: its copies of the parent's connections are the parent's (using
+        or closing one there could break the database); set aside, kept out of reach."""
+        self._inherited += [c for kept in self._by_file.values() for c in kept]
+        self._by_file = {}
+        self._lock = threading.Lock()
+
+
+_idle = _Idle()
+os.register_at_fork(after_in_child=_idle.forked)
+_CLOSED = sqlite3.connect(":memory:", check_same_thread=False)
+_CLOSED.close()  # a closed store's connection: any use raises, as on a closed connection
+
+
+def _file_key(path: Path) -> _FileKey | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (str(path), st.st_dev, st.st_ino)
+
+
 class Store:
     """The SQLite store. Open with :meth:`open`; use as a context manager or call close()."""
 
-    def __init__(self, conn: sqlite3.Connection) -> None:
+    def __init__(self, conn: sqlite3.Connection, key: _FileKey | None = None) -> None:
         self._conn = conn
+        self._key = key  # the file the connection is of: kept for it on close
         # The connection is shared by threads (a fork's restores): a transaction holds
         # it for its thread, so another thread's statements never land inside it.
         self._lock = threading.RLock()
@@ -48,15 +110,25 @@ class Store:
 
     @classmethod
     def open(cls, path: Path) -> Store:
+        key = _file_key(path)
+        conn = _idle.take(key) if key is not None else None
+        if conn is not None:
+            return cls(conn, key)
         path.parent.mkdir(parents=True, exist_ok=True)
         conn = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.executescript(_SCHEMA)
-        return cls(conn)
+        return cls(conn, _file_key(path))
 
     def close(self) -> None:
-        self._conn.close()
+        """Done with it: its connection is kept for this process's next ``open`` of the file
+        (closed if enough are kept, or a transaction is somehow still open)."""
+        conn, self._conn = self._conn, _CLOSED
+        if conn is _CLOSED:
+            return
+        if self._key is None or conn.in_transaction or not _idle.give(self._key, conn):
+            conn.close()
 
     def __enter__(self) -> Store:
         return self
