@@ -78,6 +78,8 @@ if has_extra e2b || has_extra test; then
     # what e2b_desktop.Sandbox runs in the `desktop` template (the host image): XFCE (its
     # session starts under dbus-launch), scrot (screenshots), xrandr, gtk-launch (launch)
     WANT+=(xvfb x11-utils xdotool xfce4-session xfwm4 xfdesktop4 dbus-x11 scrot x11-xserver-utils libgtk-3-bin)
+    # and its stream (Sandbox.stream): x11vnc, noVNC (the template names it /opt/noVNC), websockify, netstat
+    WANT+=(x11vnc novnc websockify net-tools)
 fi
 if has_extra test; then
     WANT+=(

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from ...config import Config
-from ...errors import InvalidArgument, NotFound, SnapshotNotFound
+from ...errors import InvalidArgument, NotFound, RuntimeFailure, SnapshotNotFound
 from ...runtime.state.store import Store
 from ...workspace import Snapshot, Workspace
 from ..images import image_id
@@ -36,6 +36,10 @@ BASE_IMAGE = "host"
 BASE = "base"
 #: Templates named by E2B's SDKs' defaults, and the images they are made from.
 BUILTIN = {BASE: BASE_IMAGE, "code-interpreter-v1": BASE_IMAGE, "desktop": BASE_IMAGE}
+#: What a builtin template's workspace runs once, before it is snapshotted: E2B's desktop image
+#: has noVNC at /opt/noVNC (``Sandbox.stream`` runs it from there); the host image shows no
+#: /opt, so the template names the host's Debian noVNC there, in its own layer.
+SETUP = {"desktop": ["sh", "-c", "if [ -d /usr/share/novnc ]; then mkdir -p /opt && ln -sfn /usr/share/novnc /opt/noVNC; fi"]}
 #: Memory and pids limits of a template's sandboxes (E2B's default sandbox has 512 MiB).
 SANDBOX_MEMORY = "512M"
 SANDBOX_PIDS = 512
@@ -119,7 +123,7 @@ class Templates:
                 except SnapshotNotFound:  # removed by bunshin's own API: made anew from its image
                     self.remove(made)
             image = rec.image if rec is not None and rec.image else self.image_of(template_id)
-            return self._from_image(key, image, egress), base_id
+            return self._from_image(key, image, egress, SETUP.get(base_id)), base_id
 
     def image_of(self, template_id: str) -> str:
         """The image a template name that no record holds names (``base`` and E2B's other
@@ -131,12 +135,15 @@ class Templates:
                            "server", hint="use 'base', a snapshot id, or an image `bunshin image ls` shows"
                            ) from e
 
-    def _from_image(self, template_id: str, image: str, egress: bool) -> Snapshot:
-        """Boot ``image`` once (with internet access if ``egress``), snapshot it, remove the
-        workspace: the template's snapshot."""
+    def _from_image(self, template_id: str, image: str, egress: bool, setup: list[str] | None = None) -> Snapshot:
+        """Boot ``image`` once (with internet access if ``egress``), run ``setup`` in it,
+        snapshot it, remove the workspace: the template's snapshot."""
         ws = Workspace.create(image, memory=SANDBOX_MEMORY, pids=SANDBOX_PIDS, config=self._config,
                               network="egress" if egress else "none")
         try:
+            if setup is not None and not (done := ws.exec(setup, timeout=60)).ok:
+                raise RuntimeFailure(f"template {template_id!r}: its setup failed ({done.exit_code}): "
+                                     f"{done.stderr.strip()[-500:]}", hint="run `make install` (the e2b extra)")
             snap = ws.snapshot()
         finally:
             ws.remove()

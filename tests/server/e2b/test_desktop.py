@@ -21,7 +21,7 @@ from tests.conftest import leftovers  # noqa: E402
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(any(shutil.which(p) is None for p in ("Xvfb", "startxfce4", "scrot", "xdotool", "xrandr",
+    pytest.mark.skipif(any(shutil.which(p) is None for p in ("Xvfb", "startxfce4", "scrot", "xdotool", "xrandr", "x11vnc", "websockify",
                                                              "gtk-launch", "dbus-launch", "xterm")),
                        reason="needs the e2b desktop's packages: run `make install`"),
 ]
@@ -72,3 +72,31 @@ def test_screenshot_mouse_typing_and_launch(desk) -> None:
     _wait(lambda: desk.files.exists("/tmp/typed"))
     assert desk.files.read("/tmp/typed") == "typed-by-e2b\n"
     assert bytes(desk.screenshot()) != bytes(shot)  # the xterm is drawn
+
+
+def test_the_stream_serves_novnc_and_its_websocket_speaks_rfb(desk) -> None:
+    """``stream.start()`` as E2B users call it: x11vnc and noVNC (from /opt/noVNC) inside, the
+    page and noVNC's websocket reached through ``get_host(6080)`` on the server's one port;
+    the websocket carries the VNC server's own greeting (RFB). ``stop`` ends both."""
+    import socket
+
+    from websockets.sync.client import connect
+
+    desk.stream.start()
+    try:
+        url = desk.stream.get_url()
+        host = desk.get_host(6080)
+        assert url.startswith(f"https://{host}/vnc.html?") and host.startswith(f"6080-{desk.sandbox_id}.")
+        server = "http://127.0.0.1:" + host.rsplit(":", 1)[1]  # the name is not resolved: Host says it
+        token = {"E2B-Traffic-Access-Token": desk.traffic_access_token}
+        with httpx.Client(base_url=server, headers={"Host": host, **token}, timeout=30) as c:
+            page = c.get("/vnc.html")
+        assert page.status_code == 200 and "noVNC" in page.text
+        sock = socket.create_connection(("127.0.0.1", int(host.rsplit(":", 1)[1])))
+        with connect(f"ws://{host}/websockify", sock=sock, additional_headers=token, subprotocols=["binary"],
+                     proxy=None, open_timeout=15) as ws:
+            greeting = ws.recv(timeout=15)
+        assert bytes(greeting).startswith(b"RFB 003.")
+    finally:
+        desk.stream.stop()
+    assert _wait(lambda: desk.commands.run("pgrep -x x11vnc || echo gone").stdout.strip() == "gone")
