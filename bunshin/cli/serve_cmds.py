@@ -13,6 +13,9 @@ from ..errors import InvalidArgument
 DEFAULT_PORT = 8770
 #: ``--max-upload``'s default: all uploads in flight together.
 DEFAULT_MAX_UPLOAD = "32G"
+#: ``--threads`` and ``--sandbox-threads``' defaults (``server.shares.THREADS``, ``SANDBOX_THREADS``:
+#: not imported here, the CLI's start stays light; a test holds them equal).
+DEFAULT_THREADS, DEFAULT_SANDBOX_THREADS = 256, 8
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -46,6 +49,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="bytes of all uploads in flight together (snapshots, image layers, file bodies; "
                         f"413 for one over it, 429 while others hold it; default {DEFAULT_MAX_UPLOAD}, 'off' "
                         "for none); the disk's free space bounds them too")
+    p.add_argument("--threads", type=int, default=DEFAULT_THREADS, metavar="N",
+                   help=f"the thread pool of blocking calls (default {DEFAULT_THREADS}); E2B sandboxes' calls "
+                        "take at most half of it together, so the other half always serves the API")
+    p.add_argument("--sandbox-threads", type=int, default=DEFAULT_SANDBOX_THREADS, metavar="N",
+                   help="threads one E2B sandbox's calls (envd, code interpreter, ports) hold at once "
+                        f"(default {DEFAULT_SANDBOX_THREADS}); more wait, past 64 waiting they are refused (429)")
     p.add_argument("--network", choices=("none", "egress"), default="none",
                    help="the most network a workspace may ask for: none (loopback only, the default) or egress")
     p.add_argument("--network-default", choices=("none", "egress"), default="none",
@@ -86,7 +95,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock = listening_socket(args.host, args.port)
     try:
         app = create_app(cfg, token, limits=limits, default_ttl=args.ttl, e2b_domain=args.e2b_domain,
-                         network=args.network, network_default=args.network_default)
+                         network=args.network, network_default=args.network_default, threads=args.threads,
+                         sandbox_threads=args.sandbox_threads)
         uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.shutdown_grace,
                                       ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key)).run(sockets=[sock])
     finally:

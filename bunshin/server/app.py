@@ -1,7 +1,8 @@
 """The FastAPI application of ``bunshin serve``.
 
 Every route but ``GET /v1/health`` needs ``Authorization: Bearer <token>``. Routes are
-plain (blocking) functions: FastAPI runs them in its thread pool, widened at start.
+plain (blocking) functions: FastAPI runs them in its thread pool, sized at start
+(``threads``; each sandbox's E2B calls take a bounded share of it, :mod:`.shares`).
 Calls into one workspace that talk to its agent or dump it take that workspace's lock
 (``bunshin.workspace.locks``, the same locks the groups' prefix caches take); ``DELETE`` does not wait for it. Errors answer with bunshin's
 code, message, hint and details and its HTTP status; bad requests are
@@ -53,10 +54,9 @@ from .e2b.envd import app as _envd  # noqa: F401  # registers envd on port 49983
 from .e2b.interpreter import app as _interpreter  # noqa: F401  # registers the code interpreter on port 49999
 from .e2b.sandbox_logs import timed_out
 from .leases import SWEEP_EVERY_S
+from .shares import SANDBOX_THREADS, THREADS
 
 log = logging.getLogger("bunshin.server")
-#: Threads for blocking routes: each command, fork or session run in flight holds one.
-THREADS = 256
 #: Largest request body a route parsing JSON takes (a JSON body is held several times over
 #: while parsed; files travel as raw bodies, streamed within their own budgets).
 MAX_JSON_BODY = 16 << 20
@@ -86,19 +86,22 @@ async def _sweep_leases(ctx: ServerContext) -> None:
 def create_app(config: Config, token: str, *, limits: Limits | None = None,
                default_ttl: float | None = None, e2b_domain: str | None = None,
                network: NetworkMode | str = NetworkMode.NONE,
-               network_default: NetworkMode | str = NetworkMode.NONE) -> FastAPI:
+               network_default: NetworkMode | str = NetworkMode.NONE, threads: int = THREADS,
+               sandbox_threads: int = SANDBOX_THREADS) -> FastAPI:
     """The app serving ``config``'s workspaces to callers holding ``token``, within
     ``limits`` (admission control: caps and the create/fork rate; none by default);
     ``default_ttl``: the lease of workspaces made without one (none by default);
     ``e2b_domain``: the sandbox domain E2B's API answers (default ``localhost:<port>``);
     ``network``: the most network a workspace may get (``egress`` or ``none``), and
-    ``network_default`` what one gets when its request does not say."""
+    ``network_default`` what one gets when its request does not say; ``threads``: the thread
+    pool, of which one sandbox's E2B calls hold ``sandbox_threads`` at most and all of them half."""
     ctx = ServerContext(config, token, limits or Limits(), default_ttl=default_ttl, e2b_domain=e2b_domain,
-                        network=NetworkMode.of(network), network_default=NetworkMode.of(network_default))
+                        network=NetworkMode.of(network), network_default=NetworkMode.of(network_default),
+                        threads=threads, sandbox_threads=sandbox_threads)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        anyio.to_thread.current_default_thread_limiter().total_tokens = THREADS
+        ctx.shares.start()  # the pool's size
         shutil.rmtree(config.paths.transfers, ignore_errors=True)  # a killed server's half-moved archives
         # One connection to the store held for the server's life: SQLite checkpoints the WAL
         # into the database (fsyncs) when its last connection closes, which every route's

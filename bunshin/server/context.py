@@ -23,6 +23,7 @@ from ..workspace.locks import WorkspaceLocks, workspace_locks
 from .admission import Admission, Limits
 from .idempotency import Idempotency
 from .leases import Leases, snapshot_leases
+from .shares import SANDBOX_THREADS, THREADS, Shares
 from .uploads import Uploads
 
 log = logging.getLogger("bunshin.server")
@@ -51,11 +52,14 @@ class ServerContext:
     network: NetworkMode = NetworkMode.NONE
     network_default: NetworkMode = NetworkMode.NONE
     locks: WorkspaceLocks = field(default_factory=workspace_locks)  # shared with the groups' caches
+    threads: int = THREADS  # the thread pool (``serve --threads``)
+    sandbox_threads: int = SANDBOX_THREADS  # of them, one sandbox's data plane at once
     admission: Admission = field(init=False)
     idempotency: Idempotency = field(init=False)
     leases: Leases = field(init=False)
     snapshot_leases: Leases = field(init=False)  # of snapshots loaded with a ttl
     uploads: Uploads = field(init=False)  # one budget for every upload in flight
+    shares: Shares = field(init=False)  # each sandbox's share of the thread pool
 
     def network_mode(self, asked: NetworkMode | str | None) -> NetworkMode:
         """The network a new workspace gets: ``asked``, else the server's default; within
@@ -76,6 +80,10 @@ class ServerContext:
         self.leases = Leases(self.config)
         self.snapshot_leases = snapshot_leases(self.config)
         self.uploads = Uploads(self.limits.max_upload)
+        if self.threads < 2 or self.sandbox_threads < 1:
+            raise InvalidArgument(f"--threads {self.threads}, --sandbox-threads {self.sandbox_threads}: the pool "
+                                  "needs 2 threads at least, a sandbox 1", hint="give larger numbers")
+        self.shares = Shares(self.threads, self.sandbox_threads)
 
     def out(self, ws: Workspace | WorkspaceInfo) -> m.WorkspaceOut:
         """A workspace on the wire, with its lease."""

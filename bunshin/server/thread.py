@@ -15,6 +15,7 @@ from ..config import Config
 from ..errors import RuntimeFailure
 from .admission import Limits
 from .app import create_app
+from .shares import SANDBOX_THREADS, THREADS
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -32,13 +33,15 @@ def listening_socket(host: str, port: int) -> socket.socket:
 @contextmanager
 def serve_in_thread(config: Config, token: str, *, start_timeout: float = 10.0,
                     limits: Limits | None = None, default_ttl: float | None = None,
-                    network: str = "none", network_default: str = "none") -> Iterator[str]:
-    """Serve ``config`` (within ``limits``) until the block ends; yields the base URL
+                    network: str = "none", network_default: str = "none", threads: int = THREADS,
+                    sandbox_threads: int = SANDBOX_THREADS) -> Iterator[str]:
+    """Serve ``config`` (within ``limits``, on a pool of ``threads``, ``sandbox_threads`` of
+    them at most for one sandbox's E2B calls) until the block ends; yields the base URL
     (``http://127.0.0.1:PORT``)."""
     sock = listening_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     app = create_app(config, token, limits=limits, default_ttl=default_ttl, network=network,
-                     network_default=network_default)
+                     network_default=network_default, threads=threads, sandbox_threads=sandbox_threads)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="bunshin-serve", daemon=True)
     thread.start()

@@ -19,6 +19,7 @@ from starlette.types import Message
 
 from ..errors import PayloadTooLarge, RateLimited, ResourceExhausted
 from .admission import CAP_RETRY_S
+from .shares import Offload
 
 #: Free space uploads leave on the home's disk, at least.
 DISK_MARGIN = 256 << 20
@@ -123,18 +124,19 @@ def receiving(uploads: Uploads, request: Request, folder: Path, *, limit: int, h
 
 @asynccontextmanager
 async def spooled(uploads: Uploads, request: Request, folder: Path, *, limit: int, hint: str,
-                  what: str = "file", limiter: anyio.CapacityLimiter | None = None) -> AsyncIterator[IO[bytes]]:
+                  what: str = "file", offload: Offload | None = None) -> AsyncIterator[IO[bytes]]:
     """``request``'s whole body, spooled (``SPOOL_IN_MEMORY`` in memory, the rest in an
     unlinked file under ``folder``) and counted in the budget as it comes, then rewound:
     a slow client holds no lock and no thread while its body trickles in, and nothing is
     written where it goes before the whole body is here. The spool and its bytes in the
     budget are gone when the block ends, also when the client hangs up midway
-    (``ClientDisconnect``). ``limiter``: the thread pool share its writes take."""
+    (``ClientDisconnect``). ``offload``: what runs its writes in a thread (a sandbox's share
+    of the pool, :meth:`.shares.Shares.run`; the pool by default)."""
     with receiving(uploads, request, folder, limit=limit, hint=hint, what=what) as budget, \
             tempfile.SpooledTemporaryFile(SPOOL_IN_MEMORY, "w+b", dir=str(folder)) as spool:
         async for chunk in request.stream():
             budget.check(spool.tell() + len(chunk))
-            await anyio.to_thread.run_sync(spool.write, chunk, limiter=limiter)
+            await (offload or anyio.to_thread.run_sync)(spool.write, chunk)
         spool.seek(0)
         yield spool
 

@@ -9,6 +9,8 @@ envd access token (``X-Access-Token``): a sandbox's ports are not open to whoeve
 A websocket (an ASGI ``websocket`` scope: uvicorn took the ``Upgrade: websocket``) is relayed by
 :mod:`.wsproxy` over the same kind of connection, counted as one forwarded request while it is
 open. Other upgrades (``h2c``...) go on as plain HTTP/1.1, the ``Upgrade`` header dropped.
+A sandbox has at most ``MAX_OPEN`` requests forwarded at once, and its connects take threads
+of its share of the pool (:mod:`..shares`); past either, 429.
 """
 
 from __future__ import annotations
@@ -17,11 +19,10 @@ import asyncio
 import contextlib
 import socket
 
-import anyio.to_thread
 import h11
 from starlette.types import Receive, Scope, Send
 
-from ...errors import BunshinError, NotFound, Unreachable
+from ...errors import BunshinError, NotFound, RateLimited, Unreachable
 from ..context import ServerContext
 from . import wsproxy
 from .hosts import refuse, register_other_ports, target, traffic_ok
@@ -34,7 +35,7 @@ READ = 1 << 16
 #: Seconds to wait for the server inside to answer at all.
 CONNECT_TIMEOUT_S = 5.0
 #: Requests one sandbox may have forwarded at once, an open websocket one of them (each holds
-#: two of the server's descriptors, and its connect a thread of the shared pool).
+#: two of the server's descriptors, and its connect a thread of the sandbox's share of the pool).
 MAX_OPEN = 128
 
 
@@ -54,7 +55,7 @@ class PortProxy:
             return
         n = self._open.get(t.sandbox_id, 0)
         if n >= MAX_OPEN:
-            await refuse(scope, send, 503, f"the sandbox {t.sandbox_id} has {MAX_OPEN} requests being forwarded: "
+            await refuse(scope, send, 429, f"the sandbox {t.sandbox_id} has {MAX_OPEN} requests being forwarded: "
                                            "retry when some have ended")
             return
         self._open[t.sandbox_id] = n + 1
@@ -69,7 +70,10 @@ class PortProxy:
     async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
         t = target(scope)
         try:
-            sock = await anyio.to_thread.run_sync(self._connect, t.sandbox_id, t.port)
+            sock = await self.ctx.shares.run(t.sandbox_id, self._connect, t.sandbox_id, t.port)
+        except RateLimited as e:
+            await refuse(scope, send, 429, e.message)
+            return
         except NotFound:
             await refuse(scope, send, 502, f"The sandbox {t.sandbox_id} was not found")
             return

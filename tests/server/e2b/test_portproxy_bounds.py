@@ -33,5 +33,5 @@ def test_requests_forwarded_at_once_are_bounded_per_sandbox() -> None:
     proxy = portproxy.PortProxy(SimpleNamespace(token=TOKEN))  # type: ignore[arg-type]
     proxy._open[SID] = portproxy.MAX_OPEN
     sent = _call(proxy)
-    assert sent[0]["status"] == 503
+    assert sent[0]["status"] == 429
     assert proxy._open[SID] == portproxy.MAX_OPEN  # a refused request counts for nothing

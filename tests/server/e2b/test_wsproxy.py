@@ -148,7 +148,7 @@ def test_refusals_inside_and_a_closed_port(rig) -> None:
 
 
 def test_a_client_that_hangs_up_frees_its_slot(rig, monkeypatch) -> None:
-    """With two slots: both taken, a third refused (503); one client vanishes without a close
+    """With two slots: both taken, a third refused (429); one client vanishes without a close
     frame; its connection inside is closed and its slot is free again."""
     url, sbx = rig
     monkeypatch.setattr(portproxy, "MAX_OPEN", 2)
@@ -157,7 +157,7 @@ def test_a_client_that_hangs_up_frees_its_slot(rig, monkeypatch) -> None:
         assert _count(b)["open"] == 2
         with pytest.raises(InvalidStatus) as full:
             _ws(url, sbx)
-        assert full.value.response.status_code == 503
+        assert full.value.response.status_code == 429
         a.socket.shutdown(socket.SHUT_RDWR)  # the client goes, no close frame
         a.socket.close()
         deadline = time.monotonic() + 10
@@ -170,7 +170,7 @@ def test_a_client_that_hangs_up_frees_its_slot(rig, monkeypatch) -> None:
                 c = stack.enter_context(_ws(url, sbx))
                 break
             except InvalidStatus as e:
-                assert e.response.status_code == 503 and time.monotonic() < deadline, "the slot stayed taken"
+                assert e.response.status_code == 429 and time.monotonic() < deadline, "the slot stayed taken"
                 time.sleep(0.05)
         assert _count(c)["open"] == 2
 

@@ -12,7 +12,7 @@ from connectrpc.errors import ConnectError
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ....errors import NotFound, StateConflict
+from ....errors import NotFound, RateLimited, StateConflict
 from ....workspace import Workspace
 from ...context import ServerContext
 from .. import hosts
@@ -62,8 +62,12 @@ class EnvdApp:
             message = f"missing or wrong access token for sandbox {t.sandbox_id}: send its envdAccessToken as X-Access-Token"
             await _refuse(scope, send, 401, message, service is not None, "unauthenticated")
             return
-        try:
-            ws = await anyio.to_thread.run_sync(self._workspace, t.sandbox_id)
+        try:  # a health check holds no token: it takes no thread of the sandbox's share
+            ws = await (anyio.to_thread.run_sync(self._workspace, t.sandbox_id) if health
+                        else self.ctx.shares.run(t.sandbox_id, self._workspace, t.sandbox_id))
+        except RateLimited as e:
+            await _refuse(scope, send, 429, e.message, service is not None, "resource_exhausted")
+            return
         except (NotFound, StateConflict):
             await hosts.refuse(scope, send, 502, f"The sandbox {t.sandbox_id} was not found")
             return

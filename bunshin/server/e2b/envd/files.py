@@ -13,13 +13,13 @@ decompression), at most ``MAX_FILES`` files a request, a multipart body at most
 from __future__ import annotations
 
 import base64
+import functools
 import posixpath
 import time
 import zlib
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import anyio.to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -68,7 +68,7 @@ async def download(call: Call, request: Request) -> Response:
     async def body() -> AsyncIterator[bytes]:
         offset = 0
         while True:
-            piece = await procs.run(call, call.ws.files.read, path, offset=offset, length=STREAM_CHUNK)
+            piece = await procs.poll(call, call.ws.files.read, path, offset=offset, length=STREAM_CHUNK)
             if not piece:
                 return
             offset += len(piece)
@@ -110,14 +110,14 @@ async def upload(call: Call, request: Request) -> Response:
     gz = request.headers.get("content-encoding", "").lower() == "gzip"
     # spooled first, then written under the sandbox's lock: a slow client holds neither the
     # lock nor a thread of the server's pool while its body trickles in
-    async with spooled(call.ctx.uploads, request, call.ctx.config.paths.transfers,
-                       limit=MAX_FILE_BYTES, hint=PARTS_HINT) as body:
+    async with spooled(call.ctx.uploads, request, call.ctx.config.paths.transfers, limit=MAX_FILE_BYTES,
+                       hint=PARTS_HINT, offload=functools.partial(call.ctx.shares.run, call.ws.id, refuse=False)) as body:
         def write() -> None:
             with call.ctx.locks.held(call.ws):
                 call.ws.files.write_stream(path, _bounded(iter(lambda: body.read(STREAM_CHUNK), b""), gz))
                 procs.give_to_user(call, path)
 
-        await anyio.to_thread.run_sync(write)
+        await call.ctx.shares.run(call.ws.id, write)
     return JSONResponse([_info(path)])
 
 
@@ -132,7 +132,7 @@ async def _multipart(call: Call, request: Request) -> Response:
 async def _multipart_within(call: Call, request: Request) -> Response:
     default = request.query_params.get("path")
     form = await request.form(max_files=MAX_FILES, max_fields=MAX_FILES)
-    written = []
+    written: list[dict[str, str]] = []
     try:
         for key, part in form.multi_items():
             if key != "file" or isinstance(part, str):
@@ -149,7 +149,7 @@ async def _multipart_within(call: Call, request: Request) -> Response:
                     call.ws.files.write_stream(path, _bounded(chunks(), False))
                     procs.give_to_user(call, path)
 
-            await anyio.to_thread.run_sync(write)
+            await call.ctx.shares.run(call.ws.id, write, refuse=not written)  # the first refused, not the rest
             written.append(_info(path))
     finally:
         await form.close()
@@ -160,11 +160,11 @@ async def _multipart_within(call: Call, request: Request) -> Response:
 
 async def envs(call: Call, request: Request) -> Response:
     """The sandbox's environment variables (its create's ``envVars``)."""
-    return JSONResponse(await anyio.to_thread.run_sync(sandbox_envs, call.ctx.config, call.ws.id))
+    return JSONResponse(await call.ctx.shares.run(call.ws.id, sandbox_envs, call.ctx.config, call.ws.id))
 
 
 async def metrics(call: Call, request: Request) -> Response:
-    s = await anyio.to_thread.run_sync(call.ws.stats)
+    s = await call.ctx.shares.run(call.ws.id, call.ws.stats)
     used = int(getattr(s.memory, "pss", 0) or 0)
     total = int(call.ws.record.memory_limit or 0)
     return JSONResponse({"ts": int(time.time()), "cpu_count": 1, "cpu_used_pct": 0.0,

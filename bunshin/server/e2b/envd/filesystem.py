@@ -180,7 +180,7 @@ async def _watch(req: Any, call: Call) -> AsyncIterator[Any]:
     while not call.gone.is_set():  # a client that hung up ends its watch
         await anyio.sleep(WATCH_POLL_S)
         try:
-            now = await procs.run(call, _look, call, path, req.recursive)
+            now = await procs.poll(call, _look, call, path, req.recursive)
         except PathNotFound:
             raise ConnectError(Code.NOT_FOUND, f"watched folder {path} was removed") from None
         for ev in _diff(path, seen, now):

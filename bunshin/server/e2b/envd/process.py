@@ -122,7 +122,7 @@ async def _wait_pid(call: Call, folder: str, deadline: float | None) -> int:
     t0 = time.monotonic()
     while True:
         with contextlib.suppress(PathNotFound):
-            text = (await procs.run(call, call.ws.files.read, f"{folder}/pid", length=32)).decode().strip()
+            text = (await procs.poll(call, call.ws.files.read, f"{folder}/pid", length=32)).decode().strip()
             if text.isdigit():
                 return int(text)
         if deadline is not None and time.monotonic() > deadline:
@@ -146,13 +146,13 @@ async def _follow(call: Call, folder: str, pid: int, ctx: RequestContext, event:
     keepalive, last = _keepalive_s(ctx), time.monotonic()
     heard = last  # when output last came
     while not call.gone.is_set():  # a client that hung up is followed no more (the command goes on)
-        sizes = {f.name: f.size for f in await procs.run(call, procs.entries, call, folder)}
+        sizes = {f.name: f.size for f in await procs.poll(call, procs.entries, call, folder)}
         if not sizes:
             raise ConnectError(Code.NOT_FOUND, f"process with pid {pid} not found")
         for name, field in (("out", "pty" if pty else "stdout"), ("err", "stderr")):
             while sizes.get(name, 0) > offsets[name]:
-                data = await procs.run(call, call.ws.files.read, f"{folder}/{name}", offset=offsets[name],
-                                       length=procs.CHUNK)
+                data = await procs.poll(call, call.ws.files.read, f"{folder}/{name}", offset=offsets[name],
+                                        length=procs.CHUNK)
                 if not data:
                     break
                 offsets[name] += len(data)
@@ -165,7 +165,7 @@ async def _follow(call: Call, folder: str, pid: int, ctx: RequestContext, event:
             if owned:  # after the answer: nobody waits for it
                 _log(call, Level.INFO if status == 0 else Level.WARN, f"process {pid} ended: {end.status}",
                      event="process.end", pid=pid, status=end.status)
-                _later(procs.run(call, procs.remove, call, folder, pid))
+                _later(procs.poll(call, procs.remove, call, folder, pid))
             return
         now = time.monotonic()
         if deadline is not None and now > deadline:
@@ -173,8 +173,8 @@ async def _follow(call: Call, folder: str, pid: int, ctx: RequestContext, event:
                 _log(call, Level.WARN, f"process {pid} killed: it ran past its timeout", event="process.timeout",
                      pid=pid)
                 with contextlib.suppress(BunshinError):
-                    await procs.run(call, call.ws.commands.kill, pid, signal.SIGKILL, group=True)
-                    await procs.run(call, procs.remove, call, folder, pid)
+                    await procs.poll(call, call.ws.commands.kill, pid, signal.SIGKILL, group=True)
+                    await procs.poll(call, procs.remove, call, folder, pid)
             raise ConnectError(Code.DEADLINE_EXCEEDED, "the command ran past its timeout and was killed"
                                if owned else "the connection ran past its timeout")
         if now - last >= keepalive:
@@ -184,8 +184,8 @@ async def _follow(call: Call, folder: str, pid: int, ctx: RequestContext, event:
     if owned and deadline is not None and time.monotonic() > deadline - DEADLINE_SLACK_S:
         # the client hung up at its timeout (it keeps the same deadline): the command goes as it would here
         with contextlib.suppress(BunshinError):
-            await procs.run(call, call.ws.commands.kill, pid, signal.SIGKILL, group=True)
-            await procs.run(call, procs.remove, call, folder, pid)
+            await procs.poll(call, call.ws.commands.kill, pid, signal.SIGKILL, group=True)
+            await procs.poll(call, procs.remove, call, folder, pid)
 
 
 def _log(call: Call, level: Level, message: str, **fields: object) -> None:

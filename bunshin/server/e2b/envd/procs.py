@@ -28,8 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import anyio.to_thread
-
 from ....errors import InvalidArgument, NotFound, PathNotFound
 from ....runtime.agent_host.bundle import AgentBundle
 from ..sandboxes import sandbox_envs
@@ -87,11 +85,23 @@ class Spec:
 
 
 async def run(call: Call, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
-    """``fn(*args)`` in a thread, holding the sandbox's lock (a fork waits for it, and it for a fork)."""
+    """``fn(*args)`` in a thread of the sandbox's share of the pool (``RateLimited`` when too
+    many of its calls wait for one: :mod:`....shares`), holding the sandbox's lock (a fork
+    waits for it, and it for a fork)."""
+    return await _locked(call, True, fn, *args, **kw)
+
+
+async def poll(call: Call, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+    """:func:`run` for a stream let in already (a poll of its command or folder) or a
+    clean-up: it waits its turn, never refused."""
+    return await _locked(call, False, fn, *args, **kw)
+
+
+async def _locked(call: Call, refuse: bool, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
     def locked() -> T:
         with call.ctx.locks.held(call.ws):
             return fn(*args, **kw)
-    return await anyio.to_thread.run_sync(locked)
+    return await call.ctx.shares.run(call.ws.id, locked, refuse=refuse)
 
 
 def user_argv(call: Call, argv: list[str]) -> tuple[list[str], dict[str, str]]:

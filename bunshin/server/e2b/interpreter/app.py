@@ -11,12 +11,12 @@ Errors are plain text with bunshin's message and hint and its HTTP status: 404 i
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
-import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
@@ -35,6 +35,7 @@ from ....errors import (
 from ....workspace.locks import WorkspaceLocks, workspace_locks
 from ....workspace.protocol import WorkspaceAPI
 from ...context import ServerContext
+from ...shares import Offload, Shares
 from .. import hosts
 from ..auth import envd_token_ok, traffic_token_ok
 from ..sandboxes import sandbox_envs
@@ -49,7 +50,7 @@ MAX_ENV_VARS = 1000
 MAX_BODY = 6 * MAX_CODE_CHARS + (8 << 20)
 #: How long a run interrupted because its caller hung up is waited for (its files then go).
 STOP_GRACE_S = 10.0
-#: Runs streamed at once for one sandbox: each polls from a thread of the server's one pool.
+#: Runs streamed at once for one sandbox: each polls from a thread of its share of the pool.
 MAX_RUNS = 32
 _runs: dict[str, int] = {}  # sandbox id -> runs being streamed (the event loop's thread only)
 _SANDBOX_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
@@ -94,12 +95,16 @@ def _env(env: dict[str, str] | None) -> dict[str, str]:
 
 
 def make_interpreter_app(resolve: Resolver, *, server_token: str, locks: WorkspaceLocks | None = None,
-                         envs_of: Callable[[str], dict[str, str]] | None = None) -> FastAPI:
+                         envs_of: Callable[[str], dict[str, str]] | None = None,
+                         shares: Shares | None = None) -> FastAPI:
     """The interpreter's API over the workspaces ``resolve`` finds by sandbox id (raising
     :class:`~bunshin.errors.WorkspaceNotFound`), for callers holding a sandbox's token
-    derived from ``server_token``; calls take ``locks`` (the process's by default); a run
-    has ``envs_of(sandbox id)`` (the sandbox's ``envVars``), then its own ``env_vars``."""
+    derived from ``server_token``; calls take ``locks`` (the process's by default) and
+    threads of their sandbox's share of the pool (``shares``: the server's; its own by
+    default); a run has ``envs_of(sandbox id)`` (the sandbox's ``envVars``), then its own
+    ``env_vars``."""
     held = locks or workspace_locks()
+    pool = shares or Shares()
     app = FastAPI(title="bunshin e2b code interpreter", openapi_url=None, docs_url=None, redoc_url=None,
                   max_body_size=MAX_BODY)
 
@@ -134,30 +139,32 @@ def make_interpreter_app(resolve: Resolver, *, server_token: str, locks: Workspa
             pass
         raise NotFound(f"sandbox {sid} not found", hint="it was killed, paused or timed out")
 
-    def locked(request: Request, fn: Callable[[WorkspaceAPI], Any]) -> Any:
-        ws = sandbox(request)
-        with held.held(ws):
-            return fn(ws)
+    async def locked(request: Request, fn: Callable[[WorkspaceAPI], Any]) -> Any:
+        """``fn`` on the request's sandbox, under its lock, in a thread of its share."""
+        def go() -> Any:
+            ws = sandbox(request)
+            with held.held(ws):
+                return fn(ws)
+        return await pool.run(authorized(request), go)
 
     @app.post("/contexts")
     async def create_context(request: Request, body: ContextIn) -> dict[str, str]:
-        made = await anyio.to_thread.run_sync(locked, request,
-                                              lambda ws: contexts.create(ws, body.language, body.cwd))
+        made = await locked(request, lambda ws: contexts.create(ws, body.language, body.cwd))
         return made.to_dict()
 
     @app.get("/contexts")
     async def list_contexts(request: Request) -> list[dict[str, str]]:
-        found = await anyio.to_thread.run_sync(locked, request, contexts.listing)
+        found = await locked(request, contexts.listing)
         return [c.to_dict() for c in found]
 
     @app.post("/contexts/{context_id}/restart")
     async def restart_context(request: Request, context_id: str) -> Response:
-        await anyio.to_thread.run_sync(locked, request, lambda ws: contexts.restart(ws, context_id))
+        await locked(request, lambda ws: contexts.restart(ws, context_id))
         return Response(status_code=204)
 
     @app.delete("/contexts/{context_id}")
     async def remove_context(request: Request, context_id: str) -> Response:
-        await anyio.to_thread.run_sync(locked, request, lambda ws: contexts.remove(ws, context_id))
+        await locked(request, lambda ws: contexts.remove(ws, context_id))
         return Response(status_code=204)
 
     @app.post("/execute")
@@ -168,15 +175,17 @@ def make_interpreter_app(resolve: Resolver, *, server_token: str, locks: Workspa
         env = _env(body.env_vars)
         context_id = contexts.check_id(body.context_id) if body.context_id else contexts.DEFAULT_ID
         contexts.language_of(body.language)
-        ws = await anyio.to_thread.run_sync(sandbox, request)
+        sid = authorized(request)
+        ws = await pool.run(sid, sandbox, request)
         if body.context_id:
-            await anyio.to_thread.run_sync(_must_exist, ws, context_id)
+            await pool.run(sid, _must_exist, ws, context_id)
         if envs_of is not None:
-            env = {**await anyio.to_thread.run_sync(envs_of, ws.id), **env}
+            env = {**await pool.run(sid, envs_of, ws.id), **env}
         if _runs.get(ws.id, 0) >= MAX_RUNS:
             raise RateLimited(f"the sandbox has {MAX_RUNS} runs streaming", hint="wait for one to end")
         run = CodeRun(ws, context_id, body.code, env, held.lock_of(ws))
-        return StreamingResponse(_counted(ws.id, _stream(run)), media_type="application/x-ndjson")
+        polls = functools.partial(pool.run, sid, refuse=False)  # a run let in is never refused midway
+        return StreamingResponse(_counted(ws.id, _stream(run, polls)), media_type="application/x-ndjson")
 
     return app
 
@@ -221,14 +230,15 @@ async def _counted(sandbox_id: str, lines: AsyncIterator[bytes]) -> AsyncIterato
             del _runs[sandbox_id]
 
 
-async def _stream(run: CodeRun) -> AsyncIterator[bytes]:
-    """The run's lines as they come; a caller that hangs up (the stream cancelled) interrupts it
-    and, within :data:`STOP_GRACE_S`, waits for its answer so its files go too."""
+async def _stream(run: CodeRun, polls: Offload) -> AsyncIterator[bytes]:
+    """The run's lines as they come (each call in a thread of its sandbox's share, ``polls``);
+    a caller that hangs up (the stream cancelled) interrupts it and, within
+    :data:`STOP_GRACE_S`, waits for its answer so its files go too."""
     try:
-        await anyio.to_thread.run_sync(run.start)
+        await polls(run.start)
         wait = FIRST_POLL_S
         while True:
-            for piece in await anyio.to_thread.run_sync(run.poll):
+            for piece in await polls(run.poll):
                 yield piece
             if run.done:
                 break
@@ -239,16 +249,16 @@ async def _stream(run: CodeRun) -> AsyncIterator[bytes]:
     finally:
         if not run.done:
             with anyio.CancelScope(shield=True), anyio.move_on_after(STOP_GRACE_S):
-                await anyio.to_thread.run_sync(run.interrupt)
+                await polls(run.interrupt)
                 while not run.done:
                     await anyio.sleep(POLL_S)
-                    await anyio.to_thread.run_sync(run.poll)
+                    await polls(run.poll)
 
 
 def _served(ctx: ServerContext) -> FastAPI:
     """The interpreter of ``bunshin serve``: its workspaces, token and locks."""
     return make_interpreter_app(ctx.ws_of, server_token=ctx.token, locks=ctx.locks,
-                                envs_of=lambda sid: sandbox_envs(ctx.config, sid))
+                                envs_of=lambda sid: sandbox_envs(ctx.config, sid), shares=ctx.shares)
 
 
 hosts.register_port(PORT, _served)
