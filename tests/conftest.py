@@ -26,6 +26,8 @@ os.environ["BUNSHIN_DNS_UPSTREAM"] = "127.0.0.1"
 #: The ``internet`` fixture (a test internet in a network namespace): tests/net/internet.py
 pytest_plugins = ["tests.net.internet"]
 
+_MACHINE_BEFORE = pytest.StashKey[set[str]]()
+
 # --- what a test needs of the machine --------------------------------------------------
 
 #: Fixtures that run the real runtime: a test using one is an integration test.
@@ -52,6 +54,50 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=not_root))
         elif no_criu and item.get_closest_marker("criu"):
             item.add_marker(pytest.mark.skip(reason=no_criu))
+        item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
+
+
+# --- running on several workers (``make test`` runs ``pytest -n 2 --dist loadgroup``) ------
+
+#: Test packages whose tests share a package-scoped fixture (the cluster's Ray nodes): one worker runs them all.
+_ONE_WORKER_PACKAGES = ("tests/cluster/",)
+
+
+def _worker_group(item: pytest.Item) -> str:
+    """The group a worker runs whole: the test's file (module fixtures made once), or its
+    package for those of ``_ONE_WORKER_PACKAGES``."""
+    path = item.nodeid.split("::", 1)[0]
+    return next((pkg for pkg in _ONE_WORKER_PACKAGES if path.startswith(pkg)), path)
+
+
+def _on_worker() -> bool:
+    """Whether this process is one of several test workers (pytest-xdist)."""
+    return bool(os.environ.get("PYTEST_XDIST_WORKER"))
+
+
+def _runs_workers(config: pytest.Config) -> bool:
+    """Whether this process is the controller of several test workers."""
+    return not hasattr(config, "workerinput") and bool(getattr(config.option, "numprocesses", None))
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if _runs_workers(session.config) and not os.environ.get("BUNSHIN_TEST_SHARED_MACHINE"):
+        session.config.stash[_MACHINE_BEFORE] = _machine_state()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """With several workers the machine-wide check runs once, over the whole run: what the
+    run left that was not there before it (each worker's own home is checked per test)."""
+    before = session.config.stash.get(_MACHINE_BEFORE, None)
+    if before is None:
+        return
+    left = _machine_state() - before
+    if left:
+        time.sleep(0.5)  # an exiting process may still be releasing its cgroup
+        left = _machine_state() - before
+    if left:
+        session.config.get_terminal_writer().line(f"the test run left behind: {sorted(left)}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")
@@ -181,9 +227,10 @@ def _machine_left_clean():
     """Every test, whatever config it used, must leave no new bunshin mount, cgroup or criu process.
 
     Machine-wide, so it assumes one test run at a time (as in CI). Set
-    BUNSHIN_TEST_SHARED_MACHINE=1 when several runs share a machine.
+    BUNSHIN_TEST_SHARED_MACHINE=1 when several runs share a machine. With several workers
+    (``-n``) it runs once over the whole run instead (``pytest_sessionfinish``).
     """
-    if os.environ.get("BUNSHIN_TEST_SHARED_MACHINE"):
+    if os.environ.get("BUNSHIN_TEST_SHARED_MACHINE") or _on_worker():  # workers: checked once, at the end
         yield
         return
     before = _machine_state()
