@@ -15,6 +15,8 @@
 ROOT := $(patsubst %/,%,$(dir $(abspath $(lastword $(MAKEFILE_LIST)))))
 VENV := $(ROOT)/.venv
 PYTEST_ARGS ?=
+# Test workers (pytest-xdist; tests/conftest.py gives each a file whole): make test TEST_WORKERS=0 runs them in one process
+TEST_WORKERS ?= 2
 EXTRAS := adapters cluster desktop docs e2b
 # Material and MkDocs print a banner about MkDocs 2 on every build: not a warning about this site
 export NO_MKDOCS_2_WARNING := 1
@@ -32,7 +34,7 @@ $(addprefix install-,$(EXTRAS)): install-%:
 	@BUNSHIN_INSTALL_PROFILE=$* bash $(ROOT)/scripts/install.sh
 
 test: install check
-	cd $(ROOT) && $(VENV)/bin/python -m pytest -q -rs --durations=15 $(PYTEST_ARGS)
+	cd $(ROOT) && $(VENV)/bin/python -m pytest -q -rs --durations=15 -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 demo: install
 	cd $(ROOT) && $(VENV)/bin/bunshin demo

@@ -84,7 +84,10 @@ VARS: dict[str, Var] = {
     "BUNSHIN_DEBIAN_MIRROR": Var("install", "from apt's sources", "The Debian mirror CRIU is fetched from."),
     "BUNSHIN_TEST_SHARED_MACHINE": Var("test", "unset",
                                        "`1`: the tests do not check that the machine was left clean "
-                                       "(for several test runs on one machine)."),
+                                       "(for several test runs on one machine). `make test` runs the "
+                                       "suite on `TEST_WORKERS` (2) workers, each test file whole on one, "
+                                       "and checks the machine once over the run; `TEST_WORKERS=0`: one "
+                                       "process, checked after every test."),
     "BUNSHIN_TEST_AGENT_ONLY": Var("test", "-", "A marker the agent tests put in the agent's environment."),
     "BUNSHIN_E2B_META": Var("internal", "-",
                             "Set by the E2B envd process wrapper for one command (its metadata); removed "

@@ -56,6 +56,7 @@ class Counters:
             stderr=subprocess.DEVNULL,
             start_new_session=True,
             close_fds=True,
+            cwd=self.out,  # CRIU's parasite mounts its /proc at ./proc.crtools: a folder of this test's own
         )
         self.popens.append(p)
         deadline = time.monotonic() + 30

@@ -64,7 +64,7 @@ def timed(criu_bin: Path, workdir: Path) -> Iterator[Counters]:  # noqa: F811
 def _spawn_in_own_time(c: Counters) -> int:
     p = subprocess.Popen(["unshare", "--pid", "--time", "--fork", sys.executable, "-c", COUNTER, str(c.out)],
                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True, close_fds=True)
+                         start_new_session=True, close_fds=True, cwd=c.out)  # ./proc.crtools: its own
     c.popens.append(p)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

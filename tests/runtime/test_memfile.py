@@ -156,6 +156,7 @@ class Lab:
             start_new_session=True,
             close_fds=True,
             env=env,
+            cwd=self.workdir,  # CRIU's parasite mounts its /proc at ./proc.crtools: a folder of this test's own
         )
         self.popens.append(p)
         deadline = time.monotonic() + 60
