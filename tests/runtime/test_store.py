@@ -191,3 +191,21 @@ def test_a_forked_child_never_uses_the_parents_kept_connections(tmp_path):
     assert answer == b"1"
     with Store.open(db) as store:
         assert store._conn is parents and store.get_object("t", "a") == "child"
+
+
+def test_connections_kept_are_bounded_per_file_and_in_all(tmp_path):
+    from bunshin.runtime.state import store as store_mod
+
+    homes = [tmp_path / f"h{i}" / "state.db" for i in range(store_mod.IDLE_MAX + 4)]
+    for db in homes:  # each file: more stores open at once than are kept for it
+        stores = [Store.open(db) for _ in range(store_mod.IDLE_PER_FILE + 2)]
+        conns = [s._conn for s in stores]
+        for s in stores:
+            s.close()
+        assert sum(c in conns for c in store_mod._idle._by_file.get(store_mod._file_key(db), [])) == store_mod.IDLE_PER_FILE
+        with pytest.raises(sqlite3.ProgrammingError):  # one past the file's bound was closed
+            conns[-1].execute("SELECT 1")
+    kept = store_mod._idle._by_file
+    assert sum(len(v) for v in kept.values()) <= store_mod.IDLE_MAX
+    assert store_mod._file_key(homes[0]) not in kept  # the file used longest ago went first
+    assert store_mod._file_key(homes[-1]) in kept

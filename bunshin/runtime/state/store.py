@@ -43,8 +43,8 @@ CREATE TABLE IF NOT EXISTS objects (
 """
 
 
-#: Closed connections kept per database file, at most.
-IDLE_PER_FILE = 4
+#: Closed connections kept per database file, and in all, at most.
+IDLE_PER_FILE, IDLE_MAX = 4, 16
 _FileKey = tuple[str, int, int]  # path, device, inode
 
 
@@ -67,13 +67,24 @@ class _Idle:
         return conn
 
     def give(self, key: _FileKey, conn: sqlite3.Connection) -> bool:
-        """Keep ``conn`` for ``key``'s next open; False if there are enough already."""
+        """Keep ``conn`` for ``key``'s next open; False if there are enough already. Past
+        ``IDLE_MAX`` in all, those of the file used longest ago are closed (a process that
+        went through many homes, as a test run does, keeps a few connections, not all)."""
         with self._lock:
-            kept = self._by_file.setdefault(key, [])
+            kept = self._by_file.pop(key, [])
+            self._by_file[key] = kept  # the last used file last
             if len(kept) >= IDLE_PER_FILE:
                 return False
             kept.append(conn)
-            return True
+            old: list[sqlite3.Connection] = []
+            while sum(len(v) for v in self._by_file.values()) > IDLE_MAX:
+                first = next(iter(self._by_file))
+                old.append(self._by_file[first].pop(0))
+                if not self._by_file[first]:
+                    del self._by_file[first]
+        for c in old:
+            c.close()
+        return True
 
     def forked(self) -> None:
         """In a forked child: its copies of the parent's connections are the parent's (using
