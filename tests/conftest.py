@@ -64,8 +64,11 @@ _ONE_WORKER_PACKAGES = ("tests/cluster/",)
 
 
 def _worker_group(item: pytest.Item) -> str:
-    """The group a worker runs whole: the test's file (module fixtures made once), or its
-    package for those of ``_ONE_WORKER_PACKAGES``."""
+    """The group a worker runs whole: the test's file (module fixtures made once), its
+    package for those of ``_ONE_WORKER_PACKAGES``, or ``internet`` for every test of the
+    test internet (its canaries are host routes, e.g. to 169.254.169.254: one holder at a time)."""
+    if "internet" in getattr(item, "fixturenames", ()):
+        return "internet"
     path = item.nodeid.split("::", 1)[0]
     return next((pkg for pkg in _ONE_WORKER_PACKAGES if path.startswith(pkg)), path)
 

@@ -12,7 +12,6 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 
 from bunshin.config import DEFAULT_GHOST_LIMIT, Config
@@ -103,16 +102,13 @@ def test_which_filesystems_decode_handles():
     assert not unforkable.decodes_handles(entry("devpts")) and not unforkable.decodes_handles(entry("proc"))
 
 
-def test_nothing_is_looked_for_that_criu_did_not_name(tmp_path: Path):
+def test_nothing_is_looked_for_that_criu_did_not_name(tmp_path: Path, holder):
     """A ghost above the limit does not explain a failure CRIU gave another reason for."""
     path = tmp_path / "spill"
-    with open(path, "wb") as f:
-        f.write(b"x" * 5000)
-        f.flush()
-        path.unlink()
-        cfg = dataclasses.replace(Config(), ghost_limit=4096)
-        assert unforkable.find(cfg, "ws-x", os.getpid(), "Error (criu/sk-inet.c): no") is None
-        err = unforkable.find(cfg, "ws-x", os.getpid(), "Error (criu/files-reg.c): Can't dump ghost file")
-        assert err is not None and err.details["path"] == str(path) and err.details["size"] >= 5000
-        assert err.details["command"].split()[0] == psutil.Process().cmdline()[0]  # this test's process
-        assert str(path) in err.message
+    pid, _ = holder(path, 5000, 5000)
+    path.unlink()
+    cfg = dataclasses.replace(Config(), ghost_limit=4096)
+    assert unforkable.find(cfg, "ws-x", pid, "Error (criu/sk-inet.c): no") is None
+    err = unforkable.find(cfg, "ws-x", pid, "Error (criu/files-reg.c): Can't dump ghost file")
+    assert err is not None and err.details["path"] == str(path) and err.details["size"] >= 5000
+    assert err.details["command"].startswith(sys.executable) and str(path) in err.message
