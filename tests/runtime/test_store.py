@@ -209,3 +209,21 @@ def test_connections_kept_are_bounded_per_file_and_in_all(tmp_path):
     assert sum(len(v) for v in kept.values()) <= store_mod.IDLE_MAX
     assert store_mod._file_key(homes[0]) not in kept  # the file used longest ago went first
     assert store_mod._file_key(homes[-1]) in kept
+
+
+def test_kept_connections_are_released_so_their_file_system_can_be_unmounted(tmp_path):
+    """A kept connection holds its database open, so the file system under it is busy until
+    ``release_kept`` closes it."""
+    from bunshin.runtime.state.store import release_kept
+
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "bunshin-test-store", str(mnt)], check=True)
+    try:
+        with Store.open(mnt / "state.db") as store:
+            store.put_object("k", "1", "x")
+        busy = subprocess.run(["umount", str(mnt)], capture_output=True, text=True)
+        assert busy.returncode != 0 and "busy" in busy.stderr, busy
+        assert release_kept(mnt / "state.db") >= 1 and release_kept(mnt / "state.db") == 0
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)

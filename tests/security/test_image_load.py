@@ -26,7 +26,7 @@ from bunshin.config import Config
 from bunshin.errors import ImageNotFound, InvalidArgument, PayloadTooLarge, ResourceExhausted
 from bunshin.runtime.oci import store as oci_store
 from bunshin.runtime.oci.pull import pull
-from bunshin.runtime.state.store import Store
+from bunshin.runtime.state.store import Store, release_kept
 from bunshin.workspace import Workspace
 from tests.runtime import oci_images as oi
 
@@ -222,6 +222,7 @@ def test_a_full_disk_stores_nothing(tmp_path: Path) -> None:
             nothing_stored(cfg, store)
             assert oci_store.stored_layers(cfg) == []
     finally:
+        release_kept(cfg.db_path)  # the store this process keeps open holds the mount
         subprocess.run(["umount", str(home)], check=True)
 
 

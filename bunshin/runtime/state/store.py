@@ -86,6 +86,15 @@ class _Idle:
             c.close()
         return True
 
+    def release(self, path: Path | None = None) -> int:
+        """Close the kept connections of the database at ``path`` (all, if None); how many."""
+        with self._lock:
+            keys = [k for k in self._by_file if path is None or k[0] == str(path)]
+            old = [c for k in keys for c in self._by_file.pop(k)]
+        for c in old:
+            c.close()
+        return len(old)
+
     def forked(self) -> None:
         """In a forked child: its copies of the parent's connections are the parent's (using
         or closing one there could break the database); set aside, kept out of reach."""
@@ -98,6 +107,13 @@ _idle = _Idle()
 os.register_at_fork(after_in_child=_idle.forked)
 _CLOSED = sqlite3.connect(":memory:", check_same_thread=False)
 _CLOSED.close()  # a closed store's connection: any use raises, as on a closed connection
+
+
+def release_kept(path: Path | None = None) -> int:
+    """Close the connections this process keeps for the database at ``path`` (every
+    database's, if None), e.g. before unmounting the file system that holds it (a kept
+    connection holds the file open); how many were closed."""
+    return _idle.release(path)
 
 
 def _file_key(path: Path) -> _FileKey | None:

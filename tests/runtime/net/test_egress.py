@@ -72,11 +72,11 @@ def canaries(internet, tmp_path_factory):
     server = subprocess.Popen(["nsenter", netns, "python3", "-m", "http.server", str(CANARY_PORT), "--bind", "0.0.0.0",
                                "--directory", str(tmp_path_factory.mktemp("canary"))],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for addr in CANARIES:
-        subprocess.run(["nsenter", netns, "ip", "addr", "add", f"{addr}/32", "dev", "lo"], check=True)
-        subprocess.run(["ip", "route", "add", f"{addr}/32", "via", internet.peer_addr, "dev", internet.link],
-                       check=True)
-    try:
+    try:  # the server and whatever was added go also when an add fails
+        for addr in CANARIES:
+            subprocess.run(["nsenter", netns, "ip", "addr", "add", f"{addr}/32", "dev", "lo"], check=True)
+            subprocess.run(["ip", "route", "add", f"{addr}/32", "via", internet.peer_addr, "dev", internet.link],
+                           check=True)
         with httpx.Client(timeout=5) as http:
             for addr in CANARIES:  # the host reaches each
                 assert _eventually(lambda a=addr: _get_ok(http, f"http://{a}:{CANARY_PORT}/"))
@@ -85,8 +85,10 @@ def canaries(internet, tmp_path_factory):
         server.kill()
         server.wait()
         for addr in CANARIES:
-            subprocess.run(["ip", "route", "del", f"{addr}/32"], check=False)
-            subprocess.run(["nsenter", netns, "ip", "addr", "del", f"{addr}/32", "dev", "lo"], check=False)
+            subprocess.run(["ip", "route", "del", f"{addr}/32", "via", internet.peer_addr, "dev", internet.link],
+                           check=False, capture_output=True)  # only the route this fixture added
+            subprocess.run(["nsenter", netns, "ip", "addr", "del", f"{addr}/32", "dev", "lo"], check=False,
+                           capture_output=True)
 
 
 def _get_ok(http: httpx.Client, url: str) -> bool:
