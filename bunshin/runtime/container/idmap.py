@@ -286,6 +286,12 @@ class _SigSet(ctypes.Structure):  # glibc's sigset_t (signal's own wrapper turns
 _ALL_SIGNALS = _SigSet((ctypes.c_ulong * 16)(*([~0 & 0xFFFFFFFFFFFFFFFF] * 16)))
 _SYS_PAUSE = 34  # x86_64
 _STACK = 64 << 10
+#: The name (``comm``) of ``userns_fd``'s child: a child its maker did not kill (it was
+#: killed first: ``kill -9`` of a forker) pauses forever holding the dead maker's memory;
+#: ``orphaned_helpers`` finds it by this name.
+HELPER_NAME = b"bunshin-userns"
+_PR_SET_NAME, _PR_GET_NAME = 15, 16
+_SYS_KCMP, _KCMP_VM = 312, 1  # x86_64
 
 
 def userns_fd(maps: str) -> int:
@@ -300,12 +306,16 @@ def userns_fd(maps: str) -> int:
     top = ctypes.c_void_p((ctypes.addressof(stack) + _STACK - 64) & ~15)
     entry = ctypes.cast(_libc.syscall, ctypes.c_void_p)
     old = _SigSet()
+    own_name = ctypes.create_string_buffer(16)
+    _libc.prctl(_PR_GET_NAME, own_name, 0, 0, 0)
+    _libc.prctl(_PR_SET_NAME, HELPER_NAME, 0, 0, 0)  # the child takes the thread's name
     _libc.pthread_sigmask(signal.SIG_BLOCK, ctypes.byref(_ALL_SIGNALS), ctypes.byref(old))  # the child's: SIGKILL only
     try:
         pid = _clone(entry, top, _CLONE_VM | sc.CLONE_NEWUSER | signal.SIGCHLD, ctypes.c_void_p(_SYS_PAUSE))
         err = ctypes.get_errno()
     finally:
         _libc.pthread_sigmask(signal.SIG_SETMASK, ctypes.byref(old), None)
+        _libc.prctl(_PR_SET_NAME, own_name, 0, 0, 0)
     if pid < 0:
         raise OSError(err, f"clone(CLONE_NEWUSER): {os.strerror(err)}")
     try:
@@ -323,3 +333,25 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _clone = _libc.clone
 _clone.restype = ctypes.c_int
 _clone.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+
+
+def orphaned_helpers() -> list[int]:
+    """``userns_fd`` children whose maker died before killing them: named ``HELPER_NAME``
+    and no longer sharing their parent's memory (``kcmp(KCMP_VM)``: a live maker's child
+    always does; an orphan's parent is init or a subreaper)."""
+    out = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        comm, rest = stat[stat.index(b"(") + 1:stat.rindex(b")")], stat[stat.rindex(b")") + 2:].split()
+        if comm != HELPER_NAME:
+            continue
+        pid, ppid = int(entry.name), int(rest[1])
+        if _libc.syscall(_SYS_KCMP, pid, ppid, _KCMP_VM, 0, 0) != 0:
+            out.append(pid)
+    return out

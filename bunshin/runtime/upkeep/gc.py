@@ -4,7 +4,8 @@ After a crash or a ``kill -9`` of any bunshin process this restores a clean
 machine: stale records (creator or workspace dead, or a clone whose fork batch never
 committed), orphaned overlay mounts,
 cgroups and their processes, workspace folders on tmpfs and stray layers,
-snapshots nothing holds and snapshot files no record names.
+snapshots nothing holds and snapshot files no record names, and the user-namespace
+helpers a killed forker left (``idmap.orphaned_helpers``, any home's).
 
 A cluster host's home holds a lease (:class:`ClusterLease`, written by its host actor,
 renewed while the cluster vouches for it): once the lease is fenced (the head gave the
@@ -14,9 +15,11 @@ the home is the cluster's any more, so gc removes every workspace and snapshot o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -166,6 +169,11 @@ def collect(cfg: Config, store: Store, *, extra_owned: set[str] | None = None, r
             cg.destroy()
             report.cgroups.append(str(path))
 
+    # User-namespace helpers of a forker killed while it made a clone's views (``idmap``).
+    for pid in idmap.orphaned_helpers():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            report.processes.append(pid)
     # Workspace folders on tmpfs.
     if ws_root.is_dir():
         for d in ws_root.iterdir():
