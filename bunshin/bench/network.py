@@ -233,6 +233,8 @@ def canaries(inet: Internet) -> Iterator[dict[str, str]]:
         inside.wait()
         for s in listeners:
             s.close()
+        for addr in (METADATA, PRIVATE):  # their host routes too: the internet may serve others after
+            inet.remove_address(addr)
         for addr in (METADATA, PRIVATE):
             inet.remove_address(addr)
 

@@ -74,9 +74,9 @@ def canaries(internet, tmp_path_factory):
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:  # the server and whatever was added go also when an add fails
         for addr in CANARIES:
-            subprocess.run(["nsenter", netns, "ip", "addr", "add", f"{addr}/32", "dev", "lo"], check=True)
-            subprocess.run(["ip", "route", "add", f"{addr}/32", "via", internet.peer_addr, "dev", internet.link],
-                           check=True)
+            subprocess.run(["nsenter", netns, "ip", "addr", "replace", f"{addr}/32", "dev", "lo"], check=True)
+            subprocess.run(["ip", "route", "replace", f"{addr}/32", "via", internet.peer_addr, "dev", internet.link],
+                           check=True)  # replace: the same route another user of this internet left is no error
         with httpx.Client(timeout=5) as http:
             for addr in CANARIES:  # the host reaches each
                 assert _eventually(lambda a=addr: _get_ok(http, f"http://{a}:{CANARY_PORT}/"))
