@@ -66,3 +66,22 @@ def _stat_state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+def test_a_workspace_process_that_takes_the_name_is_not_killed() -> None:
+    """A process in another pid namespace (as every workspace process is) named like the
+    helper and sharing no memory with its parent is not taken for an orphan: a workload
+    cannot steer gc's kill by its name."""
+    code = ("import ctypes, sys; ctypes.CDLL(None).prctl(15, b'bunshin-userns', 0, 0, 0); "
+            "print(open('/proc/self/comm').read().strip(), flush=True); sys.stdin.read()")
+    p = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-c", code], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == idmap.HELPER_NAME.decode()
+        named = [int(c) for c in open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()]
+        assert named and _name(named[0]) == idmap.HELPER_NAME.decode()
+        assert named[0] not in idmap.orphaned_helpers() and named[0] not in idmap.kill_orphaned_helpers()
+        assert _stat_state(named[0]) not in ("Z", "gone")
+    finally:
+        p.kill()
+        p.wait()

@@ -27,6 +27,8 @@ import signal
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import psutil
+
 from ...config import Config
 from ...errors import HostUnsupported, InvalidArgument
 from ..kernel import mountinfo
@@ -336,22 +338,41 @@ _clone.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void
 
 
 def orphaned_helpers() -> list[int]:
-    """``userns_fd`` children whose maker died before killing them: named ``HELPER_NAME``
-    and no longer sharing their parent's memory (``kcmp(KCMP_VM)``: a live maker's child
-    always does; an orphan's parent is init or a subreaper)."""
-    out = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
+    """``userns_fd`` children whose maker died before killing them: named ``HELPER_NAME``,
+    in this process's pid namespace (a workspace's process may take the name, but not leave
+    its namespace), and no longer sharing their parent's memory (``kcmp(KCMP_VM)``: a live
+    maker's child always does; an orphan's parent is init or a subreaper)."""
+    return [p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == HELPER_NAME.decode()
+            and _is_orphan(p.pid)]
+
+
+def kill_orphaned_helpers() -> list[int]:
+    """SIGKILL every ``orphaned_helpers`` process, each through a pidfd taken before it is
+    checked again (a pid reused in between is never signalled); the pids killed."""
+    killed = []
+    for pid in orphaned_helpers():
         try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                stat = f.read()
+            fd = os.pidfd_open(pid)
         except OSError:
-            continue
-        comm, rest = stat[stat.index(b"(") + 1:stat.rindex(b")")], stat[stat.rindex(b")") + 2:].split()
-        if comm != HELPER_NAME:
-            continue
-        pid, ppid = int(entry.name), int(rest[1])
-        if _libc.syscall(_SYS_KCMP, pid, ppid, _KCMP_VM, 0, 0) != 0:
-            out.append(pid)
-    return out
+            continue  # gone already
+        try:
+            if _is_orphan(pid):
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+                killed.append(pid)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return killed
+
+
+def _is_orphan(pid: int) -> bool:
+    try:
+        proc = psutil.Process(pid)
+        if proc.name() != HELPER_NAME.decode():
+            return False
+        if os.readlink(f"/proc/{pid}/ns/pid") != os.readlink("/proc/self/ns/pid"):
+            return False
+        return bool(_libc.syscall(_SYS_KCMP, pid, proc.ppid(), _KCMP_VM, 0, 0) != 0)
+    except (psutil.Error, OSError):
+        return False

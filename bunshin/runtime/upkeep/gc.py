@@ -15,11 +15,9 @@ the home is the cluster's any more, so gc removes every workspace and snapshot o
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -170,10 +168,7 @@ def collect(cfg: Config, store: Store, *, extra_owned: set[str] | None = None, r
             report.cgroups.append(str(path))
 
     # User-namespace helpers of a forker killed while it made a clone's views (``idmap``).
-    for pid in idmap.orphaned_helpers():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-            report.processes.append(pid)
+    report.processes.extend(idmap.kill_orphaned_helpers())
     # Workspace folders on tmpfs.
     if ws_root.is_dir():
         for d in ws_root.iterdir():
