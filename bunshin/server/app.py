@@ -31,6 +31,7 @@ from .. import __version__
 from ..api import models as m
 from ..config import Config
 from ..errors import BunshinError, InvalidArgument, PayloadTooLarge, Unauthorized
+from ..runtime import snapshot as rsnap
 from ..runtime.net.policy import NetworkMode
 from ..runtime.state.store import Store
 from . import (
@@ -113,6 +114,7 @@ def create_app(config: Config, token: str, *, limits: Limits | None = None,
                 yield
                 tg.cancel_scope.cancel()
         finally:
+            rsnap.ahead.release()  # the templates' clones made ahead
             keeper.close()
 
     app = FastAPI(title="bunshin", version=__version__, lifespan=lifespan)

@@ -92,11 +92,15 @@ class ServerContext:
         return out if lease is None else out.model_copy(update={"expires_at": lease.expires_at})
 
     def made(self, request: Request, ws: Sequence[Workspace], ttl: float | None) -> list[m.WorkspaceOut]:
+        """Workspaces a route made, kept (:meth:`keep`) and on the wire."""
+        self.keep(request, ws, ttl)
+        return [self.out(w) for w in ws]
+
+    def keep(self, request: Request, ws: Sequence[Workspace], ttl: float | None) -> None:
         """Workspaces a route made, leased for ``ttl`` seconds (else the server's default
-        lease, if any), on the wire; called
-        in the route's thread. If the caller hung up meanwhile, nobody will hear of them: they
-        are removed and :class:`CallerGone` raised (an idempotency key is freed, so a retry
-        makes them anew)."""
+        lease, if any); called in the route's thread. If the caller hung up meanwhile,
+        nobody will hear of them: they are removed and :class:`CallerGone` raised (an
+        idempotency key is freed, so a retry makes them anew)."""
         if anyio.from_thread.run(request.is_disconnected):
             for w in ws:
                 try:
@@ -108,7 +112,6 @@ class ServerContext:
         ttl = ttl if ttl is not None else self.default_ttl
         if ttl is not None:
             self.leases.grant([w.id for w in ws], ttl)
-        return [self.out(w) for w in ws]
 
 
     def ws_of(self, ws_id: str) -> Workspace:

@@ -50,7 +50,7 @@ class WorkspaceNode:
 def build(config: Config, *, with_stats: bool = True) -> list[WorkspaceNode | SnapshotNode]:
     """The family forest, oldest roots first."""
     with Store.open(config.db_path) as store:
-        recs = store.list_workspaces()
+        recs = [r for r in store.list_workspaces() if not r.extra.get(rsnap.MADE_AHEAD)]  # made ahead: not yet
         snaps = sorted(rsnap.list_all(store), key=lambda s: s.created_at)
     depth_of = {s.id: s.depth for s in snaps}
     wnodes = {r.id: _workspace_node(r, depth_of, with_stats) for r in recs}

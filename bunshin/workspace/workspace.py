@@ -140,10 +140,11 @@ class Workspace:
 
     @classmethod
     def list(cls, *, config: Config | None = None) -> builtins.list[WorkspaceInfo]:
-        """Every workspace of this home (``config``: the environment's), as :class:`WorkspaceInfo`."""
+        """Every workspace of this home (``config``: the environment's), as :class:`WorkspaceInfo`;
+        not the clones made ahead of their restore (``Snapshot.restore(ahead=True)``)."""
         cfg = config or Config.from_env()
         with Store.open(cfg.db_path) as store:
-            return [WorkspaceInfo.of(r) for r in store.list_workspaces()]
+            return [WorkspaceInfo.of(r) for r in store.list_workspaces() if not r.extra.get(rsnap.MADE_AHEAD)]
 
     def remove(self) -> None:
         """Kill every process, free every mount, cgroup and file of this workspace."""
@@ -403,15 +404,25 @@ class Snapshot:
         """Write images, memory files and layers into ``folder`` (new or empty)."""
         return folder_save.save(self._config, self._record, Path(folder))
 
-    def restore(self, n: int = 1, *, ids: Sequence[str] | None = None) -> builtins.list[Workspace]:
+    def restore(self, n: int = 1, *, ids: Sequence[str] | None = None, ahead: bool = False
+                ) -> builtins.list[Workspace]:
         """``n`` new running workspaces in this state; all of them or none. ``ids``: the ids
-        they take (free ones, e.g. of workspaces removed since); else new ones."""
+        they take (free ones, e.g. of workspaces removed since); else new ones. ``ahead``
+        (a restore of one, without ``ids``, of a snapshot without network): the next clone
+        is made up to its criu run in the background, and this one is taken if it was
+        (``runtime.snapshot.ahead``)."""
+        ahead = ahead and n == 1 and ids is None and self._record.network == "none"
+        ready = rsnap.ahead.take(self.id) if ahead else None
         with Store.open(self._config.db_path) as store:
-            recs = rsnap.restore(self._config, store, self._record, n, ids=ids)
+            recs = rsnap.restore(self._config, store, self._record, n, ids=ids, ready=ready)
+        if ahead:
+            rsnap.ahead.want(self._config, self._record)
         return [Workspace(self._config, r) for r in recs]
 
     def remove(self) -> None:
-        """Drop it; its files go once no restored workspace stacks on them."""
+        """Drop it; its files go once no restored workspace stacks on them (a clone made
+        ahead is destroyed first)."""
+        rsnap.ahead.release(self.id)
         with Store.open(self._config.db_path) as store:
             rsnap.remove(self._config, store, self._record)
 

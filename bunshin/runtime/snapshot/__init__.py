@@ -1,6 +1,7 @@
 """Snapshots of running workspaces, and restores from them: the live fork.
 
-The room: taking (the dump), restoring (clones, and ``fork``), lifetime (the record and what
+The room: taking (the dump), restoring (clones, and ``fork``), ahead (the next clone of a
+snapshot made up to its criu run), lifetime (the record and what
 keeps it alive), sweeping (freeing what nothing holds); folder (a snapshot saved to or loaded
 from a folder) and checks (what a loaded folder must satisfy); image_policy (what a CRIU image
 may bring), upper_copy (the frozen copy of the upper, upper_copy.c), precopy (the live
@@ -29,6 +30,7 @@ snapshot).
 May import: criu, container, agent_host, memfile, oci, kernel, state; never upkeep.
 """
 
+from . import ahead
 from .lifetime import (
     KIND,
     MEM_VIEW,
@@ -40,16 +42,18 @@ from .lifetime import (
     unclaim,
     update,
 )
-from .restoring import MAX_BATCH, PID_MARGIN, criu_mounts, fork, restore
+from .restoring import MADE_AHEAD, MAX_BATCH, PID_MARGIN, criu_mounts, fork, restore
 from .sweeping import remove, sweep
 from .taking import take
 
 __all__ = [
     "KIND",
+    "MADE_AHEAD",
     "MAX_BATCH",
     "MEM_VIEW",
     "PID_MARGIN",
     "SnapshotRecord",
+    "ahead",
     "claim",
     "criu_mounts",
     "fork",

@@ -23,7 +23,7 @@ from ...config import Config
 from ...errors import (
     SnapshotNotFound,
 )
-from ..state.records import Mount, SnapshotMode, mounts_from_json
+from ..state.records import Mount, SnapshotMode, mounts_from_json, record_json
 from ..state.store import Store
 
 KIND = "snapshot"
@@ -61,7 +61,7 @@ class SnapshotRecord:
     net_policy: dict[str, Any] | None = None  # its egress policy at the dump (``Policy.to_dict``)
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
+        return record_json(self)
 
     @classmethod
     def from_json(cls, text: str) -> SnapshotRecord:

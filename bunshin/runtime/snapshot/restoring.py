@@ -9,6 +9,7 @@ all of them; ``check_batch`` refuses one that cannot fit before anything is made
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import signal
@@ -56,7 +57,7 @@ RESTORE_CONCURRENCY = 2
 
 
 def restore(cfg: Config, store: Store, snap: SnapshotRecord, n: int, *, keep_logs: bool = False,
-            ids: Sequence[str] | None = None) -> list[WorkspaceRecord]:
+            ids: Sequence[str] | None = None, ready: Ready | None = None) -> list[WorkspaceRecord]:
     """``n`` new running workspaces from ``snap``; all of them or none. ``ids``: the ids they
     take (``n`` of them, each free: a workspace that was removed may come back under its own
     id, as E2B's resumed sandboxes do); else new ones. ``keep_logs``: each
@@ -68,13 +69,28 @@ def restore(cfg: Config, store: Store, snap: SnapshotRecord, n: int, *, keep_log
     runs in the calling thread, which takes a Ctrl-C when it is done) and under ``kill -9``: each
     clone keeps this process as its ``owner_pid`` until the whole batch is in, so gc
     treats the clones of a dead forker as unfinished.
+
+    ``ready``: the one clone of a restore of one (no ``ids``, logs or network), made ahead
+    (``prepare_one``, ``ahead``): only its criu run and what follows are left. It is given
+    up: destroyed if the restore fails.
     """
-    check_batch(n, _snapshot_tasks(snap))
-    given = _free_ids(store, ids, n)
-    restore_boost.factor()  # a malformed setting refused before anything is made
-    budget.check_room(store, snap.pids_limit, n)  # each clone's record is checked again as it is added
-    cgroup_moves.ensure()  # criu's moves into the clone's cgroups: 0.03 ms instead of 3-17 (busy host)
-    layout = Layout.discover()
+    try:
+        check_batch(n, _snapshot_tasks(snap))
+        if ready is not None and (n != 1 or ids is not None or keep_logs or snap.network == NetworkMode.EGRESS
+                                  or ready.rec.snapshot != snap.id):
+            raise InvalidArgument(f"a clone made ahead of snapshot {ready.rec.snapshot} cannot finish a restore of "
+                                  f"{n} of {snap.id}" + (" with ids, logs or network" if n == 1 else ""),
+                                  hint="give a clone made ahead only to a plain restore of one of its snapshot")
+        given = _free_ids(store, ids, n)
+        restore_boost.factor()  # a malformed setting refused before anything is made
+        if ready is None:  # one made ahead is in the budget already
+            budget.check_room(store, snap.pids_limit, n)  # each clone's record is checked again as it is added
+        cgroup_moves.ensure()  # criu's moves into the clone's cgroups: 0.03 ms instead of 3-17 (busy host)
+        layout = Layout.discover()
+    except BaseException:
+        if ready is not None:
+            discard(cfg, store, snap, ready.rec.id)
+        raise
     net_slots: dict[str, Slot] = {}
     if snap.network == NetworkMode.EGRESS:  # every clone's slot and table made ahead, in one transaction
         given = given or [container.new_id() for _ in range(n)]
@@ -93,7 +109,7 @@ def restore(cfg: Config, store: Store, snap: SnapshotRecord, n: int, *, keep_log
     try:
         if pool is None:
             with _sigint_deferred():  # never cut midway: rolled back whole, as a pool's restore is awaited
-                made.append(one(*into(0)))
+                made.append(one(*into(0), ready))
         else:
             for i in range(n):  # one by one: an interrupt mid-way still sees every submitted future
                 futures.append(pool.submit(one, *into(i)))
@@ -260,8 +276,27 @@ def _free_ids(store: Store, ids: Sequence[str] | None, n: int) -> list[str] | No
     return given
 
 
-def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout, keep_log: bool = False,
-                 ws_id: str | None = None, net_slot: Slot | None = None) -> WorkspaceRecord:
+@dataclasses.dataclass(frozen=True)
+class Ready:
+    """A clone made up to its criu run (``prepare_one``): its record (``creating``, owned
+    by this process), folder, overlay, identity, cgroups, images folder and placement."""
+
+    rec: WorkspaceRecord
+    cg: WorkspaceCgroup
+    images: Path
+    into: criu.Placement
+    prepare_ms: float  # what making it took
+
+
+#: In the ``extra`` of a clone made ahead (``prepare_one(..., ahead=True)``) until its restore:
+#: lists of workspaces leave it out.
+MADE_AHEAD = "made_ahead"
+
+
+def prepare_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout, ws_id: str | None = None,
+                *, ahead: bool = False) -> Ready:
+    """A clone of ``snap`` made up to its criu run (``ahead``: marked :data:`MADE_AHEAD`
+    until then); destroyed again if a step fails."""
     ws_id = ws_id or container.new_id()
     wdir = cfg.paths.workspace(ws_id)
     cg = WorkspaceCgroup.of(layout, cfg.cgroup_prefix + ws_id)
@@ -273,7 +308,7 @@ def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout
         lowers=(snap.layer, *snap.lowers), cgroup_version=layout.version, cgroups=cg.dirs_as_str(),
         memory_limit=snap.memory_limit, pids_limit=snap.pids_limit, hostname=snap.hostname,
         owner_pid=os.getpid(), parent=snap.source, snapshot=snap.id, mounts=snap.mounts, ids=ids,
-        network=snap.network,
+        network=snap.network, extra={MADE_AHEAD: True} if ahead else {},
     )
     try:
         budget.add_within(store, rec)
@@ -286,7 +321,6 @@ def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout
         container.publish_identity(rec, {"workspace_id": ws_id, "fork_id": ws_id, "parent": snap.source,
                                          "snapshot": snap.id, "depth": snap.depth})
         WorkspaceCgroup.create(layout, cfg.cgroup_prefix + ws_id, memory=snap.memory_limit, pids=snap.pids_limit)
-        boosted = restore_boost.boost(cg, restore_boost.factor())  # criu and the tasks it forks first
         # criu starts inside the clone's cgroups and a fresh network namespace with
         # lo up; the restored tasks inherit both.
         sysfs = str(wdir / "sys")  # beneath the clone's folder: unmounted with it
@@ -298,20 +332,46 @@ def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout
                               cgroup_procs=tuple(str(p / "cgroup.procs") for p in cg.paths),
                               own_mounts=criu_mounts(cfg, snap, wdir, ids),
                               preload=str(userns_owner.library(cfg)))
+        return Ready(rec, cg, images, into, (time.perf_counter() - t0) * 1000)
+    except BaseException:
+        discard(cfg, store, snap, ws_id)
+        raise
+
+
+def discard(cfg: Config, store: Store, snap: SnapshotRecord, ws_id: str) -> None:
+    """Destroy a clone of ``snap`` that is not the caller's: made in part, failed, or never taken."""
+    clone_images.drop(Path(snap.images) / f"{clone_images.CLONE_PREFIX}{ws_id}")
+    container.destroy(cfg, store, store.get_workspace(ws_id))
+
+
+def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout, keep_log: bool = False,
+                 ws_id: str | None = None, net_slot: Slot | None = None, ready: Ready | None = None
+                 ) -> WorkspaceRecord:
+    """One clone: made (or ``ready``, made ahead: ``ahead``), then criu's run into it."""
+    t0 = time.perf_counter()
+    if ready is None:
+        ready = prepare_one(cfg, store, snap, layout, ws_id)
+        ahead_ms = None
+    else:
+        ahead_ms = ready.prepare_ms
+    rec, cg, into = ready.rec, ready.cg, ready.into
+    ws_id, wdir = rec.id, cfg.paths.workspace(rec.id)
+    try:
+        boosted = restore_boost.boost(cg, restore_boost.factor())  # criu and the tasks it forks first
         t1 = time.perf_counter()
         run = criu.restore(
-            cfg.criu, images, pidfile=wdir / "pid", root=Path(rec.root),
-            extra=[*_COMMON, "--external", f"mnt[{SYS_EXTERNAL}]:{sysfs}", "--manage-cgroups=ignore",
-                   *mount_externals(rec.mounts, dump=False, cfg=cfg, ids=ids)],
+            cfg.criu, ready.images, pidfile=wdir / "pid", root=Path(rec.root),
+            extra=[*_COMMON, "--external", f"mnt[{SYS_EXTERNAL}]:{into.sysfs}", "--manage-cgroups=ignore",
+                   *mount_externals(rec.mounts, dump=False, cfg=cfg, ids=rec.ids)],
             placement=into,
             keep_log=keep_log,  # written from inside the clone's cgroup: it would be charged to it
             log_level=4 if keep_log else cfg.restore_log_level,  # a kept log is read: every step
         )
         assert run.pid is not None
-        kept = clone_images.drop(images, keep=run.log if keep_log else None)
-        if userns_owner.owner_of(run.pid) != ids:  # never a clone whose namespace host root owns
+        kept = clone_images.drop(ready.images, keep=run.log if keep_log else None)
+        if userns_owner.owner_of(run.pid) != rec.ids:  # never a clone whose namespace host root owns
             raise RuntimeFailure(f"the user namespace of clone {ws_id} is owned by host uid "
-                                 f"{userns_owner.owner_of(run.pid)}, not its own root {ids}",
+                                 f"{userns_owner.owner_of(run.pid)}, not its own root {rec.ids}",
                                  hint="its criu did not load bunshin's userns_owner helper: run criu through "
                                       "the wrapper make install writes, or a script that keeps LD_PRELOAD")
         if boosted:
@@ -326,23 +386,24 @@ def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout
             net_ms = (time.perf_counter() - t_net) * 1000
         pid_start = psutil.Process(run.pid).create_time()
         # what this clone's restore cost, step by step (``bench fork``): its record, folder,
-        # overlay, identity and cgroups; the criu run (spawn to exit, ``restore_ms``); the
-        # pidfile and network lock after it
+        # overlay, identity and cgroups (``prepare``; made ahead: ``ahead``, off the path); the
+        # criu run (spawn to exit, ``restore_ms``); the pidfile and network lock after it
         steps = {"prepare": (t1 - t0) * 1000, "criu_call": (t2 - t1) * 1000, "after": (time.perf_counter() - t2) * 1000}
+        if ahead_ms is not None:
+            steps["ahead"] = ahead_ms
         if net_slot is not None:
             steps["net"] = net_ms  # of "after": the clone's link (``net.finish_clone``)
-        # owner_pid stays set until ``restore`` commits the whole batch
+        # owner_pid stays set until ``restore`` commits the whole batch; ``extra`` is replaced
+        # (``MADE_AHEAD`` goes)
         started = {"state": WorkspaceState.RUNNING, "pid": run.pid, "pid_start": pid_start,
+                   **({"created_at": time.time()} if ahead_ms is not None else {}),  # restored now, made before
                    "extra": {"restore_ms": round(run.duration_ms, 2),
                              "restore_steps_ms": {k: round(v, 2) for k, v in steps.items()},
                              **({"restore_log": str(kept)} if keep_log else {})}}
         return store.update_workspace(ws_id, lambda r: r.replace(**started)) or rec.replace(**started)
     except BaseException:
-        clone_images.drop(Path(snap.images) / f"{clone_images.CLONE_PREFIX}{ws_id}")
-        container.destroy(cfg, store, store.get_workspace(ws_id))
+        discard(cfg, store, snap, ws_id)
         raise
-
-
 
 
 def fork(cfg: Config, store: Store, rec: WorkspaceRecord, n: int, *, mode: SnapshotMode | str = SnapshotMode.COW

@@ -123,6 +123,17 @@ def check_mounts(mounts: Iterable[Mount | str | dict[str, Any]]) -> tuple[Mount,
     return out
 
 
+def record_json(rec: Any, **values: Any) -> str:
+    """A frozen record's JSON: its fields one level deep (``json.dumps`` walks the tuples,
+    lists and dicts in them; ``dataclasses.asdict`` deep-copies each first: 0.13 ms of a
+    workspace record's 0.16), ``values`` in place of those fields, ``mounts`` as mappings."""
+    d = {f.name: getattr(rec, f.name) for f in dataclasses.fields(rec)}
+    if "mounts" in d:
+        d["mounts"] = [{"host": m.host, "path": m.path, "read_only": m.read_only} for m in d["mounts"]]
+    d.update(values)
+    return json.dumps(d)
+
+
 def mounts_from_json(value: Any) -> tuple[Mount, ...]:
     """Mounts as records store them (not re-checked against the host)."""
     if not isinstance(value, list | tuple):
@@ -175,9 +186,7 @@ class WorkspaceRecord:
         return dataclasses.replace(self, **changes)
 
     def to_json(self) -> str:
-        d = dataclasses.asdict(self)
-        d["state"] = self.state.value
-        return json.dumps(d)
+        return record_json(self, state=self.state.value)
 
     @classmethod
     def from_json(cls, text: str) -> WorkspaceRecord:

@@ -127,7 +127,7 @@ def router(ctx: ServerContext) -> APIRouter:
         def go() -> dict[str, Any]:
             snap, template_id = templates.snapshot_of(req.template_id, egress=rules is not None)
             with ctx.admission.admit(1, snap.record.memory_limit, snap.record.pids_limit):
-                made = snap.restore(1)
+                made = snap.restore(1, ahead=rules is None)  # the template's next clone made ahead
             try:
                 if rules is not None and (rules[0] or rules[1]):
                     made[0].set_network_policy(*rules)
@@ -137,7 +137,7 @@ def router(ctx: ServerContext) -> APIRouter:
                 made[0].remove()
                 raise
             timeout = req.timeout or default_timeout
-            ctx.made(request, made, timeout)
+            ctx.keep(request, made, timeout)
             internet = snap.record.network == "egress" and req.allow_internet_access is not False
             rec = SandboxRecord(made[0].id, template_id, time.time(), timeout, req.metadata or {},
                                 req.env_vars or {}, True if internet else req.allow_internet_access)
@@ -287,7 +287,7 @@ def router(ctx: ServerContext) -> APIRouter:
             with ctx.admission.admit(1, snap.record.memory_limit, snap.record.pids_limit):
                 made = snap.restore(1, ids=[sandbox_id])
             ttl = timeout or sb.record.timeout or DEFAULT_TIMEOUT_S
-            ctx.made(request, made, ttl)  # a caller gone: removed again, still paused
+            ctx.keep(request, made, ttl)  # a caller gone: removed again, still paused
             rec = sandboxes.resumed(sb.record, ttl)
             snap.remove()  # its files stay while the workspace stacks on them
             logs.info(sandbox_id, f"sandbox resumed (timeout {ttl} s)", event="resumed")
@@ -336,7 +336,7 @@ def router(ctx: ServerContext) -> APIRouter:
                 except BunshinError as e:  # all or none: each fork failed alike
                     err = E2BError.of(e)
                     return [{"error": {"code": err.status, "message": err.message}}] * req.count
-            ctx.made(request, clones, ttl)
+            ctx.keep(request, clones, ttl)
             now = time.time()
             recs = [_with(sb.record, id=c.id, started_at=now, timeout=ttl) for c in clones]
             sandboxes.put(*recs)
