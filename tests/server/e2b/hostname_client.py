@@ -24,6 +24,7 @@ try:
     out["run"] = sbx.commands.run("echo over-tls; hostname").stdout
     sbx.files.write("/srv/index.html", "port inside")
     out["read"] = sbx.files.read("/srv/index.html")
+    out["signed"] = httpx.get(sbx.download_url("/srv/index.html")).text  # no token: the URL's signature
     server = sbx.commands.run("cd /srv && exec python3 -m http.server 8123 --bind 127.0.0.1", background=True)
     host = sbx.get_host(8123)
     out["host"] = host

@@ -104,6 +104,7 @@ def test_hostname_mode_over_tls(cfg, tmp_path: Path) -> None:
     assert out["envd_url"].startswith("https://49983-ws-") and out["envd_url"].endswith(f".{DOMAIN}:{port}")
     assert out["run"].startswith("over-tls\n")
     assert out["read"] == "port inside"
+    assert out["signed"] == "port inside"  # a signed download URL, fetched by its host name alone
     assert out["host"].startswith("8123-ws-")
     assert out["proxied"] == [200, "port inside"]
     assert out["no_token"] == 401

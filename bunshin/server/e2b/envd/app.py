@@ -1,10 +1,12 @@
-"""The ASGI app of envd's port (49983) of every sandbox: the access token checked, the
-sandbox found, then the Connect services or the HTTP routes."""
+"""The ASGI app of envd's port (49983) of every sandbox: the access token checked (or, for
+``/files``, a URL the SDK signed: ``auth.file_url_refusal``), the sandbox found, then the
+Connect services or the HTTP routes."""
 
 from __future__ import annotations
 
 import json
 import threading
+from urllib.parse import parse_qsl
 
 import anyio.to_thread
 from connectrpc.code import Code
@@ -16,6 +18,7 @@ from ....errors import NotFound, RateLimited, StateConflict
 from ....workspace import Workspace
 from ...context import ServerContext
 from .. import hosts
+from ..auth import file_url_refusal
 from . import files, filesystem, process
 from .rpc import CALL, Call, user_of
 
@@ -60,8 +63,13 @@ class EnvdApp:
         health = path == "/health"  # envd's own answers without a token; a sandbox not there is a 502
         if not health and not hosts.token_ok(self.ctx.token, scope):
             message = f"missing or wrong access token for sandbox {t.sandbox_id}: send its envdAccessToken as X-Access-Token"
-            await _refuse(scope, send, 401, message, service is not None, "unauthenticated")
-            return
+            signed = path == "/files" and _signed_query(scope)
+            if signed:  # a file URL the SDK signed (download_url / upload_url)
+                why = file_url_refusal(self.ctx.token, t.sandbox_id, scope["method"], signed)
+                message = why or message
+            if not signed or why is not None:
+                await _refuse(scope, send, 401, message, service is not None, "unauthenticated")
+                return
         try:  # a health check holds no token: it takes no thread of the sandbox's share
             ws = await (anyio.to_thread.run_sync(self._workspace, t.sandbox_id) if health
                         else self.ctx.shares.run(t.sandbox_id, self._workspace, t.sandbox_id))
@@ -97,6 +105,13 @@ class EnvdApp:
                 await (await files.answer(CALL.get(), request))(scope, receive, send)
         finally:
             CALL.reset(token)
+
+
+def _signed_query(scope: Scope) -> dict[str, str] | None:
+    """The query of a request carrying a file URL signature (each name's last value, as the routes
+    read it), else None."""
+    query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True))
+    return query if "signature" in query else None
 
 
 async def _refuse(scope: Scope, send: Send, status: int, message: str, rpc: bool, code: str) -> None:

@@ -1,6 +1,7 @@
 """envd's HTTP routes (``spec/envd/envd.yaml``): ``GET /files`` (download), ``POST /files``
 (upload: ``application/octet-stream`` with ``?path=``, or ``multipart/form-data`` with one
-``file`` part per file, named by its path), ``GET /envs`` and ``GET /metrics``.
+``file`` part per file, named by its path, or written to ``?path=`` if given, as envd does:
+what a signed upload URL names), ``GET /envs`` and ``GET /metrics``.
 ``/health`` is answered before the access token is checked, as envd's is.
 
 Errors are envd's ``{"code": <status>, "message"}``. A download streams in pieces of
@@ -137,7 +138,7 @@ async def _multipart_within(call: Call, request: Request) -> Response:
         for key, part in form.multi_items():
             if key != "file" or isinstance(part, str):
                 continue
-            path = resolve(call, part.filename or default or "")
+            path = resolve(call, default or part.filename or "")  # ?path= first: a signed URL's is its one path
             f = part.file
 
             def chunks(f: Any = f) -> Iterator[bytes]:
