@@ -7,9 +7,13 @@ first. Refused calls did nothing and answer :class:`~bunshin.errors.RateLimited`
 - ``max_workspaces``: live workspaces on the host (the store's records that are not
   dead) plus those being made by calls in flight;
 - ``max_memory``: the sum of their memory limits (a workspace's cgroup ``memory.max``
-  is the most it can take, so the sum bounds what they can take together). Under a
-  memory cap a workspace without a limit is refused: it could take the whole host.
-  ``bunshin serve`` caps it at the host's memory unless told otherwise;
+  is the most it can take, so the sum bounds what they can take together), plus what the
+  kept snapshots hold on bunshin's tmpfs, which is memory too (their memory files, images
+  and layer: E2B templates and paused sandboxes, snapshots a caller kept): a workspace
+  snapshotted and removed, or a sandbox paused, leaves its state in memory, and without
+  this a caller could fill the host by pausing what it made. Under a memory cap a
+  workspace without a limit is refused: it could take the whole host. ``bunshin serve``
+  caps it at the host's memory unless told otherwise;
 - ``max_pids``: the sum of their pids limits, the server's share of the host-wide
   pids budget (``runtime.budget``, which refuses past ``kernel.pid_max`` less 10% in
   any case, 507); here a refusal is a 429 to retry, counting calls in flight;
@@ -35,7 +39,7 @@ import psutil
 from ..config import Config
 from ..errors import InvalidArgument, RateLimited
 from ..runtime.state.records import WorkspaceState
-from ..workspace import Workspace
+from ..workspace import Snapshot, Workspace
 
 #: What a caller refused by a cap is told to wait: capacity frees when someone removes a workspace.
 CAP_RETRY_S = 1.0
@@ -148,11 +152,14 @@ class Admission:
                               f"{lim.max_workspaces}", hint="retry once some are removed",
                               retry_after=CAP_RETRY_S, cap="workspaces")
         if lim.max_memory is not None:
-            used = sum(i.memory_limit or 0 for i in live) + self._pending_mem
-            if used + mem > lim.max_memory:
-                raise RateLimited(f"the workspaces' memory limits add up to {used >> 20} MiB; {mem >> 20} MiB "
-                                  f"more would pass this host's cap of {lim.max_memory >> 20} MiB",
-                                  hint="retry once some are removed, or ask for less memory",
+            limits = sum(i.memory_limit or 0 for i in live) + self._pending_mem
+            kept = kept_snapshot_bytes(self._config)
+            if limits + kept + mem > lim.max_memory:
+                held = f" and kept snapshots hold {kept >> 20} MiB" if kept else ""
+                raise RateLimited(f"the workspaces' memory limits add up to {limits >> 20} MiB{held}; {mem >> 20} "
+                                  f"MiB more would pass this host's cap of {lim.max_memory >> 20} MiB",
+                                  hint="retry once some are removed (paused sandboxes and kept snapshots count "
+                                       "until they are removed), or ask for less memory",
                                   retry_after=CAP_RETRY_S, cap="memory")
         if lim.max_pids is not None:
             used = sum(lim.max_pids if i.pids_limit is None else i.pids_limit for i in live) + self._pending_pids
@@ -160,6 +167,12 @@ class Admission:
                 raise RateLimited(f"the workspaces' pids limits add up to {used}; {pids} more would pass this "
                                   f"host's cap of {lim.max_pids}", hint="retry once some are removed, or ask "
                                   "for smaller pids limits", retry_after=CAP_RETRY_S, cap="pids")
+
+
+def kept_snapshot_bytes(config: Config) -> int:
+    """What the kept snapshots of ``config`` hold on bunshin's tmpfs (memory files, images, layer)."""
+    return sum(r.memfile_bytes + r.image_bytes + r.layer_bytes for r in (s.record for s in Snapshot.list(config=config))
+               if r.keep)
 
 
 def _check_host_memory(reserve: int) -> None:

@@ -123,6 +123,38 @@ def test_the_memory_cap_counts_memory_limits(limited):
             ws.remove()
 
 
+@pytest.mark.parametrize("limited", [Limits(max_memory=1280 << 20)], indirect=True)
+def test_the_memory_cap_counts_what_kept_snapshots_hold(limited):
+    """A workspace snapshotted and removed (as an E2B pause does) leaves its memory on
+    bunshin's tmpfs: the cap counts it until the snapshot goes, so snapshotting and removing
+    does not let a caller fill the host."""
+    with Client(limited, token=TOKEN, retry=ONCE) as c:
+        ws = c.create(memory="512M")
+        try:  # 300 MiB written by a process that stays: the snapshot's memory files hold it
+            ws.exec("nohup python3 -c 'import time; b = b\"x\" * (300 << 20); open(\"/tmp/ready\", \"w\"); "
+                    "time.sleep(3600)' >/dev/null 2>&1 &")
+            deadline = time.monotonic() + 30
+            while not ws.exec("test -f /tmp/ready").ok and time.monotonic() < deadline:
+                time.sleep(0.1)
+            snap = ws.snapshot()
+        finally:
+            ws.remove()
+        try:
+            assert snap.size_bytes >= 300 << 20
+            a = c.create(memory="512M")  # 512 MiB + the snapshot's ~330 fit in 1280
+            try:
+                with pytest.raises(RateLimited, match=r"add up to 512 MiB and kept snapshots hold \d+ MiB"):
+                    c.create(memory="512M")  # 1024 would fit; with the snapshot's it does not
+            finally:
+                a.remove()
+        finally:
+            snap.remove()
+        b = c.create(memory="512M")  # the snapshot gone: room again
+        b2 = c.create(memory="512M")
+        b.remove()
+        b2.remove()
+
+
 @pytest.mark.parametrize("limited", [Limits(rate=1.0, burst=1)], indirect=True)
 def test_the_rate_limit_refuses_a_burst_and_the_client_waits_it_out(limited):
     with Client(limited, token=TOKEN, retry=ONCE) as impatient, Client(limited, token=TOKEN) as patient:
