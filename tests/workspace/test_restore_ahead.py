@@ -141,3 +141,20 @@ def test_gc_removes_a_clone_made_ahead_by_a_process_that_died(family):
     assert _ahead_records(family.cfg) == []
     assert not family.cfg.paths.workspace(orphan.id).exists()
     assert leftovers(family.cfg)["records"] == [ws.id]  # the family's own workspace only
+
+
+def test_a_forked_child_neither_takes_nor_destroys_its_parents_clone_made_ahead(family):
+    ws = family.create()
+    snap = family.snapshot(ws)
+    family.workspaces += snap.restore(1, ahead=True)
+    ready = _made_ahead(family.cfg, snap)
+    pid = os.fork()
+    if pid == 0:  # the child: nothing of the parent's to take, and its exit releases nothing
+        code = 0 if rsnap.ahead.take(snap.id) is None else 3
+        rsnap.ahead.release()
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    (still,) = _ahead_records(family.cfg)
+    assert still.id == ready.id and family.cfg.paths.workspace(ready.id).exists()
+    rsnap.ahead.release(snap.id)

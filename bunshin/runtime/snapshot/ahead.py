@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -149,4 +150,13 @@ def _discard(cfg: Config, snap: SnapshotRecord, ready: Ready) -> None:
         log.warning("removing clone %s made ahead failed: %s", ready.rec.id, e)
 
 
+def _forget() -> None:
+    """In a forked child: the clones made ahead are the parent's (their records name it as
+    owner), never this process's to take or destroy."""
+    global _lock
+    _lock = threading.Lock()
+    _wanted.clear()
+
+
 atexit.register(release)
+os.register_at_fork(after_in_child=_forget)
