@@ -1,5 +1,5 @@
 """envd on ``bunshin serve``, through the unmodified ``e2b`` SDK (sync) over loopback HTTP:
-commands, PTYs, files, watches, a sandbox's port, and the access token."""
+commands, PTYs, files, watches, a sandbox's port, the access token, and the file URLs the SDK signs."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import struct
 import threading
 import time
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import httpx
 import pytest
@@ -24,6 +25,7 @@ from e2b import (  # noqa: E402
     SandboxNotRunningException,
     TimeoutException,
 )
+from e2b.sandbox.signature import get_signature  # noqa: E402
 
 from bunshin.server.e2b.auth import envd_access_token  # noqa: E402
 from tests.conftest import leftovers  # noqa: E402
@@ -373,3 +375,73 @@ def test_an_rpc_bunshin_does_not_serve_is_refused_by_name() -> None:
     r = asyncio.run(call())
     assert (r.status_code, r.json()["code"]) == (501, "unimplemented")
     assert r.json()["message"] == f"process.Process/List is not implemented by bunshin's envd (it serves envd {ENVD_VERSION})"
+
+
+# --- the file URLs the SDK signs (download_url / upload_url): /files without the token, for their one
+# path, operation and user, until their expiration; a signature of another sandbox's token opens nothing
+
+
+def _signed_get(env: Env, url: str) -> httpx.Response:
+    return httpx.get(url, headers={"E2b-Sandbox-Id": env.ws.id}, timeout=30)
+
+
+def _with(url: str, **changes: str) -> str:
+    """``url`` with query parameters replaced."""
+    parts = urlsplit(url)
+    query = dict(parse_qsl(parts.query, keep_blank_values=True)) | changes
+    return urlunsplit(parts._replace(query=urlencode(query)))
+
+
+def test_a_signed_download_url_reads_its_file_without_the_token(env: Env, sbx: Sandbox) -> None:
+    sbx.files.write("/tmp/signed.txt", "signed content")
+    r = _signed_get(env, sbx.download_url("/tmp/signed.txt"))
+    assert (r.status_code, r.text) == (200, "signed content")
+    r = _signed_get(env, sbx.download_url("/tmp/signed.txt", use_signature_expiration=60))
+    assert (r.status_code, r.text) == (200, "signed content")
+
+
+def test_a_signed_url_opens_nothing_else(env: Env, sbx: Sandbox) -> None:
+    sbx.files.write("/tmp/other.txt", "not for this URL")
+    url = sbx.download_url("/tmp/signed-only.txt")
+    refused = {
+        "another path": _with(url, path="/tmp/other.txt"),
+        "another user": _with(url, username="root"),
+        "a changed signature": _with(url, signature="v1_" + "A" * 43),
+        "an expiration added": _with(url, signature_expiration="9999999999"),
+        "another route": url.replace("/files?", "/envs?"),
+    }
+    for what, bad in refused.items():
+        r = _signed_get(env, bad)
+        assert r.status_code == 401, (what, r.status_code, r.text)
+        assert "other.txt" not in r.text
+    # the token of another sandbox signs nothing here
+    other = get_signature("/tmp/other.txt", "read", "user", envd_access_token(TOKEN, "ws-0123456789ab"))
+    r = _signed_get(env, _with(url, path="/tmp/other.txt", signature=other["signature"]))
+    assert r.status_code == 401
+
+
+def test_an_expired_signature_is_refused_by_name(env: Env, sbx: Sandbox) -> None:
+    sbx.files.write("/tmp/expiring.txt", "x")
+    url = sbx.download_url("/tmp/expiring.txt", use_signature_expiration=60)
+    user = dict(parse_qsl(urlsplit(url).query)).get("username")
+    gone = get_signature("/tmp/expiring.txt", "read", user, env.access_token, expiration_in_seconds=-5)
+    r = _signed_get(env, _with(url, signature=gone["signature"], signature_expiration=str(gone["expiration"])))
+    assert r.status_code == 401 and "expired" in r.json()["message"]
+    r = _signed_get(env, _with(url, signature_expiration="soon"))
+    assert r.status_code == 401 and "Unix time" in r.json()["message"]
+
+
+def test_a_signed_upload_url_writes_its_one_path(env: Env, sbx: Sandbox) -> None:
+    url = sbx.upload_url("/tmp/uploaded.txt")
+    # a browser's form names the part after the user's file: the URL's path is what is written
+    r = httpx.post(url, headers={"E2b-Sandbox-Id": env.ws.id}, timeout=30,
+                   files={"file": ("report.txt", b"from a form", "text/plain")})
+    assert r.status_code == 200, r.text
+    assert sbx.files.read("/tmp/uploaded.txt") == "from a form"
+    assert not sbx.files.exists("report.txt")
+    # a read URL does not write, a write URL does not read
+    read = sbx.download_url("/tmp/uploaded.txt")
+    r = httpx.post(read, headers={"E2b-Sandbox-Id": env.ws.id}, timeout=30, files={"file": ("x", b"overwrite")})
+    assert r.status_code == 401
+    assert _signed_get(env, url).status_code == 401
+    assert sbx.files.read("/tmp/uploaded.txt") == "from a form"
