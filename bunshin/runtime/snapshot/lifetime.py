@@ -82,6 +82,11 @@ def get(store: Store, snap_id: str) -> SnapshotRecord:
     return SnapshotRecord.from_json(data)
 
 
+def kept_bytes(store: Store) -> int:
+    """What the kept snapshots hold on bunshin's tmpfs: memory files, images and layer (read in SQL)."""
+    return store.sum_objects(KIND, ("memfile_bytes", "image_bytes", "layer_bytes"), where="keep")
+
+
 def list_all(store: Store) -> list[SnapshotRecord]:
     return [SnapshotRecord.from_json(d) for _, d in store.list_objects(KIND)]
 

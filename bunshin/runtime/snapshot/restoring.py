@@ -47,7 +47,7 @@ from ..net import attach as net
 from ..net.policy import NetworkMode, Policy
 from ..net.slots import Slot
 from ..state import budget, idranges
-from ..state.records import SnapshotMode, WorkspaceRecord, WorkspaceState
+from ..state.records import MADE_AHEAD, SnapshotMode, WorkspaceRecord, WorkspaceState
 from ..state.store import Store
 from .lifetime import SnapshotRecord, release
 from .sweeping import sweep
@@ -286,11 +286,6 @@ class Ready:
     images: Path
     into: criu.Placement
     prepare_ms: float  # what making it took
-
-
-#: In the ``extra`` of a clone made ahead (``prepare_one(..., ahead=True)``) until its restore:
-#: lists of workspaces leave it out.
-MADE_AHEAD = "made_ahead"
 
 
 def prepare_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout, ws_id: str | None = None,

@@ -123,6 +123,11 @@ def check_mounts(mounts: Iterable[Mount | str | dict[str, Any]]) -> tuple[Mount,
     return out
 
 
+#: In the ``extra`` of a workspace record made ahead of its restore (``runtime.snapshot.ahead``)
+#: until the restore: lists of workspaces and the server's caps leave it out.
+MADE_AHEAD = "made_ahead"
+
+
 def record_json(rec: Any, **values: Any) -> str:
     """A frozen record's JSON: its fields one level deep (``json.dumps`` walks the tuples,
     lists and dicts in them; ``dataclasses.asdict`` deep-copies each first: 0.13 ms of a

@@ -19,12 +19,12 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 from ...errors import InvalidArgument, WorkspaceNotFound
-from .records import WorkspaceRecord
+from .records import MADE_AHEAD, WorkspaceRecord
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS workspaces (
@@ -246,6 +246,15 @@ class Store:
         rows = self._rows("SELECT json_extract(data, '$.pids_limit') FROM workspaces WHERE state != 'dead'")
         return [None if r[0] is None else int(r[0]) for r in rows]
 
+    def live_limits(self) -> list[tuple[int | None, int | None]]:
+        """(memory limit, pids limit) of every workspace not dead and not made ahead of its
+        restore (``MADE_AHEAD``), read in SQL: no record is parsed (the server's caps, at each
+        create: 1,000 records parsed took ~40 ms)."""
+        rows = self._rows("SELECT json_extract(data, '$.memory_limit'), json_extract(data, '$.pids_limit') "
+                          "FROM workspaces WHERE state != 'dead' AND json_extract(data, ?) IS NOT 1",
+                          (f"$.extra.{MADE_AHEAD}",))
+        return [(None if m is None else int(m), None if p is None else int(p)) for m, p in rows]
+
     def list_workspaces(self) -> list[WorkspaceRecord]:
         rows = self._rows("SELECT data FROM workspaces ORDER BY created_at")
         return [WorkspaceRecord.from_json(r[0]) for r in rows]
@@ -284,6 +293,16 @@ class Store:
 
     def delete_object(self, kind: str, obj_id: str) -> None:
         self._execute("DELETE FROM objects WHERE kind = ? AND id = ?", (kind, obj_id))
+
+    def sum_objects(self, kind: str, fields: Sequence[str], *, where: str) -> int:
+        """The sum of the number ``fields`` of the objects of ``kind`` whose ``where`` field is
+        true, read in SQL (nothing is parsed here)."""
+        if not all(f.isidentifier() for f in (*fields, where)):
+            raise ValueError(f"not field names: {fields!r}, {where!r}")
+        total = " + ".join(f"COALESCE(json_extract(data, '$.{f}'), 0)" for f in fields)
+        rows = self._rows(f"SELECT SUM({total}) FROM objects WHERE kind = ? AND json_extract(data, ?) = 1",
+                          (kind, f"$.{where}"))
+        return int(rows[0][0] or 0)
 
     def expire_objects(self, kind: str, field: str, before: float) -> None:
         """Delete the objects of ``kind`` whose JSON data has a number ``field`` below
