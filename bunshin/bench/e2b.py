@@ -1,7 +1,8 @@
 """``bunshin bench e2b``: the unmodified ``e2b`` SDK against ``bunshin serve``, beside
 bunshin's own calls on the same server, side by side in one run.
 
-A server runs in this process on a loopback port over the same home; the SDK reaches it by
+A server runs in this process on a loopback port over the same home, with the caps ``bunshin
+serve`` takes by default (``Limits.of_host``: every create is admitted); the SDK reaches it by
 ``api_url`` / ``sandbox_url`` as a user would. Measured, alternating the two sides per round:
 
 - create: ``Sandbox.create()`` (the ``base`` template: a snapshot restore through the
@@ -39,6 +40,7 @@ from ..client import Client
 from ..config import Config
 from ..errors import InvalidArgument
 from ..runtime import snapshot as rsnap
+from ..server.admission import Limits
 from ..server.e2b.templates import BASE, BASE_IMAGE, SANDBOX_MEMORY, SANDBOX_PIDS, Templates
 from ..server.thread import serve_in_thread
 from ..tools import ToolSet
@@ -264,7 +266,8 @@ def run(cfg: Config, plan: Plan | None = None) -> dict[str, Any]:
     plan = plan or Plan()
     _sdk("e2b_code_interpreter")
     token = secrets.token_urlsafe(24)
-    with Progress(transient=True, console=output.err) as progress, serve_in_thread(cfg, token) as url:
+    with Progress(transient=True, console=output.err) as progress, \
+            serve_in_thread(cfg, token, limits=Limits.of_host()) as url:  # as `bunshin serve` caps by default
         rig = _Rig(cfg, url, token)
         try:
             task = progress.add_task("the base template (the host image booted once)", total=None)

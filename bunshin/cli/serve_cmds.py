@@ -114,9 +114,9 @@ def _size_or_off(text: str, option: str) -> int | None:
 def _max_memory(text: str) -> int | None:
     """``--max-memory``: 'auto' (the host's memory), 'off', or a size (more than the host's
     memory is an overcommit: the operator's choice)."""
-    import psutil
+    from ..server.admission import Limits
 
-    return psutil.virtual_memory().total if text == "auto" else _size_or_off(text, "--max-memory")
+    return Limits.of_host().max_memory if text == "auto" else _size_or_off(text, "--max-memory")
 
 
 def _max_pids(text: str) -> int | None:
@@ -135,15 +135,14 @@ def _max_pids(text: str) -> int | None:
 
 def _reserve(text: str) -> int | None:
     """``--reserve-memory``: 'auto' (5% of the host's memory, at least 512 MiB), 'off', or a size."""
-    import psutil
-
     from ..errors import InvalidArgument
     from ..runtime.container.cgroups import parse_size
+    from ..server.admission import Limits
 
     if text == "off":
         return None
     if text == "auto":
-        return max(512 << 20, psutil.virtual_memory().total // 20)
+        return Limits.of_host().reserve_memory
     size = parse_size(text)
     if size is None:
         raise InvalidArgument(f"--reserve-memory {text!r}", hint="give a size like 2G, or 'auto' or 'off'")

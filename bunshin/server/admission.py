@@ -41,6 +41,7 @@ import psutil
 from ..config import Config
 from ..errors import InvalidArgument, RateLimited
 from ..runtime import snapshot as rsnap
+from ..runtime.state import budget
 from ..runtime.state.store import Store
 
 #: What a caller refused by a cap is told to wait: capacity frees when someone removes a workspace.
@@ -58,6 +59,13 @@ class Limits:
     burst: int = 8
     max_upload: int | None = None  # bytes of all uploads in flight together (``uploads.Uploads``)
     max_pids: int | None = None  # the sum of the workspaces' pids limits
+
+    @classmethod
+    def of_host(cls) -> Limits:
+        """What ``bunshin serve`` caps by default: memory limits at the host's memory, pids at the
+        host-wide budget, and 5% of the host's memory (at least 512 MiB) kept for the host."""
+        total = psutil.virtual_memory().total
+        return cls(max_memory=total, max_pids=budget.pids_budget(), reserve_memory=max(512 << 20, total // 20))
 
     def __post_init__(self) -> None:
         for name in ("max_workspaces", "max_memory", "reserve_memory", "max_upload", "max_pids"):
