@@ -56,7 +56,11 @@ def test_a_jammed_sandbox_leaves_the_others_and_the_control_plane_answering(cfg)
             assert {a.sandbox_id, b.sandbox_id} <= {s.sandbox_id for s in Sandbox.list(**opts).next_items()}
             Sandbox.create(timeout=120, **opts).kill()  # the control plane: its own half of the pool
             assert time.monotonic() - t1 < BOUND_S, time.monotonic() - t1
-            assert sum(f.done() for f in jam) == len(refused)  # the rest of A's calls: jammed all along
+            # the rest of A's calls: jammed all along. A call takes A's share at each step (the
+            # sandbox, the process, its stdin), so one let in at the first may still be refused at
+            # a later one when the share has filled meanwhile: more than the 8 may be refused, and
+            # nothing of A's is answered otherwise
+            assert all(isinstance(f.exception(), RateLimitException) for f in jam if f.done())
 
             a.kill()  # the call holding A's lock ends with it, and every one waiting behind it
             done, pending = wait(jam, timeout=60)
