@@ -242,17 +242,16 @@ class Store:
         return WorkspaceRecord.from_json(rows[0][0])
 
     def live_pids_limits(self) -> list[int | None]:
-        """The pids limit of every workspace not dead (``budget``), read in SQL: no record is parsed."""
-        rows = self._rows("SELECT json_extract(data, '$.pids_limit') FROM workspaces WHERE state != 'dead'")
-        return [None if r[0] is None else int(r[0]) for r in rows]
+        """The pids limit of every workspace not dead, made-ahead clones included (``budget``)."""
+        return [p for _, p in self.live_limits(made_ahead=True)]
 
-    def live_limits(self) -> list[tuple[int | None, int | None]]:
-        """(memory limit, pids limit) of every workspace not dead and not made ahead of its
-        restore (``MADE_AHEAD``), read in SQL: no record is parsed (the server's caps, at each
-        create: 1,000 records parsed took ~40 ms)."""
+    def live_limits(self, *, made_ahead: bool = False) -> list[tuple[int | None, int | None]]:
+        """(memory limit, pids limit) of every workspace not dead, and not made ahead of its
+        restore (``MADE_AHEAD``) unless ``made_ahead``, read in SQL: no record is parsed (the
+        server's caps, at each create: 1,000 records parsed took ~40 ms)."""
         rows = self._rows("SELECT json_extract(data, '$.memory_limit'), json_extract(data, '$.pids_limit') "
-                          "FROM workspaces WHERE state != 'dead' AND json_extract(data, ?) IS NOT 1",
-                          (f"$.extra.{MADE_AHEAD}",))
+                          "FROM workspaces WHERE state != 'dead' AND (? OR json_extract(data, ?) IS NOT 1)",
+                          (made_ahead, f"$.extra.{MADE_AHEAD}"))
         return [(None if m is None else int(m), None if p is None else int(p)) for m, p in rows]
 
     def list_workspaces(self) -> list[WorkspaceRecord]:

@@ -62,13 +62,11 @@ class EnvdApp:
         t = hosts.target(scope)
         health = path == "/health"  # envd's own answers without a token; a sandbox not there is a 502
         if not health and not hosts.token_ok(self.ctx.token, scope):
-            message = f"missing or wrong access token for sandbox {t.sandbox_id}: send its envdAccessToken as X-Access-Token"
-            signed = path == "/files" and _signed_query(scope)
-            if signed:  # a file URL the SDK signed (download_url / upload_url)
-                why = file_url_refusal(self.ctx.token, t.sandbox_id, scope["method"], signed)
-                message = why or message
-            if not signed or why is not None:
-                await _refuse(scope, send, 401, message, service is not None, "unauthenticated")
+            signed = _signed_query(scope) if path == "/files" else None  # download_url / upload_url
+            why = (file_url_refusal(self.ctx.token, t.sandbox_id, scope["method"], signed) if signed else
+                   f"missing or wrong access token for sandbox {t.sandbox_id}: send its envdAccessToken as X-Access-Token")
+            if why is not None:
+                await _refuse(scope, send, 401, why, service is not None, "unauthenticated")
                 return
         try:  # a health check holds no token: it takes no thread of the sandbox's share
             ws = await (anyio.to_thread.run_sync(self._workspace, t.sandbox_id) if health
