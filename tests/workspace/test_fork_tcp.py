@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -84,8 +85,12 @@ def _queues(ws) -> list[tuple[int, int]]:
     return out
 
 
-def _result(ws) -> dict:
-    _wait_for(ws, "/tmp/ts/result")
+def _result(ws, role: str = "") -> dict:
+    try:
+        _wait_for(ws, "/tmp/ts/result")
+    except AssertionError as e:  # the stream stalled, or its processes are gone: what the namespace shows
+        progress = ws.exec(["cat", "/tmp/ts/progress"]).stdout
+        raise AssertionError(f"{role} {e}; progress {progress}\n{_post_mortem(ws)}") from None
     return json.loads(ws.files.read_text("/tmp/ts/result"))
 
 
@@ -115,7 +120,7 @@ def test_a_fork_of_a_fork_carries_the_stream_again(family):
     ws = _start_stream(family)
     (child,) = family.fork(ws, 1)
     (grandchild,) = family.fork(child, 1)
-    results = [_result(w) for w in (ws, child, grandchild)]
+    results = [_result(w, role) for w, role in ((ws, "parent"), (child, "child"), (grandchild, "grandchild"))]
     assert results[0]["ok"] and results == [results[0]] * 3
 
 
@@ -157,6 +162,21 @@ def _go(ws) -> dict:
     return json.loads(ws.files.read_text("/tmp/tf/result"))
 
 
+def _post_mortem(ws) -> str:
+    """What a stalled pair's namespace shows: its sockets (``ss``), the TCP counters that are
+    not zero (resets among them), its nftables ruleset (read from the host) and its processes."""
+    sockets = ws.exec(["ss", "-tinmoeH"]).stdout
+    lines = ws.exec(["cat", "/proc/net/netstat", "/proc/net/snmp"]).stdout.splitlines()  # (name, value) line pairs
+    counters = {k: v for names, values in zip(lines[::2], lines[1::2], strict=True)
+                for k, v in zip(names.split()[1:], values.split()[1:], strict=True) if v != "0"}
+    rules = subprocess.run(["nsenter", "-t", str(ws.record.pid), "-n", "nft", "list", "ruleset"],
+                           capture_output=True, text=True, timeout=30)
+    procs = ws.exec(["sh", "-c", "for p in /proc/[0-9]*; do echo ${p#/proc/} $(readlink $p/ns/net) "
+                     "$(cut -d' ' -f3 $p/stat) $(tr '\\0' ' ' < $p/cmdline); done"]).stdout
+    return (f"sockets:\n{sockets}\ncounters: {counters}\nnftables: {rules.stdout or rules.stderr!r}\n"
+            f"processes (pid, network namespace, state, command):\n{procs}")
+
+
 def _mss(ws) -> list[int]:
     """The MSS each connected socket of ``ws`` sends with (``ss -tin``)."""
     out = ws.exec(["ss", "-tinH", "state", "established"]).stdout
@@ -179,7 +199,7 @@ def test_a_pair_with_maximum_buffers_and_both_windows_full_goes_on_everywhere(fa
     assert len(mss) == 2 and min(mss) > 1400, mss
     for w in (a, b, aa):
         res = _go(w)
-        assert res["ok"], f"{w.id}: {res}"
+        assert res["ok"], f"{w.id}: {res}\n{_post_mortem(w)}"
         assert res["a_to_b_bytes"] >= queued["a_to_b"] + (4 << 20), res
         assert _mss(w) == mss, w.id
         assert w.exec(["cat", "/sys/class/net/lo/mtu"]).stdout.strip() == str(netns_image.LO_MTU)  # as restored

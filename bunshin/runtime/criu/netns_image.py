@@ -31,12 +31,17 @@ first transmission finds another MTU and sizes its segments again, with the clam
 The lock (CRIU's own table, ``inet CRIU-`` + the dump's run id) drops every packet but
 CRIU's while the tasks are restored, and CRIU deletes it at "Unlock network", once all
 are back: without it the end restored first sends its unsent queue to a peer not yet
-restored and gets a reset.
+restored and gets a reset. CRIU ignores a failed unlock (``network_unlock`` returns
+nothing) and reports success, which would leave every connection of the clone stalled.
+So ``restored`` checks that the clone's ``lo`` carries a TCP handshake; if it does not, it
+deletes the lock tables still there (nothing inside can make a table) and checks again,
+and a clone whose loopback stays shut fails its restore by name.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import re
 import socket
@@ -45,8 +50,12 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from ...errors import RuntimeFailure
 from ..kernel import syscalls as sc
 from ..memfile.criu_images import load, save
+from ..net import nft
+
+log = logging.getLogger(__name__)
 
 # lo as a dump of a workspace's namespace records it: IFF_UP | IFF_LOOPBACK |
 # IFF_RUNNING | IFF_LOWER_UP, and the loopback MTU
@@ -55,6 +64,8 @@ LO_MTU = 65536
 RESTORE_MTU = LO_MTU - 2  # lo while CRIU restores (under both families' path MTU caps): see above
 SOCCR_MARK = 0xC114  # the mark of CRIU's own repair-mode packets (criu/soccr)
 LOCK_ID_CHARS = 21  # "inet CRIU-" + 21 characters fill CRIU's 32-byte table name
+LOCK_PREFIX = "CRIU-"
+PROBE_S = 2.0  # how long a handshake over a restored clone's lo may take (~0.1 ms when it flows)
 UNPRIVILEGED_PORT_START = "0"  # net.ipv4.ip_unprivileged_port_start in a workspace
 IPPROTO_TCP, TCP_CLOSE, TCP_LISTEN = 6, 7, 10
 NETWORK_LOCK_NFTABLES = 1  # InventoryEntry.network_lock_method (criu/include/cr_options.h)
@@ -67,7 +78,7 @@ def lock_table(run_id: str) -> str:
     chains = "".join(
         f"  chain {hook} {{ type filter hook {hook} priority 0; policy drop; meta mark {SOCCR_MARK:#x} accept; }}\n"
         for hook in ("output", "input"))
-    return f"table inet CRIU-{run_id[:LOCK_ID_CHARS]} {{\n{chains}}}\n"
+    return f"table inet {LOCK_PREFIX}{run_id[:LOCK_ID_CHARS]} {{\n{chains}}}\n"
 
 
 def expected(net: int, run_id: str, groups: int) -> dict[str, Any]:
@@ -186,27 +197,69 @@ def add(images: Path, groups: int) -> int:
     return net
 
 
-def _write_ports(pid: int, done: list[BaseException]) -> None:
-    try:
-        fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
+def _set_up(pid: int) -> None:
+    with open("/proc/sys/net/ipv4/ip_unprivileged_port_start", "w") as f:
+        f.write(UNPRIVILEGED_PORT_START)
+    sc.set_mtu("lo", LO_MTU)  # restored connections size their segments again (see above)
+    _open_loopback(pid)
+
+
+def loopback_flows(timeout: float | None = None) -> bool:
+    """A TCP handshake over ``lo`` completes in the calling thread's network namespace
+    (between two sockets of its own, reset at close: no TIME_WAIT is left)."""
+    with socket.socket() as lsk, socket.socket() as c:
+        lsk.bind(("127.0.0.1", 0))
+        lsk.listen(1)
+        c.settimeout(PROBE_S if timeout is None else timeout)
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         try:
-            sc.setns(fd, sc.CLONE_NEWNET)  # this thread only
-        finally:
-            os.close(fd)
-        with open("/proc/sys/net/ipv4/ip_unprivileged_port_start", "w") as f:
-            f.write(UNPRIVILEGED_PORT_START)
-        sc.set_mtu("lo", LO_MTU)  # restored connections size their segments again (see above)
-    except BaseException as e:  # handed to the caller
-        done.append(e)
+            c.connect(lsk.getsockname())
+        except OSError:
+            return False
+        return True
+
+
+def _open_loopback(pid: int) -> None:
+    """Check the restored namespace's loopback and lift a lock CRIU left (see the module's docstring)."""
+    if loopback_flows():
+        return
+    left = nft.tables(LOCK_PREFIX, here=True)
+    for name in left:
+        nft.run_here(f"delete table inet {name}")
+    if left and loopback_flows():
+        log.warning("criu left its network lock (%s) in the namespace of restored process %d; removed", left, pid)
+        return
+    raise RuntimeFailure(f"the loopback of restored process {pid} carries no TCP handshake"
+                         f"{f' (lock tables {left} removed)' if left else ''}: its connections would stall",
+                         hint="`nsenter -t PID -n nft list ruleset` and `ip link` show its namespace; "
+                              "the restore's CRIU log says whether it unlocked the network")
+
+
+def _in_netns(pid: int, fn: Any) -> None:
+    """``fn(pid)`` in a thread of the host's that joined ``pid``'s network namespace."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
+            try:
+                sc.setns(fd, sc.CLONE_NEWNET)  # this thread only
+            finally:
+                os.close(fd)
+            fn(pid)
+        except BaseException as e:  # handed to the caller
+            failed.append(e)
+
+    t = threading.Thread(target=run, name="bunshin-netns")
+    t.start()
+    t.join()
+    if failed:
+        raise failed[0]
 
 
 def restored(pid: int) -> None:
     """What CRIU does not carry, set in a restored clone's namespace (from a thread of
     the host's that joins it): any port to bind for every user inside, as the launcher
-    sets it in a workspace's, and lo's MTU (``RESTORE_MTU`` during the restore)."""
-    failed: list[BaseException] = []
-    t = threading.Thread(target=_write_ports, args=(pid, failed), name="bunshin-netns-sysctl")
-    t.start()
-    t.join()
-    if failed:
-        raise failed[0]
+    sets it in a workspace's, and lo's MTU (``RESTORE_MTU`` during the restore); then
+    its loopback is checked (``_open_loopback``)."""
+    _in_netns(pid, _set_up)

@@ -37,6 +37,7 @@ class _Ctx:
             getattr(lib, fn).argtypes = [ctypes.c_void_p]
             getattr(lib, fn).restype = ctypes.c_char_p
         lib.nft_ctx_output_set_flags.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
+        lib.nft_ctx_free.argtypes = [ctypes.c_void_p]
         self.lib = lib
         self.ctx = lib.nft_ctx_new(0)
         lib.nft_ctx_buffer_output(self.ctx)
@@ -61,18 +62,34 @@ def run(commands: str, *, json_output: bool = False) -> str:
     nft's message if the kernel or the parser refuses them (nothing applied then)."""
     c = _context()
     with c.lock:
-        c.lib.nft_ctx_output_set_flags(c.ctx, NFT_CTX_OUTPUT_JSON if json_output else 0)
-        rc = c.lib.nft_run_cmd_from_buffer(c.ctx, commands.encode())
-        out = (c.lib.nft_ctx_get_output_buffer(c.ctx) or b"").decode(errors="replace")
-        err = (c.lib.nft_ctx_get_error_buffer(c.ctx) or b"").decode(errors="replace")
+        return _run(c, commands, json_output)
+
+
+def run_here(commands: str) -> str:
+    """``run`` with a context of its own, made and freed in the calling thread: for a thread
+    that joined another network namespace (the process's context talks to the one it was
+    made in)."""
+    c = _Ctx()
+    try:
+        return _run(c, commands, False)
+    finally:
+        c.lib.nft_ctx_free(c.ctx)
+
+
+def _run(c: _Ctx, commands: str, json_output: bool) -> str:
+    c.lib.nft_ctx_output_set_flags(c.ctx, NFT_CTX_OUTPUT_JSON if json_output else 0)
+    rc = c.lib.nft_run_cmd_from_buffer(c.ctx, commands.encode())
+    out = (c.lib.nft_ctx_get_output_buffer(c.ctx) or b"").decode(errors="replace")
+    err = (c.lib.nft_ctx_get_error_buffer(c.ctx) or b"").decode(errors="replace")
     if rc != 0:
         raise RuntimeFailure(f"nftables refused: {err.strip() or 'error ' + str(rc)}",
                              hint="`nft list ruleset` shows the host's tables; see docs/guides/network.md")
     return out
 
 
-def tables(prefix: str) -> list[str]:
-    """The names of the ``inet`` tables whose name starts with ``prefix``."""
-    out = run("list tables inet")
+def tables(prefix: str, *, here: bool = False) -> list[str]:
+    """The names of the ``inet`` tables whose name starts with ``prefix`` (``here``: in the
+    calling thread's network namespace, ``run_here``)."""
+    out = (run_here if here else run)("list tables inet")
     names = [line.split()[2] for line in out.splitlines() if line.startswith("table inet ")]
     return [n for n in names if n.startswith(prefix)]

@@ -53,12 +53,27 @@ def end_of(start: int, extra: int) -> int:
     return (start + extra + 7) // 8 * 8  # whole counters at the end
 
 
-def writer(sk: socket.socket, start: int, extra: int) -> None:
+def writer(sk: socket.socket, start: int, extra: int, out: dict, key: str) -> None:
     end = end_of(start, extra)
-    sk.sendall(stream(start, end - start))
+    try:
+        sk.sendall(stream(start, end - start))
+    except OSError as e:  # a stall: the timeout, said in the result
+        out[key + "_write"] = f"{type(e).__name__} after {time.monotonic() - T0[0]:.1f} s"
+
+
+T0 = [0.0]  # when the run began
+READ: dict = {}  # bytes read so far, by direction
 
 
 def reader(sk: socket.socket, total: int, out: dict, key: str) -> None:
+    try:
+        read(sk, total, out, key)
+    except OSError as e:  # a stall: where it stopped, said in the result
+        out[key] = (f"{type(e).__name__} after {time.monotonic() - T0[0]:.1f} s, "
+                    f"{READ.get(key, 0)} of {total} bytes read")
+
+
+def read(sk: socket.socket, total: int, out: dict, key: str) -> None:
     got, expect, rest = 0, 0, b""
     while got < total:
         data = sk.recv(1 << 16)
@@ -66,6 +81,7 @@ def reader(sk: socket.socket, total: int, out: dict, key: str) -> None:
             out[key] = f"closed after {got} of {total} bytes"
             return
         got += len(data)
+        READ[key] = got
         rest += data
         whole = len(rest) // 8 * 8
         for (value,) in struct.iter_unpack(">Q", rest[:whole]):
@@ -97,9 +113,9 @@ def main() -> None:
         sk.setblocking(True)
         sk.settimeout(DEADLINE)
     res: dict = {}
-    t0 = time.monotonic()
-    threads = [threading.Thread(target=writer, args=(a, sent_ab, extra)),
-               threading.Thread(target=writer, args=(b, sent_ba, extra)),
+    t0 = T0[0] = time.monotonic()
+    threads = [threading.Thread(target=writer, args=(a, sent_ab, extra, res, "a_to_b")),
+               threading.Thread(target=writer, args=(b, sent_ba, extra, res, "b_to_a")),
                threading.Thread(target=reader, args=(b, end_of(sent_ab, extra), res, "a_to_b")),
                threading.Thread(target=reader, args=(a, end_of(sent_ba, extra), res, "b_to_a"))]
     for t in threads:
