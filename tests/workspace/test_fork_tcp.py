@@ -173,7 +173,9 @@ def _post_mortem(ws) -> str:
                            capture_output=True, text=True, timeout=30)
     procs = ws.exec(["sh", "-c", "for p in /proc/[0-9]*; do echo ${p#/proc/} $(readlink $p/ns/net) "
                      "$(cut -d' ' -f3 $p/stat) $(tr '\\0' ' ' < $p/cmdline); done"]).stdout
+    errors = ws.exec(["sh", "-c", "cat /tmp/ts/error-* 2>/dev/null"]).stdout
     return (f"sockets:\n{sockets}\ncounters: {counters}\nnftables: {rules.stdout or rules.stderr!r}\n"
+            f"errors: {errors!r}\n"
             f"processes (pid, network namespace, state, command):\n{procs}")
 
 

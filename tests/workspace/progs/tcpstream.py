@@ -8,7 +8,8 @@ as it can, then closes; the server reads 16 KiB every 5 ms, checks that every
 counter is the next one (each byte once, in order) and keeps a running sha256.
 Its send queue and the server's receive queue stay full meanwhile. Files in
 OUT_DIR: ``ready`` (the stream runs), ``progress`` (bytes read so far),
-``result`` (JSON: bytes, sha256, ok, error) when the client has closed.
+``result`` (JSON: bytes, sha256, ok, error) when the client has closed or the server's
+socket failed; ``error-client`` if the client's did.
 """
 
 import hashlib
@@ -75,9 +76,17 @@ def main() -> None:
     port = lsk.getsockname()[1]
     if os.fork() == 0:
         lsk.close()
-        client(port, total)
+        try:
+            client(port, total)
+        except OSError as e:  # said in OUT_DIR/error-client (a reset, a broken pipe)
+            put(os.path.join(out, "error-client"), f"{e!r} at {time.monotonic():.3f}")
+            os._exit(1)
         os._exit(0)
-    server(lsk, total, out)
+    try:
+        server(lsk, total, out)
+    except OSError as e:  # the result says so
+        put(os.path.join(out, "result"), json.dumps(
+            {"ok": False, "error": f"server: {e!r} at {time.monotonic():.3f}"}))
     os.wait()
 
 
