@@ -32,11 +32,12 @@ def _state(pid: int) -> str:
 def test_the_options_of_a_snapshot_become_the_requests_fields():
     r = criu_swrk.rpc()
     flags = ["--leave-running", *rsnap_taking._COMMON, *rsnap_taking.DUMP_EXTERNAL, "--manage-cgroups=ignore",
-             "--ghost-limit", "123", "--external", "mnt[/a b]:bunshin-mnt-0"]
+             "--ghost-limit", "123", "--external", "mnt[/a b]:bunshin-mnt-0", "--network-lock", "nftables"]
     o = criu_swrk.request(7, 42, "dump.log", flags).opts
     assert (o.images_dir_fd, o.pid, o.log_file, o.log_level, o.notify_scripts) == (7, 42, "dump.log", 4, True)
     assert o.leave_running and o.file_locks and o.tcp_established and o.link_remap
-    assert o.network_lock == r.SKIP and o.manage_cgroups and o.manage_cgroups_mode == r.IGNORE
+    assert o.network_lock == r.NFTABLES and o.manage_cgroups and o.manage_cgroups_mode == r.IGNORE
+    assert criu_swrk.request(7, 42, "dump.log", ["--network-lock", "skip"]).opts.network_lock == r.SKIP
     assert o.ghost_limit == 123 and list(o.external) == ["mnt[/sys]:bunshin-sys", "mnt[/a b]:bunshin-mnt-0"]
 
 

@@ -1,4 +1,4 @@
-"""A restored clone's loopback carries traffic, or its restore fails by name.
+"""A dump locks the connections it reads; a restored clone's loopback carries traffic, or its restore fails by name.
 
 CRIU ignores a failed "Unlock network" and reports success; its lock (a table that drops
 every packet but its own) would then stall every connection of the clone. These tests
@@ -95,3 +95,32 @@ def test_an_open_loopback_is_left_as_it_is(netns: int, caplog) -> None:
     assert not caplog.records
     assert _in(netns, _port_start) == netns_image.UNPRIVILEGED_PORT_START
 
+
+PAIR = ("import socket, sys; l = socket.socket(); l.bind(('127.0.0.1', 0)); l.listen(1); "
+        "c = socket.create_connection(l.getsockname()); s, _ = l.accept(); print('up', flush=True); sys.stdin.read()")
+LISTENER = ("import socket, sys; l = socket.socket(); l.bind(('127.0.0.1', 0)); l.listen(1); "
+            "print('up', flush=True); sys.stdin.read()")
+
+
+@pytest.mark.parametrize(("program", "lock"), [(None, netns_image.NO_LOCK), (LISTENER, netns_image.NO_LOCK),
+                                               (PAIR, netns_image.CONNECTION_LOCK)])
+def test_a_dump_locks_the_connections_of_a_namespace_that_holds_one(netns: int, program, lock) -> None:
+    held = None
+    if program is not None:  # the program in the namespace of the fixture's process
+        held = subprocess.Popen(["nsenter", "-t", str(netns), "-n", "python3", "-c", program],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert held.stdout is not None and held.stdout.readline().strip() == "up"
+    try:
+        assert netns_image.dump_lock(netns) == lock
+    finally:
+        if held is not None:
+            held.kill()
+            held.wait(10)
+
+
+def test_a_namespace_a_dump_left_locked_is_opened_again(netns: int, monkeypatch) -> None:
+    monkeypatch.setattr(netns_image, "PROBE_S", 0.3)
+    _in(netns, nft.run_here, netns_image.lock_table("fedcba9876543210fedcba98"))  # as CRIU's unlock would leave it
+    netns_image.unlocked(netns)
+    assert _in(netns, netns_image.loopback_flows, 2.0)
+    assert _in(netns, _tables) == []

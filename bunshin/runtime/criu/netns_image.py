@@ -68,9 +68,29 @@ LOCK_PREFIX = "CRIU-"
 PROBE_S = 2.0  # how long a handshake over a restored clone's lo may take (~0.1 ms when it flows)
 UNPRIVILEGED_PORT_START = "0"  # net.ipv4.ip_unprivileged_port_start in a workspace
 IPPROTO_TCP, TCP_CLOSE, TCP_LISTEN = 6, 7, 10
-NETWORK_LOCK_NFTABLES = 1  # InventoryEntry.network_lock_method (criu/include/cr_options.h)
+NETWORK_LOCK_NFTABLES, NETWORK_LOCK_SKIP = 1, 2  # InventoryEntry.network_lock_method (criu/include/cr_options.h)
 # The images CRIU keeps of one network namespace (criu/image-desc.c), by id
 NET_IMAGE = re.compile(r"(?:netdev|ifaddr|route6?|rule|ip6?tables|nftables|netns|netnf-ct|netnf-exp)-(\d+)\.img")
+
+
+NO_LOCK, CONNECTION_LOCK = "skip", "nftables"  # a dump's ``--network-lock``
+_UNLOCKED_TCP_STATES = {"06", "07", "0A"}  # TIME_WAIT, CLOSE, LISTEN (include/net/tcp_states.h, hex)
+
+
+def dump_lock(pid: int) -> str:
+    """The ``--network-lock`` of a dump of the workspace whose process ``pid`` is: CRIU's
+    lock of each connection (an nftables set in the workspace's namespace that drops its
+    packets while CRIU reads it: a longer pause) if the namespace holds one, else
+    none. A connection made after this look and before the freeze is dumped unlocked."""
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{name}") as f:
+                next(f, None)  # the header
+                if any(line.split()[3] not in _UNLOCKED_TCP_STATES for line in f if line.strip()):
+                    return CONNECTION_LOCK
+        except FileNotFoundError:
+            continue  # no IPv6 in the kernel, or the process is gone (the dump says so)
+    return NO_LOCK
 
 
 def lock_table(run_id: str) -> str:
@@ -178,8 +198,13 @@ def add(images: Path, groups: int) -> int:
     net = tree_netns(images)
     inv = load(images / "inventory.img")
     entry = inv["entries"][0]
-    if entry["root_ids"]["net_ns_id"] != net or not has_connections(images):
-        return net  # no connection to repair: the clone's tasks stay in criu's namespace (cheaper)
+    if entry["root_ids"]["net_ns_id"] != net:
+        return net
+    if not has_connections(images):  # nothing to repair: the clone's tasks stay in criu's namespace (cheaper)
+        if entry.get("network_lock_method") == NETWORK_LOCK_NFTABLES:  # locked for a connection since closed
+            entry["network_lock_method"] = NETWORK_LOCK_SKIP  # (else each restore makes and drops a table)
+            save(inv, images / "inventory.img")
+        return net
     used = [v for p in images.glob("ids-*.img") for k, v in load(p)["entries"][0].items() if k.endswith("_id")]
     entry["root_ids"]["net_ns_id"] = max([*used, *entry["root_ids"].values()]) + 1
     # a restore takes the lock method from the dump, not from its options
@@ -233,6 +258,12 @@ def _open_loopback(pid: int) -> None:
                          f"{f' (lock tables {left} removed)' if left else ''}: its connections would stall",
                          hint="`nsenter -t PID -n nft list ruleset` and `ip link` show its namespace; "
                               "the restore's CRIU log says whether it unlocked the network")
+
+
+def unlocked(pid: int) -> None:
+    """After a dump that locked the connections of ``pid``'s namespace: its loopback
+    carries traffic again (``_open_loopback``)."""
+    _in_netns(pid, _open_loopback)
 
 
 def _in_netns(pid: int, fn: Any) -> None:

@@ -356,7 +356,7 @@ def _restore_one(cfg: Config, store: Store, snap: SnapshotRecord, layout: Layout
         t1 = time.perf_counter()
         run = criu.restore(
             cfg.criu, ready.images, pidfile=wdir / "pid", root=Path(rec.root),
-            extra=[*_COMMON, "--external", f"mnt[{SYS_EXTERNAL}]:{into.sysfs}", "--manage-cgroups=ignore",
+            extra=[*_COMMON, "--network-lock", "skip", "--external", f"mnt[{SYS_EXTERNAL}]:{into.sysfs}", "--manage-cgroups=ignore",
                    *mount_externals(rec.mounts, dump=False, cfg=cfg, ids=rec.ids)],
             placement=into,
             keep_log=keep_log,  # written from inside the clone's cgroup: it would be charged to it

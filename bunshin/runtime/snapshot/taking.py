@@ -56,9 +56,13 @@ from .lifetime import KIND, MEM_VIEW, MODES, SnapshotRecord, claim, finish, get,
 from .sweeping import _delete
 
 # CRIU runs inside the workspace's network namespace (``criu.Placement``), so the
-# namespace itself is not dumped and the dump needs no network lock: every peer of a
-# socket inside is frozen along with it. A restore locks the clone's (``netns_image``).
-_COMMON = ["--network-lock", "skip", "--file-locks", "--tcp-established", "--link-remap"]
+# namespace itself is not dumped. Its tasks are frozen, but the kernel's TCP timers are
+# not: a zero-window probe, a retransmission or a delayed ACK moves data between two
+# sockets while CRIU reads one after the other, and the clone gets a pair whose sequence
+# numbers disagree (it stalls for good), or the dump fails ("recv failed"). So a dump of a
+# workspace that holds a connection locks each one with CRIU's own lock
+# (``netns_image.dump_lock``); a restore locks the clone's namespace (``netns_image``).
+_COMMON = ["--file-locks", "--tcp-established", "--link-remap"]
 # /sys is a sysfs the host mounts (a workspace's user namespace may not: see
 # ``init``): external to CRIU, a fresh one for each clone (``Placement.sysfs``).
 SYS_EXTERNAL = "bunshin-sys"
@@ -135,6 +139,7 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
         # needs over the tree's tasks (prlimit: CAP_SYS_RESOURCE) are the owner's there
         inside = criu.Placement(netns=f"/proc/{rec.pid}/ns/net", owner=rec.ids)
         seen = None
+        locked = netns_image.dump_lock(rec.pid or 0)  # (read before the freeze)
         try:
             # the upper copied while CRIU dumps (``upper_copy``: early) and criu in the tree's
             # UTS and IPC namespaces (``joined_ns``); dumped again without both when CRIU
@@ -147,7 +152,8 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
                                                 early=early) as copy, \
                             quiesced(Path(rec.root).parent):  # no host call may hold a connection into it
                         trim_agent(rec)  # its waiting threads end first: CRIU dumps each thread in the pause
-                        extra = [*_COMMON, *DUMP_EXTERNAL, "--manage-cgroups=ignore", "--ghost-limit", str(ghost_limit)]
+                        extra = [*_COMMON, *DUMP_EXTERNAL, "--manage-cgroups=ignore", "--ghost-limit", str(ghost_limit),
+                                 "--network-lock", locked]
                         extra += mount_externals(rec.mounts, dump=True)
                         extra += precopy.dump_externals(rec.pid, MEM_VIEW)  # live files' binds (one copy, in paths.mem)
                         where = inside if reader is None else dataclasses.replace(
@@ -172,6 +178,9 @@ def take(cfg: Config, store: Store, rec: WorkspaceRecord, *, keep: bool,
             if refusal is None:
                 raise
             raise refusal from e
+        finally:
+            if locked != netns_image.NO_LOCK:  # CRIU ignores a failed unlock: the parent's connections would stall
+                netns_image.unlocked(rec.pid or 0)
         if live is not None and live.converted and live.cpu_boost > 1:  # after the dump (run at SCHED_FIFO: not in that cgroup)
             boost = fork_boost.start(live.cpu_boost)  # the rest of a pre-copied fork weighed up too
         if not layer.is_dir():
