@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import logging
 import subprocess
-import threading
 from collections.abc import Iterator
 
 import pytest
 
 from bunshin.errors import RuntimeFailure
 from bunshin.runtime.criu import netns_image
-from bunshin.runtime.kernel import syscalls as sc
+from bunshin.runtime.criu.netns_image import in_netns
 from bunshin.runtime.net import nft
 
 pytestmark = pytest.mark.integration
@@ -41,26 +40,6 @@ def netns() -> Iterator[int]:
         p.wait(10)
 
 
-def _in(pid: int, fn, *args):
-    """``fn(*args)`` in a thread that joined ``pid``'s network namespace."""
-    out: list = []
-
-    def go() -> None:
-        with open(f"/proc/{pid}/ns/net") as f:
-            sc.setns(f.fileno(), sc.CLONE_NEWNET)
-        try:
-            out.append(fn(*args))
-        except BaseException as e:  # handed to the test
-            out.append(e)
-
-    t = threading.Thread(target=go)
-    t.start()
-    t.join(30)
-    if isinstance(out[0], BaseException):
-        raise out[0]
-    return out[0]
-
-
 def _tables() -> list[str]:
     return nft.tables("", here=True)
 
@@ -71,29 +50,29 @@ def _port_start() -> str:
 
 
 def test_a_lock_criu_left_is_lifted_and_the_loopback_flows(netns: int, caplog) -> None:
-    _in(netns, nft.run_here, netns_image.lock_table("0123456789abcdef0123456789"))  # what CRIU restores
-    assert not _in(netns, netns_image.loopback_flows, 0.2)  # shut, as a left lock shuts it
+    in_netns(netns, nft.run_here, netns_image.lock_table("0123456789abcdef0123456789"))  # what CRIU restores
+    assert not in_netns(netns, netns_image.loopback_flows, 0.2)  # shut, as a left lock shuts it
     with caplog.at_level(logging.WARNING, logger=netns_image.__name__):
         netns_image.restored(netns)
-    assert _in(netns, netns_image.loopback_flows, 2.0)
-    assert _in(netns, _tables) == []
+    assert in_netns(netns, netns_image.loopback_flows, 2.0)
+    assert in_netns(netns, _tables) == []
     assert any("left its network lock" in r.getMessage() for r in caplog.records)
 
 
 def test_a_loopback_shut_by_anything_else_fails_the_restore_and_touches_nothing(netns: int, monkeypatch) -> None:
     monkeypatch.setattr(netns_image, "PROBE_S", 0.3)
-    _in(netns, nft.run_here, _drop_all("other"))
+    in_netns(netns, nft.run_here, _drop_all("other"))
     with pytest.raises(RuntimeFailure, match=rf"loopback of restored process {netns} carries no TCP handshake"):
         netns_image.restored(netns)
-    assert _in(netns, _tables) == ["other"]  # not a lock of CRIU's: left as it is
+    assert in_netns(netns, _tables) == ["other"]  # not a lock of CRIU's: left as it is
 
 
 def test_an_open_loopback_is_left_as_it_is(netns: int, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger=netns_image.__name__):
         netns_image.restored(netns)
-    assert _in(netns, _tables) == []
+    assert in_netns(netns, _tables) == []
     assert not caplog.records
-    assert _in(netns, _port_start) == netns_image.UNPRIVILEGED_PORT_START
+    assert in_netns(netns, _port_start) == netns_image.UNPRIVILEGED_PORT_START
 
 
 PAIR = ("import socket, sys; l = socket.socket(); l.bind(('127.0.0.1', 0)); l.listen(1); "
@@ -120,7 +99,7 @@ def test_a_dump_locks_the_connections_of_a_namespace_that_holds_one(netns: int, 
 
 def test_a_namespace_a_dump_left_locked_is_opened_again(netns: int, monkeypatch) -> None:
     monkeypatch.setattr(netns_image, "PROBE_S", 0.3)
-    _in(netns, nft.run_here, netns_image.lock_table("fedcba9876543210fedcba98"))  # as CRIU's unlock would leave it
+    in_netns(netns, nft.run_here, netns_image.lock_table("fedcba9876543210fedcba98"))  # as CRIU's unlock would leave it
     netns_image.unlocked(netns)
-    assert _in(netns, netns_image.loopback_flows, 2.0)
-    assert _in(netns, _tables) == []
+    assert in_netns(netns, netns_image.loopback_flows, 2.0)
+    assert in_netns(netns, _tables) == []

@@ -47,8 +47,9 @@ import re
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ...errors import RuntimeFailure
 from ..kernel import syscalls as sc
@@ -56,6 +57,7 @@ from ..memfile.criu_images import load, save
 from ..net import nft
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # lo as a dump of a workspace's namespace records it: IFF_UP | IFF_LOOPBACK |
 # IFF_RUNNING | IFF_LOWER_UP, and the loopback MTU
@@ -263,11 +265,12 @@ def _open_loopback(pid: int) -> None:
 def unlocked(pid: int) -> None:
     """After a dump that locked the connections of ``pid``'s namespace: its loopback
     carries traffic again (``_open_loopback``)."""
-    _in_netns(pid, _open_loopback)
+    in_netns(pid, _open_loopback, pid)
 
 
-def _in_netns(pid: int, fn: Any) -> None:
-    """``fn(pid)`` in a thread of the host's that joined ``pid``'s network namespace."""
+def in_netns(pid: int, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a thread of the host's that joined ``pid``'s network namespace; its result."""
+    out: list[T] = []
     failed: list[BaseException] = []
 
     def run() -> None:
@@ -277,7 +280,7 @@ def _in_netns(pid: int, fn: Any) -> None:
                 sc.setns(fd, sc.CLONE_NEWNET)  # this thread only
             finally:
                 os.close(fd)
-            fn(pid)
+            out.append(fn(*args))
         except BaseException as e:  # handed to the caller
             failed.append(e)
 
@@ -286,6 +289,7 @@ def _in_netns(pid: int, fn: Any) -> None:
     t.join()
     if failed:
         raise failed[0]
+    return out[0]
 
 
 def restored(pid: int) -> None:
@@ -293,4 +297,4 @@ def restored(pid: int) -> None:
     the host's that joins it): any port to bind for every user inside, as the launcher
     sets it in a workspace's, and lo's MTU (``RESTORE_MTU`` during the restore); then
     its loopback is checked (``_open_loopback``)."""
-    _in_netns(pid, _set_up)
+    in_netns(pid, _set_up, pid)
